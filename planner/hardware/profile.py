@@ -1,0 +1,118 @@
+"""HardwareProfile: one machine type and the fabric between machines.
+
+Units live in field names: ``_GBps`` is gigabytes (1e9 bytes) per second per direction,
+``_gbit`` gigabits per second per port, ``_us`` microseconds, ``_GiB`` 2**30 bytes,
+``_TFLOPs`` 1e12 FLOP/s. The cost model converts to SI (bytes, seconds, FLOP/s) through the
+properties at the bottom of each class. The schema is documented for users in
+hardware_profiles/README.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+GiB = 2**30
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GPU(_Strict):
+    name: str
+    vendor: Literal["nvidia", "amd", "other"] = "nvidia"
+    memory_GiB: PositiveFloat
+    peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "tf32", "fp32"], PositiveFloat]  # dense, no sparsity
+    hbm_GBps: PositiveFloat
+    # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; ../shared/reference/
+    # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
+    matmul_efficiency: float = Field(0.8, gt=0, le=1)
+    tdp_W: PositiveFloat | None = None
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_GiB * GiB
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak in FLOP/s for a dtype (fp16 and bf16 share a rate when only one is given)."""
+        if dtype in self.peak_TFLOPs:
+            return self.peak_TFLOPs[dtype] * 1e12  # type: ignore[index]
+        for alias in ("bf16", "fp16"):
+            if dtype in ("bf16", "fp16") and alias in self.peak_TFLOPs:
+                return self.peak_TFLOPs[alias] * 1e12  # type: ignore[index]
+        raise KeyError(f"{self.name} has no peak rate for {dtype}")
+
+
+class IntraNode(_Strict):
+    """How the GPUs of one node talk to each other."""
+
+    kind: Literal["nvswitch", "nvlink_mesh", "pcie", "xgmi_mesh", "infinity_fabric"]
+    bw_GBps: PositiveFloat  # per GPU, per direction, to the fabric (NVSwitch) or summed over links (mesh)
+    latency_us: PositiveFloat = 2.0
+    links_per_gpu: PositiveInt | None = None  # mesh fabrics: point-to-point links from each GPU
+    nvls: bool = False  # NVLink SHARP in-switch reduction (H100/H200 NVSwitch gen 3)
+    gpus_per_pcie_switch: PositiveInt | None = None  # pcie: GPUs sharing one PCIe switch
+
+
+class NIC(_Strict):
+    count: PositiveInt  # NICs per node used for the compute fabric
+    speed_gbit: PositiveFloat  # per NIC, per direction
+    gpus_per_nic: PositiveInt = 1  # GPU affinity: GPUs behind the same PCIe switch as one NIC
+    latency_us: PositiveFloat = 5.0
+    gpudirect_rdma: bool = True
+
+    @property
+    def bw_bytes_per_s(self) -> float:
+        return self.speed_gbit * 1e9 / 8
+
+
+class Node(_Strict):
+    gpus: PositiveInt
+    intra: IntraNode
+    nics: NIC
+    pcie_gen: Literal[3, 4, 5, 6] = 4
+    pcie_GBps: PositiveFloat  # host <-> one GPU, per direction (offload traffic)
+    host_memory_GiB: PositiveFloat
+    cpu_cores: PositiveInt = 128
+    cpu_adam_GBps: PositiveFloat = 20.0  # DeepSpeedCPUAdam parameter throughput per node (bytes of fp32 params/s)
+    storage_GBps: PositiveFloat = 2.0  # local NVMe, for checkpoints
+
+
+class Fabric(_Strict):
+    """The network between nodes, modelled as a fat-tree (leaf and spine)."""
+
+    kind: Literal["infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce", "ethernet"]
+    levels: Literal[1, 2, 3] = 2
+    switch_radix: PositiveInt = 40
+    oversubscription: float = Field(1.0, ge=1.0)  # leaf downlinks : uplinks
+    rail_optimized: bool = True
+    latency_us: PositiveFloat = 1.0  # per switch hop
+    sharp: bool = False  # in-network reduction (IB SHARP)
+
+
+class HardwareProfile(_Strict):
+    name: str
+    description: str = ""
+    gpu: GPU
+    node: Node
+    fabric: Fabric
+    sources: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> "HardwareProfile":
+        count, gpus = self.node.nics.count, self.node.gpus
+        if gpus % count and count % gpus:
+            raise ValueError(f"node.nics.count ({count}) and node.gpus ({gpus}) must divide one another")
+        return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.node.gpus
+
+    @property
+    def nic_bw_per_gpu(self) -> float:
+        """Inter-node bytes/s per GPU per direction when every GPU of a node sends at once."""
+        n = self.node.nics
+        return n.count * n.bw_bytes_per_s / self.node.gpus

@@ -1,0 +1,409 @@
+"""ModelSpec: a model as an ordered list of typed blocks.
+
+Heterogeneous models are the normal case: DeepSeek-VL2 is a SigLIP tower (patch embedding,
+27 ViT blocks, final norm), a projector, a token embedding, one dense decoder block, 29 MoE
+decoder blocks, a final norm and an LM head. The cost model and the pipeline balancer walk
+this list in order, so the order is the forward order of the network.
+
+Parameter formulas follow ../shared/reference/models/README.md (RMSNorm = h, LayerNorm = 2h,
+SwiGLU = 3 matrices, MLA including its latent norms, MoE gate plus the ``noaux_tc`` bias).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+NormKind = Literal["rmsnorm", "layernorm"]
+Activation = Literal["swiglu", "gelu", "gelu_tanh", "quick_gelu", "relu"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def norm_params(hidden: int, kind: NormKind) -> int:
+    """RMSNorm has a scale; LayerNorm a scale and a bias."""
+    return hidden if kind == "rmsnorm" else 2 * hidden
+
+
+def linear_params(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+class MLA(_Frozen):
+    """Multi-head latent attention ranks (DeepSeek-V2 report, section 2.1)."""
+
+    q_lora_rank: PositiveInt | None = None  # None: queries are not compressed (V2-Lite, VL2)
+    kv_lora_rank: PositiveInt
+    qk_nope_head_dim: PositiveInt
+    qk_rope_head_dim: PositiveInt
+    v_head_dim: PositiveInt
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+class Attention(_Frozen):
+    """Self-attention: MHA (kv_heads == heads), GQA (kv_heads < heads) or MLA."""
+
+    kind: Literal["mha", "gqa", "mla"]
+    heads: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt  # for MLA: the q.k head dim (nope + rope)
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mla: MLA | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Attention":
+        if self.kind == "mla" and self.mla is None:
+            raise ValueError("attention kind 'mla' needs the mla ranks")
+        if self.kind != "mla" and self.heads % self.kv_heads != 0:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        return self
+
+    def params(self, hidden: int) -> int:
+        if self.kind == "mla":
+            m = self.mla
+            assert m is not None
+            if m.q_lora_rank:
+                q = hidden * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * self.heads * m.q_head_dim
+            else:
+                q = hidden * self.heads * m.q_head_dim
+            kv_a = hidden * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # + latent norm
+            kv_b = m.kv_lora_rank * self.heads * (m.qk_nope_head_dim + m.v_head_dim)
+            out = linear_params(self.heads * m.v_head_dim, hidden, self.out_bias)
+            return q + kv_a + kv_b + out
+        q_width = self.heads * self.head_dim
+        kv_width = self.kv_heads * self.head_dim
+        qkv = hidden * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if self.qkv_bias else 0)
+        return qkv + linear_params(q_width, hidden, self.out_bias)
+
+    @property
+    def v_width(self) -> int:
+        """Width of the attention output before the output projection."""
+        if self.kind == "mla":
+            assert self.mla is not None
+            return self.heads * self.mla.v_head_dim
+        return self.heads * self.head_dim
+
+
+class DenseMLP(_Frozen):
+    kind: Literal["dense"] = "dense"
+    ffn: PositiveInt
+    act: Activation = "swiglu"
+    bias: bool = False
+
+    @property
+    def gated(self) -> bool:
+        return self.act == "swiglu"
+
+    def params(self, hidden: int) -> int:
+        if self.gated:
+            return 3 * hidden * self.ffn + ((2 * self.ffn + hidden) if self.bias else 0)
+        return linear_params(hidden, self.ffn, self.bias) + linear_params(self.ffn, hidden, self.bias)
+
+
+class MoEMLP(_Frozen):
+    """Routed experts (each a SwiGLU of width expert_ffn) plus always-on shared experts."""
+
+    kind: Literal["moe"] = "moe"
+    routed_experts: PositiveInt
+    top_k: PositiveInt
+    expert_ffn: PositiveInt
+    shared_experts: int = Field(0, ge=0)
+    shared_ffn: int = Field(0, ge=0)  # total width of the shared experts (n_shared * expert_ffn)
+    gate_bias: bool = False  # noaux_tc's e_score_correction_bias
+    act: Activation = "swiglu"
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEMLP":
+        if self.top_k > self.routed_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds routed_experts ({self.routed_experts})")
+        return self
+
+    def expert_params(self, hidden: int) -> int:
+        per = 3 if self.act == "swiglu" else 2
+        return per * hidden * self.expert_ffn
+
+    def gate_params(self, hidden: int) -> int:
+        return hidden * self.routed_experts + (self.routed_experts if self.gate_bias else 0)
+
+    def shared_params(self, hidden: int) -> int:
+        per = 3 if self.act == "swiglu" else 2
+        return per * hidden * self.shared_ffn
+
+    def params(self, hidden: int) -> int:
+        return self.gate_params(hidden) + self.shared_params(hidden) + self.routed_experts * self.expert_params(hidden)
+
+    def activated_params(self, hidden: int) -> int:
+        return self.gate_params(hidden) + self.shared_params(hidden) + self.top_k * self.expert_params(hidden)
+
+
+MLP = Annotated[Union[DenseMLP, MoEMLP], Field(discriminator="kind")]
+
+
+class EmbeddingBlock(_Frozen):
+    """Token embedding (plus learned positions and BLOOM's embedding LayerNorm when present)."""
+
+    kind: Literal["embedding"] = "embedding"
+    vocab: PositiveInt
+    hidden: PositiveInt
+    learned_positions: int = Field(0, ge=0)
+    norm: NormKind | None = None
+
+    def params(self) -> int:
+        extra = norm_params(self.hidden, self.norm) if self.norm else 0
+        return (self.vocab + self.learned_positions) * self.hidden + extra
+
+    def activated_params(self) -> int:
+        return self.params()
+
+
+class VisionEmbedBlock(_Frozen):
+    """ViT patch embedding (a conv as a linear over patch pixels) and learned positions."""
+
+    kind: Literal["vision_embed"] = "vision_embed"
+    hidden: PositiveInt
+    patch_size: PositiveInt
+    channels: PositiveInt = 3
+    temporal_patch: PositiveInt = 1  # Qwen2-VL folds 2 frames into a patch
+    patch_bias: bool = True
+    learned_positions: int = Field(0, ge=0)
+
+    @property
+    def patch_pixels(self) -> int:
+        return self.channels * self.temporal_patch * self.patch_size**2
+
+    def params(self) -> int:
+        return linear_params(self.patch_pixels, self.hidden, self.patch_bias) + self.learned_positions * self.hidden
+
+    def activated_params(self) -> int:
+        return self.params()
+
+
+class VisionBlock(_Frozen):
+    """One pre-norm ViT encoder block (LayerNorm, MHA with biases, GELU MLP)."""
+
+    kind: Literal["vision"] = "vision"
+    hidden: PositiveInt
+    heads: PositiveInt
+    mlp: PositiveInt
+    act: Activation = "gelu"
+    qkv_bias: bool = True
+    norm: NormKind = "layernorm"
+
+    @model_validator(mode="after")
+    def _check(self) -> "VisionBlock":
+        if self.hidden % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide the vision hidden size ({self.hidden})")
+        return self
+
+    def params(self) -> int:
+        h = self.hidden
+        attn = linear_params(h, 3 * h, self.qkv_bias) + linear_params(h, h, True)
+        mlp = linear_params(h, self.mlp, True) + linear_params(self.mlp, h, True)
+        return attn + mlp + 2 * norm_params(h, self.norm)
+
+    def activated_params(self) -> int:
+        return self.params()
+
+
+class ProjectorBlock(_Frozen):
+    """Vision-to-language adaptor: token merge (downsample) then a small MLP.
+
+    DeepSeek-VL2's ``downsample_mlp_gelu``: 2x2 unfold to 4*1152 = 4608 wide tokens,
+    Linear(4608, n) - GELU - Linear(n, n), plus learned ``image_newline`` and
+    ``view_seperator`` vectors. Qwen2-VL's PatchMerger: LayerNorm(1280), Linear(5120, 5120),
+    GELU, Linear(5120, n).
+    """
+
+    kind: Literal["projector"] = "projector"
+    in_dim: PositiveInt  # width of one vision token
+    merge: PositiveInt = 1  # tokens merged into one (4 for 2x2)
+    mlp_hidden: PositiveInt
+    out_dim: PositiveInt
+    in_norm: NormKind | None = None
+    extra_vectors: int = Field(0, ge=0)  # learned separator / newline embeddings
+
+    @property
+    def merged_dim(self) -> int:
+        return self.in_dim * self.merge
+
+    def params(self) -> int:
+        norm = norm_params(self.in_dim, self.in_norm) if self.in_norm else 0
+        mlp = linear_params(self.merged_dim, self.mlp_hidden, True) + linear_params(self.mlp_hidden, self.out_dim, True)
+        return norm + mlp + self.extra_vectors * self.out_dim
+
+    def activated_params(self) -> int:
+        return self.params()
+
+
+class DecoderBlock(_Frozen):
+    """A transformer decoder layer: norm, attention, norm, MLP (dense or MoE)."""
+
+    kind: Literal["decoder"] = "decoder"
+    hidden: PositiveInt
+    attention: Attention
+    mlp: MLP
+    norm: NormKind = "rmsnorm"
+
+    @model_validator(mode="after")
+    def _check(self) -> "DecoderBlock":
+        a = self.attention
+        if a.kind != "mla" and a.heads * a.head_dim != self.hidden and self.hidden % a.heads:
+            raise ValueError(f"heads ({a.heads}) must divide the hidden size ({self.hidden})")
+        return self
+
+    def params(self) -> int:
+        return self.attention.params(self.hidden) + self.mlp.params(self.hidden) + 2 * norm_params(self.hidden, self.norm)
+
+    def activated_params(self) -> int:
+        mlp = self.mlp.activated_params(self.hidden) if isinstance(self.mlp, MoEMLP) else self.mlp.params(self.hidden)
+        return self.attention.params(self.hidden) + mlp + 2 * norm_params(self.hidden, self.norm)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, MoEMLP)
+
+
+class NormBlock(_Frozen):
+    """A final norm (language model or vision tower).
+
+    ``unused_params`` are weights that exist in the checkpoint but never run (SigLIP's MAP
+    pooling head in DeepSeek-VL2, ~15.2M): they cost memory, not FLOPs.
+    """
+
+    kind: Literal["norm"] = "norm"
+    hidden: PositiveInt
+    norm: NormKind = "rmsnorm"
+    unused_params: int = Field(0, ge=0)
+
+    def params(self) -> int:
+        return norm_params(self.hidden, self.norm) + self.unused_params
+
+    def activated_params(self) -> int:
+        return self.params()
+
+
+class LMHeadBlock(_Frozen):
+    """Output projection to the vocabulary. Tied heads reuse the embedding's weights."""
+
+    kind: Literal["lm_head"] = "lm_head"
+    vocab: PositiveInt
+    hidden: PositiveInt
+    tied: bool = False
+
+    def params(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    def activated_params(self) -> int:
+        return self.params()
+
+
+Block = Annotated[
+    Union[EmbeddingBlock, VisionEmbedBlock, VisionBlock, ProjectorBlock, DecoderBlock, NormBlock, LMHeadBlock],
+    Field(discriminator="kind"),
+]
+
+
+class VisionTiling(_Frozen):
+    """How images become vision-tower tiles and language tokens.
+
+    DeepSeek-VL2: 384-px tiles, 27x27 = 729 patches each, 2x2 downsampling to 14x14 = 196
+    language tokens per tile; a global view plus up to 9 local tiles per image; each image
+    adds 14 row-newline tokens for the global view, one separator, and one newline per row
+    of local tiles (processing_deepseek_vl_v2.py).
+    """
+
+    tile_px: PositiveInt
+    patches_per_tile: PositiveInt
+    tokens_per_tile: PositiveInt  # language tokens per tile after the projector
+    global_view: bool = False
+    max_local_tiles: PositiveInt = 1
+    default_images_per_sample: PositiveInt = 1
+    default_tiles_per_image: PositiveInt = 1  # local tiles (the global view is added on top)
+    newline_tokens: bool = False  # DeepSeek-VL2 appends a newline token to each token row
+
+
+class ModelSpec(_Frozen):
+    """A model: identity, training facts, and the ordered block list."""
+
+    name: str
+    family: str
+    hf_model_type: str | None = None
+    max_seq_len: PositiveInt
+    train_seq_len: PositiveInt  # the default sequence length for planning
+    blocks: list[Block]
+    vision: VisionTiling | None = None
+    stated_total_params: float | None = None  # the authors' figures, for checking
+    stated_activated_params: float | None = None
+    defaulted: list[str] = Field(default_factory=list)  # fields filled by defaults on import
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        kinds = [b.kind for b in self.blocks]
+        if "decoder" not in kinds:
+            raise ValueError("a model needs at least one decoder block")
+        if ("vision" in kinds) != (self.vision is not None):
+            raise ValueError("vision blocks and vision tiling facts go together")
+        return self
+
+    # -- derived facts -------------------------------------------------------------------
+    def total_params(self) -> int:
+        return sum(b.params() for b in self.blocks)
+
+    def activated_params(self, include_input_embedding: bool = False) -> int:
+        """Parameters a token passes through (top-k experts only; the lookup table excluded)."""
+        total = 0
+        for b in self.blocks:
+            if isinstance(b, EmbeddingBlock) and not include_input_embedding:
+                continue
+            if isinstance(b, LMHeadBlock) and b.tied and not include_input_embedding:
+                total += b.vocab * b.hidden  # the tied head still multiplies every token
+                continue
+            total += b.activated_params()
+        return total
+
+    @property
+    def decoder_blocks(self) -> list[DecoderBlock]:
+        return [b for b in self.blocks if isinstance(b, DecoderBlock)]
+
+    @property
+    def hidden(self) -> int:
+        return self.decoder_blocks[0].hidden
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_blocks)
+
+    @property
+    def vocab(self) -> int:
+        return next(b.vocab for b in self.blocks if isinstance(b, EmbeddingBlock))
+
+    @property
+    def routed_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        for b in self.decoder_blocks:
+            if isinstance(b.mlp, MoEMLP):
+                return b.mlp.routed_experts
+        return 0
+
+    @property
+    def attention_heads(self) -> int:
+        return self.decoder_blocks[0].attention.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.decoder_blocks[0].attention.kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.routed_experts > 0
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.vision is not None
