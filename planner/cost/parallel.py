@@ -1,0 +1,126 @@
+"""ParallelConfig and Workload: the plain data every cost function takes.
+
+ParallelConfig is the single home of the degree rules (in the spirit of torchtitan's
+ParallelDims): it checks every cross-degree rule when it is built and exposes the derived
+facts as tiny properties. Rules that depend on the model (TP divides heads, EP divides the
+experts) live in ``check_against_model``; rules that depend on the runtime live in
+planner/cost/frameworks.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from planner.errors import UserError
+
+Framework = Literal["deepspeed", "megatron-deepspeed", "megatron"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+Recompute = Literal["none", "selective", "full"]
+Precision = Literal["bf16", "fp16", "fp32"]
+Optimizer = Literal["adamw", "adam", "sgd"]
+
+FRAMEWORKS: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron")
+OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
+RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+
+
+class Workload(BaseModel):
+    """What is trained per optimizer step, independent of how it is parallelised."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    global_batch: PositiveInt  # samples per optimizer step
+    seq_len: PositiveInt  # language tokens per sample (image tokens included for VLMs)
+    images_per_sample: int = Field(0, ge=0)
+    tiles_per_image: int = Field(0, ge=0)  # local tiles; the global view (if any) is added by the model
+    precision: Precision = "bf16"
+    optimizer: Optimizer = "adamw"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Bytes of a weight or gradient in the working precision."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def optimizer_moments(self) -> int:
+        """fp32 moment tensors the optimizer keeps per parameter (Adam: momentum and variance)."""
+        return 0 if self.optimizer == "sgd" else 2
+
+
+class ParallelConfig(BaseModel):
+    """How a job is split: degrees, ZeRO, offload, batch split and recomputation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: PositiveInt = 1
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    ep: PositiveInt = 1
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    offload: Offload = "none"
+    micro_batch: PositiveInt = 1
+    grad_accum: PositiveInt = 1
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    virtual_stages: PositiveInt = 1  # interleaved 1F1B chunks per pipeline rank
+    framework: Framework = "deepspeed"
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ParallelConfig":
+        # Expert parallelism reuses data-parallel ranks (DeepSpeed MoE, Megatron-Core EP):
+        # experts are sharded over `ep` ranks of the DP group, so ep must divide dp.
+        if self.dp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): expert parallel ranks come from the data-parallel group")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence parallel needs tp > 1 (it splits the TP-replicated activations)")
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise ValueError("virtual pipeline stages need pp > 1")
+        if self.offload == "optimizer+params" and self.zero_stage != 3:
+            raise ValueError("parameter offload needs ZeRO-3")
+        if self.offload == "optimizer" and self.zero_stage == 0:
+            raise ValueError("optimizer offload needs ZeRO 1, 2 or 3")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def samples_per_step(self) -> int:
+        """Global batch: micro-batch x accumulation x data-parallel world size."""
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel replicas of each expert (the rest of the DP group)."""
+        return self.dp // self.ep
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step on each pipeline (1F1B runs this many)."""
+        return self.grad_accum
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+
+def check_against_model(cfg: ParallelConfig, *, heads: int, kv_heads: int, routed_experts: int, blocks: int) -> None:
+    """Rules that need the model: raise UserError saying which rule broke."""
+    if heads % cfg.tp:
+        raise UserError(f"--tp {cfg.tp} does not divide the {heads} attention heads; pick a tp that divides {heads}")
+    if kv_heads % cfg.tp:
+        # Megatron-LM asserts num_query_groups % tensor_model_parallel_size == 0.
+        raise UserError(f"--tp {cfg.tp} does not divide the {kv_heads} KV heads; pick a tp that divides {kv_heads}")
+    if cfg.ep > 1 and routed_experts == 0:
+        raise UserError(f"--ep {cfg.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)")
+    if routed_experts and routed_experts % cfg.ep:
+        raise UserError(f"--ep {cfg.ep} does not divide the {routed_experts} routed experts; pick an ep that divides {routed_experts}")
+    if cfg.pp * cfg.virtual_stages > blocks:
+        raise UserError(f"--pp {cfg.pp} x --virtual-stages {cfg.virtual_stages} exceeds the model's {blocks} blocks")
