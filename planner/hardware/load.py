@@ -1,0 +1,166 @@
+"""Find and load hardware profiles: a built-in name (``dgx-a100-80g``) or a user's YAML file.
+
+Everything a user can get wrong here (unknown name, missing file, malformed YAML, wrong
+types, zero or negative numbers, unknown fields) becomes one ``UserError`` naming the file
+and the field, so the CLI exits with status 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from planner.errors import UserError, describe_validation_error
+from planner.hardware.profile import HardwareProfile
+from planner.resources import hardware_profiles_dir
+
+DEFAULT_PROFILE = "dgx-a100-80g"
+
+# Short names people type; each maps to exactly one built-in profile.
+ALIASES = {
+    "default": DEFAULT_PROFILE,
+    "a100": "dgx-a100-80g",
+    "a100-80g": "dgx-a100-80g",
+    "a100-40g": "dgx-a100-40g",
+    "h100": "dgx-h100",
+    "h200": "hgx-h200",
+    "l40s": "l40s-pcie",
+}
+
+_SCHEMA_HINT = "see hardware_profiles/README.md for the schema"
+
+
+def list_profiles() -> list[str]:
+    """Names of the built-in profiles, sorted."""
+    return sorted(p.stem for p in hardware_profiles_dir().glob("*.yaml"))
+
+
+def builtin_profile_path(name: str) -> Path | None:
+    """The YAML file of a built-in profile (name or alias, any case), or None."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    path = hardware_profiles_dir() / f"{key}.yaml"
+    return path if path.is_file() else None
+
+
+def load_profile(name_or_path: str = DEFAULT_PROFILE) -> HardwareProfile:
+    """A built-in profile by name (case-insensitive, aliases allowed) or a profile YAML file."""
+    text = str(name_or_path).strip()
+    if not text:
+        raise UserError("--hardware: empty value; give a profile name (see `dsplan hardware`) or a YAML file")
+    builtin = None if _looks_like_path(text) else builtin_profile_path(text)
+    if builtin is not None:
+        return _load_file_cached(str(builtin), builtin.stat().st_mtime_ns)
+    path = Path(text).expanduser()
+    if path.is_file():
+        resolved = path.resolve()
+        return _load_file_cached(str(resolved), resolved.stat().st_mtime_ns)
+    if _looks_like_path(text):
+        raise UserError(f"hardware profile file {text} not found; give an existing YAML file or a built-in name (`dsplan hardware`)")
+    raise UserError(_unknown_name_message(text))
+
+
+def _looks_like_path(text: str) -> bool:
+    return "/" in text or "\\" in text or text.lower().endswith((".yaml", ".yml"))
+
+
+def _unknown_name_message(name: str) -> str:
+    known = list_profiles()
+    close = difflib.get_close_matches(name.lower(), known + list(ALIASES), n=3, cutoff=0.5)
+    close = list(dict.fromkeys(ALIASES.get(c, c) for c in close))
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return (
+        f"unknown hardware profile {name!r}; {hint}built-in profiles: {', '.join(known)}. "
+        "Run `dsplan hardware` to list them, or pass a path to your own YAML file."
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _load_file_cached(path: str, mtime_ns: int) -> HardwareProfile:
+    """Cached on (path, mtime) so an edited file is read again."""
+    return load_profile_file(Path(path))
+
+
+def load_profile_file(path: Path) -> HardwareProfile:
+    """Parse and validate one profile YAML file (no cache)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read hardware profile: {err}") from None
+    data = _parse_yaml(path, text)
+    data.setdefault("name", path.stem)
+    return profile_from_dict(data, source=str(path))
+
+
+def profile_from_dict(data: dict[str, Any], source: str = "hardware profile") -> HardwareProfile:
+    """Validate plain data as a profile; strict types, so '300' or 'yes' is not a number."""
+    try:
+        return HardwareProfile.model_validate(data, strict=True)
+    except ValidationError as err:
+        raise UserError(_describe(source, err)) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _parse_yaml(path: Path, text: str) -> dict[str, Any]:
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"{path}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        raise UserError(f"{path}: the file is empty; {_SCHEMA_HINT}")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of fields (name, gpu, node, fabric), got {type(data).__name__}; {_SCHEMA_HINT}")
+    return data
+
+
+def _describe(source: str, err: ValidationError) -> str:
+    """describe_validation_error plus 'did you mean' for misspelled field names."""
+    message = describe_validation_error(source, err)
+    hints = []
+    for item in err.errors():
+        if item.get("type") == "extra_forbidden":
+            loc = tuple(item.get("loc", ()))
+            fields = _fields_at(HardwareProfile, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{'.'.join(map(str, loc))} -> did you mean {close[0]!r}?")
+    if hints:
+        message += " (" + "; ".join(hints) + ")"
+    return f"{message}; {_SCHEMA_HINT}"
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the nested model reached by following ``loc`` from ``model``."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
