@@ -1,0 +1,253 @@
+"""Layer-partition balancers: split an ordered list of layer costs into contiguous stages.
+
+A pipeline runs at the pace of its slowest stage (1F1B: step ~ (m + p - 1) x bottleneck), so
+the balancers minimise the bottleneck. Two are offered because users meet both in practice:
+
+- ``greedy``: walk the layers, close a stage when adding the next layer would pass the
+  per-stage target (total / stages), keeping at least one layer per stage. This is what
+  hand-written partitions and DeepSpeed's ``partition_method="parameters"`` approximate.
+- ``optimal``: the contiguous partition with the smallest bottleneck, subject to every
+  stage fitting in memory. Exact: the optimal bottleneck is one of the O(n^2) segment sums,
+  so we binary-search those with an exact feasibility test (a reachability sweep over stage
+  ends, which handles per-stage memory such as 1F1B's in-flight micro-batches).
+
+Costs are plain floats (seconds of forward+backward per micro-batch); memory is described
+by ``StageMemory`` (additive per layer, with per-stage multipliers), so both functions are
+pure and cheap enough to call once per (tp, micro-batch, recompute, pp) group of a search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes a stage needs: ``base[s] + sum(state[i]) + inflight[s] * sum(act[i])``.
+
+    ``state`` is per-layer memory that does not depend on the schedule (weights, gradients,
+    optimizer states after sharding); ``act`` the activation bytes one in-flight micro-batch
+    leaves per layer; ``inflight[s]`` how many micro-batches stage s holds at its peak
+    (1F1B: p - s); ``base[s]`` fixed costs (buffers, CUDA context, the first stage's
+    embedding or the last stage's head when they are not layers of their own).
+    """
+
+    state: Sequence[float]
+    act: Sequence[float]
+    inflight: Sequence[float]
+    base: Sequence[float]
+    capacity: float
+
+    def stage_bytes(self, stage: int, start: int, end: int) -> float:
+        st = float(sum(self.state[start:end]))
+        ac = float(sum(self.act[start:end]))
+        return float(self.base[stage]) + st + float(self.inflight[stage]) * ac
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Layers per stage (``counts``) and the resulting stage costs."""
+
+    counts: tuple[int, ...]
+    stage_costs: tuple[float, ...]
+    fits: bool = True  # False when no partition satisfies the memory limit (optimal only)
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.stage_costs)
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """Half-open [start, end) layer ranges of each stage."""
+        out, start = [], 0
+        for c in self.counts:
+            out.append((start, start + c))
+            start += c
+        return out
+
+
+def _check(costs: Sequence[float], stages: int) -> None:
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    if len(costs) < stages:
+        raise ValueError(f"{len(costs)} layers cannot fill {stages} stages (at least one layer each)")
+
+
+def _stage_costs(costs: Sequence[float], counts: Sequence[int]) -> tuple[float, ...]:
+    out, start = [], 0
+    for c in counts:
+        out.append(float(sum(costs[start:start + c])))
+        start += c
+    return tuple(out)
+
+
+def greedy_partition(costs: Sequence[float], stages: int) -> Partition:
+    """Close a stage when the next layer would pass total/stages; one layer per stage minimum."""
+    _check(costs, stages)
+    n = len(costs)
+    target = float(sum(costs)) / stages
+    counts: list[int] = []
+    acc, count = 0.0, 0
+    for i, c in enumerate(costs):
+        left_after = n - i  # layers from i on, i included
+        stages_left = stages - len(counts)  # including the open one
+        if count > 0 and stages_left > 1:
+            # Close before layer i if it would pass the target, or if the layers left are
+            # only just enough to give every remaining stage one.
+            if acc + c > target or left_after == stages_left - 1:
+                counts.append(count)
+                acc, count = 0.0, 0
+        acc += c
+        count += 1
+    counts.append(count)
+    return Partition(tuple(counts), _stage_costs(costs, counts))
+
+
+def _segment_sums(prefix: np.ndarray) -> np.ndarray:
+    """Sorted unique sums of every non-empty contiguous segment."""
+    diff = prefix[None, :] - prefix[:, None]
+    iu = np.triu_indices(len(prefix), k=1)
+    return np.unique(diff[iu])
+
+
+def _far_ends(prefix: np.ndarray, limit: float, weights_prefix: np.ndarray | None = None,
+              mem_limit: float = 0.0) -> np.ndarray:
+    """For each start i, the furthest end j with prefix[j] - prefix[i] <= limit (and memory)."""
+    # Relative slack so sums that equal the limit are not lost to rounding.
+    eps = 1e-12 * max(1.0, abs(limit))
+    far = np.searchsorted(prefix, prefix + limit + eps, side="right") - 1
+    if weights_prefix is not None:
+        meps = 1e-12 * max(1.0, abs(mem_limit))
+        far_m = np.searchsorted(weights_prefix, weights_prefix + mem_limit + meps, side="right") - 1
+        far = np.minimum(far, far_m)
+    return far
+
+
+def _reachable(prefix: np.ndarray, limit: float, stages: int, memory: StageMemory | None,
+               mem_prefixes: list[np.ndarray] | None) -> list[np.ndarray] | None:
+    """Boolean arrays: reach[s][j] is True when layers [0, j) fit exactly s+1 stages."""
+    n = len(prefix) - 1
+    reach_prev = np.zeros(n + 1, dtype=bool)
+    reach_prev[0] = True
+    history = []
+    idx = np.arange(n + 1)
+    for s in range(stages):
+        if memory is not None and mem_prefixes is not None:
+            far = _far_ends(prefix, limit, mem_prefixes[s], memory.capacity - float(memory.base[s]))
+        else:
+            far = _far_ends(prefix, limit)
+        starts = idx[reach_prev & (far > idx)]
+        if starts.size == 0:
+            return None
+        # Ends reachable from start i: (i, far[i]]; union of intervals via a difference array.
+        delta = np.zeros(n + 2, dtype=np.int64)
+        np.add.at(delta, starts + 1, 1)
+        np.add.at(delta, far[starts] + 1, -1)
+        reach = np.cumsum(delta)[: n + 1] > 0
+        # Leave at least one layer for each stage still to come.
+        reach[n - (stages - s - 1) + 1:] = False
+        history.append((reach_prev, far))
+        reach_prev = reach
+    if not reach_prev[n]:
+        return None
+    return [h[0] for h in history] + [reach_prev]  # reach before each stage, then the final
+
+
+def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None) -> Partition:
+    """The contiguous partition minimising the slowest stage, every stage within memory.
+
+    When no partition fits in memory, the time-optimal partition is returned with
+    ``fits=False`` so the caller can report how far it is from fitting.
+    """
+    _check(costs, stages)
+    if memory is not None and len(memory.inflight) < stages:
+        raise ValueError("memory.inflight needs one entry per stage")
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
+    mem_prefixes = None
+    if memory is not None:
+        state = np.asarray(memory.state, dtype=float)
+        act = np.asarray(memory.act, dtype=float)
+        mem_prefixes = [np.concatenate(([0.0], np.cumsum(state + float(memory.inflight[s]) * act)))
+                        for s in range(stages)]
+    candidates = _segment_sums(prefix)
+    candidates = candidates[candidates >= float(np.max(costs)) * (1 - 1e-12)]
+    result = _search(prefix, candidates, stages, memory, mem_prefixes)
+    if result is None:
+        counts = _search(prefix, candidates, stages, None, None)
+        assert counts is not None  # without memory the whole sum always works
+        return Partition(counts, _stage_costs(costs, counts), fits=False)
+    return Partition(result, _stage_costs(costs, result))
+
+
+def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: StageMemory | None,
+            mem_prefixes: list[np.ndarray] | None) -> tuple[int, ...] | None:
+    """Binary search the smallest feasible candidate bottleneck; rebuild its partition."""
+    if _reachable(prefix, float(candidates[-1]), stages, memory, mem_prefixes) is None:
+        return None
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _reachable(prefix, float(candidates[mid]), stages, memory, mem_prefixes) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    limit = float(candidates[lo])
+    reach = _reachable(prefix, limit, stages, memory, mem_prefixes)
+    assert reach is not None
+    return _backtrack(prefix, limit, stages, reach, memory, mem_prefixes)
+
+
+def _backtrack(prefix: np.ndarray, limit: float, stages: int, reach: list[np.ndarray],
+               memory: StageMemory | None, mem_prefixes: list[np.ndarray] | None) -> tuple[int, ...]:
+    """Walk back from the last layer choosing, for each stage, the earliest valid start.
+
+    Earliest start = the longest last stages, which keeps early stages (which hold the most
+    in-flight micro-batches under 1F1B) as light as the bottleneck allows.
+    """
+    n = len(prefix) - 1
+    end = n
+    counts: list[int] = []
+    for s in range(stages - 1, -1, -1):
+        if memory is not None and mem_prefixes is not None:
+            far = _far_ends(prefix, limit, mem_prefixes[s], memory.capacity - float(memory.base[s]))
+        else:
+            far = _far_ends(prefix, limit)
+        ok = np.nonzero(reach[s][:end] & (far[:end] >= end))[0]
+        start = int(ok[0])
+        counts.append(end - start)
+        end = start
+    assert end == 0
+    return tuple(reversed(counts))
+
+
+def brute_force_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None) -> Partition | None:
+    """Every contiguous partition, for testing the balancers on small cases."""
+    from itertools import combinations
+
+    _check(costs, stages)
+    n = len(costs)
+    best: Partition | None = None
+    for cuts in combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        counts = tuple(bounds[k + 1] - bounds[k] for k in range(stages))
+        if memory is not None and any(
+            memory.stage_bytes(s, bounds[s], bounds[s + 1]) > memory.capacity for s in range(stages)
+        ):
+            continue
+        part = Partition(counts, _stage_costs(costs, counts))
+        if best is None or part.bottleneck < best.bottleneck:
+            best = part
+    return best
+
+
+def balance(costs: Sequence[float], stages: int, method: str = "optimal",
+            memory: StageMemory | None = None) -> Partition:
+    """Dispatch on the ``--balancer`` name."""
+    if method == "greedy":
+        return greedy_partition(costs, stages)
+    if method == "optimal":
+        return optimal_partition(costs, stages, memory)
+    raise ValueError(f"unknown balancer {method!r}; use greedy or optimal")
