@@ -257,6 +257,7 @@ def test_missing_file(tmp_path: Path):
         ({"gpu__memory_GB": 80}, ["gpu.memory_GB", "did you mean 'memory_GiB'"]),
         ({"node__nics__count": 3}, ["node.nics.count (3)", "node.gpus (8)"]),
         ({"fabric": _DELETE}, ["fabric", "Field required"]),
+        ({"gpu__peak_TFLOPs": {"fp8": 1979}}, ["gpu.peak_TFLOPs", "bf16"]),
     ],
 )
 def test_invalid_fields_are_named(tmp_path: Path, edits: dict, fields: list[str]):
@@ -286,3 +287,28 @@ def test_malformed_yaml_is_refused_with_file_and_line(tmp_path: Path, text: str,
         load_profile(str(path))
     assert str(path) in str(err.value)
     assert expected in str(err.value)
+
+
+def test_readme_example_loads_and_its_error_example_is_real(tmp_path: Path):
+    readme = (hardware_profiles_dir() / "README.md").read_text()
+    example = re.search(r"```yaml\n(.*?)```", readme, re.S).group(1)  # type: ignore[union-attr]
+    path = tmp_path / "my-cluster.yaml"
+    path.write_text(example)
+    p = load_profile(str(path))
+    assert p.name == "rented-h100"
+    assert p.nic_bw_per_gpu == 4 * 50e9 / 8
+    assert p.gpu.peak_flops("fp16") == 989e12  # bf16 serves for fp16 when only one is given
+    path.write_text(example.replace("speed_gbit:", "speed_gbps:"))
+    with pytest.raises(UserError) as err:
+        load_profile(str(path))
+    shown = re.search(r"error: my-cluster.yaml: (invalid field.*?)\n```", readme, re.S).group(1)  # type: ignore[union-attr]
+    assert str(err.value).endswith(shown.replace("\n", " "))
+
+
+def test_readme_documents_every_schema_field():
+    readme = (hardware_profiles_dir() / "README.md").read_text()
+    from planner.hardware.profile import GPU, NIC, Fabric, IntraNode, Node
+
+    for model in (HardwareProfile, GPU, Node, IntraNode, NIC, Fabric):
+        for field in model.model_fields:
+            assert f"| `{field}` |" in readme, f"{model.__name__}.{field} is not documented"

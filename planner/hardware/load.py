@@ -100,9 +100,12 @@ def load_profile_file(path: Path) -> HardwareProfile:
 def profile_from_dict(data: dict[str, Any], source: str = "hardware profile") -> HardwareProfile:
     """Validate plain data as a profile; strict types, so '300' or 'yes' is not a number."""
     try:
-        return HardwareProfile.model_validate(data, strict=True)
+        profile = HardwareProfile.model_validate(data, strict=True)
     except ValidationError as err:
         raise UserError(_describe(source, err)) from None
+    if not {"bf16", "fp16"} & set(profile.gpu.peak_TFLOPs):
+        raise UserError(f"{source}: gpu.peak_TFLOPs needs a bf16 (or fp16) dense rate, the planner's training dtype; {_SCHEMA_HINT}")
+    return profile
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
