@@ -286,7 +286,7 @@ class NormBlock(_Frozen):
         return norm_params(self.hidden, self.norm) + self.unused_params
 
     def activated_params(self) -> int:
-        return self.params()
+        return norm_params(self.hidden, self.norm)  # unused weights never see a token
 
 
 class LMHeadBlock(_Frozen):
