@@ -1,0 +1,224 @@
+"""The candidate space: every parallel configuration a framework can run, as numpy columns.
+
+The space is the product of the structural degrees (tp, pp, dp, ep, virtual stages), the
+per-rank settings (ZeRO stage, offload, recomputation, sequence parallel, framework) and the
+batch split (micro-batch, accumulation). Rules are applied where they bite, so rejected
+candidates are counted by reason without being materialised:
+
+- ``indivisible``: degree combinations that break a divisibility rule (TP divides the
+  attention and KV heads and stays inside a node, EP divides the routed experts and DP,
+  PP x virtual stages does not exceed the pipeline units, DP divides the global batch);
+- ``framework``: settings the chosen runtime cannot run (checked once per distinct
+  signature with the cost model's scalar rule, so the two can never disagree).
+
+Columns are int arrays (offload, recompute and framework as indices into the tuples of
+planner/cost/parallel.py) so evaluation can be vectorised over them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+
+# Interleaved chunks per pipeline rank tried when the user does not pin --virtual-stages.
+DEFAULT_VIRTUAL_STAGES = (1, 2, 4)
+
+COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum")
+
+# A framework rule: None when the runtime can run the config, else the reason it cannot.
+FrameworkRule = Callable[[ParallelConfig], "str | None"]
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user pinned or restricted; None means "search every valid value"."""
+
+    dp: tuple[int, ...] | None = None
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    zero: tuple[int, ...] | None = None
+    offload: tuple[str, ...] | None = None
+    micro_batch: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] | None = None
+    virtual_stages: tuple[int, ...] | None = None
+    framework: tuple[str, ...] | None = None
+    sequence_parallel: tuple[bool, ...] | None = None
+    allow_tp_across_nodes: bool = False
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The few model facts the space depends on."""
+
+    heads: tuple[int, ...]  # every attention head count TP must divide (LM heads, vision heads)
+    kv_heads: int
+    routed_experts: int
+    units: int  # pipeline-partitionable layers
+
+
+@dataclass
+class Space:
+    """Candidate columns plus the counts of candidates rejected before evaluation."""
+
+    columns: dict[str, np.ndarray]
+    rejected: dict[str, int] = field(default_factory=lambda: {"indivisible": 0, "framework": 0})
+
+    def __len__(self) -> int:
+        return int(self.columns["dp"].shape[0])
+
+    def config(self, i: int) -> ParallelConfig:
+        """Candidate i as the cost model's ParallelConfig."""
+        c = {k: int(v[i]) for k, v in self.columns.items()}
+        return ParallelConfig(
+            dp=c["dp"], tp=c["tp"], pp=c["pp"], ep=c["ep"], zero_stage=c["zero"],  # type: ignore[arg-type]
+            offload=OFFLOADS[c["offload"]], micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],  # type: ignore[arg-type]
+            recompute=RECOMPUTES[c["recompute"]], sequence_parallel=bool(c["sp"]),  # type: ignore[arg-type]
+            virtual_stages=c["vs"], framework=FRAMEWORKS[c["framework"]],  # type: ignore[arg-type]
+        )
+
+    def subset(self, mask: np.ndarray) -> "Space":
+        return Space({k: v[mask] for k, v in self.columns.items()}, dict(self.rejected))
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _allowed(values: Iterable, pinned: Sequence | None) -> list:
+    values = list(values)
+    return values if pinned is None else [v for v in values if v in pinned]
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    vs: int
+
+
+def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
+                        cons: Constraints) -> tuple[list[Degrees], int]:
+    """Valid (dp, tp, pp, ep, vs) combinations and how many were rejected as indivisible."""
+    valid: list[Degrees] = []
+    rejected = 0
+    for tp in _allowed(divisors(world), cons.tp):
+        for pp in _allowed(divisors(world // tp), cons.pp):
+            dp = world // (tp * pp)
+            if cons.dp is not None and dp not in cons.dp:
+                continue
+            tp_ok = all(h % tp == 0 for h in facts.heads) and facts.kv_heads % tp == 0
+            tp_ok = tp_ok and (cons.allow_tp_across_nodes or gpus_per_node % tp == 0)
+            base_ok = tp_ok and pp <= facts.units and global_batch % dp == 0
+            # A dense model has no experts to shard: ep is 1, not a rejected candidate.
+            eps = _allowed(divisors(dp), cons.ep) if facts.routed_experts else [1]
+            vss = _allowed(range(1, facts.units + 1), cons.virtual_stages or DEFAULT_VIRTUAL_STAGES)
+            for ep, vs in itertools.product(eps, vss):
+                ok = base_ok
+                if facts.routed_experts:
+                    ok = ok and facts.routed_experts % ep == 0
+                ok = ok and pp * vs <= facts.units and (vs == 1 or pp > 1)
+                if ok:
+                    valid.append(Degrees(dp, tp, pp, ep, vs))
+                else:
+                    rejected += 1
+    return valid, rejected
+
+
+def _settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
+    """(zero, offload, recompute, sp, framework) index tuples allowed by the constraints.
+
+    Combinations ParallelConfig itself forbids (offload without ZeRO, parameter offload
+    without ZeRO-3) are not candidates at all, so they are neither evaluated nor counted.
+    """
+    zeros = _allowed((0, 1, 2, 3), cons.zero)
+    offloads = [OFFLOADS.index(o) for o in _allowed(OFFLOADS, cons.offload)]
+    recomputes = [RECOMPUTES.index(r) for r in _allowed(RECOMPUTES, cons.recompute)]
+    sps = [int(s) for s in _allowed((False, True), cons.sequence_parallel)]
+    frameworks = [FRAMEWORKS.index(f) for f in _allowed(FRAMEWORKS, cons.framework)]
+    out = []
+    for z, o, r, sp, fw in itertools.product(zeros, offloads, recomputes, sps, frameworks):
+        if (OFFLOADS[o] == "optimizer" and z == 0) or (OFFLOADS[o] == "optimizer+params" and z != 3):
+            continue
+        out.append((z, o, r, sp, fw))
+    return out
+
+
+def _structurally_valid(deg: Degrees, setting: tuple[int, int, int, int, int]) -> bool:
+    """Sequence parallel only means something with tp > 1."""
+    return not (setting[3] and deg.tp == 1)
+
+
+def _signature_ok(rule: FrameworkRule, deg: Degrees, setting: tuple[int, int, int, int, int]) -> bool:
+    """Whether the framework runs this combination; cached on what the rules can look at."""
+    zero, offload, recompute, sp, fw = setting
+    key = (zero, offload, recompute, sp, fw, min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), min(deg.vs, 2))
+    return _cached_rule(rule, key)
+
+
+@functools.lru_cache(maxsize=8192)
+def _cached_rule(rule: FrameworkRule, key: tuple[int, ...]) -> bool:
+    zero, offload, recompute, sp, fw, tp, pp, ep, vs = key
+    # A representative config with the same "is it > 1" pattern; dp = 2 * ep keeps ep | dp.
+    try:
+        cfg = ParallelConfig(
+            dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=zero, offload=OFFLOADS[offload],  # type: ignore[arg-type]
+            recompute=RECOMPUTES[recompute], sequence_parallel=bool(sp), virtual_stages=vs,  # type: ignore[arg-type]
+            framework=FRAMEWORKS[fw],  # type: ignore[arg-type]
+        )
+    except ValueError:
+        return False  # a ParallelConfig rule (offload needs ZeRO, SP needs TP, ...)
+    return rule(cfg) is None
+
+
+def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
+                    cons: Constraints, framework_rule: FrameworkRule) -> Space:
+    """Every candidate, as columns; rejected counts by reason."""
+    degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons)
+    settings = _settings(cons)
+    blocks: list[np.ndarray] = []
+    framework_rejected = 0
+    for deg in degrees:
+        micro = np.array(_allowed(divisors(global_batch // deg.dp), cons.micro_batch), dtype=np.int64)
+        if micro.size == 0:
+            indivisible += 1
+            continue
+        valid = [s for s in settings if _structurally_valid(deg, s)]
+        ok = [s for s in valid if _signature_ok(framework_rule, deg, s)]
+        framework_rejected += (len(valid) - len(ok)) * micro.size
+        if not ok:
+            continue
+        rows = np.array([(deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *s) for s in ok], dtype=np.int64)
+        rows = np.repeat(rows, micro.size, axis=0)
+        mb = np.tile(micro, len(ok))
+        ga = global_batch // (deg.dp * mb)
+        blocks.append(np.column_stack([rows, mb, ga]))
+    table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
+    columns = {name: np.ascontiguousarray(table[:, k]) for k, name in enumerate(COLUMNS)}
+    return Space(columns, {"indivisible": indivisible, "framework": framework_rejected})
+
+
+def default_global_batch(seq_len: int, world: int, target_tokens: float = 4e6) -> int:
+    """About ``target_tokens`` per step, rounded to a batch that many DP sizes divide.
+
+    Among batches within 0.75x-1.5x of the target, take the one sharing the largest factor
+    with the GPU count (so every DP size that divides the GPUs divides it), then the one
+    with the most factors of two (more micro-batch choices), then the closest.
+    """
+    target = max(1, round(target_tokens / seq_len))
+    lo, hi = max(1, int(target * 0.75)), max(1, int(target * 1.5))
+
+    def key(b: int) -> tuple[int, int, int]:
+        twos = (b & -b).bit_length() - 1
+        return (int(np.gcd(b, world)), twos, -abs(b - target))
+
+    return int(max(range(lo, hi + 1), key=key))

@@ -1,0 +1,123 @@
+"""The candidate space honours every divisibility rule, the pins, and counts rejections."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, ParallelConfig
+from planner.search.space import (
+    Constraints,
+    ModelFacts,
+    default_global_batch,
+    degree_combinations,
+    divisors,
+    enumerate_space,
+)
+
+DENSE = ModelFacts(heads=(32,), kv_heads=8, routed_experts=0, units=32)
+MOE = ModelFacts(heads=(32, 16), kv_heads=32, routed_experts=72, units=57)
+
+
+def anything_goes(cfg: ParallelConfig) -> str | None:
+    return None
+
+
+def no_pipeline_zero3(cfg: ParallelConfig) -> str | None:
+    return "PipelineModule rejects ZeRO-2/3" if cfg.pp > 1 and cfg.zero_stage >= 2 else None
+
+
+def test_divisors() -> None:
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(1) == [1]
+    assert divisors(16384)[-1] == 16384 and len(divisors(16384)) == 15
+
+
+def test_every_row_obeys_the_rules() -> None:
+    space = enumerate_space(64, 8, 1024, MOE, Constraints(), anything_goes)
+    c = space.columns
+    assert len(space) > 1000
+    assert np.all(c["dp"] * c["tp"] * c["pp"] == 64)
+    assert np.all(c["micro_batch"] * c["grad_accum"] * c["dp"] == 1024)
+    assert np.all((32 % c["tp"] == 0) & (16 % c["tp"] == 0) & (c["tp"] <= 8))
+    assert np.all((72 % c["ep"] == 0) & (c["dp"] % c["ep"] == 0))
+    assert np.all(c["pp"] * c["vs"] <= 57)
+    assert np.all((c["vs"] == 1) | (c["pp"] > 1))
+    assert np.all((c["sp"] == 0) | (c["tp"] > 1))
+    off = np.array(OFFLOADS)[c["offload"]]
+    assert np.all((off != "optimizer") | (c["zero"] > 0))
+    assert np.all((off != "optimizer+params") | (c["zero"] == 3))
+    # Every row is a valid ParallelConfig.
+    for i in range(0, len(space), 997):
+        cfg = space.config(i)
+        assert cfg.world_size == 64 and cfg.samples_per_step == 1024
+
+
+def test_tp_stays_in_the_node_unless_allowed() -> None:
+    facts = ModelFacts(heads=(64,), kv_heads=64, routed_experts=0, units=80)
+    inside = enumerate_space(32, 8, 256, facts, Constraints(), anything_goes)
+    assert set(inside.columns["tp"]) == {1, 2, 4, 8}
+    across = enumerate_space(32, 8, 256, facts, Constraints(allow_tp_across_nodes=True), anything_goes)
+    assert set(across.columns["tp"]) == {1, 2, 4, 8, 16, 32}
+
+
+def test_gqa_kv_heads_limit_tp() -> None:
+    facts = ModelFacts(heads=(64,), kv_heads=2, routed_experts=0, units=80)
+    space = enumerate_space(8, 8, 64, facts, Constraints(), anything_goes)
+    assert set(space.columns["tp"]) == {1, 2}
+
+
+def test_pins_and_lists_restrict_each_axis() -> None:
+    cons = Constraints(tp=(8,), pp=(2, 4), zero=(1,), micro_batch=(1, 2), recompute=("full",),
+                       framework=("megatron",), virtual_stages=(1,), sequence_parallel=(True,))
+    space = enumerate_space(64, 8, 1024, DENSE, cons, anything_goes)
+    c = space.columns
+    assert set(c["tp"]) == {8} and set(c["pp"]) == {2, 4} and set(c["zero"]) == {1}
+    assert set(c["micro_batch"]) == {1, 2} and set(c["vs"]) == {1} and set(c["sp"]) == {1}
+    assert set(c["framework"]) == {FRAMEWORKS.index("megatron")}
+    # dp = 64 / (8 * pp) = 4 or 2; offload none/optimizer (ZeRO-1): 2 x 2 x 2 rows
+    assert len(space) == 2 * 2 * 2
+
+
+def test_exact_count_on_a_tiny_space() -> None:
+    facts = ModelFacts(heads=(4,), kv_heads=4, routed_experts=0, units=4)
+    cons = Constraints(zero=(0,), offload=("none",), recompute=("none",), framework=("deepspeed",),
+                       virtual_stages=(1,))
+    space = enumerate_space(4, 4, 8, facts, cons, anything_goes)
+    # (tp, pp, dp): (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1) (4,1,1); micro-batch divides 8/dp;
+    # sequence parallel doubles the tp>1 rows.
+    expected = 0
+    for tp, pp, dp in [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]:
+        expected += len(divisors(8 // dp)) * (2 if tp > 1 else 1)
+    assert len(space) == expected
+    assert space.rejected == {"indivisible": 0, "framework": 0}
+
+
+def test_framework_rule_rejections_are_counted() -> None:
+    cons = Constraints(tp=(1,), pp=(2,), offload=("none",), recompute=("none",), framework=("deepspeed",),
+                       virtual_stages=(1,), micro_batch=(1,))
+    space = enumerate_space(8, 8, 64, DENSE, cons, no_pipeline_zero3)
+    assert set(space.columns["zero"]) == {0, 1}
+    assert space.rejected["framework"] == 2  # ZeRO-2 and ZeRO-3 with pp = 2
+
+
+def test_indivisible_degrees_are_counted() -> None:
+    # 12 heads on 8 GPUs: tp = 8 breaks the heads rule; global batch 6 excludes dp = 4 and 8.
+    facts = ModelFacts(heads=(12,), kv_heads=12, routed_experts=0, units=24)
+    _, rejected = degree_combinations(8, 8, 6, facts, Constraints(virtual_stages=(1,)))
+    # (tp, pp, dp) over 8 GPUs: 10 combinations; valid: dp in {1, 2} with tp | 12 and tp <= 8
+    valid, _ = degree_combinations(8, 8, 6, facts, Constraints(virtual_stages=(1,)))
+    assert {(d.tp, d.pp, d.dp) for d in valid} == {(1, 4, 2), (1, 8, 1), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1)}
+    assert rejected == 10 - 6 + 0  # the ep loop runs once per (tp, pp) for a dense model
+
+
+def test_experts_must_divide_by_ep() -> None:
+    space = enumerate_space(64, 8, 1024, MOE, Constraints(tp=(1,), pp=(1,)), anything_goes)
+    assert set(space.columns["ep"]) == {1, 2, 4, 8}  # dp = 64: 16, 32, 64 do not divide 72
+
+
+@pytest.mark.parametrize(("seq", "world", "expected"), [(4096, 64, 1024), (8192, 16384, 512), (4096, 24, 768)])
+def test_default_global_batch_is_about_4m_tokens_and_divisible(seq: int, world: int, expected: int) -> None:
+    gb = default_global_batch(seq, world)
+    assert gb == expected
+    assert 0.75 * 4e6 <= gb * seq <= 1.5 * 4e6
