@@ -237,9 +237,11 @@ def test_unknown_name_suggests_close_names():
     assert "dsplan hardware" in message
 
 
-def test_missing_file(tmp_path: Path):
+def test_missing_file_and_directory(tmp_path: Path):
     with pytest.raises(UserError, match="not found"):
         load_profile(str(tmp_path / "nope.yaml"))
+    with pytest.raises(UserError, match="is a directory"):
+        load_profile(str(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,8 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> HardwareProfile:
     if path.is_file():
         resolved = path.resolve()
         return _load_file_cached(str(resolved), resolved.stat().st_mtime_ns)
+    if path.is_dir():
+        raise UserError(f"hardware profile {text} is a directory; give one YAML file (schema: hardware_profiles/README.md)")
     if _looks_like_path(text):
         raise UserError(f"hardware profile file {text} not found; give an existing YAML file or a built-in name (`dsplan hardware`)")
     raise UserError(_unknown_name_message(text))
