@@ -1,0 +1,147 @@
+"""The run-directory contract the reference trainer reads, and a writer for tests.
+
+A run directory (written by ``dsplan generate``) holds ``ds_config.json`` (a standard
+DeepSpeed config) and ``plan.json`` (the planner's decision). The trainer needs only a few
+plan fields, so ``PlanFile`` names those and lets everything else through untouched.
+
+Metrics: one JSON line per step and rank in ``<log stem>.rank<R><suffix>`` (for the default
+``DIR/metrics.jsonl``: ``DIR/metrics.rank0.jsonl``, ...); ``metrics_path`` is the one place
+that rule lives so the supervisor reads what the trainer writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+from planner.errors import UserError, describe_validation_error
+
+PLAN_FILE = "plan.json"
+DS_CONFIG_FILE = "ds_config.json"
+DEFAULT_LOG = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+
+
+class PlanFile(BaseModel):
+    """The fields of ``plan.json`` the trainer follows; other fields pass through."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    model: str
+    dp: PositiveInt = 1
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    ep: PositiveInt = 1
+    zero_stage: int = Field(0, ge=0, le=3)
+    micro_batch: PositiveInt = 1
+    grad_accum: PositiveInt = 1
+    seq_len: PositiveInt = 64
+    recompute: Literal["none", "selective", "full"] = "none"
+    stage_blocks: list[tuple[int, int]] = Field(default_factory=list)
+    images_per_sample: int = Field(0, ge=0)
+    tiles_per_image: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "PlanFile":
+        if self.stage_blocks:
+            if len(self.stage_blocks) != self.pp:
+                raise ValueError(f"stage_blocks has {len(self.stage_blocks)} stages but pp is {self.pp}")
+            prev_end = self.stage_blocks[0][0]
+            if prev_end != 0:
+                raise ValueError("stage_blocks must start at block 0")
+            for first, last in self.stage_blocks:
+                if first != prev_end or last <= first:
+                    raise ValueError("stage_blocks must be contiguous, non-empty [first, last) ranges")
+                prev_end = last
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def read_plan(run_dir: Path) -> PlanFile:
+    """Load ``plan.json``; a missing or malformed file is the user's to fix (exit 2)."""
+    path = Path(run_dir) / PLAN_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir}: not a run directory (no {PLAN_FILE}); create one with `dsplan generate`")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); regenerate it with `dsplan generate`")
+    try:
+        return PlanFile.model_validate(data)
+    except ValidationError as err:
+        raise UserError(describe_validation_error(str(path), err))
+
+
+def read_ds_config(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: DeepSpeed config not found; pass --deepspeed_config or regenerate the run directory")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a DeepSpeed config must be a JSON object")
+    return data
+
+
+def metrics_path(log: Path, rank: int) -> Path:
+    """Per-rank metrics file: ``metrics.jsonl`` -> ``metrics.rank3.jsonl``."""
+    log = Path(log)
+    return log.with_name(f"{log.stem}.rank{rank}{log.suffix or '.jsonl'}")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def default_ds_config(plan: PlanFile, *, offload_optimizer: bool = False, lr: float = 1e-3) -> dict[str, Any]:
+    """A DeepSpeed config matching ``plan`` (fp32 on CPU); what generate writes, in miniature."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": plan.zero_stage},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000000,
+        "wall_clock_breakdown": False,
+    }
+    if offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if plan.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
+    if plan.pp > 1:
+        cfg["pipeline"] = {"stages": plan.pp, "partition": "planner"}
+    return cfg
+
+
+def write_run_dir(run_dir: Path, plan: dict[str, Any], ds_config: dict[str, Any] | None = None) -> Path:
+    """Create a run directory with ``plan.json`` and ``ds_config.json`` (tests, until generate)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    parsed = PlanFile.model_validate(plan)
+    write_json_atomic(run_dir / PLAN_FILE, plan)
+    write_json_atomic(run_dir / DS_CONFIG_FILE, ds_config if ds_config is not None else default_ds_config(parsed))
+    return run_dir

@@ -1,0 +1,246 @@
+"""The reference trainer: ``python -m planner.run.trainer --run-dir DIR ...``.
+
+It trains the planned model (at a reduced ``--scale``) with DeepSpeed on synthetic data and
+follows the run directory exactly: ZeRO stage, offload and precision from ``ds_config.json``;
+pipeline degree and stage partition, expert-parallel degree, micro-batch, accumulation,
+sequence length and recomputation from ``plan.json``; tensor parallel through AutoTP
+(``tensor_parallel.autotp_size``). It is started by a launcher (deepspeed, torchrun, SLURM)
+once per rank; unknown launcher arguments are ignored.
+
+Outputs: ``<log>.rank<R>.jsonl`` (one line per step: step, loss, step_time_s, tokens_per_s,
+peak_memory_bytes, ...), ``run_info.rank<R>.json`` (what this rank built: pipeline stage,
+layer range, DeepSpeed's stage boundaries, parameters), atomic checkpoints, and a progress
+line per step from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from planner.errors import UserError
+from planner.model.spec import ModelSpec, VisionEmbedBlock
+from planner.run.rundir import (
+    CHECKPOINT_DIR,
+    DEFAULT_LOG,
+    DS_CONFIG_FILE,
+    PlanFile,
+    metrics_path,
+    read_ds_config,
+    read_plan,
+    write_json_atomic,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m planner.run.trainer", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--model", help="preset name or spec path (default: plan.json's model)")
+    p.add_argument("--scale", default="tiny", help="tiny | small | a fraction F in (0, 1]")
+    p.add_argument("--steps", type=int, default=10, help="train until this global step")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--checkpoint-dir", type=Path)
+    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--log", type=Path, help="metrics file; ranks write <stem>.rank<R><suffix>")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", type=Path)
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    # fault injection for supervisor tests: exit abruptly on one rank at a step, or mid-save
+    p.add_argument("--fault", choices=["none", "step", "save"], default="none", help=argparse.SUPPRESS)
+    p.add_argument("--fault-step", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--fault-rank", type=int, default=0, help=argparse.SUPPRESS)
+    args, _unknown = p.parse_known_args(argv)
+    if args.steps < 1:
+        raise UserError(f"--steps {args.steps}: must be at least 1")
+    if args.checkpoint_every < 0:
+        raise UserError(f"--checkpoint-every {args.checkpoint_every}: must be 0 (never) or positive")
+    return args
+
+
+def resolve_model(name: str, run_dir: Path) -> ModelSpec:
+    """A ModelSpec JSON file (absolute, or relative to the run dir), else a catalog name or config path."""
+    for candidate in (Path(name), run_dir / name):
+        if candidate.is_file() and candidate.suffix == ".json":
+            data = json.loads(candidate.read_text())
+            if isinstance(data, dict) and "blocks" in data:
+                return ModelSpec.model_validate(data)
+    try:
+        from planner.model.load import load_model
+    except ImportError:
+        raise UserError(f"model {name!r}: not a ModelSpec JSON file and the model catalog is not available")
+    return load_model(name)
+
+
+def peak_memory_bytes() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsLog:
+    """Append one JSON line per step; resumed runs add to the same file."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.fh.write(json.dumps(record) + "\n")
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+
+
+def _check_degrees(plan: PlanFile, cfg: dict[str, Any], world: int, spec: ModelSpec) -> None:
+    tp_cfg = int(cfg.get("tensor_parallel", {}).get("autotp_size", 1) or 1)
+    if tp_cfg != plan.tp:
+        raise UserError(f"ds_config.json: tensor_parallel.autotp_size is {tp_cfg} but plan.json has tp={plan.tp}; "
+                        "regenerate the run directory")
+    if plan.world_size != world:
+        raise UserError(f"plan.json: dp*tp*pp = {plan.world_size} ranks but the launcher started {world}; "
+                        "launch with as many processes as the plan needs")
+    if plan.tp > 1 and (plan.pp > 1 or spec.is_moe):
+        raise UserError("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
+                        "and MoE layers; use tp=1 for this plan")
+    if plan.pp > 1 and not plan.stage_blocks:
+        raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
+    if plan.ep > 1 and (world // plan.pp // plan.tp) % plan.ep:
+        raise UserError(f"plan.json: ep={plan.ep} must divide the data-parallel degree")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return train(parse_args(argv))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+def train(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir.resolve()
+    plan = read_plan(run_dir)
+    cfg = read_ds_config(args.deepspeed_config or run_dir / DS_CONFIG_FILE)
+    spec = resolve_model(args.model or plan.model, run_dir)
+    seq_len = args.seq_len or plan.seq_len
+
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from planner.run import checkpoint
+    from planner.run.data import SyntheticData
+    from planner.run.model_builder import ReferenceForCausalLM, build_pipeline, tiles_per_sample
+    from planner.run.model_scale import parse_scale, scale_spec
+
+    scale = parse_scale(args.scale)
+    on_cpu = get_accelerator().device_name() == "cpu"
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _check_degrees(plan, cfg, world, spec)
+
+    scaled = scale_spec(spec, scale, plan.stage_blocks or None, tp=plan.tp, ep=plan.ep)
+    small = scaled.spec
+    tiles = tiles_per_sample(small, plan.images_per_sample, plan.tiles_per_image)
+    image_tokens = tiles * small.vision.tokens_per_tile if small.vision else 0
+    if image_tokens >= seq_len:
+        raise UserError(f"plan.json: {image_tokens} image tokens at scale {scale.name} do not fit seq_len "
+                        f"{seq_len}; raise --seq-len")
+    embed = next((b for b in small.blocks if isinstance(b, VisionEmbedBlock)), None)
+    data = SyntheticData(vocab=small.vocab, seq_len=seq_len, micro_batch=plan.micro_batch,
+                         image_tokens=image_tokens, tiles=tiles,
+                         patches_per_tile=small.vision.patches_per_tile if small.vision else 0,
+                         patch_pixels=embed.patch_pixels if embed else 0, seed=args.seed)
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    if plan.pp > 1:
+        module = build_pipeline(small, scaled.parts, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute,
+                                seed=args.seed)
+    else:
+        module = ReferenceForCausalLM(small, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute)
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=cfg)
+
+    if plan.pp > 1:
+        dp_rank, stage = engine.grid.get_data_parallel_id(), engine.stage_id
+    elif plan.tp > 1:
+        from deepspeed.utils import groups
+
+        dp_rank, stage = groups.get_data_parallel_rank(), 0
+    else:
+        dp_rank, stage = rank, 0
+    dp = world // plan.pp // plan.tp
+    grad_accum = engine.gradient_accumulation_steps()
+    micro = engine.train_micro_batch_size_per_gpu()
+    if micro != plan.micro_batch:
+        raise UserError(f"ds_config.json: train_micro_batch_size_per_gpu is {micro} but plan.json has "
+                        f"micro_batch={plan.micro_batch}; regenerate the run directory")
+
+    ckpt_dir = (args.checkpoint_dir or run_dir / CHECKPOINT_DIR).resolve()
+    start_step, resumed_from = 0, None
+    if args.resume:
+        loaded = checkpoint.load(engine, ckpt_dir)
+        if loaded is not None:
+            resumed_from, state = loaded
+            start_step = int(state["step"])
+    local_params = sum(p.numel() for p in module.parameters())
+    write_json_atomic(run_dir / f"run_info.rank{rank}.json", {
+        "rank": rank, "world_size": world, "dp_rank": dp_rank, "pipeline_stage": stage,
+        "pipeline_parts": list(getattr(engine.module, "parts", scaled.parts)),
+        "planned_parts": scaled.parts, "layer_origin_blocks": scaled.origin,
+        "local_layers": [getattr(engine.module, "_local_start", 0),
+                         getattr(engine.module, "_local_stop", None) or len(small.blocks)],
+        "layer_kinds": [b.kind for b in small.blocks], "params_on_rank": local_params,
+        "model": spec.name, "scale": scale.name, "zero_stage": engine.zero_optimization_stage(),
+        "resumed_from": resumed_from, "start_step": start_step, "image_tokens": image_tokens,
+    })
+
+    log = MetricsLog(metrics_path(args.log or run_dir / DEFAULT_LOG, rank))
+    device = get_accelerator().current_device_name()
+    tokens_per_step = micro * grad_accum * dp * seq_len
+    for step in range(start_step + 1, args.steps + 1):
+        if args.fault == "step" and step == args.fault_step and rank == args.fault_rank:
+            os._exit(17)
+        start = time.perf_counter()
+        batches = [data.batch(step, m, dp_rank) for m in range(grad_accum)]
+        batches = [(tuple(t.to(device) for t in inputs), labels.to(device)) for inputs, labels in batches]
+        if plan.pp > 1:
+            loss = engine.train_batch(iter(batches)).detach().float()
+        else:
+            total = torch.zeros((), device=device)
+            for inputs, labels in batches:
+                micro_loss = engine(*inputs, labels)
+                engine.backward(micro_loss)
+                engine.step()
+                total += micro_loss.detach().float()
+            loss = total / grad_accum
+            dist.all_reduce(loss)
+            loss = loss / world
+        elapsed = time.perf_counter() - start
+        record = {"step": step, "rank": rank, "loss": float(loss), "step_time_s": elapsed,
+                  "tokens_per_s": tokens_per_step / elapsed, "tokens": tokens_per_step,
+                  "peak_memory_bytes": peak_memory_bytes(), "time": time.time()}
+        log.write(record)
+        if rank == 0:
+            print(f"step {step}/{args.steps} loss {record['loss']:.4f} step_time {elapsed:.3f}s "
+                  f"tokens/s {record['tokens_per_s']:.0f} peak_mem {record['peak_memory_bytes'] / 2**20:.0f}MiB",
+                  flush=True)
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            if args.fault == "save" and step == args.fault_step:
+                engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.tag_for(step), save_latest=False)
+                os._exit(18)  # files written, never published
+            checkpoint.save(engine, ckpt_dir, step, {"step": step, "tokens_per_step": tokens_per_step})
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
