@@ -46,7 +46,7 @@ def models(ctx: click.Context, as_json: bool) -> None:
         row["aliases"] = preset_info(name).get("aliases", [])
         rows.append(row)
     if as_json:
-        print_json({"models": rows})
+        print_json(rows)
         return
     table = Table(title="dsplan model presets", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
                   padding=(0, 1, 0, 0))
