@@ -257,14 +257,14 @@ def _decoders(lm: ConfigReader, family: Family, hidden: int, layers: int) -> lis
         dense_block = dense(lm.get_int(K.FFN)) if first_dense or freq > 1 else None
         return [moe_block if (i >= first_dense and i % freq == 0) else dense_block for i in range(layers)]
     if lm.config.get("num_local_experts"):  # Mixtral: every layer, expert width = intermediate_size
-        top_k = lm.get_int("num_experts_per_tok", 2)
-        block = moe(MoEMLP(routed_experts=lm.get_int("num_local_experts"), top_k=top_k,
-                           expert_ffn=lm.get_int(K.FFN), act=act))
+        routed = lm.get_int("num_local_experts")
+        block = moe(MoEMLP(routed_experts=routed, top_k=_top_k(lm, routed, 2), expert_ffn=lm.get_int(K.FFN), act=act))
         return [block] * layers
     if lm.config.get("num_experts"):  # Qwen-MoE
+        routed = lm.get_int("num_experts")
         mlp = MoEMLP(
-            routed_experts=lm.get_int("num_experts"),
-            top_k=lm.get_int("num_experts_per_tok"),
+            routed_experts=routed,
+            top_k=_top_k(lm, routed),
             expert_ffn=lm.get_int("moe_intermediate_size"),
             shared_experts=1 if lm.config.get("shared_expert_intermediate_size") else 0,
             shared_ffn=lm.get_int("shared_expert_intermediate_size", 0, minimum=0),
@@ -283,9 +283,14 @@ def _deepseek_moe(lm: ConfigReader, act: str) -> MoEMLP:
     expert_ffn = lm.get_int("moe_intermediate_size")
     shared = lm.get_int("n_shared_experts", 0, minimum=0)
     routed = lm.get_int("n_routed_experts")
-    top_k = lm.get_int("num_experts_per_tok")
-    if top_k > routed:
-        lm.fail("num_experts_per_tok", f"({top_k}) exceeds n_routed_experts ({routed})")
+    top_k = _top_k(lm, routed)
     method = lm.get_str("topk_method", "greedy")
     return MoEMLP(routed_experts=routed, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared,
                   shared_ffn=shared * expert_ffn, gate_bias=method == "noaux_tc", act=act)
+
+
+def _top_k(lm: ConfigReader, routed: int, default: object = K._MISSING) -> int:
+    top_k = lm.get_int("num_experts_per_tok", default)
+    if top_k > routed:
+        lm.fail("num_experts_per_tok", f"({top_k}) exceeds the number of routed experts ({routed})")
+    return top_k
