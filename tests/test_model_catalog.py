@@ -15,7 +15,7 @@ import pytest
 
 import planner.model
 from planner.errors import UserError
-from planner.model.catalog import PRESETS_DIR, list_presets, load_model, load_preset, preset_info
+from planner.model.catalog import PRESETS_DIR, list_presets, load_model, load_model_with_warnings, load_preset, preset_info
 from planner.model.spec import MoEMLP, NormBlock, VisionBlock
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "models"
@@ -208,3 +208,11 @@ def test_every_preset_header_is_complete_and_its_config_explicit():
         # presets spell out every field, except BLOOM whose configs have no length / FFN keys
         expected = ["max_position_embeddings", "intermediate_size"] if doc["name"] == "bloom-176b" else []
         assert spec.defaulted == expected, doc["name"]
+
+
+def test_load_model_with_warnings_returns_the_messages():
+    data = Path(__file__).parent / "data" / "hf_configs"
+    spec, messages = load_model_with_warnings(str(data / "unknown_type.json"))
+    assert spec.family == "fancy_llm"
+    assert len(messages) == 1 and "fancy_llm" in messages[0] and "dsplan models show" in messages[0]
+    assert load_model_with_warnings("vl2") == (load_model("vl2"), [])

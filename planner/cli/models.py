@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import click
@@ -10,8 +9,13 @@ from rich import box
 from rich.table import Table
 
 from planner.cli.output import console, err_console, human_count, json_option, print_json
-from planner.model.catalog import list_presets, load_model, load_preset, preset_info, resolve_preset_name
-from planner.model.hf_import import HFImportWarning
+from planner.model.catalog import (
+    list_presets,
+    load_model_with_warnings,
+    load_preset,
+    preset_info,
+    resolve_preset_name,
+)
 from planner.model.summary import model_summary
 
 
@@ -77,14 +81,9 @@ def show(model: str, as_json: bool) -> None:
       dsplan models show deepseek-vl2
       dsplan models show ./my-model/config.json --json
     """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", HFImportWarning)
-        spec = load_model(model)
-    for w in caught:
-        if issubclass(w.category, HFImportWarning):
-            err_console.print(f"warning: {w.message}")
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    spec, messages = load_model_with_warnings(model)
+    for message in messages:
+        err_console.print(f"warning: {message}")
     summary = model_summary(spec, blocks=True)
     preset = resolve_preset_name(model)
     info = preset_info(preset) if preset else {}

@@ -12,11 +12,12 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 from planner.errors import UserError
-from planner.model.hf_import import spec_from_hf_config
+from planner.model.hf_import import HFImportWarning, spec_from_hf_config
 from planner.model.hf_keys import read_config_file
 from planner.model.spec import ModelSpec
 
@@ -107,6 +108,20 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     if path.suffix == ".json" or "/" in text or "\\" in text:
         raise UserError(f"{path}: no such file; give an existing config.json or a preset name (see `dsplan models`)")
     raise _unknown(text)
+
+
+def load_model_with_warnings(name_or_path: str | Path) -> tuple[ModelSpec, list[str]]:
+    """``load_model`` plus the import warnings as messages, for a CLI to print to stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", HFImportWarning)
+        spec = load_model(name_or_path)
+    messages = []
+    for w in caught:
+        if issubclass(w.category, HFImportWarning):
+            messages.append(str(w.message))
+        else:  # not ours: hand it back to the normal machinery
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return spec, messages
 
 
 def _load_file(path: Path) -> ModelSpec:
