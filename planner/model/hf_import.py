@@ -136,9 +136,9 @@ def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
 
     ds = DEEPSEEK_DEFAULTS if family.deepseek else {}
     hidden = lm.get_int(K.HIDDEN)
-    layers = lm.get_int(K.LAYERS, ds.get("layers", K._MISSING))
-    vocab = lm.get_int(K.VOCAB, ds.get("vocab", K._MISSING))
-    default_seq = ds.get("max_seq") or family.default_max_seq or K._MISSING
+    layers = lm.get_int(K.LAYERS, ds.get("layers", K.REQUIRED))
+    vocab = lm.get_int(K.VOCAB, ds.get("vocab", K.REQUIRED))
+    default_seq = ds.get("max_seq") or family.default_max_seq or K.REQUIRED
     max_seq = lm.get_int(K.MAX_SEQ, default_seq)
     tied = lm.get_bool(K.TIED, family.tied) if (lm.has(*K.TIED) or family is _GENERIC) else family.tied
 
@@ -203,7 +203,7 @@ def _activation(lm: ConfigReader, family: Family) -> str:
 
 def _attention(lm: ConfigReader, family: Family, hidden: int) -> Attention:
     ds = DEEPSEEK_DEFAULTS if family.deepseek else {}
-    heads = lm.get_int(K.HEADS, ds.get("heads", K._MISSING))
+    heads = lm.get_int(K.HEADS, ds.get("heads", K.REQUIRED))
     use_mla = family.deepseek and (lm.get_bool("use_mla", True) if family.vision or "use_mla" in lm.config else True)
     if use_mla:
         kv_heads = lm.get_int(K.KV_HEADS, heads)  # MLA: every head has its own K and V
@@ -249,7 +249,7 @@ def _decoders(lm: ConfigReader, family: Family, hidden: int, layers: int) -> lis
     def moe(mlp: MoEMLP) -> DecoderBlock:
         return DecoderBlock(hidden=hidden, attention=attn, norm=norm, mlp=mlp)
 
-    ffn_default = family.default_ffn_ratio * hidden if family.default_ffn_ratio else K._MISSING
+    ffn_default = family.default_ffn_ratio * hidden if family.default_ffn_ratio else K.REQUIRED
     if lm.config.get("n_routed_experts"):  # DeepSeekMoE
         moe_block = moe(_deepseek_moe(lm, act))
         first_dense = lm.get_int("first_k_dense_replace", 0, minimum=0)
@@ -289,7 +289,7 @@ def _deepseek_moe(lm: ConfigReader, act: str) -> MoEMLP:
                   shared_ffn=shared * expert_ffn, gate_bias=method == "noaux_tc", act=act)
 
 
-def _top_k(lm: ConfigReader, routed: int, default: object = K._MISSING) -> int:
+def _top_k(lm: ConfigReader, routed: int, default: object = K.REQUIRED) -> int:
     top_k = lm.get_int("num_experts_per_tok", default)
     if top_k > routed:
         lm.fail("num_experts_per_tok", f"({top_k}) exceeds the number of routed experts ({routed})")

@@ -26,7 +26,7 @@ VOCAB = ("vocab_size",)
 MAX_SEQ = ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len")
 TIED = ("tie_word_embeddings",)
 
-_MISSING = object()
+REQUIRED: Any = object()  # sentinel default: the key must be present
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -101,7 +101,7 @@ class ConfigReader:
         key = self.find(keys)
         if key is not None:
             return key, self.config[key]
-        if default is _MISSING:
+        if default is REQUIRED:
             raise UserError(
                 f"{self.source}: missing required key {' / '.join(self.path(k) for k in keys)}; "
                 "add it to the file"
@@ -110,7 +110,7 @@ class ConfigReader:
         self.defaulted.append(self.path(name))
         return name, default
 
-    def get_int(self, keys: tuple[str, ...] | str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+    def get_int(self, keys: tuple[str, ...] | str, default: Any = REQUIRED, *, minimum: int = 1) -> int:
         """An integer >= minimum (integral floats such as 4096.0 are accepted)."""
         keys = (keys,) if isinstance(keys, str) else keys
         key, value = self._raw(keys, default)
@@ -135,7 +135,7 @@ class ConfigReader:
             return default
         return self.get_int(key, minimum=minimum)
 
-    def get_float(self, keys: tuple[str, ...] | str, default: Any = _MISSING) -> float:
+    def get_float(self, keys: tuple[str, ...] | str, default: Any = REQUIRED) -> float:
         keys = (keys,) if isinstance(keys, str) else keys
         key, value = self._raw(keys, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -144,14 +144,14 @@ class ConfigReader:
             self.fail(key, f"must be positive, got {value}")
         return float(value)
 
-    def get_bool(self, keys: tuple[str, ...] | str, default: Any = _MISSING) -> bool:
+    def get_bool(self, keys: tuple[str, ...] | str, default: Any = REQUIRED) -> bool:
         keys = (keys,) if isinstance(keys, str) else keys
         key, value = self._raw(keys, default)
         if not isinstance(value, bool):
             self.fail(key, f"must be true or false, got {_kind(value)}")
         return value
 
-    def get_str(self, keys: tuple[str, ...] | str, default: Any = _MISSING) -> str:
+    def get_str(self, keys: tuple[str, ...] | str, default: Any = REQUIRED) -> str:
         keys = (keys,) if isinstance(keys, str) else keys
         key, value = self._raw(keys, default)
         if not isinstance(value, str):
