@@ -1,0 +1,199 @@
+"""Megatron-LM / Megatron-DeepSpeed command-line flags for the same plan.
+
+Flag names follow Megatron-LM's argument parser (megatron/training/arguments.py) and, for the
+DeepSpeed-specific ones, Megatron-DeepSpeed's (megatron/arguments.py plus
+``deepspeed.add_config_arguments``). tests/test_emit_scripts.py keeps the list of known flags
+and checks every emitted one against it.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from planner.emit.ds_config import TrainSettings, moe_layer_indices
+from planner.emit.plan_file import PlanFile
+from planner.model.spec import DecoderBlock, DenseMLP, EmbeddingBlock, LMHeadBlock, ModelSpec, MoEMLP
+
+
+class Arg(BaseModel):
+    """One flag and its value; ``raw`` values are shell expressions (e.g. "$RUN_DIR/ds_config.json")."""
+
+    model_config = ConfigDict(frozen=True)
+
+    flag: str
+    value: str | None = None
+    raw: bool = False
+
+
+def _a(flag: str, value: object = None, raw: bool = False) -> Arg:
+    if isinstance(value, float):
+        value = format(value, ".6g")
+    return Arg(flag=flag, value=None if value is None else str(value), raw=raw)
+
+
+def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
+    first: DecoderBlock = model.decoder_blocks[0]
+    attn = first.attention
+    args = [
+        _a("--num-layers", model.num_layers),
+        _a("--hidden-size", model.hidden),
+        _a("--num-attention-heads", attn.heads),
+        _a("--seq-length", plan.seq_len),
+        _a("--max-position-embeddings", max(model.max_seq_len, plan.seq_len)),
+        _a("--vocab-size", model.vocab),
+    ]
+    dense = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, DenseMLP)), None)
+    moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
+    ffn = dense.ffn if dense is not None else (moe.expert_ffn if moe is not None else None)
+    if ffn:
+        args.append(_a("--ffn-hidden-size", ffn))
+    if attn.kind == "mla":
+        m = attn.mla
+        assert m is not None
+        args.append(_a("--multi-latent-attention"))
+        if m.q_lora_rank:
+            args.append(_a("--q-lora-rank", m.q_lora_rank))
+        args += [
+            _a("--kv-lora-rank", m.kv_lora_rank),
+            _a("--qk-head-dim", m.qk_nope_head_dim),
+            _a("--qk-pos-emb-head-dim", m.qk_rope_head_dim),
+            _a("--v-head-dim", m.v_head_dim),
+        ]
+    else:
+        args.append(_a("--kv-channels", attn.head_dim))
+        if attn.kv_heads < attn.heads:
+            args += [_a("--group-query-attention"), _a("--num-query-groups", attn.kv_heads)]
+    act = (dense or moe).act if (dense or moe) else "swiglu"
+    if act == "swiglu":
+        args.append(_a("--swiglu"))
+    args.append(_a("--normalization", "RMSNorm" if first.norm == "rmsnorm" else "LayerNorm"))
+    embedding = next(b for b in model.blocks if isinstance(b, EmbeddingBlock))
+    args.append(_a("--position-embedding-type", "learned_absolute" if embedding.learned_positions else "rope"))
+    head = next((b for b in model.blocks if isinstance(b, LMHeadBlock)), None)
+    if head is not None and not head.tied:
+        args.append(_a("--untie-embeddings-and-output-weights"))
+    linear_bias = attn.out_bias or (dense is not None and dense.bias)
+    if not linear_bias:
+        args.append(_a("--disable-bias-linear"))
+        if attn.qkv_bias:
+            args.append(_a("--add-qkv-bias"))
+    return args
+
+
+def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
+    """Virtual stages and the planner's uneven split of decoder layers over pipeline stages."""
+    args: list[Arg] = []
+    if plan.virtual_stages > 1:
+        args.append(_a("--num-virtual-stages-per-pipeline-rank", plan.virtual_stages))
+        return args
+    if plan.pp == 1 or not plan.stage_blocks or len(plan.stage_blocks) != plan.pp or plan.framework == "megatron-deepspeed":
+        return args
+    decoder_at = [i for i, b in enumerate(model.blocks) if isinstance(b, DecoderBlock)]
+    per_stage = [sum(1 for i in decoder_at if first <= i < last) for first, last in plan.stage_blocks]
+    if len(set(per_stage)) == 1 or model.is_vlm:
+        return args  # even split: Megatron's default; VLM towers are placed by the entry
+    middle = per_stage[1:-1]
+    if plan.pp > 2 and len(set(middle)) == 1:
+        args += [
+            _a("--decoder-first-pipeline-num-layers", per_stage[0]),
+            _a("--decoder-last-pipeline-num-layers", per_stage[-1]),
+        ]
+    else:
+        stages = ["t" * n for n in per_stage]
+        stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+        args.append(_a("--pipeline-model-parallel-layout", "|".join(stages)))
+    return args
+
+
+def _moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
+    moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
+    if moe is None or plan.framework == "megatron-deepspeed":
+        return []
+    layers = moe_layer_indices(model)
+    pattern = "[" + ",".join("1" if i in set(layers) else "0" for i in range(model.num_layers)) + "]"
+    args = [
+        _a("--num-experts", moe.routed_experts),
+        _a("--moe-router-topk", moe.top_k),
+        _a("--moe-ffn-hidden-size", moe.expert_ffn),
+        _a("--expert-model-parallel-size", plan.ep),
+        _a("--moe-layer-freq", pattern),
+        _a("--moe-token-dispatcher-type", "alltoall"),
+        _a("--moe-router-load-balancing-type", "aux_loss"),
+        _a("--moe-aux-loss-coeff", "0.001"),
+    ]
+    if moe.shared_ffn:
+        args.append(_a("--moe-shared-expert-intermediate-size", moe.shared_ffn))
+    return args
+
+
+def _training_args(plan: PlanFile, settings: TrainSettings) -> list[Arg]:
+    args = [
+        _a("--tensor-model-parallel-size", plan.tp),
+        _a("--pipeline-model-parallel-size", plan.pp),
+        _a("--micro-batch-size", plan.micro_batch),
+        _a("--global-batch-size", plan.global_batch),
+        _a("--train-iters", settings.steps),
+        _a("--lr", settings.lr),
+        _a("--min-lr", settings.lr * settings.min_lr_ratio),
+        _a("--lr-decay-style", settings.scheduler),
+        _a("--lr-warmup-iters", settings.warmup),
+        _a("--weight-decay", settings.weight_decay),
+        _a("--clip-grad", settings.grad_clip),
+        _a("--optimizer", "sgd" if plan.optimizer == "sgd" else "adam"),
+    ]
+    if plan.optimizer != "sgd":
+        args += [_a("--adam-beta1", settings.betas[0]), _a("--adam-beta2", settings.betas[1]), _a("--adam-eps", settings.eps)]
+    if plan.sequence_parallel:
+        args.append(_a("--sequence-parallel"))
+    if plan.precision in ("bf16", "fp16"):
+        args.append(_a(f"--{plan.precision}"))
+    if plan.recompute == "selective":
+        args.append(_a("--recompute-granularity", "selective"))
+    elif plan.recompute == "full":
+        args += [_a("--recompute-granularity", "full"), _a("--recompute-method", "uniform"), _a("--recompute-num-layers", 1)]
+    if plan.framework != "megatron-deepspeed" and plan.zero_stage >= 1:
+        # Megatron-LM's ZeRO-1 is the distributed optimizer (optimizer states sharded over DP);
+        # Megatron-DeepSpeed hands ZeRO to DeepSpeed instead (--zero-stage below).
+        args += [_a("--use-distributed-optimizer"), _a("--overlap-grad-reduce"), _a("--overlap-param-gather")]
+        if plan.offload != "none":
+            args.append(_a("--optimizer-cpu-offload"))
+    args.append(_a("--log-interval", settings.steps_per_print))
+    if settings.checkpoint_every:
+        args.append(_a("--save-interval", settings.checkpoint_every))
+    return args
+
+
+def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings | None = None) -> list[Arg]:
+    """The plan in Megatron-LM's own flags.
+
+    For ``megatron`` plans this is the launch; for ``deepspeed`` plans it is the same layout
+    translated (ZeRO >= 1 as the distributed optimizer, EP as expert-model-parallel); for
+    ``megatron-deepspeed`` plans ZeRO and MoE go to DeepSpeed (``megatron_deepspeed_args``).
+    """
+    settings = settings or TrainSettings()
+    return _training_args(plan, settings) + _pipeline_args(model, plan) + _model_args(model, plan) + _moe_args(model, plan)
+
+
+def megatron_deepspeed_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
+    """The extra flags Megatron-DeepSpeed needs to hand the plan's ZeRO/MoE settings to DeepSpeed."""
+    if plan.framework != "megatron-deepspeed":
+        return []
+    args = [
+        _a("--deepspeed"),
+        _a("--deepspeed_config", '"$RUN_DIR/ds_config.json"', raw=True),
+        _a("--zero-stage", plan.zero_stage),
+    ]
+    if plan.pp == 1:
+        args.append(_a("--no-pipeline-parallel"))
+    if plan.recompute != "none":
+        args.append(_a("--deepspeed-activation-checkpointing"))
+    moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
+    if moe is not None:
+        args += [
+            _a("--num-experts", moe.routed_experts),
+            _a("--moe-expert-parallel-size", plan.ep),
+            _a("--topk", moe.top_k),
+        ]
+        if moe.shared_experts:
+            args += [_a("--mlp-type", "residual")]
+    return args

@@ -1,0 +1,84 @@
+"""NCCL (and torch.distributed) environment for the hardware profile's fabric.
+
+The run directory's ``nccl.env`` exports each variable only when the user has not set it
+already, so a site's own settings win. Values come from the profile (fabric kind, GPUDirect
+RDMA, NVLink SHARP) or from the user (HCA list, socket interface) and are checked against a
+conservative character set before they are written into a shell file.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict
+
+from planner.emit.plan_file import PlanFile
+from planner.errors import UserError
+from planner.hardware.profile import HardwareProfile
+
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:^=/+-]+")
+
+
+class EnvVar(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    value: str
+    why: str
+
+
+def check_env_value(value: str, source: str) -> str:
+    if not _SAFE_VALUE.fullmatch(value):
+        raise UserError(
+            f"{source}: {value!r} has characters that are not allowed in an environment value; "
+            "use letters, digits and _ . , : ^ = / + -"
+        )
+    return value
+
+
+def nccl_env(
+    profile: HardwareProfile,
+    plan: PlanFile,
+    *,
+    ib_hca: str | None = None,
+    socket_ifname: str | None = None,
+) -> list[EnvVar]:
+    """The variables for ``nccl.env``, in the order they are written."""
+    fabric = profile.fabric.kind
+    nics = profile.node.nics
+    env: list[EnvVar] = []
+
+    def add(name: str, value: str, why: str) -> None:
+        env.append(EnvVar(name=name, value=value, why=why))
+
+    ifname = check_env_value(socket_ifname, "--socket-ifname") if socket_ifname else "^lo,docker"
+    add("NCCL_SOCKET_IFNAME", ifname, "interfaces for NCCL's bootstrap and socket transport ('^' excludes prefixes)")
+    if fabric == "ethernet":
+        add("NCCL_IB_DISABLE", "1", "plain Ethernet fabric: no verbs devices, use sockets")
+    else:
+        add("NCCL_IB_DISABLE", "0", f"{fabric} fabric: use the verbs (IB/RoCE) transport")
+        hca = check_env_value(ib_hca, "--ib-hca") if ib_hca else "mlx5"
+        add(
+            "NCCL_IB_HCA",
+            hca,
+            f"HCAs for the compute fabric ({nics.count} per node in the profile); a prefix matches every port, "
+            "list the compute HCAs (e.g. mlx5_0,mlx5_1) when storage HCAs share the prefix",
+        )
+        # 4.096 us x 2^22 ~ 17 s before a verbs retry: survives fabric congestion at scale.
+        add("NCCL_IB_TIMEOUT", "22", "verbs timeout exponent (4.096 us x 2^22 per retry)")
+        add("NCCL_IB_RETRY_CNT", "7", "verbs retries before NCCL reports a network error")
+        if fabric == "roce":
+            add("NCCL_IB_GID_INDEX", "3", "RoCE v2 over IPv4 uses GID index 3 on ConnectX NICs")
+        if nics.gpudirect_rdma:
+            level = "PIX" if nics.gpus_per_nic == 1 else "PXB"
+            add("NCCL_NET_GDR_LEVEL", level, "GPUDirect RDMA between a GPU and the NIC on its PCIe switch")
+        else:
+            add("NCCL_NET_GDR_LEVEL", "LOC", "the profile has no GPUDirect RDMA: stage through host memory")
+    if profile.node.intra.nvls:
+        add("NCCL_NVLS_ENABLE", "1", "NVLink SHARP in-switch reductions (NVSwitch gen 3)")
+    if plan.framework != "deepspeed" and plan.tp > 1:
+        # Megatron-LM orders TP communication and compute on one stream queue; it asserts this.
+        add("CUDA_DEVICE_MAX_CONNECTIONS", "1", "Megatron tensor/sequence parallel overlap needs one hardware queue")
+    add("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "a failed or timed-out collective aborts the job instead of hanging")
+    add("NCCL_DEBUG", "WARN", "NCCL prints warnings and errors only (INFO when debugging)")
+    return env

@@ -1,0 +1,126 @@
+"""plan.json at the edge: the part of a plan that emit needs, validated.
+
+A plan file is what ``Plan.to_json()`` (and ``dsplan estimate --json``) produce. Emit reads only
+the parallel layout, the batch split and the workload; predictions ride along untouched
+(``extra="allow"``) so plan.json in the run directory keeps everything the planner said.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+from planner.cost.parallel import Framework, Offload, Optimizer, ParallelConfig, Precision, Recompute, Workload
+from planner.errors import UserError, describe_validation_error
+
+
+class PlanFile(BaseModel):
+    """One plan: degrees, ZeRO, batch split, workload (plus any predictions, kept as they are)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    model: str
+    hardware: str = "dgx-a100-80g"
+    nodes: PositiveInt
+    gpus_per_node: PositiveInt
+    framework: Framework = "deepspeed"
+    dp: PositiveInt
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    ep: PositiveInt = 1
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    offload: Offload = "none"
+    micro_batch: PositiveInt
+    grad_accum: PositiveInt = 1
+    global_batch: PositiveInt
+    seq_len: PositiveInt
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    virtual_stages: PositiveInt = 1
+    precision: Precision = "bf16"
+    optimizer: Optimizer = "adamw"
+    stage_blocks: list[tuple[int, int]] | None = None
+    images_per_sample: int = Field(0, ge=0)
+    tiles_per_image: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PlanFile":
+        world = self.nodes * self.gpus_per_node
+        if self.dp * self.tp * self.pp != world:
+            raise ValueError(
+                f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.dp * self.tp * self.pp} "
+                f"but nodes x gpus_per_node = {world}"
+            )
+        if self.micro_batch * self.grad_accum * self.dp != self.global_batch:
+            raise ValueError(
+                f"global_batch ({self.global_batch}) must equal micro_batch x grad_accum x dp "
+                f"= {self.micro_batch} x {self.grad_accum} x {self.dp}"
+            )
+        if self.stage_blocks is not None:
+            chunks = self.pp * self.virtual_stages
+            if len(self.stage_blocks) not in (self.pp, chunks):
+                raise ValueError(f"stage_blocks has {len(self.stage_blocks)} stages; the plan has pp={self.pp}")
+            previous_end = self.stage_blocks[0][0]
+            for first, last in self.stage_blocks:
+                if first != previous_end or last <= first:
+                    raise ValueError("stage_blocks must be contiguous, non-empty [first, last) ranges in order")
+                previous_end = last
+        self.parallel_config()  # the degree rules (ep | dp, offload needs ZeRO, ...)
+        return self
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero_stage=self.zero_stage, offload=self.offload,
+            micro_batch=self.micro_batch, grad_accum=self.grad_accum, recompute=self.recompute,
+            sequence_parallel=self.sequence_parallel, virtual_stages=self.virtual_stages, framework=self.framework,
+        )
+
+    def workload(self) -> Workload:
+        return Workload(
+            global_batch=self.global_batch, seq_len=self.seq_len, images_per_sample=self.images_per_sample,
+            tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything the plan file held (predictions included), in a JSON-ready dict."""
+        data = self.model_dump(mode="json")
+        if data.get("stage_blocks") is not None:
+            data["stage_blocks"] = [list(pair) for pair in data["stage_blocks"]]
+        return data
+
+
+def plan_from_dict(data: Any, source: str = "plan") -> PlanFile:
+    """Validate a plan dict; any problem is a UserError naming ``source`` and the field."""
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a JSON object with the plan's fields (model, dp, tp, pp, ...)")
+    try:
+        return PlanFile.model_validate(data)
+    except ValidationError as err:
+        raise UserError(describe_validation_error(source, err) + "; write it with `dsplan estimate --json` or `dsplan suggest --json`") from None
+
+
+def load_plan_file(path: str | Path) -> PlanFile:
+    """Read a plan.json (one plan, or a ``suggest --json`` answer whose first plan is taken)."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--plan {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--plan {p}: cannot read it ({err.__class__.__name__}: {err})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"--plan {p}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+    if isinstance(data, dict) and isinstance(data.get("plans"), list) and "dp" not in data:
+        if not data["plans"]:
+            raise UserError(f"--plan {p}: the file lists no plans")
+        data = data["plans"][0]
+    return plan_from_dict(data, f"--plan {p}")

@@ -1,0 +1,182 @@
+"""Render a plan into the files of a run directory, all in memory.
+
+``render_run_dir`` is a pure function: plan + model + hardware profile + launch options in,
+``{file name: GeneratedFile}`` out. Nothing touches the disk here; planner/emit/write.py
+writes the result (atomically, protecting user edits).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shlex
+from pathlib import Path
+
+import jinja2
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner import __version__
+from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
+from planner.emit.hosts import Host
+from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args
+from planner.emit.nccl import nccl_env
+from planner.emit.plan_file import PlanFile
+from planner.errors import UserError
+from planner.hardware.profile import HardwareProfile
+from planner.model.spec import ModelSpec
+from planner.resources import templates_dir
+
+BUILTIN_ENTRY = "builtin"
+DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
+EXECUTABLE = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch", "megatron_args.sh")
+# Rendered from templates/<name>.j2, in this order.
+TEMPLATED = (
+    "entry.sh", "hostfile", "nccl.env", "launch_deepspeed.sh", "launch_torchrun.sh",
+    "slurm.sbatch", "k8s-job.yaml", "megatron_args.sh", "README.md",
+)
+
+
+class GeneratedFile(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    content: str
+    executable: bool = False
+
+
+class LaunchOptions(BaseModel):
+    """How the plan is launched: the entry, its arguments, the hosts, and site settings."""
+
+    model_config = ConfigDict(frozen=True)
+
+    entry: str = BUILTIN_ENTRY  # "builtin" or an absolute path to the user's training script
+    entry_args: list[str] = Field(default_factory=list)
+    hosts: list[Host] | None = None  # None: placeholder host names in the hostfile
+    master_port: int = Field(29500, ge=1024, le=65535)
+    image: str = DEFAULT_IMAGE
+    k8s_pvc: str = "dsplan-runs"
+    ib_hca: str | None = None
+    socket_ifname: str | None = None
+    settings: TrainSettings = Field(default_factory=TrainSettings)
+
+
+def run_name(out_dir: str | Path) -> str:
+    """A name valid for SLURM jobs and Kubernetes objects (an RFC 1123 label)."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", Path(out_dir).resolve().name.lower()).strip("-")[:50].strip("-")
+    return slug if slug and slug[0].isalpha() else f"dsplan-{slug}".strip("-")
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def plan_title(plan: PlanFile, model: ModelSpec) -> str:
+    parts = [f"dp{plan.dp}", f"tp{plan.tp}", f"pp{plan.pp}"]
+    if plan.ep > 1:
+        parts.append(f"ep{plan.ep}")
+    return f"{model.name} {'-'.join(parts)} zero{plan.zero_stage} mb{plan.micro_batch}x{plan.grad_accum}"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _predictions(plan: PlanFile) -> list[tuple[str, str]]:
+    extra = plan.model_extra or {}
+    rows: list[tuple[str, str]] = []
+    memory = extra.get("memory")
+    if isinstance(memory, dict) and isinstance(memory.get("peak_bytes"), (int, float)):
+        rows.append(("predicted peak memory per GPU", f"{memory['peak_bytes'] / 2**30:.1f} GiB"))
+    if isinstance(extra.get("step_time_s"), (int, float)):
+        rows.append(("predicted step time", f"{extra['step_time_s']:.3f} s"))
+    if isinstance(extra.get("tokens_per_s"), (int, float)):
+        rows.append(("predicted throughput", f"{_count(extra['tokens_per_s'])} tokens/s"))
+    if isinstance(extra.get("mfu"), (int, float)):
+        rows.append(("predicted MFU", f"{100 * extra['mfu']:.1f}%"))
+    if extra.get("fits") is False:
+        rows.append(("fits", "NO: the planner predicts this plan runs out of memory"))
+    return rows
+
+
+def _hosts(plan: PlanFile, options: LaunchOptions) -> list[Host]:
+    if options.hosts is not None:
+        return options.hosts
+    if plan.nodes == 1:
+        return [Host(name="localhost", slots=plan.gpus_per_node)]
+    return [Host(name=f"node{i}", slots=plan.gpus_per_node) for i in range(plan.nodes)]
+
+
+def render_run_dir(
+    plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options: LaunchOptions, out_dir: str | Path = "run"
+) -> dict[str, GeneratedFile]:
+    """Every file of the run directory, rendered and checked in memory."""
+    if plan.gpus_per_node > profile.gpus_per_node:
+        raise UserError(
+            f"plan: {plan.gpus_per_node} GPUs per node, but hardware profile {profile.name} has {profile.gpus_per_node}"
+        )
+    settings = options.settings
+    ds_config = build_ds_config(plan, model, settings)
+    moe = build_moe_config(plan, model)
+    hosts = _hosts(plan, options)
+    name = run_name(out_dir)
+    builtin = options.entry == BUILTIN_ENTRY
+    k8s_roles = [("Master", 1)] + ([("Worker", plan.nodes - 1)] if plan.nodes > 1 else [])
+    context = {
+        "plan": plan,
+        "model": model,
+        "profile": profile,
+        "settings": settings,
+        "plan_title": plan_title(plan, model),
+        "run_name": name,
+        "run_dir_hint": shlex.quote(str(Path(out_dir))),
+        "version": __version__,
+        "params": _count(model.total_params()),
+        "predictions": _predictions(plan),
+        "builtin": builtin,
+        "entry": options.entry,
+        "entry_args": options.entry_args,
+        "moe": moe is not None,
+        "hosts": hosts,
+        "hosts_given": options.hosts is not None or plan.nodes == 1,
+        "first_host": hosts[0].name,
+        "master_port": options.master_port,
+        "env": nccl_env(profile, plan, ib_hca=options.ib_hca, socket_ifname=options.socket_ifname),
+        "lm_args": megatron_lm_args(model, plan, settings),
+        "ds_args": megatron_deepspeed_args(model, plan),
+        "k8s": {"roles": k8s_roles, "image": options.image, "pvc": options.k8s_pvc, "mount": "/workspace/runs"},
+    }
+    env = _environment()
+    files: dict[str, GeneratedFile] = {
+        "ds_config.json": GeneratedFile(content=json.dumps(ds_config, indent=2) + "\n"),
+        "plan.json": GeneratedFile(content=json.dumps(plan.to_json(), indent=2) + "\n"),
+    }
+    if moe is not None:
+        files["moe.json"] = GeneratedFile(content=json.dumps(moe, indent=2) + "\n")
+    for template in TEMPLATED:
+        text = env.get_template(f"{template}.j2").render(context)
+        files[template] = GeneratedFile(content=text, executable=template in EXECUTABLE)
+    _self_check(files)
+    return files
+
+
+def _self_check(files: dict[str, GeneratedFile]) -> None:
+    """Catch a broken render before anything is written (a bug, not a user error)."""
+    for name, generated in files.items():
+        if name.endswith(".json"):
+            json.loads(generated.content)
+    job = yaml.safe_load(files["k8s-job.yaml"].content)
+    assert job["kind"] == "PyTorchJob", "k8s-job.yaml did not render a PyTorchJob"

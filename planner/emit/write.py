@@ -1,0 +1,123 @@
+"""Write a rendered run directory: atomically, and never over a file the user changed.
+
+``.dsplan-manifest.json`` records the sha256 of every file dsplan wrote. On regeneration a file
+on disk may be replaced only if it still has the content dsplan generated last time (or
+already has the new content); anything else is a user edit, and the whole write is refused
+(listing the files) unless ``force``. Every check runs before the first byte is written, and
+each file goes to a temporary name first and is renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner import __version__
+from planner.emit.render import GeneratedFile
+from planner.errors import UserError
+
+MANIFEST = ".dsplan-manifest.json"
+
+
+class WriteReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    out_dir: str
+    written: list[str] = Field(default_factory=list)  # new or changed files
+    unchanged: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)  # generated last time, not any more
+    replaced_edits: list[str] = Field(default_factory=list)  # user edits overwritten by --force
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_manifest(out_dir: Path) -> dict[str, str]:
+    """File name -> sha256 of what dsplan generated last time ({} when there is no manifest)."""
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        files = data["files"]
+        if isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            return files
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    raise UserError(f"{path}: the manifest is damaged, so dsplan cannot tell which files you edited; remove it or use --force")
+
+
+def _atomic_write(path: Path, content: str, executable: bool) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o755 if executable else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force: bool = False) -> WriteReport:
+    """Write ``files`` into ``out_dir`` (created if needed); refuse to clobber user edits."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory; pick a directory path")
+    previous = read_manifest(out) if out.is_dir() else {}
+
+    written, unchanged, edited = [], [], []
+    for name, generated in files.items():
+        path = out / name
+        new_sha = sha256_text(generated.content)
+        if not path.exists():
+            written.append(name)
+            continue
+        if path.is_dir():
+            raise UserError(f"--out {out}: {name} is a directory where dsplan writes a file; move it away")
+        current = _sha256_file(path)
+        if current == new_sha:
+            unchanged.append(name)
+        elif previous.get(name) == current:
+            written.append(name)
+        else:
+            edited.append(name)
+    stale = [n for n in previous if n not in files and (out / n).is_file()]
+    stale_edited = [n for n in stale if _sha256_file(out / n) != previous[n]]
+    if (edited or stale_edited) and not force:
+        listing = ", ".join(sorted(edited + stale_edited))
+        raise UserError(
+            f"--out {out}: these files differ from what dsplan generated (edited by you, or not written by dsplan): "
+            f"{listing}; nothing was written. Move them away, or pass --force to replace them"
+        )
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in written + edited:
+        generated = files[name]
+        _atomic_write(out / name, generated.content, generated.executable)
+    for name in unchanged:  # content is right; make sure the mode is too
+        os.chmod(out / name, 0o755 if files[name].executable else 0o644)
+    removed = []
+    for name in stale:
+        if force or name not in stale_edited:
+            (out / name).unlink()
+            removed.append(name)
+    manifest = {"generator": f"dsplan {__version__}", "files": {n: sha256_text(f.content) for n, f in files.items()}}
+    _atomic_write(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n", False)
+    return WriteReport(
+        out_dir=str(out), written=sorted(written + edited), unchanged=sorted(unchanged), removed=sorted(removed),
+        replaced_edits=sorted(edited + [n for n in stale_edited if n in removed]),
+    )
