@@ -72,7 +72,7 @@ def models(ctx: click.Context, as_json: bool) -> None:
 def show(model: str, as_json: bool) -> None:
     """Show one model block by block: MODEL is a preset name, an alias, or a config.json path.
 
-    Consecutive identical blocks are grouped (e.g. "decoder (MoE, MLA) x29"), each row with
+    Consecutive identical blocks share one row (DeepSeek-VL2: 29 "decoder (MoE, MLA)"), with
     its per-block and total parameters. Vision-language models also show their tiling facts;
     imported configs list every field that was filled by a default.
 
