@@ -1,0 +1,155 @@
+"""Rank placement: map parallel degrees (TP, EP, DP, PP, ...) onto the GPUs of a cluster.
+
+Ranks are numbered with the first dimension of ``order`` innermost (stride 1), as Megatron and
+DeepSpeed do (TP innermost, then EP/DP, then PP); rank r runs on GPU r, and GPU r sits on node
+r // gpus_per_node. A process group of one dimension is then "size ranks, ``stride`` apart",
+and everything the collective model needs about it fits in a small hashable ``GroupShape``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import UserError
+from planner.hardware.cluster import Cluster
+
+DEFAULT_ORDER = ("tp", "ep", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What one process group looks like on the machine (the same for every group of a dim).
+
+    size: ranks in the group; stride: rank distance between consecutive members;
+    ranks_per_node: members on each node the group touches; nodes_spanned: nodes it touches;
+    groups_per_node: groups of this dimension with members on one node, all communicating at
+    once and so sharing that node's NICs; leaf_blocks: leaf blocks (fat-tree) it touches;
+    pods: spine pods it touches (3-level fabrics).
+    """
+
+    size: int
+    stride: int
+    ranks_per_node: int
+    nodes_spanned: int
+    groups_per_node: int
+    leaf_blocks: int = 1
+    pods: int = 1
+
+    @property
+    def local_stride(self) -> int:
+        """Distance between members on one node (0 when the group has one rank per node)."""
+        return self.stride if self.ranks_per_node > 1 else 0
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes_spanned > 1
+
+    @property
+    def crosses_spine(self) -> bool:
+        return self.leaf_blocks > 1
+
+    def local_groups(self, gpus_per_node: int) -> tuple[tuple[int, ...], ...]:
+        """Local GPU indices of every group of this shape on one node (for link contention)."""
+        r = self.ranks_per_node
+        if r == 1:
+            return tuple((i,) for i in range(gpus_per_node))
+        span = self.stride * r
+        groups = []
+        for block in range(0, gpus_per_node, span):
+            for off in range(self.stride):
+                groups.append(tuple(block + off + j * self.stride for j in range(r)))
+        return tuple(groups)
+
+
+class Placement:
+    """Degrees per dimension, laid out innermost-first over ``cluster``'s GPUs."""
+
+    def __init__(self, cluster: Cluster, dims: dict[str, int], order: tuple[str, ...] | None = None) -> None:
+        order = tuple(order) if order is not None else tuple(d for d in DEFAULT_ORDER if d in dims) + tuple(
+            d for d in dims if d not in DEFAULT_ORDER
+        )
+        if sorted(order) != sorted(dims):
+            raise UserError(f"placement order {list(order)} must name each dimension of {sorted(dims)} exactly once")
+        for name, degree in dims.items():
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+                raise UserError(f"parallel degree {name}={degree!r}: must be a whole number >= 1")
+        total = math.prod(dims.values())
+        if total != cluster.num_gpus:
+            shown = " x ".join(f"{d}={dims[d]}" for d in order)
+            raise UserError(
+                f"parallel degrees {shown} = {total} GPUs, but the cluster has {cluster.num_gpus} "
+                f"({cluster.nodes} nodes x {cluster.gpus_per_node}); make the product equal the GPU count"
+            )
+        self.cluster = cluster
+        self.dims = dict(dims)
+        self.order = order
+        self._shapes: dict[str, GroupShape] = {}
+
+    def stride(self, dim: str) -> int:
+        return math.prod(self.dims[d] for d in self.order[: self.order.index(dim)])
+
+    def ranks(self, dim: str, index: int = 0) -> list[int]:
+        """Ranks of the ``index``-th group of ``dim`` (groups numbered by their lowest rank)."""
+        return [int(r) for r in self._group_matrix(dim)[index]]
+
+    def group(self, dim: str) -> GroupShape:
+        if dim not in self.dims:
+            raise UserError(f"unknown parallel dimension {dim!r}; this placement has {list(self.order)}")
+        if dim not in self._shapes:
+            self._shapes[dim] = shape_of(self.cluster, self._group_matrix(dim), self.stride(dim), dim)
+        return self._shapes[dim]
+
+    def _group_matrix(self, dim: str) -> np.ndarray:
+        """All groups of ``dim`` as rows of ranks: (num_gpus / size, size)."""
+        sizes = [self.dims[d] for d in reversed(self.order)]  # outermost first, C order
+        ranks = np.arange(self.cluster.num_gpus).reshape(sizes)
+        axis = len(sizes) - 1 - self.order.index(dim)
+        return np.moveaxis(ranks, axis, -1).reshape(-1, self.dims[dim])
+
+
+def shape_of(cluster: Cluster, groups: np.ndarray, stride: int, what: str = "group") -> GroupShape:
+    """Summarise rows of ranks as one GroupShape; groups that split unevenly over nodes are refused."""
+    size = groups.shape[1]
+    g = cluster.gpus_per_node
+    nodes = groups // g
+    spanned = _distinct_per_row(nodes)
+    if spanned.min() != spanned.max() or size % int(spanned[0]):
+        raise UserError(
+            f"{what} groups of {size} ranks (stride {stride}) split unevenly across nodes of "
+            f"{g} GPUs; choose a size that divides {g} or is a multiple of it"
+        )
+    m = int(spanned[0])
+    r = size // m
+    per_node = np.sort(nodes, axis=1)
+    if m > 1 and not np.all(per_node.reshape(len(groups), m, r) == per_node.reshape(len(groups), m, r)[:, :, :1]):
+        raise UserError(f"{what} groups of {size} ranks do not place {r} ranks on each node; choose a size that fits {g} GPUs per node")
+    ft = cluster.fat_tree
+    blocks = int(_distinct_per_row(nodes // ft.nodes_per_leaf).max())
+    pods = int(_distinct_per_row(nodes // ft.nodes_per_pod).max())
+    return GroupShape(size, stride, r, m, g // r, blocks, pods)
+
+
+def _distinct_per_row(a: np.ndarray) -> np.ndarray:
+    s = np.sort(a, axis=1)
+    return 1 + np.count_nonzero(np.diff(s, axis=1), axis=1)
+
+
+def contiguous_shape(cluster: Cluster, size: int, what: str = "--group-size") -> GroupShape:
+    """The shape of ``size`` consecutive ranks (a TP-like group), for one-off CLI queries."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise UserError(f"{what}: need a whole number >= 1, got {size!r}")
+    if size > cluster.num_gpus:
+        raise UserError(
+            f"{what} {size} is larger than the cluster ({cluster.num_gpus} GPUs on {cluster.nodes} nodes); "
+            "use a smaller group or more --nodes"
+        )
+    if cluster.num_gpus % size:
+        raise UserError(
+            f"{what} {size} does not divide the cluster's {cluster.num_gpus} GPUs into whole groups; "
+            f"use a divisor of {cluster.num_gpus}"
+        )
+    groups = np.arange(cluster.num_gpus).reshape(-1, size)
+    return shape_of(cluster, groups, 1, what)

@@ -1,0 +1,86 @@
+"""Bottleneck links inside one node, found by routing a group's traffic over the node graph.
+
+Every group of one parallel dimension communicates at the same time, so all groups on a node
+are routed together: a PCIe uplink or a socket link carried by four rings gives each a quarter
+of its bandwidth. Results are cached per (profile, local groups); the graph is a few dozen
+vertices, so this runs once per group shape, never per query.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import networkx as nx
+
+from planner.hardware.cluster import _node_graph
+
+Flows = dict[tuple[str, str], float]
+
+
+@dataclass(frozen=True)
+class IntraRoutes:
+    """Per-rank bandwidths (bytes/s) of one group shape inside a node, contention included."""
+
+    ring_bw: float  # what each rank of a ring gets, per direction (bus bandwidth ceiling)
+    p2p_bw: float  # one rank sending to its next member while all others do the same
+    alltoall_s_per_peer_byte: float  # all-to-all, intra-node part: seconds per byte sent to each peer
+    bottleneck: str  # the edge that limits the ring, as "u->v"
+
+
+def intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> IntraRoutes:
+    """Route the rings, neighbour sends and all-to-alls of ``groups`` (local GPU indices)."""
+    return _intra_routes(profile_json, groups)
+
+
+@functools.lru_cache(maxsize=4096)
+def _intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> IntraRoutes:
+    g = _node_graph(profile_json)
+    paths = _paths(profile_json)
+    mesh = not any(role in ("nvswitch", "pcie_switch") for _, role in g.nodes(data="role"))
+    size = len(groups[0])
+    if size < 2:
+        return IntraRoutes(float("inf"), float("inf"), 0.0, "")
+    ring: Flows = {}
+    a2a: Flows = {}
+    for members in groups:
+        names = [f"n0.gpu{i}" for i in members]
+        for k, src in enumerate(names):
+            _add_path(ring, paths[src][names[(k + 1) % size]], 1.0)
+            for dst in names:
+                if dst != src:
+                    _add_path(a2a, paths[src][dst], 1.0)
+    ring_bw, edge = _bottleneck(g, ring)
+    p2p_bw = ring_bw
+    if mesh:
+        # Point-to-point meshes: NCCL/RCCL run one ring per link permutation, so a rank's ring
+        # bandwidth is the sum of its direct links to the other members; a single send uses one.
+        src = f"n0.gpu{groups[0][0]}"
+        peers = {f"n0.gpu{i}" for i in groups[0][1:]}
+        direct = [g.edges[src, p]["bw"] for p in peers if g.has_edge(src, p)]
+        ring_bw = max(ring_bw, sum(direct)) if direct else ring_bw
+        nxt = f"n0.gpu{groups[0][1]}"
+        p2p_bw = g.edges[src, nxt]["bw"] if g.has_edge(src, nxt) else p2p_bw
+    a2a_spb = max(load / g.edges[u, v]["bw"] for (u, v), load in a2a.items())
+    return IntraRoutes(ring_bw, p2p_bw, a2a_spb, edge)
+
+
+@functools.lru_cache(maxsize=32)
+def _paths(profile_json: str) -> dict[str, dict[str, list[str]]]:
+    g = _node_graph(profile_json)
+    gpus = [v for v, role in g.nodes(data="role") if role == "gpu"]
+    return {s: {d: nx.shortest_path(g, s, d) for d in gpus} for s in gpus}
+
+
+def _add_path(flows: Flows, path: list[str], amount: float) -> None:
+    for u, v in zip(path, path[1:]):
+        flows[(u, v)] = flows.get((u, v), 0.0) + amount
+
+
+def _bottleneck(g: nx.Graph, flows: Flows) -> tuple[float, str]:
+    best, where = float("inf"), ""
+    for (u, v), count in flows.items():
+        share = g.edges[u, v]["bw"] / count
+        if share < best:
+            best, where = share, f"{u}->{v}"
+    return best, where
