@@ -1,0 +1,220 @@
+"""``dsplan generate``: write a run directory (DeepSpeed config, launch scripts) for one plan.
+
+The plan comes from ``--plan plan.json``, or from the search (the K-th ranked plan for the same
+flags as ``suggest``). Everything is rendered and checked in memory first; only then is the
+directory written, atomically, without touching files the user edited (``--force`` to replace).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from planner.cli.output import console, err_console, json_option, print_json
+from planner.errors import UserError
+
+_DEGREE_HELP = "one value or a comma list; the search picks the rest"
+# Flags that shape the search; with --plan they would be silently ignored, so they are refused.
+_SEARCH_FLAGS = (
+    "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer", "dp", "tp", "pp", "ep", "zero", "offload",
+    "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel",
+)
+
+
+@click.command("generate", context_settings={"max_content_width": 100})
+@click.option("--model", "model", default=None, metavar="NAME|PATH", help="Model preset or config.json [default with --plan: the plan's model].")
+@click.option("--hardware", default=None, metavar="NAME|PATH", help="Hardware profile [default: the plan's, else dgx-a100-80g].")
+@click.option("--nodes", type=int, default=None, help="Number of nodes [default: the plan's, else 1].")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node [default: from the hardware profile].")
+@click.option("--plan", "plan_path", default=None, metavar="FILE", help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
+@click.option("--rank", type=int, default=1, show_default=True, help="Without --plan: use the K-th best plan of the search.")
+@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step.")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
+@click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample.")
+@click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image.")
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="[default: bf16]")
+@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None, help="[default: adamw]")
+@click.option("--dp", default=None, help=f"Data-parallel degree: {_DEGREE_HELP}.")
+@click.option("--tp", default=None, help=f"Tensor-parallel degree: {_DEGREE_HELP}.")
+@click.option("--pp", default=None, help=f"Pipeline-parallel degree: {_DEGREE_HELP}.")
+@click.option("--ep", default=None, help=f"Expert-parallel degree: {_DEGREE_HELP}.")
+@click.option("--zero", default=None, help="ZeRO stage(s): 0,1,2,3.")
+@click.option("--offload", default=None, help="none, optimizer, optimizer+params.")
+@click.option("--micro-batch", default=None, help=f"Micro-batch size: {_DEGREE_HELP}.")
+@click.option("--recompute", default=None, help="none, selective, full.")
+@click.option("--virtual-stages", default=None, help="Interleaved pipeline chunks per rank.")
+@click.option("--framework", default=None, help="deepspeed, megatron-deepspeed, megatron.")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Pin sequence parallelism on or off.")
+@click.option("--allow-tp-across-nodes", is_flag=True, help="Let tensor parallelism span nodes.")
+@click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True)
+@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True)
+@click.option("--out", "out_dir", required=True, metavar="DIR", help="Run directory to write (created if missing).")
+@click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",
+              help="What each rank runs: dsplan's reference trainer, or your training script.")
+@click.option("--hosts", default=None, metavar="H1,H2,...", help="Host names, one per node, comma-separated.")
+@click.option("--hostfile", "hostfile_path", default=None, metavar="FILE", help="A hostfile ('host slots=N' lines), one host per node.")
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="Optimizer steps (schedule length; builtin trainer's run).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True, help="Save a checkpoint every N steps (0: never).")
+@click.option("--master-port", type=click.IntRange(1024, 65535), default=29500, show_default=True, help="Rendezvous port on the first node.")
+@click.option("--image", default=None, help="Container image for k8s-job.yaml [default: an NGC PyTorch image; add DeepSpeed and dsplan to it].")
+@click.option("--k8s-pvc", default="dsplan-runs", show_default=True, help="PersistentVolumeClaim holding run directories (k8s-job.yaml).")
+@click.option("--ib-hca", default=None, help="NCCL_IB_HCA for nccl.env, e.g. mlx5_0,mlx5_1 [default: mlx5].")
+@click.option("--socket-ifname", default=None, help="NCCL_SOCKET_IFNAME for nccl.env, e.g. eth0 [default: ^lo,docker].")
+@click.option("--force", is_flag=True, help="Replace files in DIR that differ from what dsplan generated last time.")
+@json_option
+@click.argument("entry_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENTRY ARGS...]")
+def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) -> None:
+    """Write a run directory for a plan: ds_config.json, launch scripts for DeepSpeed, torchrun,
+    SLURM and Kubernetes, Megatron-LM flags, NCCL settings, plan.json and a README.
+
+    \b
+    Examples:
+      dsplan generate --model vl2 --nodes 8 --out runs/vl2 --hosts node1,node2,node3,node4,node5,node6,node7,node8
+      dsplan estimate --model llama-3.1-8b --nodes 1 --tp 2 --pp 1 --micro-batch 2 --global-batch 64 --json > plan.json
+      dsplan generate --plan plan.json --out runs/llama8b --entry train.py -- --data /data/tokens --tag "first run"
+    Arguments after `--` are passed, quoted, to the entry on every rank.
+    """
+    from planner.emit.ds_config import TrainSettings
+    from planner.emit.render import DEFAULT_IMAGE, LaunchOptions, render_run_dir
+    from planner.emit.write import write_run_dir
+    from planner.hardware.load import load_profile
+
+    if opts["hosts"] is not None and opts["hostfile_path"] is not None:
+        raise UserError("--hosts and --hostfile: give one of them, not both")
+    entry = resolve_entry(opts["entry"])
+    plan, model = _choose_plan(opts)
+    profile = load_profile(opts["hardware"] or plan.hardware)
+    hosts = _hosts(opts, plan)
+    options = LaunchOptions(
+        entry=entry,
+        entry_args=list(entry_args),
+        hosts=hosts,
+        master_port=opts["master_port"],
+        image=opts["image"] or DEFAULT_IMAGE,
+        k8s_pvc=_k8s_name(opts["k8s_pvc"]),
+        ib_hca=opts["ib_hca"],
+        socket_ifname=opts["socket_ifname"],
+        settings=TrainSettings(steps=opts["steps"], checkpoint_every=opts["checkpoint_every"]),
+    )
+    files = render_run_dir(plan, model, profile, options, opts["out_dir"])
+    report = write_run_dir(opts["out_dir"], files, force=opts["force"])
+    if as_json:
+        print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json()})
+        return
+    out = report.out_dir
+    console.print(f"[bold]{out}[/bold]: {len(report.written)} file(s) written, {len(report.unchanged)} unchanged"
+                  + (f", {len(report.removed)} stale removed" if report.removed else ""))
+    if report.replaced_edits:
+        console.print(f"  replaced your edits (--force): {', '.join(report.replaced_edits)}")
+    console.print(f"  plan: DP {plan.dp} x TP {plan.tp} x PP {plan.pp}" + (f", EP {plan.ep}" if plan.ep > 1 else "")
+                  + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
+    launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
+    console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)")
+
+
+def resolve_entry(text: str) -> str:
+    """'builtin', or the absolute path of a readable training script."""
+    if text == "builtin":
+        return text
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise UserError(f"--entry {text}: no such file; give your training script, or 'builtin' for dsplan's trainer")
+    if not path.is_file():
+        raise UserError(f"--entry {text}: not a file; give your training script (a .py file)")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"--entry {text}: cannot read it (permission denied)")
+    return str(path.resolve())
+
+
+def _k8s_name(text: str) -> str:
+    from planner.emit.hosts import is_valid_host
+
+    if not is_valid_host(text) or "." in text or text.lower() != text:
+        raise UserError(f"--k8s-pvc {text!r}: not a valid Kubernetes name (lower-case letters, digits, hyphens)")
+    return text
+
+
+def _hosts(opts: dict[str, Any], plan):
+    from planner.emit.hosts import parse_hosts, read_hostfile, select_hosts
+
+    if opts["hosts"] is not None:
+        source, hosts = "--hosts", parse_hosts(opts["hosts"])
+    elif opts["hostfile_path"] is not None:
+        source, hosts = f"--hostfile {opts['hostfile_path']}", read_hostfile(opts["hostfile_path"])
+    else:
+        return None
+    chosen = select_hosts(hosts, plan.nodes, plan.gpus_per_node, source)
+    if len(hosts) > plan.nodes:
+        err_console.print(f"note: {source} lists {len(hosts)} hosts; the plan uses the first {plan.nodes}")
+    return chosen
+
+
+def _choose_plan(opts: dict[str, Any]):
+    """The plan (validated PlanFile) and the ModelSpec it trains."""
+    from planner.emit.plan_file import load_plan_file, plan_from_dict
+    from planner.model.load import load_model
+
+    if opts["plan_path"] is not None:
+        given = [f"--{k.replace('_', '-')}" for k in _SEARCH_FLAGS if opts.get(k) is not None]
+        if given:
+            raise UserError(f"--plan fixes every degree and batch size; drop {', '.join(given)} (or drop --plan to search)")
+        plan = load_plan_file(opts["plan_path"])
+        model = load_model(plan.model)
+        if opts["model"] is not None:
+            wanted = load_model(opts["model"])
+            if wanted.name != model.name:
+                raise UserError(
+                    f"--plan {opts['plan_path']}: the plan was made for model {model.name}, not {wanted.name} (--model); "
+                    "plan again for this model or drop --model"
+                )
+        if opts["nodes"] is not None and opts["nodes"] != plan.nodes:
+            raise UserError(f"--plan {opts['plan_path']}: the plan is for {plan.nodes} node(s), not --nodes {opts['nodes']}")
+        return plan, model
+    if opts["model"] is None:
+        raise UserError("--model: required unless --plan is given (e.g. --model vl2, or --plan plan.json)")
+    if opts["rank"] < 1:
+        raise UserError(f"--rank {opts['rank']}: ranks start at 1 (the best plan)")
+    model = load_model(opts["model"])
+    data = _plan_from_search(opts)
+    data.setdefault("model", model.name)
+    return plan_from_dict(data, f"search plan #{opts['rank']}"), model
+
+
+def _plan_from_search(opts: dict[str, Any]) -> dict[str, Any]:
+    """The rank-K plan of ``suggest`` for the same flags, as a plan dict."""
+    try:
+        from planner.search.suggest import request_from_options, suggest
+    except ModuleNotFoundError as err:
+        if not (err.name or "").startswith("planner.search"):
+            raise
+        raise UserError("the plan search is not available in this build; pass --plan plan.json "
+                        "(write one with `dsplan estimate ... --json`)") from None
+    search_opts = {k: v for k, v in opts.items() if k in _SUGGEST_KEYS}
+    search_opts["hardware"] = opts["hardware"] or "dgx-a100-80g"
+    search_opts["nodes"] = opts["nodes"] or 1
+    search_opts["top"] = opts["rank"]
+    search_opts["precision"] = opts["precision"] or "bf16"
+    search_opts["optimizer"] = opts["optimizer"] or "adamw"
+    request = request_from_options(search_opts)
+    result = suggest(**request, progress=None)
+    plans = result["plans"] if isinstance(result, dict) else result.plans
+    if len(plans) < opts["rank"]:
+        raise UserError(f"--rank {opts['rank']}: the search found only {len(plans)} plan(s) that fit; pick a smaller --rank")
+    chosen = plans[opts["rank"] - 1]
+    data = dict(chosen.to_json() if hasattr(chosen, "to_json") else chosen)
+    data.setdefault("hardware", search_opts["hardware"])
+    data.setdefault("nodes", search_opts["nodes"])
+    return data
+
+
+_SUGGEST_KEYS = (
+    "model", "hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "images_per_sample", "tiles_per_image",
+    "precision", "optimizer", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages",
+    "framework", "sequence_parallel", "allow_tp_across_nodes", "balancer", "objective",
+)
+
+
+commands = [generate_command]
