@@ -75,6 +75,7 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
       dsplan generate --model vl2 --nodes 8 --out runs/vl2 --hosts node1,node2,node3,node4,node5,node6,node7,node8
       dsplan estimate --model llama-3.1-8b --nodes 1 --tp 2 --pp 1 --micro-batch 2 --global-batch 64 --json > plan.json
       dsplan generate --plan plan.json --out runs/llama8b --entry train.py -- --data /data/tokens --tag "first run"
+
     Arguments after `--` are passed, quoted, to the entry on every rank.
     """
     from planner.emit.ds_config import TrainSettings
@@ -106,13 +107,13 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         return
     out = report.out_dir
     console.print(f"[bold]{out}[/bold]: {len(report.written)} file(s) written, {len(report.unchanged)} unchanged"
-                  + (f", {len(report.removed)} stale removed" if report.removed else ""))
+                  + (f", {len(report.removed)} stale removed" if report.removed else ""), soft_wrap=True)
     if report.replaced_edits:
         console.print(f"  replaced your edits (--force): {', '.join(report.replaced_edits)}")
     console.print(f"  plan: DP {plan.dp} x TP {plan.tp} x PP {plan.pp}" + (f", EP {plan.ep}" if plan.ep > 1 else "")
                   + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
     launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
-    console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)")
+    console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)", soft_wrap=True)
 
 
 def resolve_entry(text: str) -> str:

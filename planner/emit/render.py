@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
+from planner.cost.parallel import check_against_model
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args
@@ -120,6 +121,23 @@ def _hosts(plan: PlanFile, options: LaunchOptions) -> list[Host]:
     return [Host(name=f"node{i}", slots=plan.gpus_per_node) for i in range(plan.nodes)]
 
 
+def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
+    """The degree rules that need the model (TP divides heads, EP divides experts, stages cover the blocks)."""
+    check_against_model(
+        plan.parallel_config(), heads=model.attention_heads, kv_heads=model.kv_heads,
+        routed_experts=model.routed_experts, blocks=len(model.blocks),
+    )
+    if plan.stage_blocks is not None:
+        first, last = plan.stage_blocks[0][0], plan.stage_blocks[-1][1]
+        if (first, last) != (0, len(model.blocks)):
+            raise UserError(
+                f"plan: stage_blocks cover blocks {first}..{last}, but {model.name} has blocks 0..{len(model.blocks)}; "
+                "plan again for this model"
+            )
+    elif plan.pp > 1:
+        raise UserError(f"plan: pp={plan.pp} needs stage_blocks (the layer partition over pipeline stages)")
+
+
 def render_run_dir(
     plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options: LaunchOptions, out_dir: str | Path = "run"
 ) -> dict[str, GeneratedFile]:
@@ -128,6 +146,7 @@ def render_run_dir(
         raise UserError(
             f"plan: {plan.gpus_per_node} GPUs per node, but hardware profile {profile.name} has {profile.gpus_per_node}"
         )
+    check_plan_against_model(plan, model)
     settings = options.settings
     ds_config = build_ds_config(plan, model, settings)
     moe = build_moe_config(plan, model)
