@@ -1,0 +1,138 @@
+"""Collective communication time over the cluster topology, in nccl-tests conventions.
+
+``nbytes`` is the buffer size as nccl-tests reports it: the full buffer per rank for
+all-reduce and broadcast, the whole gathered / scattered buffer for all-gather and
+reduce-scatter, the send buffer for all-to-all, the message for p2p. Bus bandwidth follows
+nccl-tests' PERFORMANCE.md: all-reduce algbw x 2(n-1)/n; all-gather, reduce-scatter and
+all-to-all algbw x (n-1)/n; broadcast and p2p algbw.
+
+Hot path: the planner asks hundreds of thousands of times. The topology work (routing,
+bottlenecks, candidate algorithms) is cached per (cluster, op, shape, nvls); a query after
+that is a handful of multiply-adds, and ``collective_time_array`` does many sizes at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.cost.nccl_algorithms import CALL_OVERHEAD_S, Candidate, candidates, links_for
+from planner.errors import UserError
+from planner.hardware.cluster import Cluster
+from planner.hardware.placement import GroupShape, contiguous_shape
+
+OPS = ("allreduce", "reducescatter", "allgather", "alltoall", "p2p", "broadcast")
+_ALIASES = {
+    "all_reduce": "allreduce", "all-reduce": "allreduce", "reduce_scatter": "reducescatter",
+    "reduce-scatter": "reducescatter", "all_gather": "allgather", "all-gather": "allgather",
+    "all_to_all": "alltoall", "all-to-all": "alltoall", "sendrecv": "p2p", "send_recv": "p2p",
+}
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    op: str
+    group_size: int
+    nbytes: float
+    time_s: float
+    algbw_GBps: float
+    busbw_GBps: float
+    algorithm: str  # e.g. "ring/Simple", "nvls/Simple", "tree/LL128"
+    latency_s: float  # the size-independent part (call overhead + steps)
+    bottleneck: str  # the link that limits bandwidth
+
+    def as_dict(self) -> dict:
+        return {
+            "op": self.op, "group_size": self.group_size, "bytes": self.nbytes, "time_s": self.time_s,
+            "algbw_GBps": self.algbw_GBps, "busbw_GBps": self.busbw_GBps, "algorithm": self.algorithm,
+            "latency_s": self.latency_s, "bottleneck": self.bottleneck,
+        }
+
+
+def normalize_op(op: str) -> str:
+    key = str(op).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in OPS:
+        raise UserError(f"unknown collective {op!r}; use one of {', '.join(OPS)}")
+    return key
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw, as nccl-tests defines it."""
+    if n <= 1:
+        return 0.0
+    if op == "allreduce":
+        return 2 * (n - 1) / n
+    if op in ("reducescatter", "allgather", "alltoall"):
+        return (n - 1) / n
+    return 1.0
+
+
+@functools.lru_cache(maxsize=65536)
+def _plan(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tuple[tuple[Candidate, ...], tuple, str]:
+    """Candidates, their numbers as plain tuples (fast to evaluate), and the bottleneck name.
+
+    Computed once per (cluster, op, shape, nvls); every later query is arithmetic only.
+    """
+    cands = candidates(cluster, op, shape, nvls)
+    terms = tuple(
+        (CALL_OVERHEAD_S + c.latency_s, c.spb, c.ramp_bytes, c.fill * c.spb, c.fill_cap_bytes) for c in cands
+    )
+    return cands, terms, links_for(cluster, shape).bottleneck
+
+
+def collective_time(
+    cluster: Cluster, op: str, shape: GroupShape, nbytes: float, nvls: bool | None = None
+) -> CollectiveCost:
+    """Predicted time of one collective; ``nvls=False`` forces NVLS off (NCCL_NVLS_ENABLE=0)."""
+    if op not in OPS:
+        op = normalize_op(op)
+    n = shape.size
+    if n <= 1 or nbytes <= 0:
+        return CollectiveCost(op, n, nbytes, 0.0, 0.0, 0.0, "none", 0.0, "")
+    cands, terms, bottleneck = _plan(cluster, op, shape, cluster.nvls if nvls is None else bool(nvls))
+    t, best = float("inf"), 0
+    for i, (lat, spb, ramp, fill_spb, cap) in enumerate(terms):
+        ti = lat + spb * (nbytes if nbytes > ramp else ramp) + fill_spb * (nbytes if nbytes < cap else cap)
+        if ti < t:
+            t, best = ti, i
+    c = cands[best]
+    algbw = nbytes / t / 1e9
+    return CollectiveCost(
+        op, n, nbytes, t, algbw, algbw * bus_factor(op, n), f"{c.algorithm}/{c.protocol}", terms[best][0], bottleneck
+    )
+
+
+def collective_seconds(cluster: Cluster, op: str, shape: GroupShape, nbytes: float, nvls: bool | None = None) -> float:
+    """Just the time in seconds: the leanest call for the search's inner loop (``op`` as in OPS)."""
+    if shape.size <= 1 or nbytes <= 0:
+        return 0.0
+    _, terms, _ = _plan(cluster, op, shape, cluster.nvls if nvls is None else bool(nvls))
+    return min(
+        lat + spb * (nbytes if nbytes > ramp else ramp) + fill_spb * (nbytes if nbytes < cap else cap)
+        for lat, spb, ramp, fill_spb, cap in terms
+    )
+
+
+def collective_time_array(
+    cluster: Cluster, op: str, shape: GroupShape, nbytes: np.ndarray, nvls: bool | None = None
+) -> np.ndarray:
+    """Seconds for many buffer sizes at once (the fastest candidate per size)."""
+    if op not in OPS:
+        op = normalize_op(op)
+    s = np.asarray(nbytes, dtype=float)
+    if shape.size <= 1:
+        return np.zeros_like(s)
+    _, terms, _ = _plan(cluster, op, shape, cluster.nvls if nvls is None else bool(nvls))
+    times = [lat + spb * np.maximum(s, ramp) + fill_spb * np.minimum(s, cap) for lat, spb, ramp, fill_spb, cap in terms]
+    return np.where(s > 0, np.min(times, axis=0), 0.0)
+
+
+def collective_time_for_size(
+    cluster: Cluster, op: str, group_size: int, nbytes: float, nvls: bool | None = None
+) -> CollectiveCost:
+    """A group of ``group_size`` consecutive ranks (TP-like placement), for one-off questions."""
+    op = normalize_op(op)
+    return collective_time(cluster, op, contiguous_shape(cluster, group_size), nbytes, nvls)

@@ -1,0 +1,187 @@
+"""The algorithms and protocols NCCL runs, as latency/bandwidth parameters per group shape.
+
+Each candidate (algorithm x protocol) reduces to four numbers, and its time for a buffer of
+S bytes is
+
+    t(S) = CALL_OVERHEAD + latency + spb * max(S, ramp) + fill * spb * min(S, fill_cap)
+
+- ``latency``: steps x per-step latency (NCCL's tuning model: base + nSteps x hwLat);
+- ``spb``: seconds per byte of the buffer at full speed: wire bytes per buffer byte (ring
+  all-reduce 2(n-1)/n) over the bottleneck bandwidth, links from the topology graph times the
+  protocol's efficiency;
+- ``ramp``: below this size NCCL runs fewer channels (enqueue.cc lowers the channel count
+  until each has enough bytes), so the time stays flat while bandwidth grows with size;
+- ``fill``: pipelines whose first and last chunk do not overlap (NVLS push-then-multicast)
+  expose a fraction of the transfer until the chunk size saturates at ``fill_cap``.
+
+NCCL picks the fastest candidate; so do we (the user may switch NVLS off, as NCCL_NVLS_ENABLE=0).
+
+Calibration (global constants, fitted once to ../shared/reference/
+nccl_allreduce_busbw_measured.csv: the A100 node fixes the ring protocols, the H200 node the
+NVLS constants; no per-row factors; benchmarks/bench_collectives.py prints the fit):
+- CALL_OVERHEAD_S: both nodes show ~40 us at 32 KiB (1.31 and 1.44 GB/s busbw), the
+  launch-and-sync floor of one collective call in nccl-tests / torch.
+- per-step latencies are multiples of the profile's link latency (2 us NVLink): LL 0.25x and
+  LL128 0.9x land on NCCL's own NVLink ring hwLat (0.47-0.6 and 1.9 us, src/graph/tuning.cc);
+  Simple adds a store-and-forward slice per step (NCCL: "the latency of a 256kB chunk").
+- bandwidth efficiencies: Simple 0.80 of the NVLink rate (A100 234.9/300 = 78%, H200 ring
+  367.6/450 = 82%, p2p_and_summary_bandwidth_measured.csv); LL128 and LL fit the A100 curve
+  from 1 MiB up and below 1 MiB; network links reach 0.95 of the NIC rate (4x B200 nodes:
+  381.8 GB/s busbw over 8 x 50 GB/s NICs).
+- NVLS: 482.3 GB/s busbw at 16 GiB = 0.61 of the 450 GB/s link in each direction (NVLS moves
+  S, not 2(n-1)/n S, per GPU); the measured curve approaches it slowly (fill).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.hardware.cluster import Cluster
+from planner.hardware.placement import GroupShape
+from planner.hardware.routing import intra_routes
+
+MiB = 2**20
+CALL_OVERHEAD_S = 35e-6
+NET_EFFICIENCY = 0.95
+P2P_EFFICIENCY = 0.87  # p2pBandwidthLatencyTest: A100 274/300 (91%), H100 376/450 (83%)
+TREE_EFFICIENCY = 0.9  # NCCL's tree runs a little below ring bandwidth (tuning.cc treeCorrectionFactor)
+NVLS_EFFICIENCY = 0.61
+NVLS_FILL = 0.5
+NVLS_FILL_CAP_BYTES = 32 * MiB
+ALLTOALL_PEER_S = 0.5e-6  # posting one send/recv pair per peer (assumption; no reference row)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    step_latency_factor: float  # x the link latency of the slowest hop
+    step_extra_s: float  # store-and-forward of one slice per step
+    efficiency: float  # of the intra-node link rate
+    ramp_bytes_per_rank: float  # channels saturate once each rank holds this many bytes
+
+    def net_efficiency(self) -> float:
+        return NET_EFFICIENCY * self.efficiency / SIMPLE.efficiency
+
+
+LL = Protocol("LL", 0.25, 0.0, 0.08, 0.0)
+LL128 = Protocol("LL128", 0.9, 0.0, 0.533, 512 * 1024)
+SIMPLE = Protocol("Simple", 1.0, 9.8e-6, 0.80, 0.0)
+PROTOCOLS = (LL, LL128, SIMPLE)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    algorithm: str
+    protocol: str
+    latency_s: float
+    spb: float  # seconds per buffer byte
+    ramp_bytes: float = 0.0
+    fill: float = 0.0
+    fill_cap_bytes: float = 0.0
+
+    def time(self, nbytes: float) -> float:
+        return (
+            CALL_OVERHEAD_S
+            + self.latency_s
+            + self.spb * max(nbytes, self.ramp_bytes)
+            + self.fill * self.spb * min(nbytes, self.fill_cap_bytes)
+        )
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidths and latencies one group shape sees, contention included (bytes/s, s)."""
+
+    intra_ring_bw: float
+    intra_p2p_bw: float
+    a2a_intra_s_per_peer_byte: float
+    inter_bw: float  # per rank, across nodes: NICs shared by the groups of a node, spine ratio
+    intra_lat: float
+    net_lat: float
+    bottleneck: str
+
+
+def links_for(cluster: Cluster, shape: GroupShape) -> Links:
+    p = cluster.profile
+    if shape.ranks_per_node > 1:
+        routes = intra_routes(cluster.key[0], shape.local_groups(cluster.gpus_per_node))
+        ring, p2p, a2a, edge = routes.ring_bw, routes.p2p_bw, routes.alltoall_s_per_peer_byte, routes.bottleneck
+    else:
+        ring, p2p, a2a, edge = math.inf, math.inf, 0.0, ""
+    spine = p.fabric.oversubscription if shape.crosses_spine else 1.0
+    inter = shape.ranks_per_node * cluster.nic_bw_per_gpu / spine if shape.crosses_nodes else math.inf
+    if shape.crosses_nodes and inter * NET_EFFICIENCY < ring * SIMPLE.efficiency:
+        edge = "network (NIC" + (f", spine {spine:g}:1)" if spine > 1 else ")")
+    net_lat = cluster.net_latency_s(shape.crosses_spine, shape.pods > 1)
+    return Links(ring, p2p, a2a, inter, cluster.intra_latency_s, net_lat, edge)
+
+
+def _step(proto: Protocol, link_latency: float) -> float:
+    return proto.step_latency_factor * link_latency + proto.step_extra_s
+
+
+def _ring_bw(links: Links, proto: Protocol, eff_scale: float = 1.0) -> float:
+    return min(links.intra_ring_bw * proto.efficiency, links.inter_bw * proto.net_efficiency()) * eff_scale
+
+
+def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tuple[Candidate, ...]:
+    """Every algorithm x protocol NCCL could run for ``op`` on ``shape``."""
+    n, r, m = shape.size, shape.ranks_per_node, shape.nodes_spanned
+    links = links_for(cluster, shape)
+    slow_lat = links.net_lat if m > 1 else links.intra_lat
+    out: list[Candidate] = []
+    for proto in PROTOCOLS:
+        step = _step(proto, slow_lat)
+        ramp = proto.ramp_bytes_per_rank * n
+        if op == "allreduce":
+            bw = _ring_bw(links, proto)
+            out.append(Candidate("ring", proto.name, 2 * (n - 1) * step, 2 * (n - 1) / n / bw, ramp))
+            if m > 1:
+                out.extend(_multinode_allreduce(links, proto, n, r, m, ramp))
+        elif op in ("reducescatter", "allgather"):
+            spb = (n - 1) / n / _ring_bw(links, proto)
+            out.append(Candidate("ring", proto.name, (n - 1) * step, spb, ramp))
+            if m > 1:  # PAT (NCCL 2.23+): log-latency all-gather / reduce-scatter at scale
+                out.append(Candidate("pat", proto.name, math.ceil(math.log2(n)) * step, spb / TREE_EFFICIENCY, ramp))
+        elif op == "broadcast":
+            out.append(Candidate("ring", proto.name, (n - 1) * step, 1.0 / _ring_bw(links, proto), ramp))
+        elif op == "p2p":
+            if m == 1:  # p2p copies reach a higher fraction of NVLink than rings (no reduction)
+                bw = links.intra_p2p_bw * proto.efficiency * P2P_EFFICIENCY / SIMPLE.efficiency
+            else:
+                bw = links.inter_bw / r * proto.net_efficiency()
+            out.append(Candidate("p2p", proto.name, step, 1.0 / bw))
+    if op == "alltoall":
+        out.append(_alltoall(links, n, r, m))
+    if op == "allreduce" and nvls and cluster.nvls and r > 1:
+        spb = 1.0 / (cluster.intra_bw * NVLS_EFFICIENCY)
+        lat = 2 * links.intra_lat
+        if m > 1:  # NVLS inside each node, a tree between nodes over each GPU's rail
+            spb = max(spb, 2 * (m - 1) / m / r / (links.inter_bw / r * NET_EFFICIENCY))
+            lat += 2 * math.ceil(math.log2(m)) * _step(SIMPLE, links.net_lat)
+        name = "nvls" if m == 1 else "nvls_tree"
+        out.append(Candidate(name, "Simple", lat, spb, 0.0, NVLS_FILL, NVLS_FILL_CAP_BYTES))
+    return tuple(out)
+
+
+def _multinode_allreduce(links: Links, proto: Protocol, n: int, r: int, m: int, ramp: float) -> list[Candidate]:
+    """Double binary tree across nodes, and hierarchical (intra RS, inter AR per rail, intra AG)."""
+    intra_step, net_step = _step(proto, links.intra_lat), _step(proto, links.net_lat)
+    tree_lat = 2 * (math.ceil(math.log2(m)) * net_step + (r - 1) * intra_step)
+    tree = Candidate("tree", proto.name, tree_lat, 2 * (n - 1) / n / _ring_bw(links, proto, TREE_EFFICIENCY), ramp)
+    if r == 1:
+        return [tree]
+    rail_bw = links.inter_bw / r * proto.net_efficiency()
+    intra_bw = links.intra_ring_bw * proto.efficiency
+    spb = 2 * (r - 1) / r / intra_bw + 2 * (m - 1) / m / r / rail_bw
+    lat = 2 * (r - 1) * intra_step + 2 * (m - 1) * net_step
+    return [tree, Candidate("hierarchical", proto.name, lat, spb, ramp)]
+
+
+def _alltoall(links: Links, n: int, r: int, m: int) -> Candidate:
+    """Every rank sends S/n to each peer at once: intra-node pairs over the node fabric, the rest over NICs."""
+    intra = links.a2a_intra_s_per_peer_byte / n / SIMPLE.efficiency
+    inter = (n - r) / n / (links.inter_bw / r * NET_EFFICIENCY) if m > 1 else 0.0
+    lat = _step(SIMPLE, links.net_lat if m > 1 else links.intra_lat) + (n - 1) * ALLTOALL_PEER_S
+    return Candidate("direct", "Simple", lat, max(intra, inter))
