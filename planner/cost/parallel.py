@@ -37,6 +37,14 @@ class Workload(BaseModel):
     tiles_per_image: int = Field(0, ge=0)  # local tiles; the global view (if any) is added by the model
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
+    # Kernel facts that change memory and time (see planner/cost/README.md):
+    # FlashAttention (the default in Megatron-Core/TE, HF sdpa) keeps no s^2 score matrix and
+    # recomputes the scores in backward; False models the unfused kernels of Korthikanti et
+    # al. 2022 Table 2 (softmax output + dropout mask/output stored, 5*a*s^2*b bytes per layer).
+    flash_attention: bool = True
+    # Hidden/attention dropout (GPT-2/3 era, Megatron GPT defaults 0.1). Modern LLM
+    # pre-training (Llama, DeepSeek, Qwen) uses none; with it each dropout stores a 1-byte mask.
+    dropout: bool = False
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,0 +1,126 @@
+"""How fast one GPU runs a kernel: GEMMs by shape, attention, memory-bound work.
+
+A GEMM's time is a roofline over the GPU's *achievable* numbers, not one constant:
+
+    t = max(flops / (peak * mamf * tile_eff * k_eff), bytes / (hbm * HBM_EFFICIENCY)) + KERNEL_OVERHEAD_S
+
+- ``mamf``: the largest fraction of the dense peak a well-shaped bf16 GEMM reaches on this GPU
+  (profile.gpu.matmul_efficiency, from ../shared/reference/mamf_max_achievable_matmul_
+  measured.csv: A100 SXM 86.9%, H100 SXM 80.3%).
+- ``tile_eff``: wave quantisation. cuBLAS covers the m x n output with 128x128 (bf16) tiles and
+  runs them in waves of one tile per SM; a partial last wave and the padding of ragged edges
+  idle SMs. Matters for narrow TP shards and small expert GEMMs.
+- ``k_eff = k / (k + K_HALF)``: a tile's main loop over k amortises its prologue and epilogue
+  (loading C, writing the tile); small k (attention head dims, TP-sharded down-projections)
+  runs well below MAMF.
+- memory side: a GEMM with small m, n or k moves more bytes per FLOP than the GPU's ridge point
+  (A100: 312e12 / 2.04e12 = 153 FLOP/byte) and is HBM-bound.
+
+Elementwise work (norms, activations, softmax, dropout, residual adds, the optimizer step) is
+HBM-bound: bytes / (hbm * HBM_EFFICIENCY).
+
+FlashAttention (Dao 2023, FlashAttention-2, Fig. 5-6): forward reaches 50-73% of the A100 peak
+and the backward somewhat less, higher for head dim 128 than 64; causal masking skips half of
+the score blocks. ``flash_efficiency`` reproduces that band from the head dim.
+
+Every function here takes numpy arrays as well as floats, so the search can evaluate many
+candidates at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.hardware.profile import HardwareProfile
+
+# Global factors (the only calibrated constants of the time model; see benchmarks/
+# bench_megatron_table1.py and planner/cost/README.md). Not tuned per model or row.
+HBM_EFFICIENCY = 0.80  # achievable share of the HBM datasheet bandwidth (STREAM-like copy on A100/H100 ~80-90%)
+KERNEL_OVERHEAD_S = 3e-6  # per kernel: launch tail, ramp-up and the epilogue wave
+K_HALF = 48.0  # k at which a GEMM tile's main loop reaches half efficiency
+TILE = 128  # output tile edge cuBLAS uses for large bf16 GEMMs
+FLASH_HEAD_HALF = 40.0  # head dim at which FlashAttention-2 reaches half of MAMF
+FLASH_BWD_RATIO = 0.80  # backward efficiency relative to the forward (FlashAttention-2 Fig. 6 vs 5)
+
+# Streaming multiprocessors per GPU (vendor whitepapers), for wave quantisation.
+_SMS = {"A100": 108, "H100": 132, "H200": 132, "H800": 132, "GH200": 132, "B200": 148, "L40S": 142,
+        "MI250X": 110, "MI300X": 304, "V100": 80}
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """The few numbers of one GPU the time model needs, in SI units."""
+
+    peak_flops: float  # dense FLOP/s in the training dtype
+    mamf: float  # achievable fraction of peak for well-shaped GEMMs
+    hbm: float  # bytes/s
+    sms: int
+
+    @property
+    def hbm_effective(self) -> float:
+        return self.hbm * HBM_EFFICIENCY
+
+
+def device(profile: HardwareProfile, dtype: str = "bf16") -> Device:
+    gpu = profile.gpu
+    sms = next((n for key, n in _SMS.items() if key.lower() in gpu.name.lower()), 108)
+    return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms)
+
+
+def tile_efficiency(m, n, sms: int):
+    """Useful share of the SM-time of a GEMM's output tiles (padding and the last wave)."""
+    m = np.asarray(m, dtype=float)
+    n = np.asarray(n, dtype=float)
+    tm = np.maximum(np.ceil(m / TILE), 1.0)
+    tn = np.maximum(np.ceil(n / TILE), 1.0)
+    tiles = tm * tn
+    waves = np.ceil(tiles / sms)
+    padding = (m * n) / (tm * tn * TILE * TILE)
+    occupancy = tiles / (waves * sms)
+    return np.clip(padding * occupancy, 1e-3, 1.0)
+
+
+def gemm_efficiency(m, n, k, dev: Device):
+    """Fraction of the dense peak a (m x k) @ (k x n) GEMM reaches on the compute side."""
+    k = np.asarray(k, dtype=float)
+    return dev.mamf * tile_efficiency(m, n, dev.sms) * k / (k + K_HALF)
+
+
+def gemm_time(m, n, k, dev: Device, batch=1, bytes_per_el: int = 2):
+    """Seconds for ``batch`` GEMMs of (m x k) @ (k x n)."""
+    m = np.asarray(m, dtype=float)
+    n = np.asarray(n, dtype=float)
+    k = np.asarray(k, dtype=float)
+    flops = 2.0 * m * n * k * batch
+    # Batched small GEMMs (experts, heads) fill the GPU together: quantise over all of them.
+    eff = dev.mamf * tile_efficiency(m * batch, n, dev.sms) * k / (k + K_HALF)
+    compute = flops / (dev.peak_flops * eff)
+    memory = bytes_per_el * (m * k + k * n + m * n) * batch / dev.hbm_effective
+    return np.where(flops > 0, np.maximum(compute, memory) + KERNEL_OVERHEAD_S, 0.0)
+
+
+def flash_efficiency(head_dim, dev: Device):
+    """FlashAttention-2 forward efficiency as a fraction of the peak."""
+    d = np.asarray(head_dim, dtype=float)
+    return dev.mamf * d / (d + FLASH_HEAD_HALF)
+
+
+def flash_time(flops, head_dim, causal: bool, dev: Device, backward: bool = False):
+    """Forward (or backward: 2.5x the FLOPs, 5 matmuls against 2) of FlashAttention."""
+    work = np.asarray(flops, dtype=float) * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
+    eff = flash_efficiency(head_dim, dev) * (FLASH_BWD_RATIO if backward else 1.0)
+    return np.where(work > 0, work / (dev.peak_flops * eff) + KERNEL_OVERHEAD_S, 0.0)
+
+
+def hbm_time(nbytes, dev: Device):
+    """Seconds to stream ``nbytes`` through HBM (read + write already counted by the caller)."""
+    return np.asarray(nbytes, dtype=float) / dev.hbm_effective
+
+
+# Optimizer step traffic per parameter held by this GPU (fused multi-tensor Adam): read fp32
+# master, momentum, variance and the fp32 gradient (16), write master, momentum, variance (12),
+# write the 16-bit working copy (2), plus the gradient-norm/overflow pass (4).
+ADAM_STEP_BYTES = 34.0
+SGD_STEP_BYTES = 18.0

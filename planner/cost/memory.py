@@ -1,0 +1,231 @@
+"""Memory per GPU: model states (ZeRO 0-3, offload, EP), activations, buffers, allowances.
+
+Model states, bytes per parameter a GPU holds after TP/PP/EP (N = the ranks it is sharded over:
+dp for dense parameters, dp/ep for routed experts), mixed precision with fp32 master weights and
+Adam (K = 12: master, momentum, variance; Rajbhandari et al. SC20, ../shared/reference/
+zero_memory_formulas.csv):
+
+=====================  =========  ===========================  ===============
+runtime / stage        weights    gradients                    optimizer
+=====================  =========  ===========================  ===============
+DeepSpeed ZeRO-0       2          2                            12
+DeepSpeed ZeRO-1       2          2 + 4/N (fp32 partition)     12/N
+DeepSpeed ZeRO-2       2          (2 + 4)/N                    12/N
+DeepSpeed ZeRO-3       2/N        4/N                          12/N
+Megatron, bf16         2          4 (fp32 main_grad)           12   (12/N distributed optimizer)
+Megatron, fp16         2          2                            16   (16/N: fp32 grad copy too)
+=====================  =========  ===========================  ===============
+
+ZeRO-2 and ZeRO-3 reproduce DeepSpeed 0.19's own estimators exactly (``estimate_zero2_model_
+states_mem_needs``: 2P + 18P/N; ``estimate_zero3_model_states_mem_needs``: 18P/N + 4 x the
+largest layer, the gathered 16-bit weights and gradients of the layer being computed); the
+Megatron rows are its distributed-optimizer documentation (18 and 6 + 12/d bytes for bf16).
+Offload moves the optimizer (and fp32 gradient partition) or, with ZeRO-3, the parameters too,
+to pinned CPU memory, which DeepSpeed sizes with an additional_buffer_factor of 1.5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost import frameworks as fw
+
+GiB = 2**30
+# Allowances (documented estimates, not calibrated): the CUDA context with cuBLAS/cuDNN
+# workspaces (PyTorch on A100/H100: 0.5-0.9 GiB), NCCL's per-communicator buffers
+# (NCCL_BUFFSIZE 4 MiB x channels x peers, ~0.25 GiB per process group with tens of
+# channels on NVSwitch), and the caching allocator's fragmentation (reserved minus allocated,
+# typically 5-10% in long training runs).
+CUDA_CONTEXT_BYTES = 1.0 * GiB
+NCCL_BYTES_PER_GROUP = 0.25 * GiB
+FRAGMENTATION = 0.05
+CPU_BUFFER_FACTOR = 1.5  # DeepSpeed estimators' additional_buffer_factor (pinned staging buffers)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStates:
+    weights: float
+    grads: float
+    optimizer: float
+    cpu: float  # bytes this GPU keeps in host memory (before the CPU buffer factor)
+
+    @property
+    def gpu(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """Bytes on one GPU at its peak (the end of the warm-up of 1F1B, mid-backward)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    overhead: float  # CUDA context + fragmentation
+    cpu_per_node: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+
+
+# -- published formulas ------------------------------------------------------------------
+
+
+def zero_paper_bytes(psi: float, nd: int, stage: int, k: int = 12) -> float:
+    """Model-state bytes per GPU, Rajbhandari et al. SC20 Fig. 1 (fp16 params and grads, K)."""
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 2 * psi + 2 * psi + k * psi / nd
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / nd
+    if stage == 3:
+        return (2 + 2 + k) * psi / nd
+    raise ValueError(f"ZeRO stage {stage}")
+
+
+def zero2_model_states_mem_needs(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                                 cpu_offload: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(cpu_bytes, gpu_bytes) as DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (0.19).
+
+    GPU: 2 (16-bit params) + 18/N (16-bit and fp32 gradient partitions, fp32 params, Adam
+    moments); with offload only the 16-bit params stay. CPU: the fp32 copy each process builds
+    at init (4 x GPUs per node), or with offload max(4 x total GPUs, 16) per parameter, times the
+    buffer factor.
+    """
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu)
+
+
+def zero3_model_states_mem_needs(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
+                                 num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
+                                 zero_init: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+    """(cpu_bytes, gpu_bytes, largest_layer_bytes) as DeepSpeed's ``estimate_zero3_model_states_mem_needs``."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest = 4 * largest_layer_params  # gathered 16-bit weights + gradients of one layer
+    if cpu_offload:
+        per = 18 if cpu_offload_params else 16
+        gpu = largest if cpu_offload_params else largest + int(2 * total_params / total_gpus)
+        if zero_init:
+            cpu = total_params * per * gpus_factor * additional_buffer_factor
+        else:
+            cpu = total_params * max(4 * num_gpus_per_node, per * gpus_factor) * additional_buffer_factor
+    else:
+        gpu = largest + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu), largest
+
+
+# -- the planner's model ----------------------------------------------------------------
+
+
+def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: str = "bf16",
+                    moments: int = 2) -> tuple[float, float, float, float]:
+    """(weights, grads, optimizer, cpu) bytes per parameter held by a GPU, sharded over ``n``."""
+    work = 4 if precision == "fp32" else 2
+    master = 0 if precision == "fp32" else 4
+    states = master + 4 * moments  # K: 12 for Adam in mixed precision
+    if framework == "megatron":
+        if precision == "bf16":
+            g, opt = 4.0, float(states)  # fp32 main_grad, reduced in fp32
+        else:
+            g, opt = float(work), float(states + (4 if precision == "fp16" else 0))
+        return float(work), g, opt / n if zero >= 1 else opt, 0.0
+    # DeepSpeed engine (deepspeed, megatron-deepspeed)
+    fp32_grad = 0 if precision == "fp32" else 4
+    if zero == 0:
+        return float(work), float(work), float(states), 0.0
+    if zero == 1:
+        w, g, opt = float(work), work + fp32_grad / n, states / n
+    elif zero == 2:
+        w, g, opt = float(work), (work + fp32_grad) / n, states / n
+    else:
+        w, g, opt = work / n, fp32_grad / n if fp32_grad else work / n, states / n
+    if offload == "none":
+        return w, g, opt, 0.0
+    # Offload: the optimizer states and the fp32 gradient partition live on the CPU; the GPU
+    # keeps the 16-bit weights (ZeRO-3: its partition) and streams reduced gradients out.
+    if zero == 1:
+        cpu = (fp32_grad + states) / n
+        g = float(work)
+    else:
+        cpu = g + opt
+        g = 0.0
+    if offload == "optimizer+params":  # ZeRO-3 only: the 16-bit partition moves too
+        cpu += w
+        w = 0.0
+    return w, g, 0.0, cpu
+
+
+def model_states(dense_params: float, expert_params: float, *, framework: str, zero: int, offload: str,
+                 dp: int, ep: int, precision: str = "bf16", moments: int = 2,
+                 live_layer_params: float = 0.0) -> ModelStates:
+    """Model states on one GPU: dense parameters shard over dp, routed experts over dp/ep.
+
+    ``live_layer_params``: with ZeRO-3 the largest layer is gathered whole (weights and
+    gradients, 4 bytes per parameter) while it runs, as in DeepSpeed's estimator.
+    """
+    wd, gd, od, cd = bytes_per_param(framework, zero, offload, dp, precision, moments)
+    we, ge, oe, ce = bytes_per_param(framework, zero, offload, max(dp // ep, 1), precision, moments)
+    weights = wd * dense_params + we * expert_params
+    grads = gd * dense_params + ge * expert_params
+    if zero == 3:
+        weights += 2 * live_layer_params
+        grads += 2 * live_layer_params
+    return ModelStates(weights, grads, od * dense_params + oe * expert_params, cd * dense_params + ce * expert_params)
+
+
+def buffer_bytes(framework: str, zero: int, stage_params: float, groups: int, pp_buffer: float = 0.0) -> float:
+    """Communication buffers: DeepSpeed's ZeRO buckets, ZeRO-3 prefetch, NCCL, PP receive buffers."""
+    t = fw.traits(framework)
+    out = NCCL_BYTES_PER_GROUP * groups + pp_buffer
+    if t.zero_buckets and zero in (1, 2):
+        buckets = min(fw.REDUCE_BUCKET_SIZE, stage_params) + min(fw.ALLGATHER_BUCKET_SIZE, stage_params)
+        out += fw.OVERLAP_COMM_FACTOR * 2 * buckets  # 16-bit elements
+    elif t.zero_buckets and zero == 3:
+        out += 2 * min(fw.STAGE3_PREFETCH_BUCKET_SIZE, stage_params) + 2 * min(fw.REDUCE_BUCKET_SIZE, stage_params)
+    return out
+
+
+def inflight_microbatches(rank: int, pp: int, virtual: int, microbatches: int) -> float:
+    """Micro-batches of activations a pipeline rank holds at its peak, in units of its whole
+    stage (all its chunks).
+
+    1F1B: rank r runs p - r forwards before its first backward (Narayanan et al. 2021).
+    Interleaved: Megatron's warm-up runs (p - r - 1) x 2 + (v - 1) x p chunk-forwards, plus the
+    one in steady state, each 1/v of the stage: rank 0 holds L(1 + (p-1)/(p v)) layers'
+    worth, Korthikanti et al. Sec 4.2.3.
+    """
+    if pp == 1:
+        return 1.0
+    if virtual == 1:
+        return float(min(pp - rank, microbatches))
+    chunks = min((pp - rank - 1) * 2 + (virtual - 1) * pp + 1, microbatches * virtual)
+    return chunks / virtual
+
+
+def activation_bytes(stored_per_mb: float, live_extra_per_mb: float, inflight: float) -> float:
+    """Activations at the peak: in-flight micro-batches plus one layer being recomputed."""
+    return stored_per_mb * inflight + live_extra_per_mb
+
+
+def overhead_bytes(allocated: float) -> float:
+    return CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated
+
+
+def cpu_bytes_per_node(cpu_per_gpu: float, gpus_per_node: int) -> float:
+    """Host memory of a node's offloaded states, with DeepSpeed's pinned-buffer factor."""
+    return cpu_per_gpu * gpus_per_node * CPU_BUFFER_FACTOR
