@@ -1,0 +1,98 @@
+"""``dsplan topo``: the cluster's topology, one collective's predicted cost, or a drawing."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from planner.cli.hardware import hardware_option
+from planner.cli.output import console, human_bytes, human_time, json_option, print_json
+from planner.cost.collectives import OPS, collective_time_for_size, normalize_op
+from planner.errors import UserError
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.units import parse_size
+
+
+@click.command(
+    "topo",
+    help="""Show a cluster's topology, predict one collective on it, or draw it.
+
+    \b
+    Examples:
+      dsplan topo --hardware dgx-a100-80g --nodes 4
+      dsplan topo --nodes 2 --collective allreduce --group-size 16 --bytes 1GiB --json
+      dsplan topo --hardware hgx-h200 --collective allreduce --bytes 256MiB --no-nvls
+      dsplan topo --nodes 2 --draw topo.png --dot topo.dot
+    """,
+)
+@hardware_option
+@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
+@click.option("--collective", metavar="OP", help=f"Predict one collective: {', '.join(OPS)}.")
+@click.option("--group-size", type=int, help="Ranks in the group (consecutive ranks, TP-style). Default: one node.")
+@click.option("--bytes", "size", default="1GiB", show_default=True, help="Buffer size as nccl-tests counts it (KiB/MiB/GiB).")
+@click.option("--no-nvls", is_flag=True, help="Disable NVLink SHARP (as NCCL_NVLS_ENABLE=0).")
+@click.option("--draw", "draw_path", type=click.Path(dir_okay=False), help="Write a PNG drawing (needs matplotlib).")
+@click.option("--dot", "dot_path", type=click.Path(dir_okay=False), help="Write a Graphviz .dot file.")
+@json_option
+def topo(hardware: str, nodes: int, collective: str | None, group_size: int | None, size: str,
+         no_nvls: bool, draw_path: str | None, dot_path: str | None, as_json: bool) -> None:
+    if nodes < 1:
+        raise UserError(f"--nodes: need at least 1 node, got {nodes}")
+    cluster = Cluster.build(load_profile(hardware), nodes)
+    written = []
+    if dot_path:
+        from planner.hardware.draw import write_dot
+
+        written.append(str(write_dot(cluster, dot_path)))
+    if draw_path:
+        from planner.hardware.draw import write_png
+
+        written.append(str(write_png(cluster, draw_path)))
+    if collective is not None or group_size is not None:
+        op = normalize_op(collective or "allreduce")
+        nbytes = parse_size(size, "--bytes")
+        group = cluster.gpus_per_node if group_size is None else group_size
+        if group < 1:
+            raise UserError(f"--group-size: need at least 1 rank, got {group}")
+        cost = collective_time_for_size(cluster, op, group, nbytes, nvls=False if no_nvls else None)
+        if as_json:
+            print_json(cost.as_dict() | {"hardware": cluster.profile.name, "nodes": nodes})
+        else:
+            _print_cost(cluster, cost)
+    elif as_json:
+        print_json(cluster.summary() | ({"written": written} if written else {}))
+    else:
+        _print_summary(cluster)
+    if not as_json:
+        for path in written:
+            console.print(f"wrote {path}")
+
+
+def _print_summary(cluster: Cluster) -> None:
+    s = cluster.summary()
+    table = Table(title=f"{s['hardware']}: {s['nodes']} node(s)", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("GPUs", f"{s['gpus']} ({s['gpus_per_node']} per node)")
+    table.add_row("intra-node", f"{s['intra_node_fabric']}, {s['intra_bw_per_gpu_GBps']:g} GB/s per GPU per direction" + (", NVLS" if s["nvls"] else ""))
+    table.add_row("links by type", ", ".join(f"{k}: {v}" for k, v in sorted(s["links_by_type"].items())))
+    table.add_row("NICs", f"{s['nics_per_node']} x {s['nic_GBps']:g} GB/s per node; {s['nic_bw_per_gpu_GBps']:g} GB/s per GPU")
+    table.add_row("node bisection", f"{s['intra_node_bisection_GBps']:g} GB/s")
+    table.add_row("network bisection", f"{s['bisection_bw_GBps']:g} GB/s" if s["nodes"] > 1 else "- (one node)")
+    table.add_row("fabric", f"{s['fabric']}, {'rail-optimized' if s['rail_optimized'] else 'not rail-optimized'}")
+    table.add_row("switches", f"{s['leaf_switches']} leaf ({s['nodes_per_leaf']} nodes per leaf block), {s['spine_switches']} spine")
+    table.add_row("oversubscription", f"{s['oversubscription']:g}:1")
+    console.print(table)
+
+
+def _print_cost(cluster: Cluster, cost) -> None:
+    table = Table(title=f"{cost.op} over {cost.group_size} ranks, {human_bytes(cost.nbytes)} on {cluster.profile.name} x{cluster.nodes}")
+    for col in ("time", "algbw GB/s", "busbw GB/s", "algorithm", "latency", "bottleneck"):
+        table.add_column(col)
+    table.add_row(human_time(cost.time_s), f"{cost.algbw_GBps:.1f}", f"{cost.busbw_GBps:.1f}", cost.algorithm,
+                  human_time(cost.latency_s), cost.bottleneck or "-")
+    console.print(table)
+
+
+commands = [topo]
