@@ -1,0 +1,134 @@
+"""Cluster graph, fat-tree sizing, rank placement and intra-node routing."""
+
+from __future__ import annotations
+
+import time
+
+import networkx as nx
+import pytest
+
+from planner.errors import UserError
+from planner.hardware.cluster import Cluster, fat_tree, nic_gpus
+from planner.hardware.load import load_profile
+from planner.hardware.placement import GroupShape, Placement, contiguous_shape
+from planner.hardware.routing import intra_routes
+
+
+@pytest.fixture(scope="module")
+def a100():
+    return load_profile("dgx-a100-80g")
+
+
+def test_graph_of_two_dgx_nodes(a100):
+    cluster = Cluster.build(a100, 2)
+    g = cluster.graph
+    roles = nx.get_node_attributes(g, "role")
+    assert sum(r == "gpu" for r in roles.values()) == 16
+    assert sum(r == "nic" for r in roles.values()) == 16
+    assert sum(r == "nvswitch" for r in roles.values()) == 2
+    # rail-optimized: NIC j of every node on leaf j
+    assert set(g["n0.nic3"]) & set(g["n1.nic3"]) == {"leaf0.r3"}
+    for _, _, data in g.edges(data=True):
+        assert data["bw"] > 0 and data["latency"] >= 0 and data["kind"]
+    assert g.edges["n0.gpu0", "n0.nvswitch"]["bw"] == 300e9
+    assert g.edges["n0.nic0", "leaf0.r0"]["bw"] == 25e9
+    counts = {}
+    for _, _, kind in g.edges(data="kind"):
+        counts[kind] = counts.get(kind, 0) + 1
+    assert counts == cluster.link_counts() == {"nvlink": 16, "pcie": 16, "network": 16}
+    assert nx.is_connected(g)
+
+
+def test_fat_tree_sizing_and_spine(a100):
+    ft = fat_tree(a100, 64)  # radix 40, 1:1 -> 20 down / 20 up; 4 blocks of 20 nodes, 8 rails
+    assert (ft.downlinks_per_leaf, ft.uplinks_per_leaf, ft.nodes_per_leaf) == (20, 20, 20)
+    assert ft.leaves == 32 and ft.spines == 16
+    g = Cluster.build(a100, 64).graph
+    assert sum(1 for _, r in g.nodes(data="role") if r == "spine") == 16
+    assert nx.is_connected(g)
+    slim = a100.model_copy(update={"fabric": a100.fabric.model_copy(update={"oversubscription": 3.0})})
+    assert fat_tree(slim, 64).downlinks_per_leaf == 30
+    assert Cluster.build(slim, 64).network_bisection_bw() == pytest.approx(32 * 8 * 25e9 / 3)
+
+
+def test_summary_numbers(a100):
+    s = Cluster.build(a100, 4).summary()
+    assert s["gpus"] == 32 and s["nic_bw_per_gpu_GBps"] == 25.0
+    assert s["bisection_bw_GBps"] == pytest.approx(2 * 8 * 25)  # two nodes' NICs each way
+    assert s["intra_node_bisection_GBps"] == pytest.approx(4 * 300)
+    mi300 = Cluster.build(load_profile("mi300x"), 1).summary()
+    assert mi300["intra_node_bisection_GBps"] == pytest.approx(16 * 64)  # 4x4 xGMI links cross the cut
+    pcie = Cluster.build(load_profile("a100-pcie"), 1).summary()
+    assert pcie["intra_node_bisection_GBps"] == pytest.approx(63.0)  # the socket link
+    assert pcie["links_by_type"]["socket"] == 1
+
+
+def test_large_cluster_is_cheap_until_drawn(a100):
+    start = time.perf_counter()
+    cluster = Cluster.build(a100, 2048)
+    summary = cluster.summary()
+    shape = Placement(cluster, {"tp": 8, "dp": 256, "pp": 8}).group("dp")
+    assert time.perf_counter() - start < 0.5
+    assert cluster._graph is None
+    assert summary["gpus"] == 16384 and summary["spine_switches"] > 0
+    assert shape.leaf_blocks > 1 and shape.crosses_spine
+
+
+def test_nodes_must_be_positive(a100):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(UserError, match="--nodes"):
+            Cluster.build(a100, bad)
+
+
+def test_nic_affinity():
+    pcie = load_profile("a100-pcie")
+    assert nic_gpus(pcie, 1) == [2, 3]
+    g = Cluster.build(pcie, 1).node_graph
+    assert set(g["n0.nic1"]) == {"n0.pcie1"}
+    assert set(g["n0.gpu2"]) == {"n0.pcie1"}
+
+
+def test_placement_shapes(a100):
+    cluster = Cluster.build(a100, 4)
+    p = Placement(cluster, {"tp": 2, "dp": 8, "pp": 2})
+    assert p.order == ("tp", "dp", "pp")
+    assert p.ranks("tp", 1) == [2, 3]
+    assert p.ranks("dp") == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert p.ranks("pp") == [0, 16]
+    assert p.group("tp") == GroupShape(2, 1, 2, 1, 4)
+    assert p.group("dp") == GroupShape(8, 2, 4, 2, 2)
+    assert p.group("pp") == GroupShape(2, 16, 1, 2, 8)
+    assert hash(p.group("dp")) == hash(GroupShape(8, 2, 4, 2, 2))
+    assert p.group("dp").local_groups(8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    custom = Placement(cluster, {"tp": 8, "ep": 1, "dp": 4, "pp": 1}, order=("dp", "tp", "ep", "pp"))
+    assert custom.group("dp") == GroupShape(4, 1, 4, 1, 2)
+    assert custom.group("tp") == GroupShape(8, 4, 2, 4, 4)  # ranks 0, 4, ..., 28: two per node
+
+
+def test_placement_errors(a100):
+    cluster = Cluster.build(a100, 2)
+    with pytest.raises(UserError, match="= 8 GPUs, but the cluster has 16"):
+        Placement(cluster, {"tp": 8, "dp": 1})
+    with pytest.raises(UserError, match="split unevenly"):
+        Placement(Cluster.build(a100, 3), {"tp": 3, "dp": 8}).group("tp")
+    with pytest.raises(UserError, match="exactly once"):
+        Placement(cluster, {"tp": 8, "dp": 2}, order=("tp",))
+    with pytest.raises(UserError, match="unknown parallel dimension"):
+        Placement(cluster, {"tp": 8, "dp": 2}).group("ep")
+    with pytest.raises(UserError, match="larger than the cluster"):
+        contiguous_shape(cluster, 32)
+
+
+def test_intra_routes_find_contention():
+    pcie = Cluster.build(load_profile("a100-pcie"), 1)
+    key = pcie.key[0]
+    # four rings of two GPUs, each under its own switch: full PCIe speed
+    local = intra_routes(key, ((0, 1), (2, 3), (4, 5), (6, 7)))
+    assert local.ring_bw == pytest.approx(31.5e9)
+    # four rings of two GPUs on opposite sockets: all cross the socket link (2 x 31.5 GB/s)
+    far = intra_routes(key, ((0, 4), (1, 5), (2, 6), (3, 7)))
+    assert far.ring_bw == pytest.approx(63e9 / 4)
+    assert "cpu" in far.bottleneck
+    mi300 = Cluster.build(load_profile("mi300x"), 1)
+    full = intra_routes(mi300.key[0], (tuple(range(8)),))
+    assert full.ring_bw == pytest.approx(7 * 64e9) and full.p2p_bw == pytest.approx(64e9)
