@@ -86,6 +86,15 @@ def _configured(cls: type, recompute: str) -> type:
     return type(f"{cls.__name__}{recompute.capitalize()}", (cls,), {"__init__": __init__})
 
 
+def _tuple_input(cls: type) -> type:
+    """The pipeline calls ``layer(x)`` with the whole tuple; our layers take the tensors as arguments."""
+
+    def forward(self, x):
+        return cls.forward(self, *x) if isinstance(x, (tuple, list)) else cls.forward(self, x)
+
+    return type(cls.__name__, (cls,), {"forward": forward})
+
+
 def causal_lm_loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy (labels already shifted; image positions ignored) plus the MoE aux loss."""
     logits, aux = outputs
@@ -114,6 +123,19 @@ class ReferenceModel(nn.Module):
 
 class ReferenceForCausalLM(nn.Module):
     """Whole model in one module: ``forward(tokens, [tiles,] labels) -> loss``."""
+
+    # Hugging Face-style tensor-parallel plan, which DeepSpeed AutoTP applies by name:
+    # Megatron's pairing (Shoeybi et al. 2019, section 3) of column-parallel input
+    # projections with a row-parallel output projection in attention and in the MLP.
+    _tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
 
     def __init__(self, spec: ModelSpec, *, ep_size: int = 1, tiles: int = 0, recompute: str = "none"):
         super().__init__()
@@ -147,7 +169,7 @@ def build_pipeline(spec: ModelSpec, parts: list[int], *, ep_size: int, tiles: in
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=parts[stage], stop=parts[stage + 1])
 
-    specs = [LayerSpec(cls, *args) for cls, args in layer_specs(spec, ep_size=ep_size, tiles=tiles,
-                                                                   recompute=recompute)]
+    specs = [LayerSpec(_tuple_input(cls), *args) for cls, args in layer_specs(spec, ep_size=ep_size, tiles=tiles,
+                                                                                recompute=recompute)]
     return PlannedPipelineModule(specs, parts, num_stages=len(parts) - 1, loss_fn=causal_lm_loss,
                                  base_seed=seed)

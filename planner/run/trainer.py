@@ -167,6 +167,10 @@ def train(args: argparse.Namespace) -> int:
     else:
         module = ReferenceForCausalLM(small, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute)
     params = [p for p in module.parameters() if p.requires_grad]
+    if plan.tp > 1 and cfg.get("train_batch_size") == plan.micro_batch * plan.grad_accum * plan.dp:
+        # DeepSpeed's batch check (config.py) divides by the whole world when AutoTP builds its
+        # groups later; let it derive the global batch from micro-batch and accumulation instead.
+        cfg = {k: v for k, v in cfg.items() if k != "train_batch_size"}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=cfg)
 
     if plan.pp > 1:
@@ -192,6 +196,9 @@ def train(args: argparse.Namespace) -> int:
             resumed_from, state = loaded
             start_step = int(state["step"])
     local_params = sum(p.numel() for p in module.parameters())
+    from deepspeed.moe.layer import MoE
+
+    local_experts = [m.num_local_experts for m in module.modules() if isinstance(m, MoE)]
     write_json_atomic(run_dir / f"run_info.rank{rank}.json", {
         "rank": rank, "world_size": world, "dp_rank": dp_rank, "pipeline_stage": stage,
         "pipeline_parts": list(getattr(engine.module, "parts", scaled.parts)),
@@ -199,7 +206,10 @@ def train(args: argparse.Namespace) -> int:
         "local_layers": [getattr(engine.module, "_local_start", 0),
                          getattr(engine.module, "_local_stop", None) or len(small.blocks)],
         "layer_kinds": [b.kind for b in small.blocks], "params_on_rank": local_params,
+        "moe_local_experts": local_experts, "ep_size": plan.ep, "tp_size": plan.tp, "recompute": plan.recompute,
         "model": spec.name, "scale": scale.name, "zero_stage": engine.zero_optimization_stage(),
+        "optimizer": type(engine.optimizer).__name__,
+        "basic_optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
         "resumed_from": resumed_from, "start_step": start_step, "image_tokens": image_tokens,
     })
 
