@@ -50,7 +50,7 @@ MATRIX = [
     ("llama-3.1-8b", 1, dict(zero_stage=1, micro_batch=2, grad_accum=8)),
     ("llama-3.1-8b", 2, dict(zero_stage=2, offload="optimizer", recompute="full", grad_accum=4)),
     ("llama-3.1-70b", 16, dict(zero_stage=3, offload="optimizer+params", recompute="full")),
-    ("llama-3.1-70b", 4, dict(zero_stage=3, precision="fp16", recompute="selective", grad_accum=16)),
+    ("llama-3.1-70b", 4, dict(framework="megatron-deepspeed", zero_stage=3, precision="fp16", recompute="selective", grad_accum=16)),
     ("llama-3.1-70b", 8, dict(zero_stage=1, pp=4, grad_accum=16, recompute="full")),
     ("llama-3.1-70b", 8, dict(framework="megatron-deepspeed", zero_stage=1, tp=8, pp=2, grad_accum=32, sequence_parallel=True)),
     ("llama-3.1-70b", 8, dict(framework="megatron", zero_stage=1, tp=8, pp=2, virtual_stages=2, grad_accum=32)),
@@ -238,8 +238,11 @@ def test_moe_json_describes_the_experts():
 
 
 def test_runtime_rules_deepspeed_cannot_express_are_user_errors():
-    with pytest.raises(UserError, match="pipeline engine runs ZeRO 0 or 1"):
+    with pytest.raises(UserError, match="PipelineModule .* rejects ZeRO-2"):
         plan, model = make_plan("llama-3.1-8b", 2, zero_stage=2, pp=2)
+        build_ds_config(plan, model)
+    with pytest.raises(UserError, match="AutoTP .* ZeRO <= 2"):
+        plan, model = make_plan("llama-3.1-8b", 1, zero_stage=3, tp=2)
         build_ds_config(plan, model)
     with pytest.raises(UserError, match="DeepSpeedCPUAdam"):
         plan, model = make_plan("gpt3-125m", 1, zero_stage=2, offload="optimizer", optimizer="sgd")

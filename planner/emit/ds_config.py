@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
+from planner.cost.frameworks import check_framework
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.model.spec import DecoderBlock, ModelSpec, MoEMLP
@@ -139,21 +140,11 @@ def _zero(plan: PlanFile, model: ModelSpec) -> dict[str, Any]:
     return zero
 
 
-def _check_framework(plan: PlanFile) -> None:
-    """The DeepSpeed runtime rules a ds_config cannot express (DeepSpeed 0.19)."""
-    if plan.framework == "deepspeed" and plan.pp > 1 and plan.zero_stage >= 2:
-        raise UserError(
-            f"plan: DeepSpeed's pipeline engine runs ZeRO 0 or 1 only, the plan has pp={plan.pp} with ZeRO-{plan.zero_stage}; "
-            "pick --zero 0,1 or --pp 1"
-        )
-    if plan.framework == "deepspeed" and plan.tp > 1 and plan.zero_stage == 3:
-        raise UserError(f"plan: DeepSpeed AutoTP training supports ZeRO 0-2, the plan has tp={plan.tp} with ZeRO-3")
-
-
 def build_ds_config(plan: PlanFile, model: ModelSpec, settings: TrainSettings | None = None) -> dict[str, Any]:
     """The ds_config.json dict for ``plan`` (batch sizes use the plan's data-parallel world size)."""
     settings = settings or TrainSettings()
-    _check_framework(plan)
+    # The runtime rules a ds_config cannot express (PipelineModule with ZeRO-2/3, AutoTP with ZeRO-3, ...).
+    check_framework(plan.parallel_config(), is_moe=model.is_moe, decoder_layers=model.num_layers)
     config: dict[str, Any] = {
         "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
         "train_micro_batch_size_per_gpu": plan.micro_batch,

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
+from planner.cost.frameworks import check_framework
 from planner.cost.parallel import check_against_model
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
@@ -123,10 +124,10 @@ def _hosts(plan: PlanFile, options: LaunchOptions) -> list[Host]:
 
 def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
     """The degree rules that need the model (TP divides heads, EP divides experts, stages cover the blocks)."""
-    check_against_model(
-        plan.parallel_config(), heads=model.attention_heads, kv_heads=model.kv_heads,
-        routed_experts=model.routed_experts, blocks=len(model.blocks),
-    )
+    cfg = plan.parallel_config()
+    check_against_model(cfg, heads=model.attention_heads, kv_heads=model.kv_heads,
+                        routed_experts=model.routed_experts, blocks=len(model.blocks))
+    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers)
     if plan.stage_blocks is not None:
         first, last = plan.stage_blocks[0][0], plan.stage_blocks[-1][1]
         if (first, last) != (0, len(model.blocks)):
