@@ -125,7 +125,10 @@ def shape_of(cluster: Cluster, groups: np.ndarray, stride: int, what: str = "gro
     r = size // m
     per_node = np.sort(nodes, axis=1)
     if m > 1 and not np.all(per_node.reshape(len(groups), m, r) == per_node.reshape(len(groups), m, r)[:, :, :1]):
-        raise UserError(f"{what} groups of {size} ranks do not place {r} ranks on each node; choose a size that fits {g} GPUs per node")
+        raise UserError(
+            f"{what} groups of {size} ranks split unevenly across nodes (not {r} ranks on each of {m} nodes); "
+            f"choose a size that divides {g} or is a multiple of it"
+        )
     ft = cluster.fat_tree
     blocks = int(_distinct_per_row(nodes // ft.nodes_per_leaf).max())
     pods = int(_distinct_per_row(nodes // ft.nodes_per_pod).max())
