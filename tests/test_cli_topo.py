@@ -81,3 +81,10 @@ def test_bad_input_exits_2(args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_cli_ops_list_matches_the_model():
+    from planner.cli import topo
+    from planner.cost import collectives
+
+    assert topo.OPS == collectives.OPS

@@ -132,3 +132,14 @@ def test_intra_routes_find_contention():
     mi300 = Cluster.build(load_profile("mi300x"), 1)
     full = intra_routes(mi300.key[0], (tuple(range(8)),))
     assert full.ring_bw == pytest.approx(7 * 64e9) and full.p2p_bw == pytest.approx(64e9)
+
+
+def test_links_crossed_per_dimension(a100):
+    p = Placement(Cluster.build(a100, 64), {"tp": 8, "dp": 32, "pp": 2})
+    assert p.links("tp") == ("nvlink",)
+    assert p.links("dp") == ("pcie", "network", "spine")  # 32 nodes, 20 per leaf block
+    small = Placement(Cluster.build(a100, 2), {"tp": 4, "dp": 4})
+    assert small.links("dp") == ("nvlink", "pcie", "network")
+    pcie = Placement(Cluster.build(load_profile("a100-pcie"), 1), {"tp": 2, "dp": 4})
+    assert pcie.links("dp") == ("pcie", "socket")
+    assert pcie.links("tp") == ("pcie",)  # both GPUs of a pair sit under one PCIe switch

@@ -7,11 +7,12 @@ from rich.table import Table
 
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
-from planner.cost.collectives import OPS, collective_time_for_size, normalize_op
 from planner.errors import UserError
-from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.units import parse_size
+
+# Listed here so `--help` needs no numpy/networkx import (the CLI loads every command module).
+OPS = ("allreduce", "reducescatter", "allgather", "alltoall", "p2p", "broadcast")
 
 
 @click.command(
@@ -37,6 +38,9 @@ from planner.units import parse_size
 @json_option
 def topo(hardware: str, nodes: int, collective: str | None, group_size: int | None, size: str,
          no_nvls: bool, draw_path: str | None, dot_path: str | None, as_json: bool) -> None:
+    from planner.cost.collectives import collective_time_for_size, normalize_op
+    from planner.hardware.cluster import Cluster
+
     if nodes < 1:
         raise UserError(f"--nodes: need at least 1 node, got {nodes}")
     cluster = Cluster.build(load_profile(hardware), nodes)
@@ -69,7 +73,7 @@ def topo(hardware: str, nodes: int, collective: str | None, group_size: int | No
             console.print(f"wrote {path}")
 
 
-def _print_summary(cluster: Cluster) -> None:
+def _print_summary(cluster) -> None:
     s = cluster.summary()
     table = Table(title=f"{s['hardware']}: {s['nodes']} node(s)", show_header=False)
     table.add_column("what", style="bold")
@@ -86,7 +90,7 @@ def _print_summary(cluster: Cluster) -> None:
     console.print(table)
 
 
-def _print_cost(cluster: Cluster, cost) -> None:
+def _print_cost(cluster, cost) -> None:
     table = Table(title=f"{cost.op} over {cost.group_size} ranks, {human_bytes(cost.nbytes)} on {cluster.profile.name} x{cluster.nodes}")
     for col in ("time", "algbw GB/s", "busbw GB/s", "algorithm", "latency", "bottleneck"):
         table.add_column(col)

@@ -102,6 +102,10 @@ class Placement:
             self._shapes[dim] = shape_of(self.cluster, self._group_matrix(dim), self.stride(dim), dim)
         return self._shapes[dim]
 
+    def links(self, dim: str) -> tuple[str, ...]:
+        """Kinds of link the groups of ``dim`` cross, innermost first (e.g. nvlink, pcie, network, spine)."""
+        return links_crossed(self.cluster, self.group(dim))
+
     def _group_matrix(self, dim: str) -> np.ndarray:
         """All groups of ``dim`` as rows of ranks: (num_gpus / size, size)."""
         sizes = [self.dims[d] for d in reversed(self.order)]  # outermost first, C order
@@ -133,6 +137,20 @@ def shape_of(cluster: Cluster, groups: np.ndarray, stride: int, what: str = "gro
     blocks = int(_distinct_per_row(nodes // ft.nodes_per_leaf).max())
     pods = int(_distinct_per_row(nodes // ft.nodes_per_pod).max())
     return GroupShape(size, stride, r, m, g // r, blocks, pods)
+
+
+def links_crossed(cluster: Cluster, shape: GroupShape) -> tuple[str, ...]:
+    """Link kinds a group's traffic crosses: the node fabric, then NIC, leaf and spine."""
+    from planner.hardware.routing import path_kinds
+
+    kinds: list[str] = []
+    if shape.ranks_per_node > 1:
+        kinds += path_kinds(cluster.key[0], shape.local_groups(cluster.gpus_per_node)[0])
+    if shape.crosses_nodes:
+        kinds += ["pcie", "network"] if "pcie" not in kinds else ["network"]
+        if shape.crosses_spine:
+            kinds.append("spine")
+    return tuple(kinds)
 
 
 def _distinct_per_row(a: np.ndarray) -> np.ndarray:

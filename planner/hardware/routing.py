@@ -65,6 +65,15 @@ def _intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> Int
     return IntraRoutes(ring_bw, p2p_bw, a2a_spb, edge)
 
 
+def path_kinds(profile_json: str, members: tuple[int, ...]) -> list[str]:
+    """Edge kinds on the routes between the members of one local group (e.g. ["pcie", "socket"])."""
+    g, paths = _node_graph(profile_json), _paths(profile_json)
+    names = [f"n0.gpu{i}" for i in members]
+    kinds = {g.edges[u, v]["kind"] for a in names for b in names if a != b for u, v in zip(paths[a][b], paths[a][b][1:])}
+    order = ("nvlink", "xgmi", "pcie", "socket")
+    return sorted(kinds, key=lambda k: order.index(k) if k in order else len(order))
+
+
 @functools.lru_cache(maxsize=32)
 def _paths(profile_json: str) -> dict[str, dict[str, list[str]]]:
     g = _node_graph(profile_json)
