@@ -106,7 +106,9 @@ def collective_time(
 
 
 def collective_seconds(cluster: Cluster, op: str, shape: GroupShape, nbytes: float, nvls: bool | None = None) -> float:
-    """Just the time in seconds: the leanest call for the search's inner loop (``op`` as in OPS)."""
+    """Just the time in seconds: the leanest call for the search's inner loop."""
+    if op not in OPS:
+        op = normalize_op(op)
     if shape.size <= 1 or nbytes <= 0:
         return 0.0
     _, terms, _ = _plan(cluster, op, shape, cluster.nvls if nvls is None else bool(nvls))
