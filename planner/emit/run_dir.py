@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from planner.emit.ds_config import TrainSettings
-from planner.emit.hosts import Host
+from planner.emit.hosts import Host, check_host
 from planner.emit.plan_file import PlanFile, plan_from_dict
 from planner.emit.render import BUILTIN_ENTRY, LaunchOptions, render_run_dir
 from planner.emit.write import WriteReport, write_run_dir
@@ -30,7 +30,7 @@ def generate_run_dir(
     options = LaunchOptions(
         entry=entry,
         entry_args=list(entry_args),
-        hosts=None if hosts is None else [Host(name=h, slots=plan_file.gpus_per_node) for h in hosts],
+        hosts=None if hosts is None else [Host(name=check_host(h, "hosts"), slots=plan_file.gpus_per_node) for h in hosts],
         settings=settings or TrainSettings(),
     )
     files = render_run_dir(plan_file, load_model(plan_file.model), load_profile(plan_file.hardware), options, out_dir)
