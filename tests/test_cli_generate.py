@@ -72,8 +72,9 @@ def test_generate_from_a_plan_file_writes_the_run_directory(tmp_path: Path):
 
 def test_generate_without_a_plan_estimates_the_pinned_degrees(tmp_path: Path):
     out = tmp_path / "run"
-    result = invoke("generate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--zero", "1",
-                    "--micro-batch", "2", "--global-batch", "64", "--out", str(out), "--json")
+    result = invoke("generate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--pp", "1", "--zero", "1",
+                    "--micro-batch", "2", "--global-batch", "64", "--framework", "deepspeed", "--recompute", "none",
+                    "--offload", "none", "--out", str(out), "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())
     assert (plan["dp"], plan["tp"], plan["pp"], plan["grad_accum"]) == (8, 2, 1, 4)
