@@ -117,6 +117,7 @@ class _Ctx:
     ep: int
     flash: bool
     dropout: bool
+    rope: bool = False
 
     def repl(self, nbytes: float) -> float:
         """Replicated across TP ranks unless sequence parallelism splits it."""
@@ -140,7 +141,7 @@ def vision_tiles(model: ModelSpec, workload: Workload) -> int:
 
 def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = False, ep: int = 1) -> list[LayerCost]:
     """The cost profile of every block, in ModelSpec order."""
-    ctx = _Ctx(tp, sp, ep, workload.flash_attention, workload.dropout)
+    ctx = _Ctx(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model))
     s = workload.seq_len
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []
@@ -166,6 +167,13 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
         else:  # pragma: no cover - the Block union is closed
             raise TypeError(f"unknown block {type(b).__name__}")
     return out
+
+
+def uses_rope(model: ModelSpec) -> bool:
+    """Rotary positions unless the model learns absolute positions (GPT-2/3) or uses ALiBi
+    (BLOOM, recognisable by its embedding LayerNorm): every current decoder family uses RoPE."""
+    emb = next((b for b in model.blocks if isinstance(b, EmbeddingBlock)), None)
+    return emb is not None and emb.learned_positions == 0 and emb.norm is None
 
 
 def _in_vision_tower(model: ModelSpec, index: int) -> bool:
@@ -279,9 +287,19 @@ def _decoder(i: int, b: DecoderBlock, s: int, ctx: _Ctx) -> LayerCost:
     h = b.hidden
     ag, core, a_repl, a_shard, a_rp, a_sp = _attention_parts(b, s, ctx)
     mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count = _mlp_parts(b, s, ctx)
+    if ctx.rope:  # fused RoPE reads and writes the rotary part of Q and K once
+        m_traffic += 2 * ACT * _rope_width(b) / ctx.tp
     return _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
                               a2a, a2a_count, ctx)
+
+
+def _rope_width(b: DecoderBlock) -> float:
+    a = b.attention
+    if a.kind == "mla":
+        assert a.mla is not None
+        return (a.heads + 1) * a.mla.qk_rope_head_dim  # per-head query part + the shared key part
+    return (a.heads + a.kv_heads) * a.head_dim
 
 
 def _vision(i: int, b: VisionBlock, tiles: int, patches: int, ctx: _Ctx) -> LayerCost:
@@ -376,7 +394,10 @@ def _lm_head(i: int, b: LMHeadBlock, s: int, ctx: _Ctx) -> LayerCost:
     tied head holds no weights of its own but still does the GEMM."""
     h, v, t = b.hidden, b.vocab, ctx.tp
     act = (ctx.repl(ACT * h) + 4.0 * v / t) * s
-    traffic = s * (v / t) * (ACT + 4 + 4 + 4)  # logits written, fp32 upcast, softmax read/write
+    # Vocab-parallel cross-entropy in fp32 over the logits (Megatron): write the 16-bit logits
+    # (2), upcast (read 2, write 4), max and sum-exp reductions (read 4 + 4), softmax written
+    # for backward (4), gradient read and 16-bit write in backward (4 + 2): ~30 bytes per logit.
+    traffic = s * (v / t) * 30.0 / 3.0  # counted as forward traffic; backward doubles it
     fwd = (("allgather", s * h * ACT),) if (t > 1 and ctx.sp) else ()
     bwd = ((("reducescatter" if ctx.sp else "allreduce"), s * h * ACT),) if t > 1 else ()
     return LayerCost(i, "lm_head", b.params(), b.params() / t, 0.0, s, h, (Gemm(s, int(v / t), h),), None,

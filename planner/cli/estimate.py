@@ -1,0 +1,185 @@
+"""``dsplan estimate``: memory and step time of one parallel plan.
+
+Thin: parse the flags into a Workload and a ParallelConfig (pydantic errors become one
+UserError naming the rule), call ``planner.cost.estimate.estimate``, print rich tables or JSON.
+Heavy modules are imported inside the command so ``dsplan --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from planner.cli.hardware import hardware_option
+from planner.cli.output import console, human_bytes, human_time, json_option, print_json
+from planner.errors import UserError
+
+TARGET_TOKENS_PER_STEP = 4 * 2**20  # default global batch: ~4M tokens (Llama 2/3 pre-training)
+
+
+@click.command("estimate")
+@click.option("--model", "model_name", required=True, metavar="NAME|PATH", help="Model preset (see `dsplan models`) or a config.json.")
+@hardware_option
+@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node [default: from the hardware profile].")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
+@click.option("--dp", type=int, default=None, help="Data-parallel degree [default: GPUs / (tp x pp)].")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (ranks taken from the DP group).")
+@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=None, help="ZeRO stage [default: 1 (distributed optimizer) when dp > 1, else 0].")
+@click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none", show_default=True)
+@click.option("--micro-batch", type=int, default=1, show_default=True, help="Samples per micro-batch per GPU.")
+@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step [default: ~4M tokens, a multiple of micro-batch x dp].")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length].")
+@click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
+@click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
+@click.option("--virtual-stages", type=int, default=1, show_default=True, help="Interleaved pipeline chunks per rank.")
+@click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron"]), default="deepspeed", show_default=True)
+@click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample [default: the model's].")
+@click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image [default: the model's].")
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
+@click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
+              help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of Korthikanti et al.")
+@click.option("--dropout", is_flag=True, help="Model hidden/attention dropout (1-byte masks kept for backward).")
+@click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
+              help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them [default: even split].")
+@json_option
+def estimate_command(as_json: bool, **opts: Any) -> None:
+    """Memory per GPU and step time of one plan.
+
+    \b
+    Examples:
+      dsplan estimate --model llama-3-8b --nodes 1 --tp 2 --micro-batch 2 --global-batch 512
+      dsplan estimate --model llama-2-70b --nodes 16 --tp 8 --pp 4 --framework megatron \\
+          --zero 1 --sequence-parallel --recompute selective --global-batch 1024 --json
+    """
+    plan = run_estimate(**opts)
+    if as_json:
+        print_json(plan.to_json())
+    else:
+        render(plan)
+
+
+def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int | None, tp: int, pp: int,
+                 dp: int | None, ep: int, zero_stage: int | None, offload: str, micro_batch: int,
+                 global_batch: int | None, seq_len: int | None, recompute: str, sequence_parallel: bool,
+                 virtual_stages: int, framework: str, images_per_sample: int | None, tiles_per_image: int | None,
+                 precision: str, optimizer: str, flash_attention: bool, dropout: bool, stage_blocks: str | None):
+    """Flags to Plan; every bad input a UserError."""
+    from pydantic import ValidationError
+
+    from planner.cost.estimate import estimate
+    from planner.cost.frameworks import grad_accum_for
+    from planner.cost.parallel import ParallelConfig, Workload
+    from planner.hardware.cluster import Cluster
+    from planner.hardware.load import load_profile
+    from planner.model.load import load_model
+
+    model = load_model(model_name)
+    profile = load_profile(hardware)
+    if gpus_per_node is not None and gpus_per_node != profile.gpus_per_node:
+        if gpus_per_node < 1:
+            raise UserError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+        profile = profile.model_copy(update={"node": profile.node.model_copy(update={"gpus": gpus_per_node})})
+    cluster = Cluster.build(profile, nodes)
+    world = cluster.num_gpus
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--micro-batch", micro_batch), ("--virtual-stages", virtual_stages)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if dp is None:
+        if world % (tp * pp):
+            raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {world} GPUs ({nodes} nodes x {cluster.gpus_per_node}); "
+                            "pick degrees whose product divides the GPU count")
+        dp = world // (tp * pp)
+    if dp < 1 or dp * tp * pp != world:
+        raise UserError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} but the cluster has {world} GPUs "
+                        f"({nodes} nodes x {cluster.gpus_per_node}); make the degrees multiply to {world}")
+    seq = seq_len or model.train_seq_len
+    if global_batch is None:
+        unit = micro_batch * dp
+        global_batch = unit * max(1, round(TARGET_TOKENS_PER_STEP / (seq * unit)), pp)
+    grad_accum = grad_accum_for(global_batch, micro_batch, dp)
+    if zero_stage is None:
+        zero_stage = 1 if dp > 1 else 0
+    vision = model.vision
+    images = images_per_sample if images_per_sample is not None else (vision.default_images_per_sample if vision else 0)
+    tiles = tiles_per_image if tiles_per_image is not None else (vision.default_tiles_per_image if vision else 0)
+    try:
+        workload = Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
+                            precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout)
+        cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage, offload=offload, micro_batch=micro_batch,
+                             grad_accum=grad_accum, recompute=recompute, sequence_parallel=sequence_parallel,
+                             virtual_stages=virtual_stages, framework=framework)
+    except ValidationError as err:
+        raise UserError(_rule_message(err)) from None
+    partition = _parse_stage_blocks(stage_blocks) if stage_blocks else None
+    return estimate(model, cluster, workload, cfg, partition)
+
+
+def _rule_message(err: Exception) -> str:
+    """The broken rule of a ParallelConfig/Workload ValidationError, without pydantic's framing."""
+    parts = []
+    for item in err.errors():  # type: ignore[attr-defined]
+        msg = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
+        loc = ".".join(str(x) for x in item.get("loc", ()))
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid plan: " + "; ".join(parts)
+
+
+def _parse_stage_blocks(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        a, sep, b = item.strip().partition("-")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+            raise UserError(f"--stage-blocks: cannot read {item!r}; write half-open block ranges like 0-12,12-25")
+        out.append((int(a), int(b)))
+    return out
+
+
+# -- human output --------------------------------------------------------------------------
+
+
+def render(plan) -> None:
+    from rich.table import Table
+
+    c, w = plan.cfg, plan.workload
+    verdict = "[green]fits[/green]" if plan.fits else f"[red]does not fit[/red]: {plan.why_not()}"
+    console.print(f"[bold]{plan.model}[/bold] on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} ({plan.gpus} GPUs), "
+                  f"{c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + (f" (v {c.virtual_stages})" if c.virtual_stages > 1 else "")
+                  + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"
+                  + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
+                  + f", recompute {c.recompute}")
+    console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
+
+    mem = Table(title="Memory per GPU (peak, by pipeline rank)", title_justify="left")
+    for col in ("rank", "blocks", "layers", "weights", "grads", "optimizer", "activations", "buffers", "overhead", "peak"):
+        mem.add_column(col, justify="right")
+    cap = plan.capacity_bytes
+    for s in plan.stages:
+        m = s.memory
+        peak = human_bytes(m.peak)
+        mem.add_row(str(s.rank), ",".join(f"{a}-{b}" for a, b in s.chunks), str(s.decoder_layers), human_bytes(m.weights),
+                    human_bytes(m.grads), human_bytes(m.optimizer), human_bytes(m.activations), human_bytes(m.buffers),
+                    human_bytes(m.overhead), peak if m.peak <= cap else f"[red]{peak}[/red]")
+    console.print(mem)
+    console.print(f"GPU memory {human_bytes(cap)}" + (f"; host memory per node for offload {human_bytes(plan.memory.cpu_per_node)}"
+                                                      if c.offload != "none" else ""))
+
+    t = plan.time
+    total = t.total
+    tt = Table(title="Step time (exposed)", title_justify="left")
+    tt.add_column("part")
+    tt.add_column("time", justify="right")
+    tt.add_column("share", justify="right")
+    for name, value in (("compute", t.compute), ("recompute", t.recompute), ("TP comm", t.tp_comm),
+                        ("PP bubble", t.pp_bubble), ("PP comm", t.pp_comm), ("DP comm", t.dp_comm),
+                        ("EP comm", t.ep_comm), ("optimizer", t.optimizer)):
+        tt.add_row(name, human_time(value), f"{value / total:.1%}")
+    tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
+    console.print(tt)
+    console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
+
+
+commands = [estimate_command]

@@ -1,0 +1,134 @@
+"""Plan: one evaluated configuration, with its memory and time breakdowns.
+
+``Plan.to_json()`` is plan.json: the parallel layout and workload that ``dsplan generate`` and
+the trainer read (planner/emit/plan_file.py), plus the predictions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.cost.memory import MemoryBreakdown
+from planner.cost.parallel import ParallelConfig, Workload
+from planner.cost.step_time import MicroBatchTime, StepTime
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline rank: its chunks of blocks, memory at its peak, one micro-batch's time."""
+
+    rank: int
+    chunks: list[tuple[int, int]]
+    decoder_layers: int
+    block_kinds: dict[str, int]
+    memory: MemoryBreakdown
+    microbatch: MicroBatchTime
+    inflight: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    hardware: str
+    nodes: int
+    gpus_per_node: int
+    cfg: ParallelConfig
+    workload: Workload
+    partition: list[tuple[int, int]]
+    stages: list[StagePlan]
+    time: StepTime
+    capacity_bytes: float
+    model_flops_per_step: float
+    peak_flops: float
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst_stage(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.memory.peak)
+
+    @property
+    def memory(self) -> MemoryBreakdown:
+        return self.worst_stage.memory
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.capacity_bytes and not self.reason
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.workload.global_batch * self.workload.seq_len / self.step_time_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model FLOPs (no recomputation) per second per GPU, in TFLOP/s."""
+        return self.model_flops_per_step / self.step_time_s / self.gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu * 1e12 / self.peak_flops
+
+    def why_not(self) -> str:
+        """The reason a plan is rejected ('' when it fits)."""
+        if self.reason:
+            return self.reason
+        if self.memory.peak > self.capacity_bytes:
+            w = self.worst_stage
+            return (f"pipeline rank {w.rank} needs {w.memory.peak / 2**30:.1f} GiB of "
+                    f"{self.capacity_bytes / 2**30:.1f} GiB")
+        return ""
+
+    def to_json(self) -> dict[str, Any]:
+        c, w = self.cfg, self.workload
+        t = self.time
+        data: dict[str, Any] = {
+            "model": self.model, "hardware": self.hardware, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+            "gpus": self.gpus, "framework": c.framework, "dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep,
+            "zero_stage": c.zero_stage, "offload": c.offload, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
+            "global_batch": w.global_batch, "seq_len": w.seq_len, "recompute": c.recompute,
+            "sequence_parallel": c.sequence_parallel, "virtual_stages": c.virtual_stages, "precision": w.precision,
+            "optimizer": w.optimizer, "images_per_sample": w.images_per_sample, "tiles_per_image": w.tiles_per_image,
+            "flash_attention": w.flash_attention, "dropout": w.dropout,
+            "stage_blocks": [list(p) for p in self.partition],
+            "fits": self.fits,
+            "reason": self.why_not(),
+            "memory": _memory_json(self.memory, self.capacity_bytes, c.offload != "none"),
+            "step_time_s": t.total,
+            "time": {"compute_s": t.compute, "recompute_s": t.recompute, "tp_comm_s": t.tp_comm,
+                     "pp_bubble_s": t.pp_bubble, "pp_comm_s": t.pp_comm, "dp_comm_s": t.dp_comm,
+                     "ep_comm_s": t.ep_comm, "optimizer_s": t.optimizer},
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "stages": [_stage_json(s, self.capacity_bytes, c.offload != "none") for s in self.stages],
+        }
+        if self.notes:
+            data["notes"] = list(self.notes)
+        return data
+
+
+def _memory_json(m: MemoryBreakdown, capacity: float, offload: bool) -> dict[str, float]:
+    out = {"peak_bytes": m.peak, "weights_bytes": m.weights, "grads_bytes": m.grads, "optimizer_bytes": m.optimizer,
+           "activations_bytes": m.activations, "buffers_bytes": m.buffers, "overhead_bytes": m.overhead,
+           "capacity_bytes": capacity}
+    if offload:
+        out["cpu_bytes_per_node"] = m.cpu_per_node
+    return out
+
+
+def _stage_json(s: StagePlan, capacity: float, offload: bool) -> dict[str, Any]:
+    mb = s.microbatch
+    return {"rank": s.rank, "blocks": [list(c) for c in s.chunks], "decoder_layers": s.decoder_layers,
+            "block_kinds": dict(s.block_kinds), "inflight_microbatches": s.inflight,
+            "memory": _memory_json(s.memory, capacity, offload),
+            "microbatch_time": {"forward_s": mb.fwd, "backward_s": mb.bwd, "recompute_s": mb.recompute,
+                                "tp_comm_s": mb.tp, "ep_comm_s": mb.ep, "pp_comm_s": mb.pp, "total_s": mb.total}}
