@@ -153,16 +153,16 @@ def render(plan) -> None:
                   + f", recompute {c.recompute}")
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
 
-    mem = Table(title="Memory per GPU (peak, by pipeline rank)", title_justify="left")
-    for col in ("rank", "blocks", "layers", "weights", "grads", "optimizer", "activations", "buffers", "overhead", "peak"):
+    mem = Table(title="Memory per GPU in GiB (peak, by pipeline rank)", title_justify="left")
+    for col in ("rank", "blocks", "layers", "weights", "grads", "optim", "activ", "buffers", "overhead", "peak"):
         mem.add_column(col, justify="right")
     cap = plan.capacity_bytes
     for s in plan.stages:
         m = s.memory
-        peak = human_bytes(m.peak)
-        mem.add_row(str(s.rank), ",".join(f"{a}-{b}" for a, b in s.chunks), str(s.decoder_layers), human_bytes(m.weights),
-                    human_bytes(m.grads), human_bytes(m.optimizer), human_bytes(m.activations), human_bytes(m.buffers),
-                    human_bytes(m.overhead), peak if m.peak <= cap else f"[red]{peak}[/red]")
+        peak = _gib(m.peak)
+        mem.add_row(str(s.rank), ",".join(f"{a}-{b}" for a, b in s.chunks), str(s.decoder_layers), _gib(m.weights),
+                    _gib(m.grads), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.overhead),
+                    peak if m.peak <= cap else f"[red]{peak}[/red]")
     console.print(mem)
     console.print(f"GPU memory {human_bytes(cap)}" + (f"; host memory per node for offload {human_bytes(plan.memory.cpu_per_node)}"
                                                       if c.offload != "none" else ""))
@@ -180,6 +180,10 @@ def render(plan) -> None:
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
 
 
 commands = [estimate_command]

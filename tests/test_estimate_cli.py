@@ -1,0 +1,111 @@
+"""dsplan estimate: JSON keys, human tables, and exit 2 on every broken rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+
+BASE = ["estimate", "--model", "llama-3-8b", "--nodes", "1"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, [*BASE, *args])
+
+
+def test_json_keys_and_values():
+    r = run("--tp", "2", "--micro-batch", "1", "--global-batch", "64", "--recompute", "full", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    for key in ("fits", "memory", "step_time_s", "time", "tokens_per_s", "tflops_per_gpu", "mfu", "stages",
+                "stage_blocks", "dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", "grad_accum",
+                "recompute", "sequence_parallel", "virtual_stages", "framework", "global_batch", "seq_len"):
+        assert key in d, key
+    for key in ("peak_bytes", "weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes"):
+        assert d["memory"][key] > 0, key
+    assert "cpu_bytes_per_node" not in d["memory"]
+    assert set(d["time"]) == {"compute_s", "recompute_s", "tp_comm_s", "pp_bubble_s", "pp_comm_s", "dp_comm_s",
+                              "ep_comm_s", "optimizer_s"}
+    assert d["dp"] == 4 and d["grad_accum"] == 16 and d["seq_len"] == 8192 and d["zero_stage"] == 1
+    assert d["stage_blocks"] == [[0, 35]]
+    assert d["fits"] is True and 0 < d["mfu"] < 1
+    assert d["step_time_s"] == pytest.approx(sum(d["time"].values()))
+
+
+def test_pipeline_json_stages_and_uneven_layers():
+    r = CliRunner().invoke(main, ["estimate", "--model", "bloom-176b", "--nodes", "12", "--tp", "8", "--pp", "12",
+                                  "--micro-batch", "1", "--global-batch", "96", "--recompute", "full",
+                                  "--framework", "megatron", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    layers = [s["decoder_layers"] for s in d["stages"]]
+    assert sum(layers) == 70 and layers[0] == 5 and layers[-1] == 5 and max(layers) == 6
+    assert d["stage_blocks"][0][0] == 0 and d["stage_blocks"][-1][1] == 73
+    # the last rank's 250k-vocab head is worth about one more layer; the first rank's
+    # embedding lookup is nearly free, so its 5 layers make it the lightest
+    totals = [s["microbatch_time"]["total_s"] for s in d["stages"]]
+    assert totals[0] == min(totals)
+    assert totals[-1] > 1.1 * totals[0]
+
+
+def test_offload_reports_cpu_memory():
+    r = run("--micro-batch", "1", "--global-batch", "64", "--zero", "2", "--offload", "optimizer", "--recompute", "full",
+            "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["memory"]["cpu_bytes_per_node"] > 0 and d["memory"]["optimizer_bytes"] == 0
+
+
+def test_explicit_partition():
+    r = CliRunner().invoke(main, ["estimate", "--model", "llama-2-7b", "--nodes", "1", "--pp", "2", "--micro-batch", "1",
+                                  "--global-batch", "16", "--stage-blocks", "0-20,20-35", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["stage_blocks"] == [[0, 20], [20, 35]]
+
+
+def test_human_output_tables():
+    r = run("--tp", "2", "--micro-batch", "1", "--global-batch", "64", "--recompute", "full")
+    assert r.exit_code == 0, r.output
+    for text in ("Memory per GPU", "Step time", "compute", "tokens/s", "MFU"):
+        assert text in r.output
+
+
+def test_vlm_defaults():
+    r = CliRunner().invoke(main, ["estimate", "--model", "deepseek-vl2-tiny", "--nodes", "1", "--micro-batch", "1",
+                                  "--global-batch", "8", "--ep", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["images_per_sample"] >= 1 and d["tiles_per_image"] >= 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", "3"], "does not divide the 8 GPUs"),
+    (["--dp", "3", "--tp", "2"], "multiply"),
+    (["--tp", "8", "--dp", "1", "--micro-batch", "3", "--global-batch", "8"], "not divisible"),
+    (["--ep", "2"], "mixture-of-experts"),
+    (["--zero", "3", "--tp", "2", "--global-batch", "64"], "AutoTP"),
+    (["--pp", "2", "--zero", "2", "--global-batch", "64"], "PipelineModule"),
+    (["--tp", "2", "--sequence-parallel", "--global-batch", "64"], "sequence parallel"),
+    (["--framework", "megatron", "--zero", "3", "--global-batch", "64"], "distributed optimizer"),
+    (["--sequence-parallel", "--global-batch", "64"], "tp > 1"),
+    (["--offload", "optimizer", "--zero", "0", "--global-batch", "64"], "ZeRO"),
+    (["--seq-len", "999999", "--global-batch", "64"], "maximum context"),
+    (["--pp", "2", "--stage-blocks", "0-10", "--global-batch", "64"], "partition"),
+])
+def test_bad_input_exits_2_with_the_rule(args, needle):
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    if needle:
+        assert needle in r.output
+
+
+def test_tp_must_divide_heads_and_ep_the_experts():
+    r = CliRunner().invoke(main, ["estimate", "--model", "qwen2.5-7b", "--nodes", "1", "--tp", "8", "--global-batch", "8"])
+    assert r.exit_code == 2 and "28 attention heads" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["estimate", "--model", "mixtral-8x7b", "--nodes", "2", "--ep", "16",
+                                  "--global-batch", "16", "--micro-batch", "1"])
+    assert r.exit_code == 2 and "8 routed experts" in r.output
