@@ -46,7 +46,7 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         dense = sum(c.params_rank for c in blocks) + tied_copy[r]
         expert = sum(c.expert_params_rank for c in blocks)
         stage_plans.append(_stage_plan(model, r, ch, blocks, dense, expert, cfg, workload, cluster, times[r]))
-        dp_exposed.append(_dp_time(dense, expert, cfg, workload, traits, comms, times[r], r))
+        dp_exposed.append(_dp_time(dense, expert, cfg, workload, traits, comms, times[r], r, blocks))
         opt_time.append(_optimizer_time(dense, expert, cfg, workload, cluster, dev))
 
     t = times[worst]
@@ -125,7 +125,7 @@ def _grad_comm_bytes(cfg: ParallelConfig, w: Workload, traits: fw.Traits) -> int
 
 
 def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, traits: fw.Traits, comms: st.Comms,
-             t: st.MicroBatchTime, rank: int) -> float:
+             t: st.MicroBatchTime, rank: int, blocks: list[LayerCost]) -> float:
     """Exposed data-parallel time of one pipeline rank (see step_time.dp_exposed)."""
     if cfg.dp == 1 and cfg.ep == 1:
         return 0.0
@@ -137,8 +137,11 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
         return out + (comms.edp(op, nbytes_expert) if (edp > 1 and nbytes_expert) else 0.0)
 
     if cfg.zero_stage == 3:
-        gather = on("allgather", 2 * dense, 2 * expert)
-        reduce = on("reducescatter", gb * dense, gb * expert)
+        # DeepSpeed ZeRO-3 gathers each layer's weights before it runs (forward, and again in
+        # backward) and reduce-scatters its gradients after: one collective per block, so the
+        # per-call latency counts once per layer, not once per stage.
+        gather = sum(on("allgather", 2 * c.params_rank, 2 * c.expert_params_rank) for c in blocks)
+        reduce = sum(on("reducescatter", gb * c.params_rank, gb * c.expert_params_rank) for c in blocks)
         return st.zero3_exposed(gather, reduce, t.fwd, t.bwd + t.recompute, cfg.grad_accum)
     if cfg.zero_stage >= 1:
         reduce = on("reducescatter", gb * dense, gb * expert)
