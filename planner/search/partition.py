@@ -18,6 +18,7 @@ pure and cheap enough to call once per (tp, micro-batch, recompute, pp) group of
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -156,14 +157,19 @@ def _reachable(prefix: np.ndarray, limit: float, stages: int, memory: StageMemor
     return [h[0] for h in history] + [reach_prev]  # reach before each stage, then the final
 
 
-def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None) -> Partition:
+def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None,
+                      upper: float | None = None) -> Partition:
     """The contiguous partition minimising the slowest stage, every stage within memory.
 
     When no partition fits in memory, the time-optimal partition is returned with
-    ``fits=False`` so the caller can report how far it is from fitting.
+    ``fits=False`` so the caller can report how far it is from fitting. ``upper``: a known
+    achievable bottleneck (e.g. greedy's), which narrows the search.
     """
     _check(costs, stages)
-    if memory is not None and len(memory.inflight) < stages:
+    if memory is None:
+        counts = _fast_time_only(costs, stages, upper)
+        return Partition(counts, _stage_costs(costs, counts))
+    if len(memory.inflight) < stages:
         raise ValueError("memory.inflight needs one entry per stage")
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
     mem_prefixes = None
@@ -180,6 +186,59 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
         assert counts is not None  # without memory the whole sum always works
         return Partition(counts, _stage_costs(costs, counts), fits=False)
     return Partition(result, _stage_costs(costs, result))
+
+
+@functools.lru_cache(maxsize=64)
+def _upper(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)
+
+
+def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = None) -> tuple[int, ...]:
+    """Time-only optimum: binary search of the segment sums with a greedy max-pack test.
+
+    Without per-stage memory, packing each stage as far as the limit allows (leaving one layer
+    for each later stage) reaches at least as far as any valid partition, so the test is exact;
+    bisect on a Python list keeps it cheap (the search calls this thousands of times).
+    """
+    from bisect import bisect_right
+
+    n = len(costs)
+    arr = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
+    prefix = arr.tolist()
+    diff = (arr[None, :] - arr[:, None])[_upper(n + 1)]
+    # The optimum lies between max(max cost, mean per stage) and any achievable bottleneck.
+    lower = max(float(np.max(arr[1:] - arr[:-1])), arr[-1] / stages) * (1 - 1e-12)
+    top = float(arr[-1]) if upper is None else upper * (1 + 1e-12)
+    sums = np.unique(diff[(diff >= lower) & (diff <= top)]).tolist()
+
+    def pack(limit: float) -> list[int] | None:
+        eps = 1e-12 * max(1.0, abs(limit))
+        ends, start = [], 0
+        for s in range(stages):
+            if start >= n:
+                return None
+            if s == stages - 1:
+                end = n
+                if prefix[n] - prefix[start] > limit + eps:
+                    return None
+            else:
+                end = min(bisect_right(prefix, prefix[start] + limit + eps) - 1, n - (stages - s - 1))
+                if end <= start:
+                    return None
+            ends.append(end)
+            start = end
+        return ends
+
+    lo, hi = 0, len(sums) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pack(sums[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    ends = pack(sums[lo])
+    assert ends is not None
+    return tuple(e - s for s, e in zip([0] + ends[:-1], ends))
 
 
 def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: StageMemory | None,

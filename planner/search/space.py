@@ -158,26 +158,44 @@ def _structurally_valid(deg: Degrees, setting: tuple[int, int, int, int, int]) -
     return not (setting[3] and deg.tp == 1)
 
 
-def _signature_ok(rule: FrameworkRule, deg: Degrees, setting: tuple[int, int, int, int, int]) -> bool:
-    """Whether the framework runs this combination; cached on what the rules can look at."""
-    zero, offload, recompute, sp, fw = setting
-    key = (zero, offload, recompute, sp, fw, min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), min(deg.vs, 2))
+def _signature_ok(rule: FrameworkRule, deg: Degrees, setting: tuple[int, int, int, int, int], ga_ok: bool) -> bool:
+    """Whether the framework runs this combination, cached on what its rules look at: the
+    settings, whether tp and ep exceed 1, the exact pp and virtual stages (interleaving needs
+    the layers divisible by pp x v) and whether the accumulation steps divide by pp."""
+    key = (*setting, min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, ga_ok)
     return _cached_rule(rule, key)
 
 
-@functools.lru_cache(maxsize=8192)
-def _cached_rule(rule: FrameworkRule, key: tuple[int, ...]) -> bool:
-    zero, offload, recompute, sp, fw, tp, pp, ep, vs = key
-    # A representative config with the same "is it > 1" pattern; dp = 2 * ep keeps ep | dp.
-    try:
-        cfg = ParallelConfig(
-            dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=zero, offload=OFFLOADS[offload],  # type: ignore[arg-type]
-            recompute=RECOMPUTES[recompute], sequence_parallel=bool(sp), virtual_stages=vs,  # type: ignore[arg-type]
-            framework=FRAMEWORKS[fw],  # type: ignore[arg-type]
-        )
-    except ValueError:
-        return False  # a ParallelConfig rule (offload needs ZeRO, SP needs TP, ...)
-    return rule(cfg) is None
+@functools.lru_cache(maxsize=65536)
+def _cached_rule(rule: FrameworkRule, key: tuple) -> bool:
+    zero, offload, recompute, sp, fw, tp, pp, ep, vs, ga_ok = key
+    # A representative config with the same facts; dp = 2 * ep keeps ep | dp.
+    cfg = ConfigView(
+        dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=zero, offload=OFFLOADS[offload], micro_batch=1,
+        grad_accum=pp if ga_ok else 1, recompute=RECOMPUTES[recompute], sequence_parallel=bool(sp),
+        virtual_stages=vs, framework=FRAMEWORKS[fw],
+    )
+    return rule(cfg) is None  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigView:
+    """ParallelConfig's fields as a plain record, for the framework rules (which only read
+    fields): thousands of signatures are checked per search, and a pydantic model costs
+    ~20 us to build against ~1 us for this. ParallelConfig's own rules were applied above."""
+
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    zero_stage: int
+    offload: str
+    micro_batch: int
+    grad_accum: int
+    recompute: str
+    sequence_parallel: bool
+    virtual_stages: int
+    framework: str
 
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
@@ -193,15 +211,22 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
             indivisible += 1
             continue
         valid = [s for s in settings if _structurally_valid(deg, s)]
-        ok = [s for s in valid if _signature_ok(framework_rule, deg, s)]
-        framework_rejected += (len(valid) - len(ok)) * micro.size
-        if not ok:
+        ga = global_batch // (deg.dp * micro)
+        ga_ok = (ga % deg.pp) == 0
+        rows, mbs = [], []
+        for flag in (True, False):
+            mb = micro[ga_ok == flag]
+            if mb.size == 0:
+                continue
+            ok = [s for s in valid if _signature_ok(framework_rule, deg, s, flag)]
+            framework_rejected += (len(valid) - len(ok)) * mb.size
+            for s in ok:
+                rows.append(np.tile(np.array((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *s), dtype=np.int64), (mb.size, 1)))
+                mbs.append(mb)
+        if not rows:
             continue
-        rows = np.array([(deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *s) for s in ok], dtype=np.int64)
-        rows = np.repeat(rows, micro.size, axis=0)
-        mb = np.tile(micro, len(ok))
-        ga = global_batch // (deg.dp * mb)
-        blocks.append(np.column_stack([rows, mb, ga]))
+        mb_all = np.concatenate(mbs)
+        blocks.append(np.column_stack([np.concatenate(rows), mb_all, global_batch // (deg.dp * mb_all)]))
     table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
     columns = {name: np.ascontiguousarray(table[:, k]) for k, name in enumerate(COLUMNS)}
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected})

@@ -1,0 +1,130 @@
+"""Per-block costs for many micro-batch sizes at once: the vectorised twin of step_time.py.
+
+``estimate`` walks the blocks of one configuration with scalar calls; the search needs the
+same numbers for every (tp, sequence parallel, ep) group and every micro-batch size. This
+module builds ``layer_costs`` once per group and evaluates planner/cost/efficiency.py's
+(array-capable) kernels over a (micro-batch x block) grid, mirroring
+``step_time.forward_time / backward_time / recompute_time / tp_time / ep_time`` term by term.
+tests/test_suggest.py checks the result against ``estimate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.cost import efficiency as eff
+from planner.cost.collectives import collective_time_array
+from planner.cost.layers import LayerCost
+from planner.cost.parallel import RECOMPUTES
+from planner.hardware.cluster import Cluster
+from planner.hardware.placement import GroupShape
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """Per-block arrays of one (tp, sp, ep) group; time arrays are [recompute, micro-batch, block]."""
+
+    micro_batches: tuple[int, ...]
+    fwd: np.ndarray  # [b, block]
+    bwd: np.ndarray  # [b, block]
+    rc: np.ndarray  # [mode, b, block]
+    tp: np.ndarray  # [mode, b, block]
+    ep: np.ndarray  # [mode, b, block]
+    params: np.ndarray  # params_rank per block
+    expert: np.ndarray  # expert_params_rank per block
+    act: np.ndarray  # [mode, block] stored bytes per sample
+    act_live: np.ndarray  # per sample, 0 for blocks that are not checkpointed
+    pp_bytes: np.ndarray  # per sample
+
+    def b_index(self, b: int) -> int:
+        return self.micro_batches.index(b)
+
+    def total(self, mode: int, bi: int) -> np.ndarray:
+        """Seconds of one micro-batch per block: what the balancer balances."""
+        return self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + self.tp[mode, bi] + self.ep[mode, bi]
+
+
+def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device, backward: bool) -> np.ndarray:
+    """[b, block] attention-core seconds (step_time.attention_time over many b)."""
+    out = np.zeros((len(bs), len(costs)))
+    for j, c in enumerate(costs):
+        a = c.attn
+        if a is None or a.seqs == 0 or a.seq == 0:
+            continue
+        if a.flash:
+            out[:, j] = eff.flash_time(a.flops * bs, a.qk_dim, a.causal, dev, backward)
+        else:
+            batch = a.heads * a.seqs * bs
+            fwd = eff.gemm_time(a.seq, a.seq, a.qk_dim, dev, batch) + eff.gemm_time(a.seq, a.v_dim, a.seq, dev, batch)
+            out[:, j] = 2.0 * fwd if backward else fwd
+    return out
+
+
+def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarray:
+    """[b, block] seconds of every block's GEMMs at each micro-batch size."""
+    rows = [(j, g.tokens, g.n, g.k, g.batch) for j, c in enumerate(costs) for g in c.gemms]
+    out = np.zeros((len(bs), len(costs)))
+    if not rows:
+        return out
+    idx, tokens, n, k, batch = (np.array(col, dtype=float) for col in zip(*rows))
+    m = tokens[None, :] * bs[:, None]
+    t = eff.gemm_time(m, n[None, :], k[None, :], dev, batch[None, :])
+    for bi in range(len(bs)):
+        out[bi] = np.bincount(idx.astype(int), weights=t[bi], minlength=len(costs))
+    return out
+
+
+def _comm(cluster: Cluster, shape: GroupShape, ops: list[list[tuple[str, float]]], bs: np.ndarray) -> np.ndarray:
+    """[b, block] seconds of each block's list of (collective, bytes per sample).
+
+    One ``collective_time_array`` call per distinct (collective, bytes): most blocks repeat.
+    """
+    out = np.zeros((len(bs), len(ops)))
+    if shape.size <= 1:
+        return out
+    distinct: dict[tuple[str, float], list[int]] = {}
+    for j, block_ops in enumerate(ops):
+        for op, nbytes in block_ops:
+            distinct.setdefault((op, float(nbytes)), []).append(j)
+    for (op, nbytes), blocks in distinct.items():
+        t = collective_time_array(cluster, op, shape, nbytes * bs)
+        for j in blocks:
+            out[:, j] += t
+    return out
+
+
+def block_table(costs: list[LayerCost], micro_batches: tuple[int, ...], dev: eff.Device, cluster: Cluster,
+                tp_shape: GroupShape, ep_shape: GroupShape) -> BlockTable:
+    bs = np.asarray(micro_batches, dtype=float)
+    gemm = _gemms(costs, bs, dev)
+    hbm = np.array([c.hbm_fwd for c in costs])[None, :] * bs[:, None]
+    hbm_t = eff.hbm_time(hbm, dev)
+    attn_f = _attention(costs, bs, dev, False)
+    attn_b = _attention(costs, bs, dev, True)
+    fwd = gemm + attn_f + hbm_t
+    bwd = 2.0 * gemm + attn_b + 2.0 * hbm_t
+    ckpt = np.array([c.checkpointed for c in costs])
+    has_attn = np.array([c.attn is not None for c in costs])
+    score = eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in costs])[None, :] * bs[:, None], dev)
+    rc = np.zeros((len(RECOMPUTES), len(bs), len(costs)))
+    rc[RECOMPUTES.index("full")] = np.where(ckpt[None, :], fwd, 0.0)
+    rc[RECOMPUTES.index("selective")] = np.where(has_attn[None, :], attn_f + score, 0.0)
+    tp = np.zeros_like(rc)
+    ep = np.zeros_like(rc)
+    base_tp = _comm(cluster, tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in costs], bs)
+    again_tp = _comm(cluster, tp_shape, [list(c.tp_fwd) for c in costs], bs)
+    a2a = _comm(cluster, ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in costs], bs)
+    count = np.array([c.ep_a2a_count for c in costs], dtype=float)
+    for mode, name in enumerate(RECOMPUTES):
+        again = (name == "full") & ckpt
+        tp[mode] = base_tp + np.where(again[None, :], again_tp, 0.0)
+        ep[mode] = (2.0 + again.astype(float))[None, :] * count[None, :] * a2a
+    return BlockTable(
+        micro_batches=tuple(micro_batches), fwd=fwd, bwd=bwd, rc=rc, tp=tp, ep=ep,
+        params=np.array([c.params_rank for c in costs]), expert=np.array([c.expert_params_rank for c in costs]),
+        act=np.array([[c.act[m] for c in costs] for m in RECOMPUTES]),
+        act_live=np.array([c.act_live if c.checkpointed else 0.0 for c in costs]),
+        pp_bytes=np.array([c.pp_bytes for c in costs]),
+    )

@@ -1,0 +1,432 @@
+"""Vectorised evaluation of a candidate space: memory and step time of every candidate at once.
+
+The same model as ``planner.cost.estimate`` (planner/cost/README.md), assembled over numpy
+columns instead of one configuration at a time:
+
+1. per (tp, sp, ep): the layer cost profile and its per-block times for every micro-batch
+   size (planner/search/blocks.py);
+2. per (tp, sp, ep, micro-batch, recompute, pp, virtual stages): the pipeline partition, by
+   both balancers (the chosen one is evaluated, both bottlenecks are reported);
+3. per partition and (dp, pp send size): per-rank sums (time parts, parameters, stored
+   activations) from prefix sums;
+4. per candidate, over [candidates x ranks] arrays: model states under ZeRO/offload,
+   activations with the in-flight micro-batches, buffers, the pipeline, exposed DP traffic
+   and the optimizer step.
+
+The search re-runs ``estimate`` on the plans it returns, so what users see is the scalar
+model's numbers; tests/test_suggest.py checks that both agree on every quantity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.cost import efficiency as eff
+from planner.cost import frameworks as fw
+from planner.cost import memory as mem
+from planner.cost import step_time as st
+from planner.cost.collectives import collective_time_array
+from planner.cost.layers import layer_costs
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, Workload
+from planner.hardware.cluster import Cluster
+from planner.hardware.placement import GroupShape, Placement
+from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelSpec, VisionBlock
+from planner.search.blocks import BlockTable, block_table
+from planner.search.partition import greedy_partition, optimal_partition
+from planner.search.space import Space
+
+
+@dataclass
+class Prepared:
+    """A space with its candidates grouped by partition/rank-table key."""
+
+    space: Space
+    keys: np.ndarray  # [key, (tp, sp, ep, micro_batch, recompute, pp, vs, dp, framework)]
+    inverse: np.ndarray  # candidate -> key
+    micro: dict[tuple[int, int, int], tuple[int, ...]]  # micro-batch sizes per (tp, sp, ep)
+    order: np.ndarray  # candidates sorted by key
+    starts: np.ndarray  # order[starts[k]:starts[k + 1]] are the candidates of key k
+
+
+@dataclass
+class Evaluation:
+    """Per-candidate results, aligned with the space's columns."""
+
+    step_time: np.ndarray
+    peak_bytes: np.ndarray
+    cpu_bytes: np.ndarray  # host bytes per node when offloading
+    fits: np.ndarray
+    partition_id: np.ndarray  # index into ``partitions``
+    greedy_bottleneck: np.ndarray  # seconds per micro-batch of the slowest stage (nan: pp = 1)
+    optimal_bottleneck: np.ndarray
+    partitions: list[list[tuple[int, int]]] = field(default_factory=list)
+
+
+def pipeline_units(model: ModelSpec) -> list[tuple[int, int]]:
+    """Block ranges the balancers move as one: each layer (ViT or decoder) with the small
+    blocks before it (patch embedding, projector, token embedding); the final norm and the LM
+    head stay with the last layer, so the first and last stages carry them."""
+    layers = [i for i, b in enumerate(model.blocks) if isinstance(b, (VisionBlock, DecoderBlock))]
+    starts = [0] + [layers[k - 1] + 1 for k in range(1, len(layers))]
+    ends = starts[1:] + [len(model.blocks)]
+    return list(zip(starts, ends))
+
+
+class Shapes:
+    """Process-group shapes of a placement, as ``estimate.build_comms`` lays ranks out."""
+
+    def __init__(self, cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> None:
+        full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}, order=("tp", "ep", "dp", "pp"))
+        dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
+        self.tp: GroupShape = full.group("tp")
+        self.ep: GroupShape = full.group("ep")
+        self.edp: GroupShape = full.group("dp")
+        self.pp: GroupShape = full.group("pp")
+        self.dp: GroupShape = dense.group("dp")
+
+
+class Evaluator:
+    """Evaluates spaces for one (model, cluster, workload); caches survive across calls."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, workload: Workload, balancer: str = "optimal") -> None:
+        self.model, self.cluster, self.workload, self.balancer = model, cluster, workload, balancer
+        self.dev = eff.device(cluster.profile, workload.precision)
+        self.units = pipeline_units(model)
+        self.nblocks = len(model.blocks)
+        self._shapes: dict[tuple[int, int, int, int], Shapes] = {}
+        self._tables: dict[tuple, BlockTable] = {}
+        self._parts: dict[tuple, tuple[list[tuple[int, int]], float, float]] = {}
+        self._tied = self._tied_blocks()
+        self.partitions: list[list[tuple[int, int]]] = []  # every partition any result refers to
+        self._part_index: dict[tuple, int] = {}
+        self._prefix: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
+
+    # -- caches ---------------------------------------------------------------------------
+    def shapes(self, tp: int, ep: int, dp: int, pp: int) -> Shapes:
+        key = (tp, ep, dp, pp)
+        if key not in self._shapes:
+            self._shapes[key] = Shapes(self.cluster, tp, ep, dp, pp)
+        return self._shapes[key]
+
+    def table(self, tp: int, sp: int, ep: int, dp: int, pp: int, micro: tuple[int, ...]) -> BlockTable:
+        """The block table of (tp, sp, ep) covering ``micro`` (the TP and EP group shapes
+        depend on tp and ep only: TP is innermost and EP next, whatever dp and pp are)."""
+        key = (tp, sp, ep)
+        t = self._tables.get(key)
+        if t is not None and (t.micro_batches == micro or set(micro) <= set(t.micro_batches)):
+            return t
+        mbs = tuple(sorted(set(micro) | set(t.micro_batches if t else ())))
+        costs = layer_costs(self.model, self.workload, tp, bool(sp), ep)
+        shapes = self.shapes(tp, ep, dp, pp)
+        t = block_table(costs, mbs, self.dev, self.cluster, shapes.tp, shapes.ep)
+        self._tables[key] = t
+        return t
+
+    def partition(self, table: BlockTable, key: tuple, mode: int, b: int, stages: int):
+        """(block ranges, greedy bottleneck, optimal bottleneck) of one partition key."""
+        if key in self._parts:
+            return self._parts[key]
+        per_block = table.total(mode, table.b_index(b))
+        prefix = np.concatenate(([0.0], np.cumsum(per_block)))
+        unit_costs = [float(prefix[e] - prefix[s]) for s, e in self.units]
+        if stages == 1:
+            out = ([(0, self.nblocks)], float("nan"), float("nan"))
+        else:
+            g = greedy_partition(unit_costs, stages)
+            o = optimal_partition(unit_costs, stages, upper=g.bottleneck)
+            chosen = o if self.balancer == "optimal" else g
+            out = (self._blocks(chosen.counts), g.bottleneck, o.bottleneck)
+        self._parts[key] = out
+        return out
+
+    def _blocks(self, counts: tuple[int, ...]) -> list[tuple[int, int]]:
+        bounds, u = [], 0
+        for c in counts:
+            bounds.append((self.units[u][0], self.units[u + c - 1][1]))
+            u += c
+        return bounds
+
+    def _tied_blocks(self) -> tuple[int, int, float] | None:
+        blocks = self.model.blocks
+        heads = [i for i, b in enumerate(blocks) if isinstance(b, LMHeadBlock) and b.tied]
+        embeds = [i for i, b in enumerate(blocks) if isinstance(b, EmbeddingBlock)]
+        if not heads or not embeds:
+            return None
+        head = blocks[heads[0]]
+        return heads[0], embeds[0], float(head.vocab * head.hidden)
+
+    # -- per-rank tables ----------------------------------------------------------------
+    def _prefixes(self, table: BlockTable, mode: int, bi: int) -> dict[str, np.ndarray]:
+        key = (id(table), mode, bi)
+        hit = self._prefix.get(key)
+        pre = hit[1] if hit is not None and hit[0] is table else None
+        if pre is None:
+            series = {"fwd": table.fwd[bi], "bwd": table.bwd[bi], "rc": table.rc[mode, bi], "tp": table.tp[mode, bi],
+                      "ep": table.ep[mode, bi], "dense": table.params, "expert": table.expert, "act": table.act[mode]}
+            pre = {k: np.concatenate(([0.0], np.cumsum(v))) for k, v in series.items()}
+            self._prefix[key] = (table, pre)  # holding the table keeps its id unique
+        return pre
+
+    def rank_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
+                   tp: int, send_div: int, pp_shape: GroupShape) -> dict[str, np.ndarray]:
+        """Per pipeline rank (length pp): one micro-batch's time parts and the stage's contents."""
+        bi = table.b_index(b)
+        starts = np.array([a for a, _ in parts])
+        ends = np.array([e for _, e in parts])
+        pre = self._prefixes(table, mode, bi)
+
+        def chunk_sum(name: str) -> np.ndarray:
+            p = pre[name]
+            return (p[ends] - p[starts]).reshape(vs, pp).sum(axis=0)
+
+        def chunk_max(x: np.ndarray) -> np.ndarray:
+            return np.maximum.reduceat(x, starts).reshape(vs, pp).max(axis=0)
+
+        # step_time.rank_time: each chunk sends its output forward (unless it ends the model)
+        # and receives from the chunk before it (unless it starts the model).
+        sends = np.where(ends < self.nblocks, table.pp_bytes[np.maximum(ends - 1, 0)] * b / send_div, 0.0)
+        recvs = np.where(starts > 0, table.pp_bytes[np.maximum(starts - 1, 0)] * b / send_div, 0.0)
+        if pp_shape.size > 1:
+            pp_time = (collective_time_array(self.cluster, "p2p", pp_shape, sends)
+                       + collective_time_array(self.cluster, "p2p", pp_shape, recvs))
+        else:
+            pp_time = np.zeros(len(parts))
+        out = {name: chunk_sum(name) for name in ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert")}
+        out["pp"] = pp_time.reshape(vs, pp).sum(axis=0)
+        out["largest"] = chunk_max(table.params + table.expert)
+        out["stored"] = chunk_sum("act") * b
+        out["live"] = chunk_max(table.act_live) * b if RECOMPUTES[mode] == "full" else np.zeros(pp)
+        out["ppbuf"] = 2.0 * chunk_max(table.pp_bytes) * b if pp > 1 else np.zeros(pp)
+        if self._tied is not None:
+            head, embed, size = self._tied
+            owner = {}
+            for s, (a, e) in enumerate(parts):
+                for i in (head, embed):
+                    if a <= i < e:
+                        owner[i] = s % pp
+            if owner[head] != owner[embed]:
+                out["dense"] = out["dense"].copy()
+                out["dense"][owner[head]] += size / tp
+        return out
+
+    # -- the whole space ------------------------------------------------------------------
+    def prepare(self, space: Space) -> "Prepared":
+        """Group candidates by what their partition and per-rank tables depend on."""
+        c = space.columns
+        key_cols = np.column_stack([c["tp"], c["sp"], c["ep"], c["micro_batch"], c["recompute"], c["pp"], c["vs"],
+                                    c["dp"], c["framework"]])
+        keys, inverse = np.unique(key_cols, axis=0, return_inverse=True)
+        micro: dict[tuple[int, int, int], set[int]] = {}
+        for k in keys:
+            micro.setdefault((int(k[0]), int(k[1]), int(k[2])), set()).add(int(k[3]))
+        order = np.argsort(inverse.reshape(-1), kind="stable")
+        counts = np.bincount(inverse.reshape(-1), minlength=len(keys))
+        return Prepared(space, keys, inverse.reshape(-1), {k: tuple(sorted(v)) for k, v in micro.items()}, order,
+                        np.concatenate(([0], np.cumsum(counts))))
+
+    def lower_bounds(self, prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
+        """Per candidate, a step time and a peak memory no partition can beat.
+
+        Time: with per-rank times T_r summing to S >= (sum of block times) and T_w = max T_r >=
+        S / pp, the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at least
+        ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v).
+        Memory: the worst rank holds at least the mean over ranks; activations at least the
+        in-flight count of the last rank (the smallest).
+        """
+        c = prep.space.columns
+        w = self.workload
+        n = len(prep.space)
+        block_sum = np.zeros(len(prep.keys))
+        per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
+        k = prep.keys
+        for (tp, sp, ep), micro in prep.micro.items():
+            sel = (k[:, 0] == tp) & (k[:, 1] == sp) & (k[:, 2] == ep)
+            first = k[np.argmax(sel)]
+            table = self.table(tp, sp, ep, int(first[7]), int(first[5]), micro)
+            # [mode, b] sums of per-block micro-batch time, and [mode] stored bytes per sample
+            sums = (table.fwd + table.bwd)[None, :, :].sum(axis=2) + (table.rc + table.tp + table.ep).sum(axis=2)
+            bi = np.searchsorted(np.array(table.micro_batches), k[sel, 3])
+            mode = k[sel, 4]
+            block_sum[sel] = sums[mode, bi]
+            per_sample[sel, 0] = table.params.sum()
+            per_sample[sel, 1] = table.expert.sum()
+            per_sample[sel, 2] = table.act.sum(axis=1)[mode] * k[sel, 3]
+        S = block_sum[prep.inverse]
+        pp, vs = c["pp"].astype(float), c["vs"].astype(float)
+        m = c["grad_accum"].astype(float)
+        time_lb = S / pp * (m - 1.0 / vs) + S / vs
+        dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
+        states = np.zeros(n)
+        edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
+        for z, o, f in {(int(a), int(b_), int(c_)) for a, b_, c_ in zip(c["zero"], c["offload"], c["framework"])}:
+            s = (c["zero"] == z) & (c["offload"] == o) & (c["framework"] == f)
+            wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], c["dp"][s].astype(float), w.precision,
+                                                w.optimizer_moments)
+            we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp[s], w.precision, w.optimizer_moments)
+            states[s] = (wd + gd + od) * dense[s] + (we + ge + oe) * expert[s]
+        last = pp - 1
+        inflight_last = np.where(pp == 1, 1.0, np.where(vs == 1, np.minimum(pp - last, m),
+                                                        np.minimum((pp - last - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs))
+        groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
+        allocated = (states + stored * inflight_last) / pp + mem.NCCL_BYTES_PER_GROUP * groups
+        mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
+        return time_lb, mem_lb
+
+    def evaluate(self, prep: "Prepared", key_ids: np.ndarray | None = None) -> tuple[np.ndarray, Evaluation]:
+        """Full evaluation of the candidates of ``key_ids`` (all when None): (rows, results)."""
+        c = prep.space.columns
+        key_ids = np.arange(len(prep.keys)) if key_ids is None else np.asarray(key_ids)
+        by_pp: dict[int, list[tuple[int, dict]]] = {}
+        for g in key_ids:
+            tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[g])
+            table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
+            pkey = (tp, sp, ep, b, mode, pp, vs)
+            parts, gbot, obot = self.partition(table, pkey, mode, b, pp * vs)
+            if pkey not in self._part_index:
+                self._part_index[pkey] = len(self.partitions)
+                self.partitions.append(parts)
+            send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
+            ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, self.shapes(tp, ep, dp, pp).pp)
+            meta = (self._part_index[pkey], gbot, obot)
+            by_pp.setdefault(pp, []).append((int(g), ranks, meta))
+        all_rows, outs = [], []
+        for pp, groups in by_pp.items():
+            rows_list, local_list = [], []
+            for i, (g, _, _) in enumerate(groups):
+                members = prep.order[prep.starts[g]:prep.starts[g + 1]]
+                rows_list.append(members)
+                local_list.append(np.full(len(members), i))
+            sel = np.concatenate(rows_list)
+            local = np.concatenate(local_list)
+            stacked = {name: np.stack([r[name] for _, r, _ in groups])[local] for name in groups[0][1]}
+            step, peak, cpu = self._assemble({k: v[sel] for k, v in c.items()}, stacked, pp)
+            meta = np.array([mt for _, _, mt in groups])[local]
+            all_rows.append(sel)
+            outs.append((step, peak, cpu, meta))
+        if not all_rows:
+            empty = np.zeros(0)
+            return np.zeros(0, dtype=np.int64), Evaluation(empty, empty, empty, empty.astype(bool),
+                                                           empty.astype(np.int64), empty, empty, self.partitions)
+        rows = np.concatenate(all_rows)
+        step = np.concatenate([o[0] for o in outs])
+        peak = np.concatenate([o[1] for o in outs])
+        cpu = np.concatenate([o[2] for o in outs])
+        meta = np.concatenate([o[3] for o in outs])
+        capacity = self.cluster.profile.gpu.memory_bytes
+        return rows, Evaluation(step, peak, cpu, peak <= capacity, meta[:, 0].astype(np.int64), meta[:, 1], meta[:, 2],
+                                self.partitions)
+
+    def _assemble(self, col: dict[str, np.ndarray], r: dict[str, np.ndarray], pp: int):
+        """Step time, worst-rank peak bytes and CPU bytes per node of candidates with ``pp`` ranks."""
+        w = self.workload
+        dp, ep, tp, vs = (col[k][:, None].astype(float) for k in ("dp", "ep", "tp", "vs"))
+        m = col["grad_accum"][:, None].astype(float)
+        zero, off, fwi = col["zero"], col["offload"], col["framework"]
+        edp_n = np.maximum(col["dp"] // col["ep"], 1)[:, None].astype(float)
+        n = len(dp)
+        weights, grads, opt, cpu = (np.zeros((n, pp)) for _ in range(4))
+        for z, o, f in {(int(a), int(b_), int(c_)) for a, b_, c_ in zip(zero, off, fwi)}:
+            s = (zero == z) & (off == o) & (fwi == f)
+            wd, gd, od, cd = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], dp[s], w.precision, w.optimizer_moments)
+            we, ge, oe, ce = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp_n[s], w.precision, w.optimizer_moments)
+            dense, expert = r["dense"][s], r["expert"][s]
+            live3 = 2.0 * r["largest"][s] if z == 3 else 0.0
+            weights[s] = wd * dense + we * expert + live3
+            grads[s] = gd * dense + ge * expert + live3
+            opt[s] = od * dense + oe * expert
+            cpu[s] = cd * dense + ce * expert
+        rank = np.arange(pp)[None, :].astype(float)
+        if pp == 1:
+            inflight = np.ones((n, 1))
+        else:
+            one_f1b = np.minimum(pp - rank, m)
+            inter = np.minimum((pp - rank - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs
+            inflight = np.where(vs == 1, one_f1b, inter)
+        acts = r["stored"] * inflight + r["live"]
+        groups = sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))[:, None]
+        stage_params = r["dense"] + r["expert"]
+        buckets = np.zeros((n, pp))
+        zb = np.array([fw.traits(f).zero_buckets for f in FRAMEWORKS])[fwi][:, None]
+        z12 = zb & ((zero == 1) | (zero == 2))[:, None]
+        z3 = zb & (zero == 3)[:, None]
+        buckets = np.where(z12, fw.OVERLAP_COMM_FACTOR * 2 * (np.minimum(fw.REDUCE_BUCKET_SIZE, stage_params)
+                                                            + np.minimum(fw.ALLGATHER_BUCKET_SIZE, stage_params)), buckets)
+        buckets = np.where(z3, 2 * np.minimum(fw.STAGE3_PREFETCH_BUCKET_SIZE, stage_params)
+                           + 2 * np.minimum(fw.REDUCE_BUCKET_SIZE, stage_params), buckets)
+        buffers = mem.NCCL_BYTES_PER_GROUP * groups + r["ppbuf"] + buckets
+        allocated = weights + grads + opt + acts + buffers
+        peak = allocated + mem.CUDA_CONTEXT_BYTES + mem.FRAGMENTATION * allocated
+        worst_mem = np.argmax(peak, axis=1)
+        rows = np.arange(n)
+        cpu_node = cpu[rows, worst_mem] * self.cluster.gpus_per_node * mem.CPU_BUFFER_FACTOR
+
+        total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"]
+        worst = np.argmax(total, axis=1)
+        tw = total[rows, worst]
+        bubble = (total.sum(axis=1) - tw) / vs[:, 0]
+        mb = m[:, 0]
+        body = mb * tw
+        dp_t = self._dp_exposed(col, r, pp, m, vs)
+        opt_t = self._optimizer(col, r, pp, m)
+        step = body + bubble + dp_t.max(axis=1) + opt_t.max(axis=1)
+        return step, peak.max(axis=1), cpu_node
+
+    def _dp_exposed(self, col, r, pp: int, m, vs) -> np.ndarray:
+        w = self.workload
+        n = len(m)
+        out = np.zeros((n, pp))
+        keys = np.column_stack([col["tp"], col["ep"], col["dp"], col["zero"], col["framework"]])
+        for key in np.unique(keys, axis=0):
+            tp, ep, dp, zero, fwi = (int(x) for x in key)
+            if dp == 1 and ep == 1:
+                continue
+            s = np.all(keys == key, axis=1)
+            traits = fw.traits(FRAMEWORKS[fwi])
+            gbytes = 4 if (w.precision == "fp32" or (traits.fp32_grad_buffer and w.precision == "bf16")) else 2
+            shapes = self.shapes(tp, ep, dp, pp)
+            edp = dp // ep
+            dense, expert = r["dense"][s], r["expert"][s]
+
+            def on(op: str, d: np.ndarray, e: np.ndarray) -> np.ndarray:
+                t = collective_time_array(self.cluster, op, shapes.dp, d) if dp > 1 else np.zeros_like(d)
+                if edp > 1:
+                    t = t + np.where(e > 0, collective_time_array(self.cluster, op, shapes.edp, e), 0.0)
+                return t
+
+            fwd, bwd = r["fwd"][s], r["bwd"][s] + r["rc"][s]
+            ms = m[s]
+            if zero == 3:
+                gather = on("allgather", 2 * dense, 2 * expert)
+                reduce = on("reducescatter", gbytes * dense, gbytes * expert)
+                out[s] = ms * (np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + reduce - bwd))
+                continue
+            if zero >= 1:
+                reduce = on("reducescatter", gbytes * dense, gbytes * expert)
+                gather = on("allgather", 2 * dense, 2 * expert)
+            else:
+                reduce, gather = on("allreduce", gbytes * dense, gbytes * expert), np.zeros_like(dense)
+            rank = np.arange(pp)[None, :]
+            cooldown = rank * bwd / vs[s] if pp > 1 else np.zeros_like(bwd)
+            first_fwd = fwd if FRAMEWORKS[fwi] == "megatron" else np.zeros_like(fwd)
+            window = (bwd if traits.overlap_grad_reduce else 0.0) + cooldown
+            hide = np.where((gather > 0) & traits.overlap_grad_reduce, first_fwd, 0.0)
+            out[s] = np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
+        return out
+
+    def _optimizer(self, col, r, pp: int, m) -> np.ndarray:
+        w = self.workload
+        sharded = (col["zero"] >= 1)[:, None]
+        dp = col["dp"][:, None].astype(float)
+        edp = np.maximum(col["dp"] // col["ep"], 1)[:, None].astype(float)
+        local = r["dense"] / np.where(sharded, dp, 1.0) + r["expert"] / np.where(sharded, edp, 1.0)
+        step_bytes = eff.SGD_STEP_BYTES if w.optimizer == "sgd" else eff.ADAM_STEP_BYTES
+        gpu = eff.hbm_time(local * step_bytes, self.dev)
+        node = self.cluster.profile.node
+        off = np.array(OFFLOADS)[col["offload"]][:, None]
+        cpu_opt = st.cpu_optimizer_time(local, self.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
+                                        False, m)
+        cpu_par = st.cpu_optimizer_time(local, self.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
+                                        True, m)
+        return np.where(off == "none", gpu, np.where(off == "optimizer", cpu_opt, cpu_par))

@@ -1,0 +1,361 @@
+"""``suggest``: the best parallel plans for a model on a cluster.
+
+Pipeline: resolve the request (defaults printed by the CLI) -> enumerate the space
+(planner/search/space.py) -> bound every candidate (a step time and a peak memory no
+partition can beat) -> evaluate candidates in full, best bound first, until the bound of
+what is left cannot reach the top K (branch and bound: exact, since the bounds are proven;
+tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rank ->
+re-run ``estimate`` on the winners so every returned plan is the scalar model's own Plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from planner.cost.estimate import estimate
+from planner.cost.frameworks import check_framework
+from planner.cost.parallel import Workload
+from planner.cost.plan import Plan
+from planner.errors import UserError
+from planner.hardware.cluster import Cluster
+from planner.hardware.profile import HardwareProfile
+from planner.model.spec import ModelSpec, VisionBlock
+from planner.search import rank as rk
+from planner.search.evaluate import Evaluator, Prepared
+from planner.search.space import Constraints, ModelFacts, Space, default_global_batch, divisors, enumerate_space
+
+BALANCERS = ("greedy", "optimal")
+
+
+@dataclass
+class RankedPlan:
+    """One suggested plan: the estimate's Plan plus its rank and the balancers' bottlenecks."""
+
+    id: int
+    plan: Plan
+    balancer_bottleneck_s: dict[str, float | None]
+    objective_value: float
+
+    def to_json(self) -> dict[str, Any]:
+        data = {"id": self.id, **self.plan.to_json()}
+        data["balancer_bottleneck_s"] = dict(self.balancer_bottleneck_s)
+        data["objective_value"] = self.objective_value
+        return data
+
+
+@dataclass
+class SuggestResult:
+    plans: list[RankedPlan]
+    evaluated: int  # candidates scored (in full, or ruled out by a proven bound)
+    rejected: dict[str, int]  # out_of_memory, indivisible, framework
+    fully_evaluated: int
+    pruned: int  # candidates a bound proves cannot reach the top K
+    inputs: dict[str, Any]  # what was searched, defaults filled in
+    objective: str
+    why: str = ""  # one line: why the best plan beat the runner-up
+    elapsed_s: float = 0.0
+    closest: Plan | None = None  # nothing fits: the plan nearest to fitting
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> RankedPlan:
+        return self.plans[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inputs": self.inputs, "objective": self.objective,
+            "plans": [p.to_json() for p in self.plans],
+            "evaluated": self.evaluated, "rejected": dict(self.rejected),
+            "search": {"fully_evaluated": self.fully_evaluated, "pruned_by_bound": self.pruned,
+                       "elapsed_s": self.elapsed_s},
+            "why": self.why,
+        }
+
+
+class NoPlanFits(UserError):
+    """Every candidate runs out of memory; carries the closest plan and what would help."""
+
+    def __init__(self, message: str, result: SuggestResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def describe(p: dict) -> str:
+    """dp8 tp4 pp2 z1 mb2x16 — the short name of a plan in messages."""
+    extra = f" ep{p['ep']}" if p.get("ep", 1) > 1 else ""
+    vs = f" v{p['virtual_stages']}" if p.get("virtual_stages", 1) > 1 else ""
+    off = f" offload-{p['offload']}" if p.get("offload", "none") != "none" else ""
+    sp = " sp" if p.get("sequence_parallel") else ""
+    return (f"{p['framework']} dp{p['dp']} tp{p['tp']}{sp} pp{p['pp']}{vs}{extra} zero{p['zero_stage']}{off} "
+            f"mb{p['micro_batch']}x{p['grad_accum']} recompute-{p['recompute']}")
+
+
+# -- request ---------------------------------------------------------------------------------
+
+
+def _profile(hardware: str | HardwareProfile, gpus_per_node: int | None) -> HardwareProfile:
+    from planner.hardware.load import load_profile
+
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    if gpus_per_node is None or gpus_per_node == profile.node.gpus:
+        return profile
+    if gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node: need a whole number >= 1, got {gpus_per_node}")
+    nics = profile.node.nics
+    count = nics.count if (gpus_per_node % nics.count == 0 or nics.count % gpus_per_node == 0) else gpus_per_node
+    node = profile.node.model_copy(update={"gpus": gpus_per_node, "nics": nics.model_copy(update={"count": count})})
+    return profile.model_copy(update={"node": node})
+
+
+def _facts(model: ModelSpec) -> ModelFacts:
+    vision_heads = {b.heads for b in model.blocks if isinstance(b, VisionBlock)}
+    return ModelFacts(heads=tuple(sorted({model.attention_heads} | vision_heads)), kv_heads=model.kv_heads,
+                      routed_experts=model.routed_experts, units=model.num_layers)
+
+
+def _check_pins(cons: Constraints, world: int, model: ModelSpec) -> None:
+    for flag, values in (("--dp", cons.dp), ("--tp", cons.tp), ("--pp", cons.pp)):
+        bad = [v for v in values or () if world % v]
+        if bad:
+            raise UserError(f"{flag} {','.join(map(str, bad))} cannot divide the {world} GPUs; "
+                            f"pick from {', '.join(map(str, divisors(world)))}")
+    if cons.ep and any(e > 1 for e in cons.ep) and not model.is_moe:
+        raise UserError(f"--ep {','.join(map(str, cons.ep))}: {model.name} is dense (no experts); use --ep 1 or leave it out")
+
+
+def _vision_defaults(model: ModelSpec, images: int | None, tiles: int | None) -> tuple[int, int]:
+    if model.vision is None:
+        for flag, v in (("--images-per-sample", images), ("--tiles-per-image", tiles)):
+            if v:
+                raise UserError(f"{flag}: {model.name} is not a vision-language model; leave the flag out")
+        return 0, 0
+    images = model.vision.default_images_per_sample if images is None else images
+    tiles = model.vision.default_tiles_per_image if tiles is None else tiles
+    if images < 0 or tiles < 0:
+        raise UserError("--images-per-sample / --tiles-per-image must be >= 0")
+    if tiles > model.vision.max_local_tiles:
+        raise UserError(f"--tiles-per-image {tiles} exceeds {model.name}'s {model.vision.max_local_tiles} local tiles per image")
+    return images, tiles
+
+
+# -- the search ------------------------------------------------------------------------------
+
+
+def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-80g", nodes: int = 1, *,
+            gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
+            images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
+            optimizer: str = "adamw", constraints: Constraints | None = None, balancer: str = "optimal",
+            objective: str = "throughput", top: int = 5,
+            progress: Callable[[float], None] | None = None) -> SuggestResult:
+    """Rank the plans that fit; raise ``NoPlanFits`` (a UserError) when none does."""
+    started = time.perf_counter()
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise UserError(f"--nodes: need a whole number of nodes >= 1, got {nodes!r}")
+    if top < 1:
+        raise UserError(f"--top: need at least 1, got {top}")
+    if balancer not in BALANCERS:
+        raise UserError(f"--balancer: use {' or '.join(BALANCERS)}, not {balancer!r}")
+    if objective not in rk.OBJECTIVES:
+        raise UserError(f"--objective: use one of {', '.join(rk.OBJECTIVES)}, not {objective!r}")
+    if isinstance(model, str):
+        from planner.model.catalog import load_model
+
+        model = load_model(model)
+    profile = _profile(hardware, gpus_per_node)
+    cluster = Cluster.build(profile, nodes)
+    world = cluster.num_gpus
+    cons = constraints or Constraints()
+    _check_pins(cons, world, model)
+    seq = seq_len or model.train_seq_len
+    if seq < 1:
+        raise UserError(f"--seq-len: need a positive length, got {seq}")
+    if seq > model.max_seq_len:
+        raise UserError(f"--seq-len {seq} exceeds {model.name}'s maximum context of {model.max_seq_len}")
+    gb = default_global_batch(seq, world) if global_batch is None else global_batch
+    if gb < 1:
+        raise UserError(f"--global-batch: need a positive number of samples, got {gb}")
+    images, tiles = _vision_defaults(model, images_per_sample, tiles_per_image)
+    workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
+                        precision=precision, optimizer=optimizer)  # type: ignore[arg-type]
+    inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
+              "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
+              "optimizer": optimizer, "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer,
+              "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
+    space = _space(model, cluster, gb, cons)
+    result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress)
+    result.elapsed_s = time.perf_counter() - started
+    if not result.plans:
+        result.advice = _advice(model, profile, nodes, workload, cons, balancer)
+        raise NoPlanFits(_nothing_fits_message(result, profile), result)
+    return result
+
+
+def _space(model: ModelSpec, cluster: Cluster, gb: int, cons: Constraints) -> Space:
+    is_moe, layers = model.is_moe, model.num_layers
+
+    def rule(cfg):
+        try:
+            check_framework(cfg, is_moe=is_moe, decoder_layers=layers)
+        except UserError as err:
+            return str(err)
+        return None
+
+    facts = _facts(model)
+    space = enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, cons, rule)
+    if len(space):
+        return space
+    dps = [d for d in divisors(cluster.num_gpus) if cons.dp is None or d in cons.dp]
+    if not any(gb % d == 0 for d in dps):
+        raise UserError(f"--global-batch {gb} is not divisible by any data-parallel size possible on "
+                        f"{cluster.num_gpus} GPUs ({', '.join(map(str, dps))}); pick a multiple of one of them")
+    raise UserError(
+        "the constraints exclude every plan "
+        f"({space.rejected['indivisible']} degree combinations break a divisibility rule: TP must divide the "
+        f"{'/'.join(map(str, facts.heads))} heads and {facts.kv_heads} KV heads and stay in a node, PP x virtual stages "
+        f"<= {facts.units} layers, DP must divide the global batch {gb}; {space.rejected['framework']} candidates "
+        "need something their framework cannot run); relax --tp/--pp/--zero/--framework or the batch")
+
+
+def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
+            top: int, inputs: dict, progress) -> SuggestResult:
+    ev = Evaluator(model, cluster, workload, balancer)
+    prep = ev.prepare(space)
+    time_lb, mem_lb = ev.lower_bounds(prep)
+    capacity = cluster.profile.gpu.memory_bytes
+    certain_oom = mem_lb > capacity
+    lb = mem_lb if objective == "memory" else time_lb
+    key_lb = np.full(len(prep.keys), np.inf)
+    alive = ~certain_oom
+    np.minimum.at(key_lb, prep.inverse[alive], lb[alive])
+    key_order = np.argsort(key_lb, kind="stable")
+    key_order = key_order[np.isfinite(key_lb[key_order])]
+
+    n = len(space)
+    step = np.full(n, np.inf)
+    peak = np.where(certain_oom, mem_lb, np.inf)
+    cpu = np.zeros(n)
+    done = np.zeros(n, dtype=bool)
+    pid = np.full(n, -1, dtype=np.int64)
+    gbot = np.full(n, np.nan)
+    obot = np.full(n, np.nan)
+    pos, batch = 0, 32
+    while pos < len(key_order):
+        chunk = key_order[pos:pos + batch]
+        rows, res = ev.evaluate(prep, chunk)
+        step[rows], peak[rows], cpu[rows], done[rows] = res.step_time, res.peak_bytes, res.cpu_bytes, True
+        pid[rows], gbot[rows], obot[rows] = res.partition_id, res.greedy_bottleneck, res.optimal_bottleneck
+        pos += len(chunk)
+        batch *= 2
+        if progress is not None:
+            progress(min(pos / max(len(key_order), 1), 1.0))
+        fits = done & (peak <= capacity)
+        if pos < len(key_order) and fits.sum() >= top:
+            vals = peak[fits] if objective == "memory" else step[fits]
+            kth = np.partition(vals, top - 1)[top - 1]
+            # Ties (and the cost objective's 0.1% buckets) may reorder plans within a hair.
+            if key_lb[key_order[pos]] > kth * (1 + 2e-3):
+                break
+
+    fits = done & (peak <= capacity)
+    oom = int(certain_oom.sum() + (done & ~certain_oom & (peak > capacity)).sum())
+    pruned = int((~done & ~certain_oom).sum())
+    rejected = {"out_of_memory": oom, "indivisible": space.rejected["indivisible"], "framework": space.rejected["framework"]}
+    result = SuggestResult([], n, rejected, int(done.sum()), pruned, inputs, objective)
+    idx = np.nonzero(fits)[0]
+    gpus = cluster.num_gpus
+    if idx.size:
+        tps = workload.global_batch * workload.seq_len / step[idx]
+        cols = {k: v[idx] for k, v in space.columns.items()}
+        ranked = idx[rk.order(objective, cols, tps, peak[idx], cpu[idx], gpus)]
+        chosen = ranked[:top]
+        plans = []
+        for i in chosen:
+            plan = estimate(model, cluster, workload, space.config(int(i)), partition=ev.partitions[pid[i]])
+            plans.append((int(i), plan))
+        plans.sort(key=lambda ip: _scalar_key(objective, ip[1], gpus))
+        for k, (i, plan) in enumerate(plans[:top]):
+            pp = space.columns["pp"][i]
+            bottlenecks = ({"greedy": float(gbot[i]), "optimal": float(obot[i])} if pp > 1
+                           else {"greedy": None, "optimal": None})
+            value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
+            result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value))
+        if len(result.plans) > 1:
+            result.why = rk.why_better(result.plans[0].plan.to_json(), result.plans[1].plan.to_json(), objective, describe)
+        elif result.plans:
+            result.why = "the only plan that fits"
+    elif done.any():
+        near = np.nonzero(done)[0]
+        i = int(near[np.argmin(peak[near])])
+        result.closest = estimate(model, cluster, workload, space.config(i), partition=ev.partitions[pid[i]])
+    return result
+
+
+def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:
+    if objective == "memory":
+        return (plan.memory.peak, -plan.tokens_per_s)
+    if objective == "cost":
+        return (round(float(rk.gpu_hours_per_mtok(plan.tokens_per_s, gpus)), 9), plan.memory.peak)
+    return (-plan.tokens_per_s, plan.memory.peak)
+
+
+# -- nothing fits ------------------------------------------------------------------------------
+
+
+def _advice(model: ModelSpec, profile: HardwareProfile, nodes: int, workload: Workload, cons: Constraints,
+            balancer: str) -> list[str]:
+    """Relaxations that produce a plan that fits, each checked by a search of its own."""
+    tries: list[tuple[str, Constraints, int]] = []
+    if cons.recompute is not None and "full" not in cons.recompute:
+        tries.append(("full recomputation (--recompute full)", replace(cons, recompute=("full",)), nodes))
+    if cons.zero is not None and 3 not in cons.zero:
+        tries.append(("ZeRO-3 (--zero 3)", replace(cons, zero=(3,), framework=None), nodes))
+    if cons.offload is not None and "optimizer" not in cons.offload:
+        tries.append(("optimizer offload (--offload optimizer)", replace(cons, offload=("optimizer",), framework=None), nodes))
+    if cons.micro_batch is not None and 1 not in cons.micro_batch:
+        tries.append(("micro-batch 1 (--micro-batch 1)", replace(cons, micro_batch=(1,)), nodes))
+    if any(v is not None for v in (cons.dp, cons.tp, cons.pp, cons.framework)):
+        tries.append(("letting dp/tp/pp/framework vary (drop those pins)",
+                      replace(cons, dp=None, tp=None, pp=None, framework=None), nodes))
+    for factor in (2, 4, 8):
+        tries.append((f"{nodes * factor} nodes (--nodes {nodes * factor})", replace(cons, dp=None), nodes * factor))
+    out = []
+    for label, c, n in tries:
+        if _fits_somewhere(model, profile, n, workload, c, balancer):
+            out.append(label)
+            if label.endswith("nodes)") or len(out) >= 4:
+                break
+    return out
+
+
+def _fits_somewhere(model: ModelSpec, profile: HardwareProfile, nodes: int, workload: Workload, cons: Constraints,
+                    balancer: str) -> bool:
+    try:
+        cluster = Cluster.build(profile, nodes)
+        gb = workload.global_batch * nodes // max(nodes, 1)
+        space = _space(model, cluster, gb, cons)
+    except UserError:
+        return False
+    res = _search(model, cluster, workload, space, balancer, "memory", 1, {}, None)
+    return bool(res.plans)
+
+
+def _nothing_fits_message(result: SuggestResult, profile: HardwareProfile) -> str:
+    cap = profile.gpu.memory_bytes
+    gib = 2**30
+    lines = [f"no plan fits in {cap / gib:.0f} GiB per GPU ({result.evaluated} candidates evaluated, "
+             f"{result.rejected['out_of_memory']} out of memory)."]
+    if result.closest is not None:
+        p = result.closest
+        m = p.memory
+        lines.append(f"closest: {describe(p.to_json())} needs {m.peak / gib:.1f} GiB on pipeline rank "
+                     f"{p.worst_stage.rank}, {(m.peak - cap) / gib:.1f} GiB short (weights {m.weights / gib:.1f}, grads "
+                     f"{m.grads / gib:.1f}, optimizer {m.optimizer / gib:.1f}, activations {m.activations / gib:.1f} GiB).")
+    if result.advice:
+        lines.append("would fit with: " + "; or ".join(result.advice) + ".")
+    else:
+        lines.append("try more nodes, --offload optimizer, --recompute full, --zero 3 or --micro-batch 1.")
+    return " ".join(lines)
