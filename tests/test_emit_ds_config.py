@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.emit.ds_config import TrainSettings, bucket_elements, build_ds_config, build_moe_config, largest_block_params
+from planner.cost import frameworks as fw
+from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.plan_file import PlanFile, plan_from_dict
 from planner.errors import UserError
 from planner.model.load import load_model
@@ -165,11 +166,11 @@ def test_deepspeed_reads_precision_offload_and_parallel_sections(matrix_results)
         assert got["offload_param"] == ("cpu" if plan.offload == "optimizer+params" else None)
         assert all(got["pin_memory"])
         if plan.zero_stage >= 1:
-            assert got["reduce_bucket_size"] == model.hidden**2
+            assert got["reduce_bucket_size"] == fw.REDUCE_BUCKET_SIZE
         if plan.zero_stage == 3:
-            assert got["prefetch_bucket_size"] == int(0.9 * model.hidden**2)
+            assert got["prefetch_bucket_size"] == fw.STAGE3_PREFETCH_BUCKET_SIZE
             assert got["param_persistence_threshold"] == 10 * model.hidden
-            assert got["max_live_parameters"] >= 2 * largest_block_params(model)
+            assert got["max_live_parameters"] == fw.STAGE3_MAX_LIVE_PARAMETERS
         autotp = plan.tp if plan.framework == "deepspeed" and plan.tp > 1 else 0
         assert got["autotp_size"] == autotp
         if plan.pp > 1:
@@ -186,7 +187,7 @@ def test_sections_appear_only_when_the_plan_needs_them():
     cfg = build_ds_config(plan, model)
     assert "pipeline" not in cfg and "tensor_parallel" not in cfg and "activation_checkpointing" not in cfg
     assert "fp16" not in cfg and cfg["bf16"] == {"enabled": True}
-    assert cfg["zero_optimization"]["allgather_bucket_size"] == bucket_elements(4096) == 4096 * 4096
+    assert cfg["zero_optimization"]["allgather_bucket_size"] == fw.ALLGATHER_BUCKET_SIZE
     assert "stage3_max_live_parameters" not in cfg["zero_optimization"]
 
     plan, model = make_plan("llama-3.1-8b", 2, zero_stage=1, pp=2, tp=2, recompute="full")

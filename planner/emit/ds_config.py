@@ -1,8 +1,8 @@
 """Build DeepSpeed's ds_config.json (and moe.json) from a plan, as plain dicts.
 
 Every number here is either the plan's own (batch split, ZeRO stage, offload, degrees) or sized
-from the model the plan trains (bucket sizes from the hidden size, ZeRO-3 live-parameter limits
-from the largest block). DeepSpeed's own ``DeepSpeedConfig`` accepts every config this module
+from the model the plan trains; DeepSpeed buffer sizes are the ones the cost model planned memory
+with (planner.cost.frameworks), so the job uses what was predicted. DeepSpeed's own ``DeepSpeedConfig`` accepts every config this module
 builds (tests/test_emit_ds_config.py sweeps a matrix of plans through it).
 """
 
@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
+from planner.cost import frameworks as fw
 from planner.cost.frameworks import check_framework
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
@@ -40,18 +41,6 @@ class TrainSettings(BaseModel):
         if self.warmup_steps >= 0:
             return min(self.warmup_steps, self.steps)
         return max(1, self.steps // 100)
-
-
-# transformers' DeepSpeed integration fills "auto" bucket sizes from the hidden size
-# (reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h, param persistence = 10*h):
-# big enough to keep NCCL at full bandwidth, small enough that the buffers stay a few
-# hundred MiB even for h = 16384.
-def bucket_elements(hidden: int) -> int:
-    return hidden * hidden
-
-
-def largest_block_params(model: ModelSpec) -> int:
-    return max(block.params() for block in model.blocks)
 
 
 def _precision(plan: PlanFile) -> dict[str, Any]:
@@ -114,11 +103,10 @@ def _zero(plan: PlanFile, model: ModelSpec) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if stage == 0:
         return zero
-    h = model.hidden
-    bucket = bucket_elements(h)
-    zero.update(overlap_comm=True, contiguous_gradients=stage >= 2, reduce_scatter=True, reduce_bucket_size=bucket)
+    # Bucket sizes are the ones the cost model planned the buffers with (one source of truth).
+    zero.update(overlap_comm=True, contiguous_gradients=stage >= 2, reduce_scatter=True, reduce_bucket_size=fw.REDUCE_BUCKET_SIZE)
     if stage in (1, 2):
-        zero["allgather_bucket_size"] = bucket
+        zero["allgather_bucket_size"] = fw.ALLGATHER_BUCKET_SIZE
     if plan.offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage in (1, 2):
@@ -127,14 +115,13 @@ def _zero(plan: PlanFile, model: ModelSpec) -> dict[str, Any]:
     if plan.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
-        # Keep at least two of the largest blocks resident, so a layer is never fetched twice
-        # within one forward (DeepSpeed's default is 1e9 elements).
-        live = max(int(1e9), 2 * largest_block_params(model))
+        # Persistence threshold 10*h as transformers' DeepSpeed integration sets for "auto":
+        # norms and biases stay resident instead of being gathered every layer.
         zero.update(
-            stage3_prefetch_bucket_size=int(0.9 * bucket),
-            stage3_param_persistence_threshold=10 * h,
-            stage3_max_live_parameters=live,
-            stage3_max_reuse_distance=live,
+            stage3_prefetch_bucket_size=fw.STAGE3_PREFETCH_BUCKET_SIZE,
+            stage3_param_persistence_threshold=10 * model.hidden,
+            stage3_max_live_parameters=fw.STAGE3_MAX_LIVE_PARAMETERS,
+            stage3_max_reuse_distance=fw.STAGE3_MAX_LIVE_PARAMETERS,
             stage3_gather_16bit_weights_on_model_save=True,
         )
     return zero
