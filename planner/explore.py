@@ -39,11 +39,13 @@ def scaling(model: Any, hardware: Any = api.DEFAULT_HARDWARE, nodes: Sequence[in
     >>> [r["nodes"] for r in rows]
     [1, 2, 4]
     """
+    api.constraints(**constraints)  # unknown axis names fail here, not once per point
     spec = api.load_model(model)
     nodes = _node_list(nodes)
     opts = dict(workload_options or {})
-    wl = api.make_workload(spec, gpus=max(nodes) * api.load_hardware(hardware).gpus_per_node,
-                           global_batch=global_batch, **opts)
+    if global_batch is not None:
+        opts["global_batch"] = global_batch
+    wl = api.make_workload(spec, gpus=max(nodes) * api.load_hardware(hardware).gpus_per_node, **opts)
     rows = []
     for n in nodes:
         cluster = api.load_cluster(hardware, n)
@@ -278,6 +280,7 @@ def fabric_whatif(model: Any, hardware: Any = api.DEFAULT_HARDWARE, nodes: int =
     >>> [r["variant"] for r in fabric_whatif("llama-3-8b", nodes=2, variants=DEFAULT_FABRICS[:1])]
     ['HDR 200G, full fat-tree']
     """
+    api.constraints(**constraints)  # unknown axis names fail here, not once per point
     spec = api.load_model(model)
     base = api.load_hardware(hardware)
     wl = workload if workload is not None else api.make_workload(spec, gpus=nodes * base.gpus_per_node)
@@ -306,6 +309,7 @@ def vision_load(model: Any, cluster: Any, *, images: Sequence[int] = (1, 2), til
     >>> [r["tiles_per_image"] for r in rows]
     [1, 4]
     """
+    api.constraints(**constraints)  # unknown axis names fail here, not once per point
     spec = api.load_model(model)
     if spec.vision is None:
         raise UserError(f"{spec.name} has no vision tower; vision_load needs a vision-language model such as vl2")

@@ -75,8 +75,11 @@ def plot_scaling(rows: "Rows | Mapping[str, Rows]", title: str | None = None) ->
         for n, r in pts:
             if not r.get("fits"):
                 ax_t.axvline(n, color=line.get_color(), alpha=0.15, lw=6)
+    counts = sorted({int(r["nodes"]) for v in groups.values() for r in v})
     for ax in (ax_t, ax_m):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.minorticks_off()
         ax.set_xlabel("nodes")
         ax.grid(True, alpha=0.3)
     ax_t.set_yscale("log")
