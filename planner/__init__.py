@@ -12,8 +12,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _API = (
-    "constraints", "estimate", "load_cluster", "load_hardware", "load_model", "make_workload", "record",
-    "records", "suggest", "to_dataframe", "with_fabric",
+    "SEARCH_AXES", "constraints", "estimate", "label", "load_cluster", "load_hardware", "load_model", "make_workload",
+    "parallel_config", "record", "records", "suggest", "to_dataframe", "with_fabric",
 )
 _SUBMODULES = ("explore", "plots")
 

@@ -33,11 +33,14 @@ TARGET_TOKENS_PER_STEP = 4e6  # default global batch: ~4M tokens (Llama 2/3 pre-
 
 __all__ = [
     "SEARCH_AXES",
+    "constraints",
     "estimate",
+    "label",
     "load_cluster",
     "load_hardware",
     "load_model",
     "make_workload",
+    "parallel_config",
     "record",
     "records",
     "suggest",
@@ -252,14 +255,6 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus)
     cfg = parallel_config(cluster, wl, **knobs)
     return _estimate(spec, cluster, wl, cfg, partition)
-
-
-def try_estimate(model: "ModelSpec", cluster: "Cluster", workload: "Workload", **knobs: Any) -> "Plan | None":
-    """``estimate``, or None when the configuration breaks a rule (for sweeps over grids)."""
-    try:
-        return estimate(model, cluster, workload=workload, **knobs)
-    except UserError:
-        return None
 
 
 # -- many plans ------------------------------------------------------------------------------
