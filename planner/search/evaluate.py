@@ -102,6 +102,7 @@ class Evaluator:
         self.partitions: list[list[tuple[int, int]]] = []  # every partition any result refers to
         self._part_index: dict[tuple, int] = {}
         self._prefix: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
+        self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
 
     # -- caches ---------------------------------------------------------------------------
     def shapes(self, tp: int, ep: int, dp: int, pp: int) -> Shapes:
@@ -158,6 +159,36 @@ class Evaluator:
         return heads[0], embeds[0], float(head.vocab * head.hidden)
 
     # -- per-rank tables ----------------------------------------------------------------
+    def _grad_bytes(self, fwi: int) -> int:
+        """Bytes per gradient element on the wire (estimate._grad_comm_bytes)."""
+        w = self.workload
+        traits = fw.traits(FRAMEWORKS[fwi])
+        return 4 if (w.precision == "fp32" or (traits.fp32_grad_buffer and w.precision == "bf16")) else 2
+
+    def _z3_prefix(self, table: BlockTable, key: tuple, shapes: Shapes, dp: int, ep: int,
+                   gbytes: int) -> dict[str, np.ndarray] | None:
+        """ZeRO-3 collectives one block at a time (gather 16-bit weights, reduce-scatter
+        gradients), as prefix sums over blocks; None when there is no DP group to talk to."""
+        if dp == 1 and ep == 1:
+            return None
+        hit = self._z3.get(key)
+        if hit is not None and hit[0] is table:
+            return hit[1]
+        edp = dp // ep
+
+        def on(op: str, d: np.ndarray, e: np.ndarray) -> np.ndarray:
+            t = collective_time_array(self.cluster, op, shapes.dp, d) if dp > 1 else np.zeros_like(d)
+            if edp > 1:
+                t = t + np.where(e > 0, collective_time_array(self.cluster, op, shapes.edp, e), 0.0)
+            return t
+
+        gather = on("allgather", 2 * table.params, 2 * table.expert)
+        reduce = on("reducescatter", gbytes * table.params, gbytes * table.expert)
+        out = {"z3_gather": np.concatenate(([0.0], np.cumsum(gather))),
+               "z3_reduce": np.concatenate(([0.0], np.cumsum(reduce)))}
+        self._z3[key] = (table, out)
+        return out
+
     def _prefixes(self, table: BlockTable, mode: int, bi: int) -> dict[str, np.ndarray]:
         key = (id(table), mode, bi)
         hit = self._prefix.get(key)
@@ -170,7 +201,7 @@ class Evaluator:
         return pre
 
     def rank_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                   tp: int, send_div: int, pp_shape: GroupShape) -> dict[str, np.ndarray]:
+                   tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Per pipeline rank (length pp): one micro-batch's time parts and the stage's contents."""
         bi = table.b_index(b)
         starts = np.array([a for a, _ in parts])
@@ -188,6 +219,7 @@ class Evaluator:
         # and receives from the chunk before it (unless it starts the model).
         sends = np.where(ends < self.nblocks, table.pp_bytes[np.maximum(ends - 1, 0)] * b / send_div, 0.0)
         recvs = np.where(starts > 0, table.pp_bytes[np.maximum(starts - 1, 0)] * b / send_div, 0.0)
+        pp_shape = shapes.pp
         if pp_shape.size > 1:
             pp_time = (collective_time_array(self.cluster, "p2p", pp_shape, sends)
                        + collective_time_array(self.cluster, "p2p", pp_shape, recvs))
@@ -199,6 +231,8 @@ class Evaluator:
         out["stored"] = chunk_sum("act") * b
         out["live"] = chunk_max(table.act_live) * b if RECOMPUTES[mode] == "full" else np.zeros(pp)
         out["ppbuf"] = 2.0 * chunk_max(table.pp_bytes) * b if pp > 1 else np.zeros(pp)
+        for name in ("z3_gather", "z3_reduce"):
+            out[name] = (z3[name][ends] - z3[name][starts]).reshape(vs, pp).sum(axis=0) if z3 else np.zeros(pp)
         if self._tied is not None:
             head, embed, size = self._tied
             owner = {}
@@ -288,7 +322,9 @@ class Evaluator:
                 self._part_index[pkey] = len(self.partitions)
                 self.partitions.append(parts)
             send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
-            ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, self.shapes(tp, ep, dp, pp).pp)
+            shapes = self.shapes(tp, ep, dp, pp)
+            z3 = self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+            ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
             meta = (self._part_index[pkey], gbot, obot)
             by_pp.setdefault(pp, []).append((int(g), ranks, meta))
         all_rows, outs = [], []
@@ -384,7 +420,7 @@ class Evaluator:
                 continue
             s = np.all(keys == key, axis=1)
             traits = fw.traits(FRAMEWORKS[fwi])
-            gbytes = 4 if (w.precision == "fp32" or (traits.fp32_grad_buffer and w.precision == "bf16")) else 2
+            gbytes = self._grad_bytes(fwi)
             shapes = self.shapes(tp, ep, dp, pp)
             edp = dp // ep
             dense, expert = r["dense"][s], r["expert"][s]
@@ -398,8 +434,7 @@ class Evaluator:
             fwd, bwd = r["fwd"][s], r["bwd"][s] + r["rc"][s]
             ms = m[s]
             if zero == 3:
-                gather = on("allgather", 2 * dense, 2 * expert)
-                reduce = on("reducescatter", gbytes * dense, gbytes * expert)
+                gather, reduce = r["z3_gather"][s], r["z3_reduce"][s]
                 out[s] = ms * (np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + reduce - bwd))
                 continue
             if zero >= 1:

@@ -89,7 +89,11 @@ def why_better(best: dict, runner: dict, objective: str, describe) -> str:
     if saved <= 0:
         return f"{describe(best)} beats {describe(runner)} ({diff}) by {speedup:.1%} tokens/s at equal time parts; it wins the tie-break (simpler plan)"
     return (f"{describe(best)} beats {describe(runner)} ({diff}) by {speedup:.1%} tokens/s: "
-            f"{_TIME_PARTS[key]} ({saved * 1e3:.1f} ms less per step)")
+            f"{_TIME_PARTS[key]} ({_seconds(saved)} less per step)")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
 
 _CONFIG_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", "grad_accum", "recompute",

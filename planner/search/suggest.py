@@ -287,7 +287,11 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             result.why = rk.why_better(result.plans[0].plan.to_json(), result.plans[1].plan.to_json(), objective, describe)
         elif result.plans:
             result.why = "the only plan that fits"
-    elif done.any():
+    else:
+        if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
+            near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]])
+            rows, res = ev.evaluate(prep, near_keys)
+            peak[rows], pid[rows], done[rows] = res.peak_bytes, res.partition_id, True
         near = np.nonzero(done)[0]
         i = int(near[np.argmin(peak[near])])
         result.closest = estimate(model, cluster, workload, space.config(i), partition=ev.partitions[pid[i]])
@@ -308,26 +312,32 @@ def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:
 def _advice(model: ModelSpec, profile: HardwareProfile, nodes: int, workload: Workload, cons: Constraints,
             balancer: str) -> list[str]:
     """Relaxations that produce a plan that fits, each checked by a search of its own."""
-    tries: list[tuple[str, Constraints, int]] = []
+    tries: list[tuple[str, Constraints]] = []
     if cons.recompute is not None and "full" not in cons.recompute:
-        tries.append(("full recomputation (--recompute full)", replace(cons, recompute=("full",)), nodes))
-    if cons.zero is not None and 3 not in cons.zero:
-        tries.append(("ZeRO-3 (--zero 3)", replace(cons, zero=(3,), framework=None), nodes))
-    if cons.offload is not None and "optimizer" not in cons.offload:
-        tries.append(("optimizer offload (--offload optimizer)", replace(cons, offload=("optimizer",), framework=None), nodes))
+        tries.append(("full recomputation (--recompute full)", replace(cons, recompute=("full",))))
     if cons.micro_batch is not None and 1 not in cons.micro_batch:
-        tries.append(("micro-batch 1 (--micro-batch 1)", replace(cons, micro_batch=(1,)), nodes))
-    if any(v is not None for v in (cons.dp, cons.tp, cons.pp, cons.framework)):
-        tries.append(("letting dp/tp/pp/framework vary (drop those pins)",
-                      replace(cons, dp=None, tp=None, pp=None, framework=None), nodes))
-    for factor in (2, 4, 8):
-        tries.append((f"{nodes * factor} nodes (--nodes {nodes * factor})", replace(cons, dp=None), nodes * factor))
+        tries.append(("micro-batch 1 (--micro-batch 1)", replace(cons, micro_batch=(1,))))
+    no_offload = (cons.offload is not None and "optimizer" not in cons.offload) or cons.zero == (0,) or \
+        cons.framework == ("megatron",)
+    if no_offload:
+        tries.append(("optimizer offload (--offload optimizer)",
+                      replace(cons, offload=("optimizer",), zero=None, framework=None)))
+    if (cons.zero is not None and 3 not in cons.zero) or cons.framework == ("megatron",):
+        tries.append(("ZeRO-3 (--zero 3)", replace(cons, zero=(3,), framework=None)))
+        tries.append(("ZeRO-3 with optimizer offload (--zero 3 --offload optimizer)",
+                      replace(cons, zero=(3,), offload=("optimizer",), framework=None)))
+    if any(v is not None for v in (cons.dp, cons.tp, cons.pp, cons.ep, cons.framework, cons.virtual_stages)):
+        tries.append(("letting dp/tp/pp/ep/framework vary (drop those pins)",
+                      replace(cons, dp=None, tp=None, pp=None, ep=None, framework=None, virtual_stages=None)))
     out = []
-    for label, c, n in tries:
-        if _fits_somewhere(model, profile, n, workload, c, balancer):
+    for label, c in tries:
+        if _fits_somewhere(model, profile, nodes, workload, c, balancer):
             out.append(label)
-            if label.endswith("nodes)") or len(out) >= 4:
-                break
+    for factor in (2, 4, 8, 16):
+        more = nodes * factor
+        if _fits_somewhere(model, profile, more, workload, replace(cons, dp=None), balancer):
+            out.append(f"{more} nodes (--nodes {more})")
+            break
     return out
 
 
@@ -335,8 +345,7 @@ def _fits_somewhere(model: ModelSpec, profile: HardwareProfile, nodes: int, work
                     balancer: str) -> bool:
     try:
         cluster = Cluster.build(profile, nodes)
-        gb = workload.global_batch * nodes // max(nodes, 1)
-        space = _space(model, cluster, gb, cons)
+        space = _space(model, cluster, workload.global_batch, cons)
     except UserError:
         return False
     res = _search(model, cluster, workload, space, balancer, "memory", 1, {}, None)

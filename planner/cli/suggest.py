@@ -1,0 +1,220 @@
+"""``dsplan suggest``: search the parallel space and print the best plans.
+
+Thin by design: parse the flags into ``Constraints`` and a request, call
+``planner.search.suggest.suggest``, print a rich table (or ``--json``). Heavy modules are
+imported inside the command so ``dsplan --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from planner.cli.output import json_option
+from planner.errors import UserError
+
+_DEGREE_HELP = "one value or a comma list (e.g. 2,4); default: search every valid value"
+
+
+@click.command("suggest")
+@click.option("--model", "model", required=True, metavar="NAME|PATH", help="Model preset (see `dsplan models`) or a config.json.")
+@click.option("--hardware", "hardware", default="dgx-a100-80g", show_default=True, metavar="NAME|PATH",
+              help="Hardware profile: a built-in name (see `dsplan hardware`) or a YAML file.")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node [default: from the hardware profile].")
+@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length].")
+@click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample [default: the model's].")
+@click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image [default: the model's].")
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
+@click.option("--dp", default=None, help=f"Data-parallel degree: {_DEGREE_HELP}.")
+@click.option("--tp", default=None, help=f"Tensor-parallel degree: {_DEGREE_HELP}.")
+@click.option("--pp", default=None, help=f"Pipeline-parallel degree: {_DEGREE_HELP}.")
+@click.option("--ep", default=None, help=f"Expert-parallel degree: {_DEGREE_HELP}.")
+@click.option("--zero", default=None, help="ZeRO stage(s): 0,1,2,3.")
+@click.option("--offload", default=None, help="none, optimizer, optimizer+params (one or a comma list).")
+@click.option("--micro-batch", default=None, help=f"Micro-batch size: {_DEGREE_HELP}.")
+@click.option("--recompute", default=None, help="none, selective, full (one or a comma list).")
+@click.option("--virtual-stages", default=None, help="Interleaved pipeline chunks per rank (one or a comma list) [default: 1,2,4].")
+@click.option("--framework", default=None, help="deepspeed, megatron-deepspeed, megatron (one or a comma list).")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Pin sequence parallelism on or off [default: try both].")
+@click.option("--allow-tp-across-nodes", is_flag=True, help="Let tensor parallelism span nodes (off by default: TP wants NVLink).")
+@click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True,
+              help="Pipeline layer-partition balancer.")
+@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True,
+              help="Rank by tokens/s, by lowest peak memory, or by GPU-hours per token.")
+@click.option("--top", type=int, default=5, show_default=True, help="How many plans to show.")
+@json_option
+def suggest_command(as_json: bool, **opts: Any) -> None:
+    """Rank parallel plans (DP/TP/PP/EP, ZeRO, offload, micro-batch, recompute) for a model on a cluster.
+
+    \b
+    Prunes by memory, ranks by the objective, shows the best plan's stage partition and
+    breakdowns. Exit status 2 when the input is wrong or no plan fits (with the closest plan
+    and what would make it fit).
+
+    \b
+    Examples:
+      dsplan suggest --model vl2 --nodes 8
+      dsplan suggest --model llama-3.1-70b --nodes 4 --tp 8 --pp 2,4 --zero 1
+      dsplan suggest --model llama-3.1-405b --nodes 2048 --objective cost --json
+    """
+    from planner.search.suggest import NoPlanFits, suggest
+
+    request = request_from_options(opts)
+    bar = _progress_bar() if (not as_json and sys.stderr.isatty()) else None
+    try:
+        result = suggest(**request, progress=bar.update if bar else None)
+    except NoPlanFits as err:
+        if as_json:
+            from planner.cli.output import print_json
+
+            data = err.result.to_json()
+            data["error"] = str(err)
+            data["closest"] = err.result.closest.to_json() if err.result.closest else None
+            data["advice"] = list(err.result.advice)
+            print_json(data)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        from planner.cli.output import print_json
+
+        print_json(result.to_json())
+    else:
+        render(result)
+
+
+def request_from_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """Click options -> keyword arguments of ``planner.search.suggest.suggest``."""
+    from planner.cli.options import parse_choice_list, parse_int_list
+    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
+    from planner.search.space import Constraints
+
+    for flag, key, low in (("--nodes", "nodes", 1), ("--gpus-per-node", "gpus_per_node", 1), ("--global-batch", "global_batch", 1),
+                           ("--seq-len", "seq_len", 1), ("--images-per-sample", "images_per_sample", 0),
+                           ("--tiles-per-image", "tiles_per_image", 0), ("--top", "top", 1)):
+        value = opts.get(key)
+        if value is not None and value < low:
+            raise UserError(f"{flag}: need a whole number >= {low}, got {value}")
+    sp = opts.get("sequence_parallel")
+    cons = Constraints(
+        dp=parse_int_list("--dp", opts.get("dp")), tp=parse_int_list("--tp", opts.get("tp")),
+        pp=parse_int_list("--pp", opts.get("pp")), ep=parse_int_list("--ep", opts.get("ep")),
+        zero=parse_int_list("--zero", opts.get("zero"), minimum=0),
+        offload=parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
+        micro_batch=parse_int_list("--micro-batch", opts.get("micro_batch")),
+        recompute=parse_choice_list("--recompute", opts.get("recompute"), RECOMPUTES),
+        virtual_stages=parse_int_list("--virtual-stages", opts.get("virtual_stages")),
+        framework=parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS),
+        sequence_parallel=None if sp is None else (bool(sp),),
+        allow_tp_across_nodes=bool(opts.get("allow_tp_across_nodes")),
+    )
+    if cons.zero and any(z > 3 for z in cons.zero):
+        raise UserError(f"--zero: stages are 0, 1, 2 and 3, got {','.join(map(str, cons.zero))}")
+    return {
+        "model": opts["model"], "hardware": opts["hardware"], "nodes": opts["nodes"],
+        "gpus_per_node": opts.get("gpus_per_node"), "global_batch": opts.get("global_batch"),
+        "seq_len": opts.get("seq_len"), "images_per_sample": opts.get("images_per_sample"),
+        "tiles_per_image": opts.get("tiles_per_image"), "precision": opts["precision"], "optimizer": opts["optimizer"],
+        "constraints": cons, "balancer": opts["balancer"], "objective": opts["objective"], "top": opts["top"],
+    }
+
+
+# -- human output ------------------------------------------------------------------------------
+
+
+class _progress_bar:
+    """A rich progress bar on standard error (only used when it is a terminal)."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from planner.cli.output import err_console
+
+        self._p = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                           TimeElapsedColumn(), console=err_console, transient=True)
+        self._task = self._p.add_task("search", total=1.0)
+        self._p.start()
+
+    def update(self, fraction: float) -> None:
+        self._p.update(self._task, completed=fraction)
+
+    def close(self) -> None:
+        self._p.stop()
+
+
+_SHORT_FW = {"deepspeed": "deepspeed", "megatron-deepspeed": "meg-ds", "megatron": "megatron"}
+_SHORT_OFFLOAD = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+params"}
+
+
+def render(result) -> None:
+    from rich import box
+    from rich.table import Table
+
+    from rich.console import Console
+
+    from planner.cli.output import console, human_bytes, human_count, human_time
+
+    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
+        console = Console(highlight=False, width=140)
+    i = result.inputs
+    console.print(
+        f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
+        f"global batch {i['global_batch']} x {i['seq_len']} tokens = {human_count(i['tokens_per_step'])} tokens/step | "
+        f"{i['precision']}, {i['optimizer']}"
+        + (f" | {i['images_per_sample']} image(s) x {i['tiles_per_image']} tiles" if i["images_per_sample"] else "")
+        + f" | balancer {i['balancer']}, objective {i['objective']}")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for col in ("#", "framework", "dp", "tp", "pp", "ep", "zero", "offload", "mb x acc", "recompute", "peak / cap",
+                "step", "tokens/s", "MFU"):
+        table.add_column(col, justify="left" if col in ("framework", "offload", "recompute") else "right", no_wrap=True)
+    for rp in result.plans:
+        p = rp.plan.to_json()
+        tp = f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}"
+        pp = f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}"
+        mem = p["memory"]
+        gib = 2**30
+        table.add_row(str(rp.id), _SHORT_FW[p["framework"]], str(p["dp"]), tp, pp, str(p["ep"]), str(p["zero_stage"]),
+                      _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
+                      f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB",
+                      human_time(p["step_time_s"]), human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}")
+    console.print(table)
+    _render_best(result, console, human_bytes, human_time)
+    r = result.rejected
+    console.print(
+        f"{result.evaluated} candidates evaluated ({result.fully_evaluated} in full, {result.pruned} ruled out by a "
+        f"bound that proves they cannot reach the top {i['top']}) in {result.elapsed_s:.2f} s; rejected before "
+        f"ranking: {r['out_of_memory']} out of memory, {r['indivisible']} indivisible degree combinations, "
+        f"{r['framework']} the framework cannot run.")
+
+
+def _render_best(result, console, human_bytes, human_time) -> None:
+    best = result.plans[0]
+    p = best.plan.to_json()
+    console.print(f"[bold]best plan #1[/]: {result.why}")
+    if p["pp"] > 1:
+        b = best.balancer_bottleneck_s
+        console.print(f"stage partition ({result.inputs['balancer']} balancer; slowest stage per micro-batch: optimal "
+                      f"{human_time(b['optimal'])}, greedy {human_time(b['greedy'])}):")
+        for s in p["stages"]:
+            kinds = ", ".join(f"{n} {k}" for k, n in s["block_kinds"].items())
+            console.print(f"  rank {s['rank']}: blocks {s['blocks']} ({kinds}); "
+                          f"{human_time(s['microbatch_time']['total_s'])} per micro-batch, "
+                          f"peak {human_bytes(s['memory']['peak_bytes'])}")
+    t = p["time"]
+    parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {human_time(v)}" for k, v in t.items() if v > 0)
+    console.print(f"time per step {human_time(p['step_time_s'])}: {parts}")
+    m = p["memory"]
+    mparts = ", ".join(f"{k.removesuffix('_bytes')} {human_bytes(m[k])}" for k in
+                       ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+                        "overhead_bytes"))
+    cpu = f", CPU {human_bytes(m['cpu_bytes_per_node'])} per node" if "cpu_bytes_per_node" in m else ""
+    console.print(f"memory on the fullest GPU {human_bytes(m['peak_bytes'])} of {human_bytes(m['capacity_bytes'])}: {mparts}{cpu}")
+
+
+commands = [suggest_command]

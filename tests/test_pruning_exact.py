@@ -1,0 +1,61 @@
+"""The fast path (bounds + branch and bound + vectorised twin) ranks first the plan that an
+exhaustive scalar search ranks first: ``estimate`` called on every candidate of the space."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cost.estimate import estimate
+from planner.cost.parallel import Workload
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.model.catalog import load_model
+from planner.search.evaluate import Evaluator
+from planner.search.space import Constraints
+from planner.search.suggest import _scalar_key, _space, suggest
+
+CASES = [
+    # (model, nodes, global batch, seq, constraints, objective)
+    ("gpt3-350m", 1, 64, 2048, Constraints(micro_batch=(2,), virtual_stages=(1, 2), recompute=("none", "full")),
+     "throughput"),
+    ("llama-3.1-8b", 2, 64, 4096, Constraints(tp=(2, 4, 8), pp=(1, 2), micro_batch=(1,), recompute=("none", "full")),
+     "throughput"),
+    ("deepseek-vl2-tiny", 1, 32, 4096, Constraints(micro_batch=(1,), recompute=("none", "full"), zero=(1, 3),
+                                                   virtual_stages=(1,)), "throughput"),
+    ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("full",), zero=(0, 1, 3)),
+     "memory"),
+    ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("selective",)), "cost"),
+]
+
+
+@pytest.mark.parametrize(("name", "nodes", "gb", "seq", "cons", "objective"), CASES)
+def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, gb, seq, cons, objective) -> None:
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    images, tiles = (1, 2) if model.is_vlm else (0, 0)
+    workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles)
+    fast = suggest(model, nodes=nodes, global_batch=gb, seq_len=seq, images_per_sample=images if model.is_vlm else None,
+                   tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1)
+
+    # Exhaustive: every candidate through the scalar estimate, with the balancer's partition.
+    space = _space(model, cluster, gb, cons)
+    ev = Evaluator(model, cluster, workload)
+    rows, res = ev.evaluate(ev.prepare(space))
+    plans = []
+    for j, i in enumerate(rows):
+        plan = estimate(model, cluster, workload, space.config(int(i)), partition=res.partitions[res.partition_id[j]])
+        if plan.fits:
+            plans.append(plan)
+    assert plans, "the case must have plans that fit"
+    best = min(plans, key=lambda p: _scalar_key(objective, p, cluster.num_gpus))
+    got = fast.plans[0].plan
+    assert _scalar_key(objective, got, cluster.num_gpus) == _scalar_key(objective, best, cluster.num_gpus)
+    if objective != "cost":
+        assert got.to_json()["step_time_s"] == pytest.approx(best.step_time_s, rel=1e-12)
+    assert fast.evaluated == len(space)
+
+
+def test_pruning_actually_prunes() -> None:
+    res = suggest("llama-3.1-8b", nodes=2, global_batch=64, seq_len=4096, top=1)
+    assert res.pruned > 0
+    assert res.fully_evaluated + res.pruned < res.evaluated or res.rejected["out_of_memory"] > 0

@@ -1,0 +1,149 @@
+"""suggest(): the vectorised twin equals estimate, returned plans are estimate's Plans, ranking,
+balancers, nothing-fits advice and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cost.estimate import estimate
+from planner.cost.parallel import Workload
+from planner.errors import UserError
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.model.catalog import load_model
+from planner.search.evaluate import Evaluator, pipeline_units
+from planner.search.partition import greedy_partition
+from planner.search.space import Constraints
+from planner.search.suggest import NoPlanFits, _space, suggest
+
+
+def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0, tiles: int = 0) -> int:
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles)
+    space = _space(model, cluster, gb, Constraints())
+    ev = Evaluator(model, cluster, workload)
+    rows, res = ev.evaluate(ev.prepare(space))
+    c = {k: v[rows] for k, v in space.columns.items()}
+    # One candidate per (framework, zero, offload, recompute, pp>1, vs>1, sp, ep>1) stratum.
+    strata = np.column_stack([c["framework"], c["zero"], c["offload"], c["recompute"], c["pp"] > 1, c["vs"] > 1,
+                              c["sp"], c["ep"] > 1])
+    _, first = np.unique(strata, axis=0, return_index=True)
+    for j in first:
+        cfg = space.config(int(rows[j]))
+        plan = estimate(model, cluster, workload, cfg, partition=res.partitions[res.partition_id[j]])
+        assert res.step_time[j] == pytest.approx(plan.step_time_s, rel=1e-9), cfg
+        assert res.peak_bytes[j] == pytest.approx(plan.memory.peak, rel=1e-9), cfg
+        if cfg.offload != "none":
+            assert res.cpu_bytes[j] == pytest.approx(plan.memory.cpu_per_node, rel=1e-9), cfg
+    return len(first)
+
+
+def test_twin_equals_estimate_dense() -> None:
+    strata = _twin_vs_estimate("llama-3.1-8b", 2, 64, 4096)
+    assert strata > 40  # every framework, ZeRO stage, offload, recompute, pipeline shape
+
+
+def test_twin_equals_estimate_moe_vision() -> None:
+    strata = _twin_vs_estimate("deepseek-vl2-tiny", 2, 64, 4096, images=1, tiles=2)
+    assert strata > 60
+
+
+def test_returned_plans_are_estimates_and_ranked() -> None:
+    res = suggest("llama-3.1-8b", nodes=2, top=4, global_batch=128)
+    model = load_model("llama-3.1-8b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 2)
+    assert len(res.plans) == 4 and [p.id for p in res.plans] == [1, 2, 3, 4]
+    tps = [p.plan.tokens_per_s for p in res.plans]
+    assert tps == sorted(tps, reverse=True)
+    for rp in res.plans:
+        again = estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
+        assert again.to_json() == rp.plan.to_json()
+        assert rp.plan.fits
+    # Every candidate is either evaluated in full, pruned by the time bound, or proven out of
+    # memory by the memory bound (counted with out_of_memory).
+    bounded_oom = res.evaluated - res.fully_evaluated - res.pruned
+    assert bounded_oom >= 0 and res.rejected["out_of_memory"] >= bounded_oom
+    assert res.why and "beats" in res.why
+
+
+def test_json_has_the_issue_keys() -> None:
+    res = suggest("llama-3.1-8b", nodes=1, top=2, constraints=Constraints(pp=(2,)))
+    data = res.to_json()
+    assert set(data) >= {"plans", "evaluated", "rejected"}
+    assert set(data["rejected"]) == {"out_of_memory", "indivisible", "framework"}
+    plan = data["plans"][0]
+    for key in ("id", "dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", "grad_accum", "recompute",
+                "balancer_bottleneck_s", "fits", "memory", "step_time_s", "time", "tokens_per_s", "tflops_per_gpu",
+                "mfu", "stages"):
+        assert key in plan
+    b = plan["balancer_bottleneck_s"]
+    assert b["optimal"] <= b["greedy"] + 1e-12
+
+
+def test_memory_objective_ranks_by_peak() -> None:
+    res = suggest("llama-3.1-8b", nodes=1, top=3, objective="memory")
+    peaks = [p.plan.memory.peak for p in res.plans]
+    assert peaks == sorted(peaks)
+    fastest = suggest("llama-3.1-8b", nodes=1, top=1)
+    assert res.plans[0].plan.memory.peak <= fastest.plans[0].plan.memory.peak
+
+
+def test_greedy_balancer_is_used_when_asked() -> None:
+    model = load_model("deepseek-vl2-tiny")
+    cons = Constraints(pp=(4,), tp=(1,), framework=("megatron",), virtual_stages=(1,), recompute=("full",))
+    res = suggest(model, nodes=1, top=1, constraints=cons, balancer="greedy")
+    plan = res.plans[0].plan
+    cfg = plan.cfg
+    assert cfg.pp == 4
+    # Rebuild greedy's partition from the per-block costs at this plan's settings.
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+    ev = Evaluator(model, cluster, plan.workload, "greedy")
+    table = ev.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, cfg.dp, cfg.pp, (cfg.micro_batch,))
+    per_block = table.total(2, table.b_index(cfg.micro_batch))  # recompute "full"
+    units = pipeline_units(model)
+    unit_costs = [float(per_block[a:e].sum()) for a, e in units]
+    g = greedy_partition(unit_costs, 4)
+    starts = [units[sum(g.counts[:k])][0] for k in range(4)]
+    assert [a for a, _ in plan.partition] == starts
+    b = res.plans[0].balancer_bottleneck_s
+    assert b["greedy"] == pytest.approx(g.bottleneck, rel=1e-12)
+    assert b["optimal"] <= b["greedy"]
+
+def test_vl2_pipelined_plans_show_both_bottlenecks() -> None:
+    res = suggest("vl2", nodes=2, top=3, constraints=Constraints(pp=(4,)))
+    for rp in res.plans:
+        b = rp.balancer_bottleneck_s
+        assert 0 < b["optimal"] <= b["greedy"]
+
+
+def test_nothing_fits_gives_closest_and_advice() -> None:
+    with pytest.raises(NoPlanFits) as info:
+        suggest("llama-3.1-70b", nodes=1, constraints=Constraints(tp=(8,), zero=(0,), framework=("megatron",)))
+    err = info.value
+    assert isinstance(err, UserError)
+    res = err.result
+    assert res.closest is not None and not res.closest.fits
+    assert "short" in str(err) and "closest" in str(err)
+    assert any("offload" in a for a in res.advice)
+    assert any("nodes" in a for a in res.advice)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"nodes": 0}, "--nodes"),
+        ({"nodes": -2}, "--nodes"),
+        ({"nodes": 1, "constraints": Constraints(tp=(3,))}, "--tp 3 cannot divide"),
+        ({"nodes": 1, "constraints": Constraints(ep=(2,))}, "dense"),
+        ({"nodes": 1, "global_batch": 7, "constraints": Constraints(dp=(2, 4, 8))}, "--global-batch 7"),
+        ({"nodes": 1, "constraints": Constraints(tp=(8,), pp=(8,))}, "exclude every plan"),
+        ({"nodes": 1, "seq_len": 10**7}, "--seq-len"),
+        ({"nodes": 1, "objective": "speed"}, "--objective"),
+    ],
+)
+def test_bad_input_is_a_user_error(kwargs: dict, needle: str) -> None:
+    with pytest.raises(UserError) as info:
+        suggest("llama-3.1-8b", **kwargs)
+    assert needle in str(info.value)
