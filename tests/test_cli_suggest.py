@@ -1,0 +1,98 @@
+"""``dsplan suggest`` on the command line: table, JSON, exit status 2, light imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["suggest", *args])
+
+
+def test_human_output_has_defaults_table_breakdown_and_summary() -> None:
+    result = run("--model", "llama-3.1-8b", "--nodes", "1", "--pp", "2", "--top", "3")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "llama-3.1-8b on 1 x 8 dgx-a100-80g (8 GPUs)" in out
+    assert "bf16, adamw" in out and "8192 tokens" in out  # the model's training sequence length
+    for header in ("framework", "zero", "mb x acc", "peak / cap", "tokens/s", "MFU"):
+        assert header in out
+    assert "best plan #1" in out and "beats" in out
+    assert "stage partition" in out and "rank 0: blocks" in out and "greedy" in out
+    assert "time per step" in out and "memory on the fullest GPU" in out
+    assert "candidates evaluated" in out and "out of memory" in out and "framework cannot run" in out
+
+
+def test_json_output() -> None:
+    result = run("--model", "vl2", "--nodes", "2", "--pp", "2,4", "--top", "2", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["plans"]) == 2
+    assert data["inputs"]["images_per_sample"] == 1 and data["inputs"]["tiles_per_image"] == 4
+    assert data["inputs"]["global_batch"] * data["inputs"]["seq_len"] == pytest.approx(4e6, rel=0.25)
+    for p in data["plans"]:
+        assert p["pp"] in (2, 4)
+        assert p["balancer_bottleneck_s"]["optimal"] <= p["balancer_bottleneck_s"]["greedy"]
+        assert p["micro_batch"] * p["grad_accum"] * p["dp"] == data["inputs"]["global_batch"]
+    assert data["evaluated"] > 0 and set(data["rejected"]) == {"out_of_memory", "indivisible", "framework"}
+
+
+def test_images_and_tiles_override() -> None:
+    result = run("--model", "vl2", "--nodes", "1", "--images-per-sample", "2", "--tiles-per-image", "1", "--top", "1",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert (data["inputs"]["images_per_sample"], data["inputs"]["tiles_per_image"]) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--nodes", "0"], "--nodes"),
+        (["--nodes", "-1"], "--nodes"),
+        (["--tp", "3"], "--tp 3 cannot divide"),
+        (["--tp", "two"], "--tp"),
+        (["--zero", "5"], "--zero"),
+        (["--offload", "gpu"], "--offload"),
+        (["--recompute", "some"], "--recompute"),
+        (["--framework", "jax"], "--framework"),
+        (["--global-batch", "7", "--dp", "2,4,8"], "--global-batch 7"),
+        (["--tp", "8", "--pp", "8"], "exclude every plan"),
+        (["--images-per-sample", "2"], "not a vision-language model"),
+        (["--tp", "8", "--zero", "0", "--framework", "megatron", "--model", "llama-3.1-70b"], "no plan fits"),
+    ],
+)
+def test_bad_input_exits_2_without_traceback(args: list[str], needle: str) -> None:
+    if "--model" not in args:
+        args = ["--model", "llama-3.1-8b", *args]
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert needle in result.output
+
+
+def test_nothing_fits_names_closest_plan_and_what_would_fit() -> None:
+    result = run("--model", "llama-3.1-70b", "--tp", "8", "--zero", "0", "--framework", "megatron")
+    assert result.exit_code == 2
+    assert "closest" in result.output and "GiB short" in result.output
+    assert "--offload optimizer" in result.output and "--nodes" in result.output
+
+
+def test_suggest_does_not_import_torch_or_deepspeed() -> None:
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from planner.cli import main\n"
+        "r = CliRunner().invoke(main, ['suggest', '--model', 'llama-3.1-8b', '--nodes', '1', '--top', '1', '--json'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
