@@ -198,3 +198,15 @@ def test_fabric_changes_data_parallel_time_across_the_spine():
     assert tapered > 1.5 * full > 0
     assert ndr < full
     assert math.isfinite(tapered)
+
+
+def test_docstring_examples_run():
+    """The examples in the API and sweep docstrings are the documentation: keep them true."""
+    import doctest
+
+    import planner.explore
+
+    for module in (api, planner.explore):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+        assert result.attempted >= 10, module.__name__
