@@ -59,13 +59,44 @@ def test_returned_plans_are_estimates_and_ranked() -> None:
     assert tps == sorted(tps, reverse=True)
     for rp in res.plans:
         again = estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
-        assert again.to_json() == rp.plan.to_json()
+        _same_plan(again.to_json(), rp.plan.to_json())
         assert rp.plan.fits
     # Every candidate is either evaluated in full, pruned by the time bound, or proven out of
     # memory by the memory bound (counted with out_of_memory).
     bounded_oom = res.evaluated - res.fully_evaluated - res.pruned
     assert bounded_oom >= 0 and res.rejected["out_of_memory"] >= bounded_oom
     assert res.why and "beats" in res.why
+
+
+def _same_plan(a, b, path: str = "") -> None:
+    """Equal structure and values (floats to 1e-9: the twin sums in another order)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _same_plan(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for j, (x, y) in enumerate(zip(a, b)):
+            _same_plan(x, y, f"{path}[{j}]")
+    elif isinstance(a, float) and not isinstance(b, bool):
+        assert b == pytest.approx(a, rel=1e-9, abs=1e-12), path
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize(("name", "nodes", "cons"), [
+    ("vl2", 2, Constraints(pp=(2, 4), zero=(1,), recompute=("full",))),
+    ("llama-3.1-8b", 2, Constraints(zero=(3,), offload=("optimizer",))),
+    ("gpt3-350m", 1, Constraints(pp=(2,), virtual_stages=(2,), framework=("megatron",))),
+    ("deepseek-vl2-tiny", 1, Constraints(ep=(2,), offload=("optimizer",), zero=(2,))),
+])
+def test_plans_equal_estimate_across_shapes(name: str, nodes: int, cons: Constraints) -> None:
+    res = suggest(name, nodes=nodes, top=2, constraints=cons)
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    for rp in res.plans:
+        again = estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
+        _same_plan(again.to_json(), rp.plan.to_json())
 
 
 def test_json_has_the_issue_keys() -> None:

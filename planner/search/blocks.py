@@ -47,18 +47,25 @@ class BlockTable:
 
 
 def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device, backward: bool) -> np.ndarray:
-    """[b, block] attention-core seconds (step_time.attention_time over many b)."""
+    """[b, block] attention-core seconds (step_time.attention_time over many b).
+
+    FlashAttention blocks sharing a head dim and causality go through one ``flash_time`` call.
+    """
     out = np.zeros((len(bs), len(costs)))
+    flash: dict[tuple[int, bool], list[int]] = {}
     for j, c in enumerate(costs):
         a = c.attn
         if a is None or a.seqs == 0 or a.seq == 0:
             continue
         if a.flash:
-            out[:, j] = eff.flash_time(a.flops * bs, a.qk_dim, a.causal, dev, backward)
+            flash.setdefault((a.qk_dim, a.causal), []).append(j)
         else:
             batch = a.heads * a.seqs * bs
             fwd = eff.gemm_time(a.seq, a.seq, a.qk_dim, dev, batch) + eff.gemm_time(a.seq, a.v_dim, a.seq, dev, batch)
             out[:, j] = 2.0 * fwd if backward else fwd
+    for (qk, causal), idx in flash.items():
+        flops = np.array([costs[j].attn.flops for j in idx])  # type: ignore[union-attr]
+        out[:, idx] = eff.flash_time(flops[None, :] * bs[:, None], qk, causal, dev, backward)
     return out
 
 

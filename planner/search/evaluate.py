@@ -102,6 +102,7 @@ class Evaluator:
         self.partitions: list[list[tuple[int, int]]] = []  # every partition any result refers to
         self._part_index: dict[tuple, int] = {}
         self._prefix: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
+        self.model_flops: float | None = None  # filled by planner/search/plans.py
         self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
 
     # -- caches ---------------------------------------------------------------------------
@@ -251,7 +252,11 @@ class Evaluator:
         c = space.columns
         key_cols = np.column_stack([c["tp"], c["sp"], c["ep"], c["micro_batch"], c["recompute"], c["pp"], c["vs"],
                                     c["dp"], c["framework"]])
-        keys, inverse = np.unique(key_cols, axis=0, return_inverse=True)
+        # One int64 per row (mixed radix) so the grouping is a 1-D unique, not a row lexsort.
+        radix = key_cols.max(axis=0) + 1 if len(key_cols) else np.ones(9, dtype=np.int64)
+        weights = np.concatenate((np.cumprod(radix[::-1])[::-1][1:], [1]))
+        _, first, inverse = np.unique(key_cols @ weights, return_index=True, return_inverse=True)
+        keys = key_cols[first]
         micro: dict[tuple[int, int, int], set[int]] = {}
         for k in keys:
             micro.setdefault((int(k[0]), int(k[1]), int(k[2])), set()).add(int(k[3]))
@@ -261,52 +266,9 @@ class Evaluator:
                         np.concatenate(([0], np.cumsum(counts))))
 
     def lower_bounds(self, prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
-        """Per candidate, a step time and a peak memory no partition can beat.
+        from planner.search.bounds import lower_bounds
 
-        Time: with per-rank times T_r summing to S >= (sum of block times) and T_w = max T_r >=
-        S / pp, the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at least
-        ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v).
-        Memory: the worst rank holds at least the mean over ranks; activations at least the
-        in-flight count of the last rank (the smallest).
-        """
-        c = prep.space.columns
-        w = self.workload
-        n = len(prep.space)
-        block_sum = np.zeros(len(prep.keys))
-        per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
-        k = prep.keys
-        for (tp, sp, ep), micro in prep.micro.items():
-            sel = (k[:, 0] == tp) & (k[:, 1] == sp) & (k[:, 2] == ep)
-            first = k[np.argmax(sel)]
-            table = self.table(tp, sp, ep, int(first[7]), int(first[5]), micro)
-            # [mode, b] sums of per-block micro-batch time, and [mode] stored bytes per sample
-            sums = (table.fwd + table.bwd)[None, :, :].sum(axis=2) + (table.rc + table.tp + table.ep).sum(axis=2)
-            bi = np.searchsorted(np.array(table.micro_batches), k[sel, 3])
-            mode = k[sel, 4]
-            block_sum[sel] = sums[mode, bi]
-            per_sample[sel, 0] = table.params.sum()
-            per_sample[sel, 1] = table.expert.sum()
-            per_sample[sel, 2] = table.act.sum(axis=1)[mode] * k[sel, 3]
-        S = block_sum[prep.inverse]
-        pp, vs = c["pp"].astype(float), c["vs"].astype(float)
-        m = c["grad_accum"].astype(float)
-        time_lb = S / pp * (m - 1.0 / vs) + S / vs
-        dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
-        states = np.zeros(n)
-        edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
-        for z, o, f in {(int(a), int(b_), int(c_)) for a, b_, c_ in zip(c["zero"], c["offload"], c["framework"])}:
-            s = (c["zero"] == z) & (c["offload"] == o) & (c["framework"] == f)
-            wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], c["dp"][s].astype(float), w.precision,
-                                                w.optimizer_moments)
-            we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp[s], w.precision, w.optimizer_moments)
-            states[s] = (wd + gd + od) * dense[s] + (we + ge + oe) * expert[s]
-        last = pp - 1
-        inflight_last = np.where(pp == 1, 1.0, np.where(vs == 1, np.minimum(pp - last, m),
-                                                        np.minimum((pp - last - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs))
-        groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
-        allocated = (states + stored * inflight_last) / pp + mem.NCCL_BYTES_PER_GROUP * groups
-        mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
-        return time_lb, mem_lb
+        return lower_bounds(self, prep)
 
     def evaluate(self, prep: "Prepared", key_ids: np.ndarray | None = None) -> tuple[np.ndarray, Evaluation]:
         """Full evaluation of the candidates of ``key_ids`` (all when None): (rows, results)."""
@@ -354,8 +316,9 @@ class Evaluator:
         return rows, Evaluation(step, peak, cpu, peak <= capacity, meta[:, 0].astype(np.int64), meta[:, 1], meta[:, 2],
                                 self.partitions)
 
-    def _assemble(self, col: dict[str, np.ndarray], r: dict[str, np.ndarray], pp: int):
-        """Step time, worst-rank peak bytes and CPU bytes per node of candidates with ``pp`` ranks."""
+    def _assemble(self, col: dict[str, np.ndarray], r: dict[str, np.ndarray], pp: int, detail: bool = False):
+        """Step time, worst-rank peak bytes and CPU bytes per node of candidates with ``pp`` ranks
+        (``detail``: every per-rank part as well, to build Plans from)."""
         w = self.workload
         dp, ep, tp, vs = (col[k][:, None].astype(float) for k in ("dp", "ep", "tp", "vs"))
         m = col["grad_accum"][:, None].astype(float)
@@ -363,8 +326,10 @@ class Evaluator:
         edp_n = np.maximum(col["dp"] // col["ep"], 1)[:, None].astype(float)
         n = len(dp)
         weights, grads, opt, cpu = (np.zeros((n, pp)) for _ in range(4))
-        for z, o, f in {(int(a), int(b_), int(c_)) for a, b_, c_ in zip(zero, off, fwi)}:
-            s = (zero == z) & (off == o) & (fwi == f)
+        code = (zero * 8 + off) * 8 + fwi
+        for value in np.unique(code):
+            z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
+            s = code == value
             wd, gd, od, cd = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], dp[s], w.precision, w.optimizer_moments)
             we, ge, oe, ce = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp_n[s], w.precision, w.optimizer_moments)
             dense, expert = r["dense"][s], r["expert"][s]
@@ -407,7 +372,25 @@ class Evaluator:
         dp_t = self._dp_exposed(col, r, pp, m, vs)
         opt_t = self._optimizer(col, r, pp, m)
         step = body + bubble + dp_t.max(axis=1) + opt_t.max(axis=1)
+        if detail:
+            return {"weights": weights, "grads": grads, "optimizer": opt, "activations": acts, "buffers": buffers,
+                    "overhead": mem.CUDA_CONTEXT_BYTES + mem.FRAGMENTATION * allocated,
+                    "cpu_per_node": cpu * self.cluster.gpus_per_node * mem.CPU_BUFFER_FACTOR, "inflight": inflight,
+                    "worst": worst, "bubble": bubble, "dp": dp_t, "opt": opt_t}
         return step, peak.max(axis=1), cpu_node
+
+    def candidate(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], dict[str, np.ndarray], dict, tuple]:
+        """Candidate ``i`` in detail: its partition, per-rank table, assembled parts, bottlenecks."""
+        tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[prep.inverse[i]])
+        table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
+        parts, gbot, obot = self.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)
+        send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
+        shapes = self.shapes(tp, ep, dp, pp)
+        z3 = self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+        ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
+        col = {k: v[i:i + 1] for k, v in prep.space.columns.items()}
+        one = {k: v[None, :] for k, v in ranks.items()}
+        return parts, ranks, self._assemble(col, one, pp, detail=True), (gbot, obot)
 
     def _dp_exposed(self, col, r, pp: int, m, vs) -> np.ndarray:
         w = self.workload

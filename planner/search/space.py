@@ -203,6 +203,7 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     """Every candidate, as columns; rejected counts by reason."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons)
     settings = _settings(cons)
+    allowed: dict[tuple, tuple[np.ndarray, int]] = {}  # per rule-visible pattern: (ok settings, valid count)
     blocks: list[np.ndarray] = []
     framework_rejected = 0
     for deg in degrees:
@@ -210,23 +211,26 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
         if micro.size == 0:
             indivisible += 1
             continue
-        valid = [s for s in settings if _structurally_valid(deg, s)]
         ga = global_batch // (deg.dp * micro)
         ga_ok = (ga % deg.pp) == 0
-        rows, mbs = [], []
         for flag in (True, False):
             mb = micro[ga_ok == flag]
             if mb.size == 0:
                 continue
-            ok = [s for s in valid if _signature_ok(framework_rule, deg, s, flag)]
-            framework_rejected += (len(valid) - len(ok)) * mb.size
-            for s in ok:
-                rows.append(np.tile(np.array((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *s), dtype=np.int64), (mb.size, 1)))
-                mbs.append(mb)
-        if not rows:
-            continue
-        mb_all = np.concatenate(mbs)
-        blocks.append(np.column_stack([np.concatenate(rows), mb_all, global_batch // (deg.dp * mb_all)]))
+            pattern = (min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, flag)
+            if pattern not in allowed:
+                valid = [st for st in settings if _structurally_valid(deg, st)]
+                ok = [st for st in valid if _signature_ok(framework_rule, deg, st, flag)]
+                allowed[pattern] = (np.array(ok, dtype=np.int64).reshape(-1, 5), len(valid))
+            ok_arr, n_valid = allowed[pattern]
+            framework_rejected += (n_valid - len(ok_arr)) * mb.size
+            if not len(ok_arr):
+                continue
+            k = len(ok_arr)
+            head = np.tile(np.array((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs), dtype=np.int64), (k * mb.size, 1))
+            rows = np.repeat(ok_arr, mb.size, axis=0)
+            mb_col = np.tile(mb, k)
+            blocks.append(np.column_stack([head, rows, mb_col, global_batch // (deg.dp * mb_col)]))
     table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
     columns = {name: np.ascontiguousarray(table[:, k]) for k, name in enumerate(COLUMNS)}
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected})

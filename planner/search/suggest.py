@@ -5,7 +5,8 @@ Pipeline: resolve the request (defaults printed by the CLI) -> enumerate the spa
 partition can beat) -> evaluate candidates in full, best bound first, until the bound of
 what is left cannot reach the top K (branch and bound: exact, since the bounds are proven;
 tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rank ->
-re-run ``estimate`` on the winners so every returned plan is the scalar model's own Plan.
+build the winners' ``Plan`` objects from the twin's per-rank parts (planner/search/plans.py;
+tests/test_suggest.py checks they equal ``estimate`` for the same configuration and partition).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from planner.cost.estimate import estimate
 from planner.cost.frameworks import check_framework
 from planner.cost.parallel import Workload
 from planner.cost.plan import Plan
@@ -25,7 +25,8 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec, VisionBlock
 from planner.search import rank as rk
-from planner.search.evaluate import Evaluator, Prepared
+from planner.search.evaluate import Evaluator
+from planner.search.plans import build_plan
 from planner.search.space import Constraints, ModelFacts, Space, default_global_batch, divisors, enumerate_space
 
 BALANCERS = ("greedy", "optimal")
@@ -240,14 +241,12 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     cpu = np.zeros(n)
     done = np.zeros(n, dtype=bool)
     pid = np.full(n, -1, dtype=np.int64)
-    gbot = np.full(n, np.nan)
-    obot = np.full(n, np.nan)
     pos, batch = 0, 32
     while pos < len(key_order):
         chunk = key_order[pos:pos + batch]
         rows, res = ev.evaluate(prep, chunk)
         step[rows], peak[rows], cpu[rows], done[rows] = res.step_time, res.peak_bytes, res.cpu_bytes, True
-        pid[rows], gbot[rows], obot[rows] = res.partition_id, res.greedy_bottleneck, res.optimal_bottleneck
+        pid[rows] = res.partition_id
         pos += len(chunk)
         batch *= 2
         if progress is not None:
@@ -272,14 +271,10 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         cols = {k: v[idx] for k, v in space.columns.items()}
         ranked = idx[rk.order(objective, cols, tps, peak[idx], cpu[idx], gpus)]
         chosen = ranked[:top]
-        plans = []
-        for i in chosen:
-            plan = estimate(model, cluster, workload, space.config(int(i)), partition=ev.partitions[pid[i]])
-            plans.append((int(i), plan))
+        plans = [(int(i), *build_plan(ev, prep, int(i))) for i in chosen]
         plans.sort(key=lambda ip: _scalar_key(objective, ip[1], gpus))
-        for k, (i, plan) in enumerate(plans[:top]):
-            pp = space.columns["pp"][i]
-            bottlenecks = ({"greedy": float(gbot[i]), "optimal": float(obot[i])} if pp > 1
+        for k, (i, plan, (g, o)) in enumerate(plans):
+            bottlenecks = ({"greedy": float(g), "optimal": float(o)} if plan.cfg.pp > 1
                            else {"greedy": None, "optimal": None})
             value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
             result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value))
@@ -294,7 +289,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             peak[rows], pid[rows], done[rows] = res.peak_bytes, res.partition_id, True
         near = np.nonzero(done)[0]
         i = int(near[np.argmin(peak[near])])
-        result.closest = estimate(model, cluster, workload, space.config(i), partition=ev.partitions[pid[i]])
+        result.closest = build_plan(ev, prep, i)[0]
     return result
 
 

@@ -1,0 +1,68 @@
+"""Lower bounds on a candidate's step time and peak memory that no pipeline partition can beat.
+
+They let the search skip, with proof, candidates that cannot reach the top K (branch and bound)
+and reject candidates that cannot fit in memory, before partitioning or assembling anything.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from planner.cost import memory as mem
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS
+
+if TYPE_CHECKING:
+    from planner.search.evaluate import Evaluator, Prepared
+
+
+def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate, a step time and a peak memory no partition can beat.
+
+    Time: with per-rank times T_r summing to S >= (sum of block times) and T_w = max T_r >=
+    S / pp, the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at least
+    ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v).
+    Memory: the worst rank holds at least the mean over ranks; activations at least the
+    in-flight count of the last rank (the smallest).
+    """
+    c = prep.space.columns
+    w = ev.workload
+    n = len(prep.space)
+    block_sum = np.zeros(len(prep.keys))
+    per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
+    k = prep.keys
+    for (tp, sp, ep), micro in prep.micro.items():
+        sel = (k[:, 0] == tp) & (k[:, 1] == sp) & (k[:, 2] == ep)
+        first = k[np.argmax(sel)]
+        table = ev.table(tp, sp, ep, int(first[7]), int(first[5]), micro)
+        # [mode, b] sums of per-block micro-batch time, and [mode] stored bytes per sample
+        sums = (table.fwd + table.bwd)[None, :, :].sum(axis=2) + (table.rc + table.tp + table.ep).sum(axis=2)
+        bi = np.searchsorted(np.array(table.micro_batches), k[sel, 3])
+        mode = k[sel, 4]
+        block_sum[sel] = sums[mode, bi]
+        per_sample[sel, 0] = table.params.sum()
+        per_sample[sel, 1] = table.expert.sum()
+        per_sample[sel, 2] = table.act.sum(axis=1)[mode] * k[sel, 3]
+    S = block_sum[prep.inverse]
+    pp, vs = c["pp"].astype(float), c["vs"].astype(float)
+    m = c["grad_accum"].astype(float)
+    time_lb = S / pp * (m - 1.0 / vs) + S / vs
+    dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
+    states = np.zeros(n)
+    edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
+    code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
+    for value in np.unique(code):
+        z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
+        s = code == value
+        wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], c["dp"][s].astype(float), w.precision,
+                                            w.optimizer_moments)
+        we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp[s], w.precision, w.optimizer_moments)
+        states[s] = (wd + gd + od) * dense[s] + (we + ge + oe) * expert[s]
+    last = pp - 1
+    inflight_last = np.where(pp == 1, 1.0, np.where(vs == 1, np.minimum(pp - last, m),
+                                                    np.minimum((pp - last - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs))
+    groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
+    allocated = (states + stored * inflight_last) / pp + mem.NCCL_BYTES_PER_GROUP * groups
+    mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
+    return time_lb, mem_lb

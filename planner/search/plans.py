@@ -1,0 +1,54 @@
+"""Build ``Plan`` objects from the vectorised evaluation.
+
+The plans the search returns must be the cost model's own ``Plan`` (the same structure and
+numbers ``estimate`` gives for that configuration and partition: tests/test_suggest.py
+re-estimates and compares). Building them from the twin's per-rank parts instead of calling
+``estimate`` again saves the scalar per-GEMM walk, which costs more than the whole search on
+a 126-layer model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from planner.cost.estimate import model_flops
+from planner.cost.memory import MemoryBreakdown
+from planner.cost.plan import Plan, StagePlan
+from planner.cost.step_time import MicroBatchTime, StepTime
+from planner.model.spec import DecoderBlock
+from planner.search.evaluate import Evaluator, Prepared
+
+
+def _flops(ev: Evaluator) -> float:
+    """Model FLOPs per step, once per evaluator (it walks the whole layer profile)."""
+    if ev.model_flops is None:
+        ev.model_flops = model_flops(ev.model, ev.workload)
+    return ev.model_flops
+
+
+def build_plan(ev: Evaluator, prep: Prepared, i: int) -> tuple[Plan, tuple[float, float]]:
+    """Candidate ``i`` as a Plan, plus its (greedy, optimal) balancer bottlenecks."""
+    cfg = prep.space.config(i)
+    parts, ranks, d, bottlenecks = ev.candidate(prep, i)
+    model, pp, m = ev.model, cfg.pp, cfg.grad_accum
+    stages = []
+    for r in range(pp):
+        chunks = [tuple(c) for c in parts[r::pp]]
+        blocks = [model.blocks[j] for a, e in chunks for j in range(a, e)]
+        memory = MemoryBreakdown(
+            float(d["weights"][0, r]), float(d["grads"][0, r]), float(d["optimizer"][0, r]),
+            float(d["activations"][0, r]), float(d["buffers"][0, r]), float(d["overhead"][0, r]),
+            float(d["cpu_per_node"][0, r]))
+        mb = MicroBatchTime(*(float(ranks[k][r]) for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")))
+        stages.append(StagePlan(r, list(chunks), sum(isinstance(b, DecoderBlock) for b in blocks),
+                                dict(Counter(b.kind for b in blocks)), memory, mb, float(d["inflight"][0, r])))
+    w = stages[int(d["worst"][0])].microbatch
+    time = StepTime(compute=m * (w.fwd + w.bwd), recompute=m * w.recompute, tp_comm=m * w.tp,
+                    pp_bubble=float(d["bubble"][0]), pp_comm=m * w.pp, dp_comm=float(d["dp"][0].max()),
+                    ep_comm=m * w.ep, optimizer=float(d["opt"][0].max()))
+    cluster = ev.cluster
+    plan = Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
+                gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=ev.workload, partition=list(parts),
+                stages=stages, time=time, capacity_bytes=cluster.profile.gpu.memory_bytes,
+                model_flops_per_step=_flops(ev), peak_flops=ev.dev.peak_flops)
+    return plan, bottlenecks
