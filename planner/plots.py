@@ -133,13 +133,14 @@ def _context(r: Mapping[str, Any]) -> str:
 
 def plot_heatmap(rows: Rows, value: str = "tokens_per_s", title: str | None = None) -> Any:
     """Best ``value`` (tokens/s by default) for each TP x PP pair; pairs where nothing fits
-    are left blank and marked."""
+    are left blank and marked "none fits", pairs absent from ``rows`` (no valid layout) "n/a"."""
     import numpy as np
 
     rows = _require(rows, "the TP x PP heatmap")
     tps = sorted({int(r["tp"]) for r in rows})
     pps = sorted({int(r["pp"]) for r in rows})
     grid = np.full((len(pps), len(tps)), np.nan)
+    present = {(int(r["pp"]), int(r["tp"])) for r in rows}
     for r in rows:
         if r.get("fits"):
             grid[pps.index(int(r["pp"])), tps.index(int(r["tp"]))] = float(r[value])
@@ -150,7 +151,7 @@ def plot_heatmap(rows: Rows, value: str = "tokens_per_s", title: str | None = No
     for i in range(len(pps)):
         for j in range(len(tps)):
             v = grid[i, j]
-            text = "none fits" if np.isnan(v) else f"{v:,.0f}"
+            text = f"{v:,.0f}" if not np.isnan(v) else ("none fits" if (pps[i], tps[j]) in present else "n/a")
             color = "black" if np.isnan(v) or (best and v > 0.6 * best) else "white"
             ax.text(j, i, text, ha="center", va="center", fontsize=8, color=color,
                     fontweight="bold" if best is not None and v == best else "normal")
@@ -177,12 +178,17 @@ def plot_zero(rows: Rows, title: str | None = None) -> Any:
     cap = rows[0].get("capacity_bytes")
     if cap:
         ax_m.axhline(cap / GiB, color="black", ls="--", lw=1, label="GPU memory")
+    for i, r in enumerate(rows):
+        verdict = "fits" if r.get("fits") else "does not fit"
+        ax_m.text(i, r["peak_bytes"] / GiB, verdict, ha="center", va="bottom", fontsize=8)
+    ax_m.margins(y=0.12)
     ax_m.set_ylabel("GiB per GPU (worst pipeline rank)")
     ax_m.legend(fontsize=7, loc="upper right")
     _stacked(ax_t, names, rows, TIME_PARTS, scale=1.0)
     ax_t.set_ylabel("seconds per step")
-    ax_t.legend(fontsize=7, loc="upper right")
-    fig.suptitle(title or f"ZeRO stages side by side: {rows[0].get('label', '')} ({_context(rows[0])})")
+    ax_t.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    layout = " ".join(p for p in str(rows[0].get("label", "")).split() if not p.startswith("z"))
+    fig.suptitle(title or f"ZeRO stages side by side: {layout} ({_context(rows[0])})")
     return fig
 
 
@@ -219,7 +225,8 @@ def plot_partition(rows: Rows, title: str | None = None) -> Any:
     ax.set_xticks(stages, [f"stage {s}" for s in stages])
     ax.set_ylabel("ms per micro-batch (fwd + bwd + comm)")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.12), ncols=2)
+    ax.margins(y=0.15)
     ax.set_title(title or f"greedy vs optimal layer partition: {rows[0].get('label', '')}")
     return fig
 
@@ -238,7 +245,7 @@ def plot_fabric(rows: Rows, title: str | None = None) -> Any:
             total = sum(float(r.get(k, 0.0)) for k, _ in TIME_PARTS)
             ax.text(i, total, f"{r['tokens_per_s']:,.0f} tok/s\n{r.get('label', '')}", ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("seconds per step (best plan)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.margins(y=0.2)
     ax.set_title(title or f"fabric what-if: {rows[0].get('model', '')} on {rows[0].get('nodes', '?')} nodes")
     return fig
