@@ -279,7 +279,14 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
             result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value))
         if len(result.plans) > 1:
-            result.why = rk.why_better(result.plans[0].plan.to_json(), result.plans[1].plan.to_json(), objective, describe)
+            # The runner-up worth explaining: the first plan that predicts differently (plans that
+            # tie on every number, e.g. the same layout under two runtimes, say nothing).
+            best = result.plans[0].plan
+            runner = next((rp.plan for rp in result.plans[1:]
+                           if abs(rp.plan.step_time_s - best.step_time_s) > 1e-9 * best.step_time_s
+                           or abs(rp.plan.memory.peak - best.memory.peak) > 1e-9 * best.memory.peak),
+                          result.plans[1].plan)
+            result.why = rk.why_better(best.to_json(), runner.to_json(), objective, describe)
         elif result.plans:
             result.why = "the only plan that fits"
     else:
