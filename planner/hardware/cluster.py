@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterable
-
-import networkx as nx
+from typing import TYPE_CHECKING, Iterable
 
 from planner.errors import UserError
 from planner.hardware.profile import HardwareProfile
+
+if TYPE_CHECKING:  # networkx costs ~0.2 s to import: only where a graph is built
+    import networkx as nx
 
 _INTRA_LINK_KIND = {"nvswitch": "nvlink", "nvlink_mesh": "nvlink", "xgmi_mesh": "xgmi", "infinity_fabric": "xgmi", "pcie": "pcie"}
 # A dual-socket host: the socket interconnect (UPI / Infinity Fabric) is taken as two PCIe
@@ -190,6 +191,8 @@ class Cluster:
 
 def _cut_bw(g: nx.Graph, a: set[str], b: set[str]) -> float:
     """Max flow between two GPU sets with every edge's per-direction bandwidth as capacity."""
+    import networkx as nx
+
     d = _capacity_digraph(g)
     for n in a:
         d.add_edge("src", n, capacity=float("inf"))
@@ -199,6 +202,8 @@ def _cut_bw(g: nx.Graph, a: set[str], b: set[str]) -> float:
 
 
 def _capacity_digraph(g: nx.Graph) -> nx.DiGraph:
+    import networkx as nx
+
     d = nx.DiGraph()
     for u, v, data in g.edges(data=True):
         d.add_edge(u, v, capacity=data["bw"])
@@ -215,6 +220,8 @@ def _edge_kinds(g: nx.Graph) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=32)
 def _node_graph(profile_json: str) -> nx.Graph:
+    import networkx as nx
+
     profile = HardwareProfile.model_validate_json(profile_json)
     g = nx.Graph()
     _add_node(g, profile, 0)
@@ -284,6 +291,8 @@ def _mesh_offsets(gpus: int, links: int) -> Iterable[int]:
 
 def build_graph(profile: HardwareProfile, nodes: int, ft: FatTree | None = None) -> nx.Graph:
     """The full cluster graph: every node plus the leaf/spine network."""
+    import networkx as nx
+
     ft = ft or fat_tree(profile, nodes)
     g = nx.Graph()
     for n in range(nodes):
