@@ -178,3 +178,27 @@ def test_bad_input_is_a_user_error(kwargs: dict, needle: str) -> None:
     with pytest.raises(UserError) as info:
         suggest("llama-3.1-8b", **kwargs)
     assert needle in str(info.value)
+
+
+def test_identical_predictions_under_two_runtimes_are_one_row() -> None:
+    """DeepSpeed and Megatron-DeepSpeed price a plain ZeRO layout the same: one row, the
+    simpler runtime first, the other listed; the top K holds K distinct predictions."""
+    cons = Constraints(tp=(1,), pp=(1,), ep=(1,), zero=(1, 2), offload=("none",), recompute=("none", "full"),
+                       framework=("deepspeed", "megatron-deepspeed"))
+    res = suggest("llama-3.1-8b", nodes=1, top=3, global_batch=64, constraints=cons)
+    keys = [(p.plan.cfg.zero_stage, p.plan.cfg.micro_batch, p.plan.cfg.recompute, p.plan.step_time_s,
+             p.plan.memory.peak) for p in res.plans]
+    assert len(set(keys)) == len(keys) == 3
+    collapsed = [p for p in res.plans if p.also_runs_on]
+    assert collapsed, "some layout must predict identically under both runtimes"
+    for rp in collapsed:
+        assert rp.plan.cfg.framework == "deepspeed" and rp.also_runs_on == ["megatron-deepspeed"]
+        assert rp.to_json()["also_runs_on"] == ["megatron-deepspeed"]
+        twin = rp.plan.cfg.model_copy(update={"framework": "megatron-deepspeed"})
+        model = load_model("llama-3.1-8b")
+        cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+        again = estimate(model, cluster, rp.plan.workload, twin, partition=rp.plan.partition)
+        assert again.step_time_s == pytest.approx(rp.plan.step_time_s, rel=1e-9)
+        assert again.memory.peak == pytest.approx(rp.plan.memory.peak, rel=1e-9)
+    # The explanation names the time parts that differ and the memory trade.
+    assert "beats" in res.why and ("less" in res.why or "tie-break" in res.why) and "memory" in res.why

@@ -179,7 +179,8 @@ def render(result) -> None:
         pp = f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}"
         mem = p["memory"]
         gib = 2**30
-        table.add_row(str(rp.id), _SHORT_FW[p["framework"]], str(p["dp"]), tp, pp, str(p["ep"]), str(p["zero_stage"]),
+        runtimes = "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on))  # identical predictions
+        table.add_row(str(rp.id), runtimes, str(p["dp"]), tp, pp, str(p["ep"]), str(p["zero_stage"]),
                       _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
                       f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB",
                       human_time(p["step_time_s"]), human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}")

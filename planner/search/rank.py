@@ -57,43 +57,55 @@ def objective_value(objective: str, tokens_per_s: float, peak_bytes: float, gpus
     return float(gpu_hours_per_mtok(tokens_per_s, gpus))
 
 
-_TIME_PARTS = {
-    "compute_s": "less compute time",
-    "recompute_s": "less recomputation",
-    "tp_comm_s": "less tensor-parallel communication",
-    "pp_bubble_s": "a smaller pipeline bubble",
-    "pp_comm_s": "less pipeline communication",
-    "dp_comm_s": "less exposed data-parallel communication",
-    "ep_comm_s": "less expert all-to-all",
-    "optimizer_s": "a faster optimizer step",
+_TIME_NAMES = {
+    "compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
+    "pp_bubble_s": "pipeline bubble", "pp_comm_s": "pipeline communication",
+    "dp_comm_s": "exposed data-parallel communication", "ep_comm_s": "expert all-to-all",
+    "optimizer_s": "optimizer step",
 }
+_MEMORY_PARTS = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes")
 
 
 def why_better(best: dict, runner: dict, objective: str, describe) -> str:
     """One line on why ``best`` beat ``runner`` (plan dicts as ``Plan.to_json()`` gives them).
 
-    Names the configuration difference and the time (or memory) component that moved most.
+    Names the configuration difference, then the parts of the ranked quantity (step time, or
+    peak memory for the memory objective) that differ most, each with its sign, and the other
+    quantity's difference: what the user trades by taking the winner.
     ``describe(plan) -> str`` renders a plan's configuration briefly.
     """
     diff = _config_difference(best, runner)
-    if objective == "memory":
-        delta = runner["memory"]["peak_bytes"] - best["memory"]["peak_bytes"]
-        part, saved = max(((k, runner["memory"].get(k, 0) - best["memory"].get(k, 0))
-                           for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes")),
-                          key=lambda kv: kv[1])
-        return (f"{describe(best)} beats {describe(runner)} ({diff}): {delta / 2**30:.2f} GiB less peak memory, "
-                f"mostly {part.removesuffix('_bytes')} ({saved / 2**30:.2f} GiB)")
+    gib = 2**30
+    time_deltas = {k: runner["time"].get(k, 0.0) - best["time"].get(k, 0.0) for k in _TIME_NAMES}
+    mem_deltas = {k: runner["memory"].get(k, 0.0) - best["memory"].get(k, 0.0) for k in _MEMORY_PARTS}
+    peak_delta = runner["memory"]["peak_bytes"] - best["memory"]["peak_bytes"]
     speedup = best["tokens_per_s"] / runner["tokens_per_s"] - 1 if runner["tokens_per_s"] else 0.0
-    deltas = {k: runner["time"].get(k, 0.0) - best["time"].get(k, 0.0) for k in _TIME_PARTS}
-    key, saved = max(deltas.items(), key=lambda kv: kv[1])
-    if saved <= 0:
-        return f"{describe(best)} beats {describe(runner)} ({diff}) by {speedup:.1%} tokens/s at equal time parts; it wins the tie-break (simpler plan)"
-    return (f"{describe(best)} beats {describe(runner)} ({diff}) by {speedup:.1%} tokens/s: "
-            f"{_TIME_PARTS[key]} ({_seconds(saved)} less per step)")
+    time_parts = _largest(time_deltas, lambda k: _TIME_NAMES[k], _seconds)
+    mem_parts = _largest(mem_deltas, lambda k: k.removesuffix("_bytes"), lambda b: f"{b / gib:.2f} GiB")
+    head = f"{describe(best)} beats {describe(runner)} ({diff})"
+    if objective == "memory":
+        other = f"; {speedup:+.1%} tokens/s" if abs(speedup) > 1e-9 else "; equal tokens/s"
+        return f"{head}: {peak_delta / gib:.2f} GiB less peak memory ({mem_parts}){other}"
+    mem = (f"; peak memory {best['memory']['peak_bytes'] / gib:.1f} vs {runner['memory']['peak_bytes'] / gib:.1f} GiB"
+           if abs(peak_delta) > 1e-9 * max(best["memory"]["peak_bytes"], 1.0) else "; equal peak memory")
+    if not time_parts:
+        return f"{head} by {speedup:.1%} tokens/s at equal time parts; it wins the tie-break (simpler plan){mem}"
+    return f"{head} by {speedup:.1%} tokens/s: {time_parts}{mem}"
+
+
+def _largest(deltas: dict[str, float], name, fmt, count: int = 2) -> str:
+    """The ``count`` parts that differ most (runner minus best), as "X less, Y more"."""
+    total = sum(abs(v) for v in deltas.values())
+    if total <= 0:
+        return ""
+    top = sorted((kv for kv in deltas.items() if abs(kv[1]) > 1e-3 * total), key=lambda kv: -abs(kv[1]))[:count]
+    return ", ".join(f"{fmt(abs(v))} {'less' if v > 0 else 'more'} {name(k)}" for k, v in top)
 
 
 def _seconds(s: float) -> str:
-    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
 _CONFIG_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", "grad_accum", "recompute",
@@ -103,3 +115,36 @@ _CONFIG_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", 
 def _config_difference(a: dict, b: dict) -> str:
     parts = [f"{k} {a[k]} vs {b[k]}" for k in _CONFIG_KEYS if k in a and k in b and a[k] != b[k]]
     return ", ".join(parts) if parts else "same configuration, different partition"
+
+
+_LAYOUT_COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "micro_batch", "grad_accum")
+
+
+def distinct_top(ranked: np.ndarray, columns: dict[str, np.ndarray], step: np.ndarray, peak: np.ndarray,
+                 top: int) -> list[tuple[int, list[int]]]:
+    """The first ``top`` distinct plans of ``ranked`` (candidate indices, best first).
+
+    The same layout under two runtimes (DeepSpeed and Megatron-DeepSpeed often price it the
+    same) is one plan, not two rows of the top K: candidates equal in every column but the
+    framework and in predicted step time and peak memory collapse into the one with the
+    simplest runtime (lowest index in FRAMEWORKS); the others' framework indices come back as
+    its alternatives. Returns (representative, [alternative framework indices]).
+    """
+    out: list[tuple[int, list[int]]] = []
+    seen: set[int] = set()
+    fw = columns["framework"]
+    for i in ranked:
+        i = int(i)
+        if i in seen:
+            continue
+        same = np.isclose(step[ranked], step[i], rtol=1e-12, atol=0.0) & np.isclose(peak[ranked], peak[i],
+                                                                                        rtol=1e-12, atol=0.0)
+        for c in _LAYOUT_COLUMNS:
+            same &= columns[c][ranked] == columns[c][i]
+        members = ranked[same]
+        members = members[np.argsort(fw[members], kind="stable")]
+        seen.update(int(m) for m in members)
+        out.append((int(members[0]), [int(fw[m]) for m in members[1:]]))
+        if len(out) == top:
+            break
+    return out

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from planner.cost.frameworks import check_framework
-from planner.cost.parallel import Workload
+from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
@@ -40,11 +40,13 @@ class RankedPlan:
     plan: Plan
     balancer_bottleneck_s: dict[str, float | None]
     objective_value: float
+    also_runs_on: list[str] = field(default_factory=list)  # runtimes that predict this plan identically
 
     def to_json(self) -> dict[str, Any]:
         data = {"id": self.id, **self.plan.to_json()}
         data["balancer_bottleneck_s"] = dict(self.balancer_bottleneck_s)
         data["objective_value"] = self.objective_value
+        data["also_runs_on"] = list(self.also_runs_on)
         return data
 
 
@@ -253,10 +255,11 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             progress(min(pos / max(len(key_order), 1), 1.0))
         fits = done & (peak <= capacity)
         if pos < len(key_order) and fits.sum() >= top:
-            vals = peak[fits] if objective == "memory" else step[fits]
-            kth = np.partition(vals, top - 1)[top - 1]
+            # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
+            # so the K-th distinct value is the bar (never lower than the true K-th plan's).
+            vals = np.unique(peak[fits] if objective == "memory" else step[fits])
             # Ties (and the cost objective's 0.1% buckets) may reorder plans within a hair.
-            if key_lb[key_order[pos]] > kth * (1 + 2e-3):
+            if len(vals) >= top and key_lb[key_order[pos]] > vals[top - 1] * (1 + 2e-3):
                 break
 
     fits = done & (peak <= capacity)
@@ -270,14 +273,14 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         tps = workload.global_batch * workload.seq_len / step[idx]
         cols = {k: v[idx] for k, v in space.columns.items()}
         ranked = idx[rk.order(objective, cols, tps, peak[idx], cpu[idx], gpus)]
-        chosen = ranked[:top]
-        plans = [(int(i), *build_plan(ev, prep, int(i))) for i in chosen]
+        chosen = rk.distinct_top(ranked, space.columns, step, peak, top)
+        plans = [(alts, *build_plan(ev, prep, i)) for i, alts in chosen]
         plans.sort(key=lambda ip: _scalar_key(objective, ip[1], gpus))
-        for k, (i, plan, (g, o)) in enumerate(plans):
+        for k, (alts, plan, (g, o)) in enumerate(plans):
             bottlenecks = ({"greedy": float(g), "optimal": float(o)} if plan.cfg.pp > 1
                            else {"greedy": None, "optimal": None})
             value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
-            result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value))
+            result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value, [FRAMEWORKS[f] for f in alts]))
         if len(result.plans) > 1:
             # The runner-up worth explaining: the first plan that predicts differently (plans that
             # tie on every number, e.g. the same layout under two runtimes, say nothing).
