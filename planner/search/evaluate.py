@@ -104,6 +104,9 @@ class Evaluator:
         self._prefix: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
         self.model_flops: float | None = None  # filled by planner/search/plans.py
         self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
+        # Candidates whose time-balanced split ran out of memory and that were rebalanced under
+        # a memory limit (planner/search/memfit.py): candidate -> (block ranges, bottleneck).
+        self.overrides: dict[int, tuple[list[tuple[int, int]], float]] = {}
 
     # -- caches ---------------------------------------------------------------------------
     def shapes(self, tp: int, ep: int, dp: int, pp: int) -> Shapes:
@@ -130,9 +133,7 @@ class Evaluator:
         """(block ranges, greedy bottleneck, optimal bottleneck) of one partition key."""
         if key in self._parts:
             return self._parts[key]
-        per_block = table.total(mode, table.b_index(b))
-        prefix = np.concatenate(([0.0], np.cumsum(per_block)))
-        unit_costs = [float(prefix[e] - prefix[s]) for s, e in self.units]
+        unit_costs = self.unit_costs(table, mode, b)
         if stages == 1:
             out = ([(0, self.nblocks)], float("nan"), float("nan"))
         else:
@@ -142,6 +143,11 @@ class Evaluator:
             out = (self._blocks(chosen.counts), g.bottleneck, o.bottleneck)
         self._parts[key] = out
         return out
+
+    def unit_costs(self, table: BlockTable, mode: int, b: int) -> list[float]:
+        """Seconds per micro-batch of each pipeline unit: what the balancers split."""
+        prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b)))))
+        return [float(prefix[e] - prefix[s]) for s, e in self.units]
 
     def _blocks(self, counts: tuple[int, ...]) -> list[tuple[int, int]]:
         bounds, u = [], 0
@@ -318,13 +324,25 @@ class Evaluator:
 
     def candidate(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], dict[str, np.ndarray], dict, tuple]:
         """Candidate ``i`` in detail: its partition, per-rank table, assembled parts, bottlenecks."""
+        parts, ranks, col, pp, bottlenecks = self._one(prep, i)
+        one = {k: v[None, :] for k, v in ranks.items()}
+        return parts, ranks, assemble(self, col, one, pp, detail=True), bottlenecks
+
+    def evaluate_one(self, prep: "Prepared", i: int) -> tuple[float, float, float]:
+        """Candidate ``i``'s (step time, peak bytes, CPU bytes per node), with its override if any."""
+        _, ranks, col, pp, _ = self._one(prep, i)
+        step, peak, cpu = assemble(self, col, {k: v[None, :] for k, v in ranks.items()}, pp)
+        return float(step[0]), float(peak[0]), float(cpu[0])
+
+    def _one(self, prep: "Prepared", i: int):
         tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[prep.inverse[i]])
         table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
         parts, gbot, obot = self.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)
+        if i in self.overrides:
+            parts, obot = self.overrides[i]
         send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
         shapes = self.shapes(tp, ep, dp, pp)
         z3 = self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
         ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
         col = {k: v[i:i + 1] for k, v in prep.space.columns.items()}
-        one = {k: v[None, :] for k, v in ranks.items()}
-        return parts, ranks, assemble(self, col, one, pp, detail=True), (gbot, obot)
+        return parts, ranks, col, pp, (gbot, obot)

@@ -4,7 +4,9 @@ Pipeline: resolve the request (defaults printed by the CLI) -> enumerate the spa
 (planner/search/space.py) -> bound every candidate (a step time and a peak memory no
 partition can beat) -> evaluate candidates in full, best bound first, until the bound of
 what is left cannot reach the top K (branch and bound: exact, since the bounds are proven;
-tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rank ->
+tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rebalance pipelines whose time-balanced split runs out of
+memory under a memory limit (planner/search/memfit.py) -> collapse identical predictions
+(the same layout under two runtimes) -> rank ->
 build the winners' ``Plan`` objects from the twin's per-rank parts (planner/search/plans.py;
 tests/test_suggest.py checks they equal ``estimate`` for the same configuration and partition).
 """
@@ -262,6 +264,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             if len(vals) >= top and key_lb[key_order[pos]] > vals[top - 1] * (1 + 2e-3):
                 break
 
+    _rebalance_oom(ev, prep, space, step, peak, cpu, done, certain_oom, time_lb, capacity, objective, top)
     fits = done & (peak <= capacity)
     oom = int(certain_oom.sum() + (done & ~certain_oom & (peak > capacity)).sum())
     pruned = int((~done & ~certain_oom).sum())
@@ -301,6 +304,25 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         i = int(near[np.argmin(peak[near])])
         result.closest = build_plan(ev, prep, i)[0]
     return result
+
+
+def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, certain_oom, time_lb, capacity: float,
+                   objective: str, top: int) -> None:
+    """Pipelines that ran out of memory with the time-balanced split but whose memory bound fits
+    and whose time bound could still reach the top K: rebalance under the memory limit
+    (planner/search/memfit.py) and take the exact re-evaluation (arrays updated in place)."""
+    c = space.columns
+    fits = done & (peak <= capacity)
+    vals = np.unique(peak[fits] if objective == "memory" else step[fits])
+    bar = vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
+    reach = time_lb <= bar if objective != "memory" else np.ones(len(step), dtype=bool)
+    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1) & (c["vs"] == 1) & reach)[0]
+    if not rows.size:
+        return
+    from planner.search.memfit import rebalance
+
+    for i, s, p, u in rebalance(ev, prep, rows[np.argsort(time_lb[rows], kind="stable")]):
+        step[i], peak[i], cpu[i] = s, p, u
 
 
 def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:

@@ -1,0 +1,96 @@
+"""Rebalance pipelines whose time-balanced split runs out of memory.
+
+The search splits layers over stages by time only (one partition per group of candidates
+that share it), then checks memory. Under 1F1B the first stage holds the most in-flight
+micro-batches and, in a vision-language model, the vision tower and the embedding too: the
+time-balanced split can overflow it while a split that moves layers to later stages fits.
+For such candidates this module builds each stage's memory as ``StageMemory`` (an upper
+bound of what ``assemble`` computes, so a split that fits it fits for real), asks the
+optimal balancer for the fastest split within that limit, and re-evaluates the candidate
+exactly with it (planner/search/assemble.py).
+
+Only plain 1F1B pipelines (one chunk per rank) are rebalanced: with interleaving a rank
+holds several chunks, which a per-stage limit cannot express.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from planner.cost import frameworks as fw
+from planner.cost import memory as mem
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
+from planner.search.partition import StageMemory, optimal_partition
+
+if TYPE_CHECKING:
+    from planner.search.evaluate import Evaluator, Prepared
+
+# Candidates rebalanced per search at most (best time bound first): each costs a memory-
+# constrained partition and one exact evaluation.
+MAX_REBALANCED = 64
+
+
+def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
+    """Per pipeline unit and stage, bytes candidate ``i`` holds, bounded from above.
+
+    Additive terms (model states, stored activations x in-flight micro-batches) are exact;
+    the terms that depend on the split through a maximum or a minimum (ZeRO-3's live
+    weights, a fully recomputed layer's live activations, pipeline buffers, ZeRO buckets,
+    a tied head's copy of the embedding) take their largest value in ``base``.
+    """
+    c = prep.space.columns
+    tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[prep.inverse[i]])
+    zero, off, m = int(c["zero"][i]), int(c["offload"][i]), int(c["grad_accum"][i])
+    w = ev.workload
+    table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
+    wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], dp, w.precision, w.optimizer_moments)
+    we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], max(dp // ep, 1), w.precision,
+                                        w.optimizer_moments)
+    grow = 1.0 + mem.FRAGMENTATION
+    per_block_state = (wd + gd + od) * table.params + (we + ge + oe) * table.expert
+    per_block_act = table.act[mode] * b
+    state = [grow * float(per_block_state[s:e].sum()) for s, e in ev.units]
+    act = [grow * float(per_block_act[s:e].sum()) for s, e in ev.units]
+    rank = np.arange(pp)
+    inflight = np.minimum(pp - rank, m).astype(float)
+    groups = sum(int(x > 1) for x in (tp, pp, dp, ep))
+    fixed = mem.NCCL_BYTES_PER_GROUP * groups + 2.0 * float(table.pp_bytes.max()) * b
+    if zero == 3:
+        fixed += 4.0 * float((table.params + table.expert).max())
+    if RECOMPUTES[mode] == "full":
+        fixed += float(table.act_live.max()) * b
+    if fw.traits(FRAMEWORKS[fwi]).zero_buckets:
+        if zero in (1, 2):
+            fixed += fw.OVERLAP_COMM_FACTOR * 2 * (fw.REDUCE_BUCKET_SIZE + fw.ALLGATHER_BUCKET_SIZE)
+        elif zero == 3:
+            fixed += 2 * fw.STAGE3_PREFETCH_BUCKET_SIZE + 2 * fw.REDUCE_BUCKET_SIZE
+    base = np.full(pp, grow * fixed + mem.CUDA_CONTEXT_BYTES)
+    if ev._tied is not None:
+        base[-1] += grow * (wd + gd + od) * ev._tied[2] / tp
+    return StageMemory(state=state, act=act, inflight=list(inflight), base=list(base),
+                       capacity=float(ev.cluster.profile.gpu.memory_bytes))
+
+
+def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> list[tuple[int, float, float, float]]:
+    """Rebalance candidates ``rows`` (1F1B, pp > 1) under their memory limit.
+
+    Returns (candidate, step time, peak bytes, CPU bytes per node) for each that now fits;
+    its split is recorded in ``ev.overrides`` so the Plan built later uses it.
+    """
+    out = []
+    for i in rows[:MAX_REBALANCED]:
+        i = int(i)
+        tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
+        table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
+        part = optimal_partition(ev.unit_costs(table, mode, b), pp, memory=stage_memory(ev, prep, i))
+        if not part.fits:
+            continue
+        ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)
+        step, peak, cpu = ev.evaluate_one(prep, i)
+        if peak <= ev.cluster.profile.gpu.memory_bytes:
+            out.append((i, step, peak, cpu))
+        else:  # cannot happen while stage_memory bounds assemble from above; keep the plan honest anyway
+            del ev.overrides[i]
+    return out

@@ -1,0 +1,86 @@
+"""Memory-aware rebalancing: pipelines whose time-balanced split runs out of memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cost.estimate import estimate
+from planner.cost.parallel import Workload
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.model.catalog import load_model
+from planner.search import memfit
+from planner.search.evaluate import Evaluator
+from planner.search.space import Constraints
+from planner.search.suggest import NoPlanFits, _space, suggest
+
+# DeepSeek-VL2 on one node, two pipeline stages, ZeRO-1 under Megatron-DeepSpeed: the split
+# that balances time leaves one stage ~6 GiB over 80 GiB; moving layers fits both.
+CONS = Constraints(pp=(2,), micro_batch=(1,), recompute=("none",), zero=(1,), virtual_stages=(1,),
+                   framework=("megatron-deepspeed",), offload=("none",))
+
+
+def test_time_balanced_split_runs_out_of_memory_but_a_rebalanced_one_fits(monkeypatch) -> None:
+    res = suggest("vl2", nodes=1, constraints=CONS, top=1)
+    rp = res.plans[0]
+    plan = rp.plan
+    assert plan.fits and plan.cfg.pp == 2
+    # It is the estimate's own answer for that split: fits, same numbers.
+    model = load_model("vl2")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+    again = estimate(model, cluster, plan.workload, plan.cfg, partition=plan.partition)
+    assert again.fits
+    assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert again.memory.peak == pytest.approx(plan.memory.peak, rel=1e-9)
+    # The time-balanced split of the same configuration does not fit.
+    ev = Evaluator(model, cluster, plan.workload)
+    space = _space(model, cluster, plan.workload.global_batch, CONS)
+    rows, out = ev.evaluate(ev.prepare(space))
+    same = [j for j, i in enumerate(rows) if space.config(int(i)) == plan.cfg]
+    assert same and not out.fits[same[0]]
+    time_split = out.partitions[out.partition_id[same[0]]]
+    assert time_split != plan.partition
+    assert not estimate(model, cluster, plan.workload, plan.cfg, partition=time_split).fits
+    # The split it uses is slower per micro-batch than the time-optimal one: memory bought with time.
+    assert rp.balancer_bottleneck_s["optimal"] > out.optimal_bottleneck[same[0]]
+    # Without rebalancing nothing fits.
+    monkeypatch.setattr(memfit, "MAX_REBALANCED", 0)
+    with pytest.raises(NoPlanFits):
+        suggest("vl2", nodes=1, constraints=CONS, top=1)
+
+
+@pytest.mark.parametrize(("name", "cons"), [
+    ("vl2", CONS),
+    ("deepseek-vl2-tiny", Constraints(pp=(4,), micro_batch=(2,), recompute=("full",), zero=(0, 1), virtual_stages=(1,),
+                                      framework=("megatron",), tp=(1,))),
+    ("llama-3.1-8b", Constraints(pp=(4,), micro_batch=(1,), recompute=("selective",), zero=(1,), virtual_stages=(1,),
+                                 framework=("megatron",), tp=(2,))),
+])
+def test_stage_memory_bounds_the_real_stage_peak_from_above(name: str, cons: Constraints) -> None:
+    """Any split that fits StageMemory fits for real: the bound holds on many random splits."""
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+    images, tiles = (1, 2) if model.is_vlm else (0, 0)
+    wl = Workload(global_batch=64, seq_len=4096, images_per_sample=images, tiles_per_image=tiles)
+    space = _space(model, cluster, 64, cons)
+    ev = Evaluator(model, cluster, wl)
+    prep = ev.prepare(space)
+    rng = np.random.default_rng(0)
+    units = len(ev.units)
+    checked = 0
+    for i in range(len(space)):
+        cfg = space.config(i)
+        sm = memfit.stage_memory(ev, prep, i)
+        for _ in range(5):
+            cuts = np.sort(rng.choice(np.arange(1, units), cfg.pp - 1, replace=False))
+            counts = np.diff(np.concatenate(([0], cuts, [units])))
+            parts = ev._blocks(tuple(int(c) for c in counts))
+            plan = estimate(model, cluster, wl, cfg, partition=parts)
+            start = 0
+            for s, c in enumerate(counts):
+                bound = sm.stage_bytes(s, start, start + int(c))
+                assert bound >= plan.stages[s].memory.peak * (1 - 1e-12), (cfg, parts, s)
+                start += int(c)
+            checked += 1
+    assert checked >= 5
