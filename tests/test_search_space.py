@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, ParallelConfig
+from planner.model.catalog import list_presets, load_preset
 from planner.search.space import (
     Constraints,
     ModelFacts,
@@ -121,3 +122,27 @@ def test_default_global_batch_is_about_4m_tokens_and_divisible(seq: int, world: 
     gb = default_global_batch(seq, world)
     assert gb == expected
     assert 0.75 * 4e6 <= gb * seq <= 1.5 * 4e6
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_block_table_per_run_of_identical_blocks_equals_the_direct_call(name: str) -> None:
+    from planner.cost.layers import layer_costs
+    from planner.cost.parallel import Workload
+    from planner.hardware.cluster import Cluster
+    from planner.hardware.load import load_profile
+    from planner.search.blocks import block_table
+    from planner.search.evaluate import Evaluator
+
+    model = load_preset(name)
+    vlm = model.vision is not None
+    wl = Workload(global_batch=8, seq_len=2048, images_per_sample=1 if vlm else 0, tiles_per_image=2 if vlm else 0)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 2)
+    ev = Evaluator(model, cluster, wl)
+    for tp, sp, ep in ((1, False, 1), (2, True, 2 if model.is_moe else 1)):
+        if model.attention_heads % tp or model.kv_heads % tp:
+            continue
+        shapes = ev.shapes(tp, ep, 16 // tp, 1)
+        fast = ev._block_table(tp, sp, ep, (1, 2), shapes)
+        direct = block_table(layer_costs(model, wl, tp, sp, ep), (1, 2), ev.dev, cluster, shapes.tp, shapes.ep)
+        for f in ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live", "pp_bytes"):
+            assert np.array_equal(getattr(fast, f), getattr(direct, f)), f

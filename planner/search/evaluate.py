@@ -107,6 +107,7 @@ class Evaluator:
         # Candidates whose time-balanced split ran out of memory and that were rebalanced under
         # a memory limit (planner/search/memfit.py): candidate -> (block ranges, bottleneck).
         self.overrides: dict[int, tuple[list[tuple[int, int]], float]] = {}
+        self._runs: tuple[ModelSpec, np.ndarray] | None = None
 
     # -- caches ---------------------------------------------------------------------------
     def shapes(self, tp: int, ep: int, dp: int, pp: int) -> Shapes:
@@ -123,9 +124,7 @@ class Evaluator:
         if t is not None and (t.micro_batches == micro or set(micro) <= set(t.micro_batches)):
             return t
         mbs = tuple(sorted(set(micro) | set(t.micro_batches if t else ())))
-        costs = layer_costs(self.model, self.workload, tp, bool(sp), ep)
-        shapes = self.shapes(tp, ep, dp, pp)
-        t = block_table(costs, mbs, self.dev, self.cluster, shapes.tp, shapes.ep)
+        t = self._block_table(tp, bool(sp), ep, mbs, self.shapes(tp, ep, dp, pp))
         self._tables[key] = t
         return t
 
@@ -143,6 +142,25 @@ class Evaluator:
             out = (self._blocks(chosen.counts), g.bottleneck, o.bottleneck)
         self._parts[key] = out
         return out
+
+    def _block_table(self, tp: int, sp: bool, ep: int, mbs: tuple[int, ...], shapes: Shapes) -> BlockTable:
+        """``block_table(layer_costs(...))``, priced once per run of identical blocks.
+
+        A block's cost depends on the block, the workload and (for a norm) whether the block
+        before it is a vision block, so the first block of each run stands for the run: the
+        27 SigLIP blocks or 126 Llama layers are priced once, not once per layer, and the
+        per-block arrays are expanded afterwards. Equal to the direct call
+        (tests/test_search_space.py)."""
+        if self._runs is None:
+            blocks = self.model.blocks
+            keep = [i for i in range(len(blocks)) if i == 0 or blocks[i] != blocks[i - 1]]
+            pos = np.searchsorted(keep, np.arange(len(blocks)), side="right") - 1
+            self._runs = (self.model.model_copy(update={"blocks": [blocks[i] for i in keep]}), pos)
+        short, pos = self._runs
+        t = block_table(layer_costs(short, self.workload, tp, sp, ep), mbs, self.dev, self.cluster, shapes.tp, shapes.ep)
+        return BlockTable(t.micro_batches, *(getattr(t, f)[..., pos] for f in
+                                             ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live",
+                                              "pp_bytes")))
 
     def unit_costs(self, table: BlockTable, mode: int, b: int) -> list[float]:
         """Seconds per micro-batch of each pipeline unit: what the balancers split."""

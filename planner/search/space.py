@@ -178,7 +178,7 @@ def _cached_rule(rule: FrameworkRule, key: tuple) -> bool:
     return rule(cfg) is None  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ sets each field through object.__setattr__
 class ConfigView:
     """ParallelConfig's fields as a plain record, for the framework rules (which only read
     fields): thousands of signatures are checked per search, and a pydantic model costs
