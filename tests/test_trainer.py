@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from planner.errors import UserError
+from planner.model.load import load_model
 from planner.run import checkpoint
 from planner.run.data import SyntheticData
 from planner.run.model_scale import SMALL, TINY, parse_scale, scale_spec
@@ -203,18 +204,23 @@ def test_moe_expert_parallel_2(tmp_path):
 
 
 @pytest.mark.deepspeed
-def test_vl2_like_with_pipeline_2(tmp_path):
-    spec = vl2_like(vit_layers=6, layers=4)
-    run_dir = make_run_dir(tmp_path / "run", spec, FAST_LR, dp=1, pp=2, zero_stage=0, grad_accum=2, seq_len=48,
-                           stage_blocks=[[0, 5], [5, 16]], images_per_sample=1, tiles_per_image=2)
+def test_deepseek_vl2_preset_with_pipeline_2(tmp_path):
+    """The catalog's deepseek-vl2 (SigLIP tower, projector, MLA, dense then MoE) at tiny scale, pp=2."""
+    spec = load_model("deepseek-vl2")
+    n = len(spec.blocks)  # 63: vision_embed, 27 ViT, norm, projector, embedding, 30 decoders, norm, head
+    stages = [(0, 36), (36, n)]  # the tower, projector, embedding and 5 decoders on stage 0
+    run_dir = make_run_dir(tmp_path / "run", spec, FAST_LR, model="deepseek-vl2", dp=1, pp=2, zero_stage=0,
+                           grad_accum=2, seq_len=48, stage_blocks=[list(s) for s in stages],
+                           images_per_sample=1, tiles_per_image=2)
     run_deepspeed(run_dir, "--steps", str(STEPS))
     assert_trained(run_dir)
     info0, info1 = read_info(run_dir, 0), read_info(run_dir, 1)
-    assert info0["pipeline_parts"] == scale_spec(spec, TINY, [(0, 5), (5, 16)]).parts == [0, 3, 13]
+    assert info0["model"] == "deepseek-vl2"
+    assert info0["pipeline_parts"] == info1["pipeline_parts"] == scale_spec(spec, TINY, stages).parts == [0, 9, 13]
+    assert info0["layer_kinds"][:9] == ["vision_embed", "vision", "vision", "norm", "projector", "embedding",
+                                        "decoder", "decoder", "decoder"]
     assert info0["image_tokens"] == (2 + 1) * 4  # 2 local tiles + the global view, 4 tokens per tile
-    kinds = info0["layer_kinds"]
-    assert kinds[info1["local_layers"][0]:][:3] == ["vision", "vision", "norm"]
-    assert info1["moe_local_experts"] == [4, 4] and info0["moe_local_experts"] == []
+    assert info0["moe_local_experts"] == [4, 4] and info1["moe_local_experts"] == [4, 4]
 
 
 @pytest.mark.deepspeed

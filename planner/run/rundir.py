@@ -42,6 +42,7 @@ class PlanFile(BaseModel):
     grad_accum: PositiveInt = 1
     seq_len: PositiveInt = 64
     recompute: Literal["none", "selective", "full"] = "none"
+    virtual_stages: PositiveInt = 1
     stage_blocks: list[tuple[int, int]] = Field(default_factory=list)
     images_per_sample: int = Field(0, ge=0)
     tiles_per_image: int = Field(0, ge=0)
@@ -49,7 +50,7 @@ class PlanFile(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "PlanFile":
         if self.stage_blocks:
-            if len(self.stage_blocks) != self.pp:
+            if len(self.stage_blocks) not in (self.pp, self.pp * self.virtual_stages):
                 raise ValueError(f"stage_blocks has {len(self.stage_blocks)} stages but pp is {self.pp}")
             prev_end = self.stage_blocks[0][0]
             if prev_end != 0:

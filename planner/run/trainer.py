@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", type=Path)
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
+    # generate passes moe.json for custom entries; the trainer reads the same facts from the ModelSpec
+    p.add_argument("--moe-config", type=Path, help=argparse.SUPPRESS)
     # fault injection for supervisor tests: exit abruptly on one rank at a step, or mid-save
     p.add_argument("--fault", choices=["none", "step", "save"], default="none", help=argparse.SUPPRESS)
     p.add_argument("--fault-step", type=int, default=0, help=argparse.SUPPRESS)
@@ -65,16 +67,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_model(name: str, run_dir: Path) -> ModelSpec:
-    """A ModelSpec JSON file (absolute, or relative to the run dir), else a catalog name or config path."""
+    """A ModelSpec JSON file, else a catalog name or Hugging Face config path (paths may be relative
+    to the run directory)."""
+    from planner.model.load import load_model
+
     for candidate in (Path(name), run_dir / name):
         if candidate.is_file() and candidate.suffix == ".json":
             data = json.loads(candidate.read_text())
             if isinstance(data, dict) and "blocks" in data:
                 return ModelSpec.model_validate(data)
-    try:
-        from planner.model.load import load_model
-    except ImportError:
-        raise UserError(f"model {name!r}: not a ModelSpec JSON file and the model catalog is not available")
+        if candidate.exists():
+            return load_model(candidate)
     return load_model(name)
 
 
@@ -110,6 +113,9 @@ def _check_degrees(plan: PlanFile, cfg: dict[str, Any], world: int, spec: ModelS
     if plan.tp > 1 and (plan.pp > 1 or spec.is_moe):
         raise UserError("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
                         "and MoE layers; use tp=1 for this plan")
+    if plan.virtual_stages > 1:
+        raise UserError(f"plan.json: virtual_stages={plan.virtual_stages}; DeepSpeed's PipelineModule runs one "
+                        "contiguous chunk per stage, so the reference trainer needs virtual_stages=1")
     if plan.pp > 1 and not plan.stage_blocks:
         raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
     if plan.ep > 1 and (world // plan.pp // plan.tp) % plan.ep:
@@ -125,6 +131,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    phases: dict[str, float] = {}  # start-up seconds per phase, for the supervisor's hang timeouts
+    mark = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = round(now - mark, 3)
+        mark = now
+
     run_dir = args.run_dir.resolve()
     plan = read_plan(run_dir)
     cfg = read_ds_config(args.deepspeed_config or run_dir / DS_CONFIG_FILE)
@@ -135,16 +150,19 @@ def train(args: argparse.Namespace) -> int:
     import deepspeed.comm as dist
     import torch
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.moe.layer import MoE
 
     from planner.run import checkpoint
     from planner.run.data import SyntheticData
     from planner.run.model_builder import ReferenceForCausalLM, build_pipeline, tiles_per_sample
     from planner.run.model_scale import parse_scale, scale_spec
 
+    phase("imports")
     scale = parse_scale(args.scale)
     on_cpu = get_accelerator().device_name() == "cpu"
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    phase("init_distributed")
     _check_degrees(plan, cfg, world, spec)
 
     scaled = scale_spec(spec, scale, plan.stage_blocks or None, tp=plan.tp, ep=plan.ep)
@@ -166,12 +184,14 @@ def train(args: argparse.Namespace) -> int:
                                 seed=args.seed)
     else:
         module = ReferenceForCausalLM(small, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute)
+    phase("build_model")
     params = [p for p in module.parameters() if p.requires_grad]
     if plan.tp > 1 and cfg.get("train_batch_size") == plan.micro_batch * plan.grad_accum * plan.dp:
         # DeepSpeed's batch check (config.py) divides by the whole world when AutoTP builds its
         # groups later; let it derive the global batch from micro-batch and accumulation instead.
         cfg = {k: v for k, v in cfg.items() if k != "train_batch_size"}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=cfg)
+    phase("deepspeed_initialize")
 
     if plan.pp > 1:
         dp_rank, stage = engine.grid.get_data_parallel_id(), engine.stage_id
@@ -195,9 +215,8 @@ def train(args: argparse.Namespace) -> int:
         if loaded is not None:
             resumed_from, state = loaded
             start_step = int(state["step"])
+    phase("resume")
     local_params = sum(p.numel() for p in module.parameters())
-    from deepspeed.moe.layer import MoE
-
     local_experts = [m.num_local_experts for m in module.modules() if isinstance(m, MoE)]
     write_json_atomic(run_dir / f"run_info.rank{rank}.json", {
         "rank": rank, "world_size": world, "dp_rank": dp_rank, "pipeline_stage": stage,
@@ -210,7 +229,7 @@ def train(args: argparse.Namespace) -> int:
         "model": spec.name, "scale": scale.name, "zero_stage": engine.zero_optimization_stage(),
         "optimizer": type(engine.optimizer).__name__,
         "basic_optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
-        "resumed_from": resumed_from, "start_step": start_step, "image_tokens": image_tokens,
+        "startup_s": phases, "resumed_from": resumed_from, "start_step": start_step, "image_tokens": image_tokens,
     })
 
     log = MetricsLog(metrics_path(args.log or run_dir / DEFAULT_LOG, rank))
