@@ -55,6 +55,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     opts = parser.parse_args()
+    # Wall times depend on what else runs: say how busy the machine was.
+    print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min) on {os.cpu_count()} cores")
     print(f"{'case':<30} {'wall s':>8} {'cpu s':>7} {'target':>7} {'candidates':>11} {'in full':>8} "
           f"{'cand/s/core':>12} {'search s':>9}")
     ok = True

@@ -96,3 +96,21 @@ def test_suggest_does_not_import_torch_or_deepspeed() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_human_output_lists_alternative_runtimes_and_memory_rebalanced_split() -> None:
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    base = ["suggest", "--model", "vl2", "--nodes", "1", "--pp", "2", "--micro-batch", "1", "--recompute", "none",
+            "--zero", "1", "--virtual-stages", "1", "--offload", "none"]
+    out = CliRunner().invoke(main, [*base, "--framework", "megatron-deepspeed"])
+    assert out.exit_code == 0, out.output
+    assert "runs out of memory, so this one balances within memory" in " ".join(out.output.split())
+    same = CliRunner().invoke(main, ["suggest", "--model", "llama-3.1-8b", "--nodes", "1", "--tp", "1", "--pp", "1",
+                                     "--zero", "1,2", "--offload", "none", "--recompute", "none,full",
+                                     "--framework", "deepspeed,megatron-deepspeed", "--global-batch", "64", "--json"])
+    assert same.exit_code == 0, same.output
+    data = json.loads(same.output)
+    assert any(p["also_runs_on"] == ["megatron-deepspeed"] and p["framework"] == "deepspeed" for p in data["plans"])

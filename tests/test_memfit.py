@@ -43,7 +43,11 @@ def test_time_balanced_split_runs_out_of_memory_but_a_rebalanced_one_fits(monkey
     assert time_split != plan.partition
     assert not estimate(model, cluster, plan.workload, plan.cfg, partition=time_split).fits
     # The split it uses is slower per micro-batch than the time-optimal one: memory bought with time.
-    assert rp.balancer_bottleneck_s["optimal"] > out.optimal_bottleneck[same[0]]
+    b = rp.balancer_bottleneck_s
+    assert b["optimal"] == pytest.approx(out.optimal_bottleneck[same[0]], rel=1e-12)
+    assert b["memory_constrained"] > b["optimal"]
+    stage_times = [s.microbatch.total - s.microbatch.pp for s in plan.stages]  # what the balancer balances
+    assert b["memory_constrained"] == pytest.approx(max(stage_times), rel=1e-6)
     # Without rebalancing nothing fits.
     monkeypatch.setattr(memfit, "MAX_REBALANCED", 0)
     with pytest.raises(NoPlanFits):

@@ -201,7 +201,9 @@ def _render_best(result, console, human_bytes, human_time) -> None:
     if p["pp"] > 1:
         b = best.balancer_bottleneck_s
         console.print(f"stage partition ({result.inputs['balancer']} balancer; slowest stage per micro-batch: optimal "
-                      f"{human_time(b['optimal'])}, greedy {human_time(b['greedy'])}):")
+                      f"{human_time(b['optimal'])}, greedy {human_time(b['greedy'])}"
+                      + (f"; the time-balanced split runs out of memory, so this one balances within memory: "
+                         f"{human_time(b['memory_constrained'])}" if "memory_constrained" in b else "") + "):")
         for s in p["stages"]:
             kinds = ", ".join(f"{n} {k}" for k, n in s["block_kinds"].items())
             console.print(f"  rank {s['rank']}: blocks {s['blocks']} ({kinds}); "

@@ -357,7 +357,7 @@ class Evaluator:
         table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
         parts, gbot, obot = self.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)
         if i in self.overrides:
-            parts, obot = self.overrides[i]
+            parts = self.overrides[i][0]
         send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
         shapes = self.shapes(tp, ep, dp, pp)
         z3 = self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))

@@ -277,11 +277,13 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         cols = {k: v[idx] for k, v in space.columns.items()}
         ranked = idx[rk.order(objective, cols, tps, peak[idx], cpu[idx], gpus)]
         chosen = rk.distinct_top(ranked, space.columns, step, peak, top)
-        plans = [(alts, *build_plan(ev, prep, i)) for i, alts in chosen]
+        plans = [((i, alts), *build_plan(ev, prep, i)) for i, alts in chosen]
         plans.sort(key=lambda ip: _scalar_key(objective, ip[1], gpus))
-        for k, (alts, plan, (g, o)) in enumerate(plans):
+        for k, ((i, alts), plan, (g, o)) in enumerate(plans):
             bottlenecks = ({"greedy": float(g), "optimal": float(o)} if plan.cfg.pp > 1
                            else {"greedy": None, "optimal": None})
+            if i in ev.overrides:  # the time-balanced split ran out of memory: the split used instead
+                bottlenecks["memory_constrained"] = float(ev.overrides[i][1])
             value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
             result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value, [FRAMEWORKS[f] for f in alts]))
         if len(result.plans) > 1:
