@@ -122,6 +122,35 @@ def _check_degrees(plan: PlanFile, cfg: dict[str, Any], world: int, spec: ModelS
         raise UserError(f"plan.json: ep={plan.ep} must divide the data-parallel degree")
 
 
+def _coordinates(engine: Any, plan: PlanFile, rank: int) -> tuple[int, int]:
+    """(data-parallel rank, pipeline stage): ranks of one TP group share a data rank, hence batches."""
+    if plan.pp > 1:
+        return engine.grid.get_data_parallel_id(), engine.stage_id
+    if plan.tp > 1:
+        from deepspeed.utils import groups
+
+        return groups.get_data_parallel_rank(), 0
+    return rank, 0
+
+
+def _train_step(engine: Any, batches: list, pipelined: bool) -> float:
+    """One optimizer step over the accumulation micro-batches; the loss averaged over all ranks."""
+    import deepspeed.comm as dist
+    import torch
+
+    if pipelined:  # the pipeline engine runs the whole 1F1B schedule and averages the loss itself
+        return float(engine.train_batch(iter(batches)).detach().float())
+    total = torch.zeros((), device=batches[0][1].device)
+    for inputs, labels in batches:
+        loss = engine(*inputs, labels)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    total /= len(batches) * dist.get_world_size()
+    dist.all_reduce(total)
+    return float(total)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return train(parse_args(argv))
@@ -193,14 +222,7 @@ def train(args: argparse.Namespace) -> int:
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=cfg)
     phase("deepspeed_initialize")
 
-    if plan.pp > 1:
-        dp_rank, stage = engine.grid.get_data_parallel_id(), engine.stage_id
-    elif plan.tp > 1:
-        from deepspeed.utils import groups
-
-        dp_rank, stage = groups.get_data_parallel_rank(), 0
-    else:
-        dp_rank, stage = rank, 0
+    dp_rank, stage = _coordinates(engine, plan, rank)
     dp = world // plan.pp // plan.tp
     grad_accum = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
@@ -241,20 +263,9 @@ def train(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         batches = [data.batch(step, m, dp_rank) for m in range(grad_accum)]
         batches = [(tuple(t.to(device) for t in inputs), labels.to(device)) for inputs, labels in batches]
-        if plan.pp > 1:
-            loss = engine.train_batch(iter(batches)).detach().float()
-        else:
-            total = torch.zeros((), device=device)
-            for inputs, labels in batches:
-                micro_loss = engine(*inputs, labels)
-                engine.backward(micro_loss)
-                engine.step()
-                total += micro_loss.detach().float()
-            loss = total / grad_accum
-            dist.all_reduce(loss)
-            loss = loss / world
+        loss = _train_step(engine, batches, pipelined=plan.pp > 1)
         elapsed = time.perf_counter() - start
-        record = {"step": step, "rank": rank, "loss": float(loss), "step_time_s": elapsed,
+        record = {"step": step, "rank": rank, "loss": loss, "step_time_s": elapsed,
                   "tokens_per_s": tokens_per_step / elapsed, "tokens": tokens_per_step,
                   "peak_memory_bytes": peak_memory_bytes(), "time": time.time()}
         log.write(record)
