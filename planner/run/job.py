@@ -28,7 +28,8 @@ LAUNCH_TOOLS = {"deepspeed": "deepspeed", "torchrun": "torchrun", "slurm": "sbat
 REQUIRED = ("plan.json", "ds_config.json", "entry.sh")
 RUNTIME_DIR = ".dsplan-run"  # files dsplan run writes while running (rank wrapper, local hostfile, config)
 REPORT_FILE = "report.json"
-JOB_ID_ENV = "DSPLAN_JOB_ID"
+JOB_ID_ENV = "DSPLAN_JOB_ID"  # carried by every process of the job
+RUN_ID_ENV = "DSPLAN_RUN_ID"  # optional: the job id to use (tests set it to find the job's processes)
 INSTALL_HINT = "pip install 'dsplan[run]'"
 
 # Runs one rank's Python with each output line prefixed by the rank (the launchers give all ranks
@@ -263,7 +264,7 @@ def build_job(
     elif scale is not None:
         entry_args += ["--scale", scale]
     return Job(
-        info=info, launcher=launcher, python=interpreter, job_id=job_id or os.environ.get(JOB_ID_ENV) or uuid.uuid4().hex[:12],
+        info=info, launcher=launcher, python=interpreter, job_id=job_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12],
         entry_args=tuple(entry_args), target_steps=steps if steps is not None else info.steps, local=local_plan,
         resume_first=resume, files=files,
     )

@@ -27,7 +27,7 @@ WARMUP_STEPS = 1
 LOCAL_NOTE = (
     "Measured with --local: CPU processes (DS_ACCELERATOR=cpu, gloo) training the model at scale '{scale}' "
     "with {seq} tokens per sample. The predictions are for the planned GPUs and the full model, so the "
-    "relative errors below are not a statement about the planner's accuracy; they only show that the "
+    "relative errors are not a statement about the planner's accuracy; they only show that the "
     "run directory trains and that the report is complete."
 )
 ADAPTED_NOTE = ("no prediction for this CPU run: dsplan's cost model has no CPU hardware profile, "

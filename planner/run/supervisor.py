@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from planner.errors import UserError
 from planner.run.job import JOB_ID_ENV, Job
 
 GRACE_S = 15.0
@@ -230,10 +231,13 @@ class Supervisor:
                 self._say(f"restart {index + 1}/{self.max_restarts}: {attempt.reason}; resuming from {where}")
         except JobInterrupted as err:
             status = "interrupted"
-            current = self.attempts[-1] if self.attempts else None
+            self._say(f"{err}: stopping the job")
             self._stop(f"interrupted ({err})")
+            current = self.attempts[-1] if self.attempts else None
             if current is not None and current.ended is None:
-                self._finish(current, "interrupted", f"stopped by {err}")
+                self._take(current, tail.poll())  # the steps logged up to the stop
+                self._finish(current, "interrupted", f"stopped by {err}",
+                             {name: proc.poll() for name, proc in self.procs})
         finally:
             self._stop("cleanup")
             self._restore_signals(previous)
@@ -247,8 +251,13 @@ class Supervisor:
         self.procs = []
         for cmd in commands:
             self._say(f"start {cmd.name}: {cmd.shell()}")
-            proc = subprocess.Popen(cmd.argv, cwd=cmd.cwd, env=cmd.environ(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                proc = subprocess.Popen(cmd.argv, cwd=cmd.cwd, env=cmd.environ(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as err:
+                self._stop("a launcher could not start")
+                raise UserError(f"{cmd.cwd / cmd.argv[0]}: cannot start it ({err.strerror}); regenerate the run "
+                                "directory with `dsplan generate` (launch scripts must be executable)") from None
             self.procs.append((cmd.name, proc))
             threading.Thread(target=self._read, args=(cmd.name, proc), daemon=True).start()
         last_progress = time.monotonic()
@@ -313,8 +322,9 @@ class Supervisor:
 
     def _death_reason(self, failed: dict[str, int]) -> str:
         launchers = ", ".join(f"{name} exited with status {code}{_signal_name(code)}" for name, code in failed.items())
-        ranks = f" ({'; '.join(self.rank_exits)})" if self.rank_exits else ""
-        return f"dead rank: {launchers}{ranks}"
+        if self.rank_exits:
+            return f"dead rank: {'; '.join(self.rank_exits)}, so {launchers}"
+        return f"dead rank: {launchers}"
 
     # -- output ------------------------------------------------------------------------------
 
@@ -334,7 +344,7 @@ class Supervisor:
             match = _RANK_EXIT.search(line)
             if match:
                 code = int(match.group(2))
-                self.rank_exits.append(f"{name} local rank {match.group(1)} exited with {code}{_signal_name(code)}")
+                self.rank_exits.append(f"local rank {match.group(1)} of {name} exited with {code}{_signal_name(code)}")
             multi = len(self.procs) > 1
             if line.startswith("[rank "):
                 text = f"[{name}] {line}" if multi else line
