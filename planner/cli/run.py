@@ -55,6 +55,10 @@ def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, che
         _print_dry_run(job, as_json)
         return
     check_runnable(job)
+    every = checkpoint_every if checkpoint_every is not None else job.info.checkpoint_every
+    if max_restarts and job.info.builtin and not every:
+        err_console.print("note: the run saves no checkpoints (--checkpoint-every 0), so a restart starts again "
+                          "from step 0; pass --checkpoint-every N to resume instead", soft_wrap=True)
 
     from planner.run.report import build_report, write_report
     from planner.run.supervisor import Supervisor
@@ -114,7 +118,7 @@ class _Progress:
 
 
 def _print_dry_run(job: Any, as_json: bool) -> None:
-    from planner.run.supervisor import free_port
+    from planner.run.processes import free_port
 
     port = free_port() if job.local is not None else None
     commands = job.commands(0, port)

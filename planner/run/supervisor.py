@@ -20,11 +20,9 @@ then loads the newest checkpoint that every rank finished (checkpoints/latest_go
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -33,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from planner.errors import UserError
-from planner.run.job import JOB_ID_ENV, Job
+from planner.run.job import Job
+from planner.run.processes import free_port, job_processes, kill, killpg, signal_name
 
 GRACE_S = 15.0
 POLL_S = 0.2
@@ -78,32 +77,6 @@ class RunResult:
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "started": self.started, "ended": self.ended,
                 "attempts": [asdict(a) for a in self.attempts], "restarts": [asdict(r) for r in self.restarts]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def job_processes(job_id: str) -> list[int]:
-    """PIDs of live (non-zombie) processes whose environment has DSPLAN_JOB_ID=job_id."""
-    marker = f"{JOB_ID_ENV}={job_id}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-            if state in (b"Z", b"X"):
-                continue
-            with open(f"/proc/{entry.name}/environ", "rb") as fh:
-                if marker in fh.read().split(b"\0"):
-                    found.append(int(entry.name))
-        except (OSError, IndexError):
-            continue
-    return found
 
 
 def checkpoint_step(ckpt_dir: Path) -> int | None:
@@ -156,22 +129,6 @@ class MetricsTail:
                 if isinstance(record, dict) and isinstance(record.get("step"), int):
                     out.append(record)
         return out
-
-
-def _signal_name(code: int) -> str:
-    """' (SIGKILL)' for -9 (Popen), 137 (a shell) and 247 (Python's sys.exit(-9)); else ''."""
-    if code < 0:
-        sig = -code
-    elif 128 < code < 160:
-        sig = code - 128
-    elif code > 192:
-        sig = 256 - code
-    else:
-        return ""
-    try:
-        return f" ({signal.Signals(sig).name})" if sig else ""
-    except ValueError:
-        return ""
 
 
 class Supervisor:
@@ -230,6 +187,7 @@ class Supervisor:
                 where = f"checkpoint step {resumed}" if resumed is not None else "the start (no checkpoint yet)"
                 self._say(f"restart {index + 1}/{self.max_restarts}: {attempt.reason}; resuming from {where}")
         except JobInterrupted as err:
+            self.stopping = True  # from here on a further Ctrl-C only hurries the stop
             status = "interrupted"
             self._say(f"{err}: stopping the job")
             self._stop(f"interrupted ({err})")
@@ -239,6 +197,7 @@ class Supervisor:
                 self._finish(current, "interrupted", f"stopped by {err}",
                              {name: proc.poll() for name, proc in self.procs})
         finally:
+            self.stopping = True
             self._stop("cleanup")
             self._restore_signals(previous)
             self.log_fh.close()
@@ -321,7 +280,7 @@ class Supervisor:
             self.on_step(attempt.last_step or 0, self.job.target_steps)
 
     def _death_reason(self, failed: dict[str, int]) -> str:
-        launchers = ", ".join(f"{name} exited with status {code}{_signal_name(code)}" for name, code in failed.items())
+        launchers = ", ".join(f"{name} exited with status {code}{signal_name(code)}" for name, code in failed.items())
         if self.rank_exits:
             return f"dead rank: {'; '.join(self.rank_exits)}, so {launchers}"
         return f"dead rank: {launchers}"
@@ -344,7 +303,7 @@ class Supervisor:
             match = _RANK_EXIT.search(line)
             if match:
                 code = int(match.group(2))
-                self.rank_exits.append(f"local rank {match.group(1)} of {name} exited with {code}{_signal_name(code)}")
+                self.rank_exits.append(f"local rank {match.group(1)} of {name} exited with {code}{signal_name(code)}")
             multi = len(self.procs) > 1
             if line.startswith("[rank "):
                 text = f"[{name}] {line}" if multi else line
@@ -368,27 +327,27 @@ class Supervisor:
         strays = job_processes(self.job.job_id)
         if not live and not strays:
             return
-        self.stopping = True
+        was_stopping, self.stopping = self.stopping, True
         try:
             self._terminate(live, strays)
         finally:
-            self.stopping = False
+            self.stopping = was_stopping
 
     def _terminate(self, live: list[subprocess.Popen], strays: list[int]) -> None:
         for sig in (signal.SIGTERM, signal.SIGCONT):
             for proc in live:
-                _killpg(proc.pid, sig)
+                killpg(proc.pid, sig)
             for pid in strays:
-                _kill(pid, sig)
+                kill(pid, sig)
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and not self.hurry:
             if all(proc.poll() is not None for _, proc in self.procs) and not job_processes(self.job.job_id):
                 break
             time.sleep(0.1)
         for _, proc in self.procs:
-            _killpg(proc.pid, signal.SIGKILL)
+            killpg(proc.pid, signal.SIGKILL)
         for pid in job_processes(self.job.job_id):
-            _kill(pid, signal.SIGKILL)
+            kill(pid, signal.SIGKILL)
         for _, proc in self.procs:
             try:
                 proc.wait(timeout=10)
@@ -397,7 +356,7 @@ class Supervisor:
         deadline = time.monotonic() + 10
         while job_processes(self.job.job_id) and time.monotonic() < deadline:
             for pid in job_processes(self.job.job_id):
-                _kill(pid, signal.SIGKILL)
+                kill(pid, signal.SIGKILL)
             time.sleep(0.1)
         self._drain()
 
@@ -421,17 +380,3 @@ class Supervisor:
     def _restore_signals(self, previous: dict[int, Any]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -1,0 +1,65 @@
+"""Finding, signalling and naming the processes of a job (Linux /proc)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+from planner.run.job import JOB_ID_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def job_processes(job_id: str) -> list[int]:
+    """PIDs of live (non-zombie) processes whose environment has DSPLAN_JOB_ID=job_id."""
+    marker = f"{JOB_ID_ENV}={job_id}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+            if state in (b"Z", b"X"):
+                continue
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                if marker in fh.read().split(b"\0"):
+                    found.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def signal_name(code: int) -> str:
+    """' (SIGKILL)' for -9 (Popen), 137 (a shell) and 247 (Python's sys.exit(-9)); else ''."""
+    if code < 0:
+        sig = -code
+    elif 128 < code < 160:
+        sig = code - 128
+    elif code > 192:
+        sig = 256 - code
+    else:
+        return ""
+    try:
+        return f" ({signal.Signals(sig).name})" if sig else ""
+    except ValueError:
+        return ""
+
+
+def killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
