@@ -58,7 +58,7 @@ def run_dirs(tmp_path_factory):
     return {
         "one": generate(base, "one"),
         "two": generate(base, "two", nodes=2, gpus_per_node=1),
-        "eight": generate(base, "eight", gpus_per_node=8),
+        "big": generate(base, "big", nodes=64, gpus_per_node=8),
     }
 
 
@@ -89,11 +89,11 @@ def test_malformed_plan_json(run_dirs, tmp_path):
 
 def test_local_refuses_more_processes_than_it_can_start(run_dirs):
     limit = max(2, (os.cpu_count() or 1) * 2)
-    result = run_cli(str(run_dirs["eight"]), "--local", "--dry-run")
-    if limit >= 8:  # a big machine can start the 8-rank plan; the limit still names the count
-        assert result.exit_code == 0
-        return
-    assert_user_error(result, "needs 8 processes", f"at most {limit}", "--gpus-per-node")
+    assert limit < 512  # the 64-node plan below needs more processes than any test machine starts
+    result = run_cli(str(run_dirs["big"]), "--local", "--dry-run")
+    assert_user_error(result, "needs 512 processes", "64 node(s) x 8 GPUs", f"at most {limit}", "--gpus-per-node")
+    result = run_cli(str(run_dirs["big"]), "--dry-run", "--json")  # without --local it is a cluster job
+    assert result.exit_code == 0 and json.loads(result.stdout)["commands"][0]["argv"][1] == "ssh"
 
 
 def test_missing_deepspeed_says_how_to_install(run_dirs, tmp_path):
