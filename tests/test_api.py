@@ -114,7 +114,7 @@ def test_estimate_defaults_and_bad_input():
 
 
 def test_record_is_flat_and_carries_the_plan_numbers():
-    plan = api.estimate("llama-3-8b", api.load_cluster(nodes=1), tp=2, pp=2, zero=1, micro_batch=2)
+    plan = api.estimate("llama-3-8b", api.load_cluster(nodes=1), tp=2, pp=2, zero=1, micro_batch=2, framework="megatron-deepspeed")
     row = api.record(plan)
     data = plan.to_json()
     assert all(isinstance(v, (int, float, str, bool)) for v in row.values()), {k: type(v) for k, v in row.items()}

@@ -190,9 +190,14 @@ def test_sections_appear_only_when_the_plan_needs_them():
     assert cfg["zero_optimization"]["allgather_bucket_size"] == fw.ALLGATHER_BUCKET_SIZE
     assert "stage3_max_live_parameters" not in cfg["zero_optimization"]
 
-    plan, model = make_plan("llama-3.1-8b", 2, zero_stage=1, pp=2, tp=2, recompute="full")
+    plan, model = make_plan("llama-3.1-8b", 2, zero_stage=1, pp=2, recompute="full")
     cfg = build_ds_config(plan, model)
-    assert cfg["pipeline"] == {"pipe_partitioned": True, "grad_partitioned": True, "activation_checkpoint_interval": 1}
+    assert cfg["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False, "activation_checkpoint_interval": 1}
+    assert "tensor_parallel" not in cfg
+
+    plan, model = make_plan("llama-3.1-8b", 2, zero_stage=1, tp=2, recompute="full")
+    cfg = build_ds_config(plan, model)
+    assert "pipeline" not in cfg
     assert cfg["tensor_parallel"] == {"autotp_size": 2}
     assert cfg["activation_checkpointing"]["partition_activations"] is True
 

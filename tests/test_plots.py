@@ -212,7 +212,7 @@ def test_cli_pareto_writes_the_front(tmp_path, llama_candidates):
 
 def test_cli_heatmap_and_scaling(tmp_path):
     heat = tmp_path / "heat.png"
-    result = _plot("heatmap", "--model", "llama-3-8b", "--nodes", "1", "--framework", "deepspeed", "--tp", "1,2,4",
+    result = _plot("heatmap", "--model", "llama-3-8b", "--nodes", "1", "--framework", "megatron-deepspeed", "--tp", "1,2,4",
                    "--pp", "1,2", "--out", str(heat), "--json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)["rows"]

@@ -3,8 +3,8 @@
 Three runtimes, each with its own limits (checked here, one UserError naming the broken rule)
 and its own behaviour the cost model reads (``Traits``):
 
-- ``deepspeed``: ZeRO 0-3 and offload; AutoTP tensor parallelism only with ZeRO <= 2;
-  ``PipelineModule`` pipelines, which DeepSpeed rejects with ZeRO-2/3 (the pipeline engine
+- ``deepspeed``: ZeRO 0-3 and offload; AutoTP tensor parallelism only with ZeRO <= 2, on a
+  dense model without a pipeline; ``PipelineModule`` pipelines, which DeepSpeed rejects with ZeRO-2/3 (the pipeline engine
   asserts ``zero_stage < 2``); MoE with ``ep_size``; no sequence parallelism, no interleaved
   schedule, and per-layer (full) activation checkpointing only.
 - ``megatron-deepspeed``: Megatron's 3D parallelism on the DeepSpeed engine: ZeRO-1 with a
@@ -74,6 +74,12 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int) -
             raise UserError(f"framework deepspeed: AutoTP tensor parallelism (--tp {cfg.tp}) works with ZeRO <= 2, not ZeRO-{cfg.zero_stage}; use --zero 1/2 or --tp 1")
         if cfg.pp > 1 and cfg.zero_stage > 1:
             raise UserError(f"framework deepspeed: PipelineModule (--pp {cfg.pp}) rejects ZeRO-{cfg.zero_stage} (pipeline parallelism supports ZeRO 0/1); use --zero 1 or --pp 1")
+        # AutoTP shards a plain module tree by layer names; it has no pipeline-stage or expert
+        # groups (DeepSpeed's AutoTP training tutorial: ZeRO 0-2, no PipelineModule, no MoE).
+        if cfg.tp > 1 and cfg.pp > 1:
+            raise UserError(f"framework deepspeed: AutoTP tensor parallelism (--tp {cfg.tp}) does not combine with PipelineModule (--pp {cfg.pp}); use --framework megatron-deepspeed for 3D parallelism")
+        if cfg.tp > 1 and is_moe:
+            raise UserError(f"framework deepspeed: AutoTP tensor parallelism (--tp {cfg.tp}) does not shard DeepSpeed MoE layers; use --tp 1 with --ep, or --framework megatron-deepspeed")
         if cfg.sequence_parallel:
             raise UserError("framework deepspeed has no Megatron-style sequence parallelism; drop --sequence-parallel or use --framework megatron")
         if cfg.virtual_stages > 1:
