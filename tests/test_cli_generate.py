@@ -70,7 +70,7 @@ def test_generate_from_a_plan_file_writes_the_run_directory(tmp_path: Path):
     assert set(manifest["files"]) == set(report["files"])
 
 
-def test_generate_without_a_plan_estimates_the_pinned_degrees(tmp_path: Path):
+def test_generate_without_a_plan_takes_the_searchs_plan_for_the_pinned_degrees(tmp_path: Path):
     out = tmp_path / "run"
     result = invoke("generate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--pp", "1", "--zero", "1",
                     "--micro-batch", "2", "--global-batch", "64", "--framework", "deepspeed", "--recompute", "none",
@@ -80,6 +80,20 @@ def test_generate_without_a_plan_estimates_the_pinned_degrees(tmp_path: Path):
     assert (plan["dp"], plan["tp"], plan["pp"], plan["grad_accum"]) == (8, 2, 1, 4)
     assert plan["step_time_s"] > 0 and "memory" in plan
     assert json.loads((out / "ds_config.json").read_text())["tensor_parallel"] == {"autotp_size": 2}
+
+
+def test_generate_rank_k_is_the_kth_plan_of_suggest(tmp_path: Path):
+    flags = ["--model", "llama-3.1-8b", "--nodes", "1", "--framework", "deepspeed", "--global-batch", "64"]
+    ranked = invoke("suggest", *flags, "--top", "3", "--json")
+    assert ranked.exit_code == 0, ranked.output
+    second = json.loads(ranked.output)["plans"][1]
+    out = tmp_path / "run"
+    result = invoke("generate", *flags, "--rank", "2", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    keys = ("dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", "grad_accum", "recompute", "framework")
+    assert {k: plan[k] for k in keys} == {k: second[k] for k in keys}
+    assert plan["step_time_s"] == pytest.approx(second["step_time_s"])
 
 
 def test_regeneration_protects_user_edits_and_force_replaces_them(tmp_path: Path):

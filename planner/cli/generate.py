@@ -185,81 +185,24 @@ def _choose_plan(opts: dict[str, Any]):
 
 
 def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
-    """The rank-K plan of ``suggest`` for the same flags, as a plan dict.
+    """The rank-K plan of ``dsplan suggest`` for the same flags, as a plan dict."""
+    from planner.cli.suggest import request_from_options
+    from planner.search.suggest import suggest
 
-    Until the search module is installed, fall back to ``estimate`` on the pinned degrees
-    (every flag one value), which is the rank-1 plan of a search space of one.
-    """
-    try:
-        from planner.search.suggest import request_from_options, suggest
-    except ModuleNotFoundError as err:
-        if not (err.name or "").startswith("planner.search"):
-            raise
-        return _plan_from_estimate(opts, model)
     search_opts = {k: v for k, v in opts.items() if k in _SUGGEST_KEYS}
+    search_opts["model"] = model
     search_opts["hardware"] = opts["hardware"] or "dgx-a100-80g"
     search_opts["nodes"] = opts["nodes"] or 1
     search_opts["top"] = opts["rank"]
     search_opts["precision"] = opts["precision"] or "bf16"
     search_opts["optimizer"] = opts["optimizer"] or "adamw"
-    request = request_from_options(search_opts)
-    result = suggest(**request, progress=None)
-    plans = result["plans"] if isinstance(result, dict) else result.plans
-    if len(plans) < opts["rank"]:
-        raise UserError(f"--rank {opts['rank']}: the search found only {len(plans)} plan(s) that fit; pick a smaller --rank")
-    chosen = plans[opts["rank"] - 1]
-    data = dict(chosen.to_json() if hasattr(chosen, "to_json") else chosen)
+    result = suggest(**request_from_options(search_opts), progress=None)
+    if len(result.plans) < opts["rank"]:
+        raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) that fit; pick a smaller --rank")
+    data = result.plans[opts["rank"] - 1].to_json()
     data.setdefault("hardware", search_opts["hardware"])
     data.setdefault("nodes", search_opts["nodes"])
     return data
-
-
-def _plan_from_estimate(opts: dict[str, Any], model) -> dict[str, Any]:
-    """``estimate`` on the pinned flags: one value each; DP fills the GPUs TP x PP leave."""
-    from pydantic import ValidationError
-
-    from planner.cli.options import parse_choice_list, parse_int_list, single
-    from planner.cost.estimate import estimate
-    from planner.cost.frameworks import grad_accum_for
-    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
-    from planner.errors import describe_validation_error
-    from planner.hardware.cluster import Cluster
-    from planner.hardware.load import load_profile
-
-    if opts["rank"] != 1:
-        raise UserError(f"--rank {opts['rank']}: ranking plans needs the search, which this build lacks; use --rank 1 or --plan")
-    profile = load_profile(opts["hardware"] or "dgx-a100-80g")
-    if opts["gpus_per_node"] not in (None, profile.gpus_per_node):
-        raise UserError(f"--gpus-per-node {opts['gpus_per_node']}: hardware profile {profile.name} has {profile.gpus_per_node} GPUs per node")
-    cluster = Cluster.build(profile, opts["nodes"] or 1)
-    ints = {k: single(f"--{k.replace('_', '-')}", parse_int_list(f"--{k.replace('_', '-')}", opts[k], minimum=0 if k == "zero" else 1), None)
-            for k in ("dp", "tp", "pp", "ep", "zero", "micro_batch", "virtual_stages")}
-    tp, pp = ints["tp"] or 1, ints["pp"] or 1
-    dp = ints["dp"] or max(1, cluster.num_gpus // (tp * pp))
-    micro = ints["micro_batch"] or 1
-    global_batch = opts["global_batch"] or micro * dp
-    try:
-        cfg = ParallelConfig(
-            dp=dp, tp=tp, pp=pp, ep=ints["ep"] or 1, zero_stage=1 if ints["zero"] is None else ints["zero"],
-            offload=single("--offload", parse_choice_list("--offload", opts["offload"], OFFLOADS), "none"),
-            micro_batch=micro, grad_accum=grad_accum_for(global_batch, micro, dp),
-            recompute=single("--recompute", parse_choice_list("--recompute", opts["recompute"], RECOMPUTES), "none"),
-            sequence_parallel=bool(opts["sequence_parallel"]), virtual_stages=ints["virtual_stages"] or 1,
-            framework=single("--framework", parse_choice_list("--framework", opts["framework"], FRAMEWORKS), "deepspeed"),
-        )
-        vision = model.vision
-        workload = Workload(
-            global_batch=global_batch, seq_len=opts["seq_len"] or model.train_seq_len,
-            images_per_sample=opts["images_per_sample"] if opts["images_per_sample"] is not None else (vision.default_images_per_sample if vision else 0),
-            tiles_per_image=opts["tiles_per_image"] if opts["tiles_per_image"] is not None else (vision.default_tiles_per_image if vision else 0),
-            precision=opts["precision"] or "bf16", optimizer=opts["optimizer"] or "adamw",
-        )
-    except ValidationError as err:
-        raise UserError(describe_validation_error("the pinned flags", err)) from None
-    plan = estimate(model, cluster, workload, cfg)
-    if not plan.fits:
-        err_console.print(f"warning: the planner predicts this plan does not fit in memory ({plan.why_not()})")
-    return plan.to_json()
 
 
 _SUGGEST_KEYS = (
