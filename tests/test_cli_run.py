@@ -168,6 +168,10 @@ def test_dry_run_cluster_launchers(run_dirs):
     two = json.loads(run_cli(str(run_dirs["two"]), "--dry-run", "--json").stdout)["commands"]
     assert len(two) == 1 and two[0]["argv"] == ["./launch_deepspeed.sh", "ssh"]  # DeepSpeed starts every host
     assert "DS_ACCELERATOR" not in two[0]["env"]
+    from planner.run.job import build_job
+
+    restart = build_job(run_dirs["two"], steps=5).commands(attempt=1)[0]  # what a restart runs
+    assert restart.env["DSPLAN_RESUME"] == "1" and restart.argv[-1] == "--resume"  # also for ssh-started hosts
     slurm = run_cli(str(run_dirs["two"]), "--launcher", "slurm", "--steps", "5", "--dry-run")
     assert slurm.exit_code == 0, slurm.output
     assert "sbatch --wait slurm.sbatch --steps 5" in slurm.output

@@ -182,16 +182,19 @@ class Job:
         """The processes of attempt ``attempt`` (0 = first start; later ones resume)."""
         resume = attempt > 0 or self.resume_first
         env = self.base_env(resume)
+        # DeepSpeed's ssh launcher forwards only some variables to the other hosts (not DSPLAN_*),
+        # but every host gets the entry's arguments: the builtin trainer also hears --resume there.
+        entry_args = (*self.entry_args, "--resume") if resume and self.info.builtin else self.entry_args
         script = f"./{SCRIPTS[self.launcher]}"
         cwd = self.info.path
         if self.launcher == "slurm":
-            return [Command("sbatch", ("sbatch", "--wait", SCRIPTS["slurm"], *self.entry_args), cwd, env,
+            return [Command("sbatch", ("sbatch", "--wait", SCRIPTS["slurm"], *entry_args), cwd, env,
                             path_append=self.bindir)]
         if self.local is None:
             if self.launcher == "torchrun":
-                return [Command("launcher", (script, *self.entry_args), cwd, env, path_append=self.bindir)]
+                return [Command("launcher", (script, *entry_args), cwd, env, path_append=self.bindir)]
             mode = "local" if self.info.nodes == 1 else "ssh"
-            return [Command("launcher", (script, mode, *self.entry_args), cwd, env, path_append=self.bindir)]
+            return [Command("launcher", (script, mode, *entry_args), cwd, env, path_append=self.bindir)]
         port = master_port if master_port is not None else 29500
         hostfile = self.runtime_dir / "hostfile"
         commands = []
@@ -202,7 +205,7 @@ class Job:
             else:
                 mode = ()
             name = "launcher" if self.local.nodes == 1 else f"node{node}"
-            commands.append(Command(name, (script, *mode, *self.entry_args), cwd, node_env, ("CUDA_VISIBLE_DEVICES",),
+            commands.append(Command(name, (script, *mode, *entry_args), cwd, node_env, ("CUDA_VISIBLE_DEVICES",),
                                     path_append=self.bindir))
         return commands
 
