@@ -120,6 +120,7 @@ def test_options_the_entry_cannot_take(tmp_path):
 def test_launcher_rules(run_dirs):
     assert_user_error(run_cli(str(run_dirs["two"]), "--launcher", "torchrun"), "torchrun", "2 nodes")
     assert_user_error(run_cli(str(run_dirs["one"]), "--launcher", "slurm", "--local"), "--local", "slurm")
+    assert_user_error(run_cli(str(run_dirs["one"]), "--local", "--scale", "huge", "--dry-run"), "--scale")
     result = run_cli(str(run_dirs["one"]), "--launcher", "slurm", env={"PATH": "/usr/bin:/bin"})
     assert_user_error(result, "sbatch is not on PATH")
 

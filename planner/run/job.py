@@ -244,6 +244,10 @@ def build_job(
         if given:
             raise UserError(f"{', '.join(given)}: only for dsplan's reference trainer, but {info.path}/entry.sh runs "
                             "your own script; pass such settings to your script through `dsplan generate ... -- ARGS`")
+    if scale is not None:
+        from planner.run.model_scale import parse_scale
+
+        parse_scale(scale)  # a bad --scale is the user's to fix now, not a crash on every rank later
     if local and launcher == "slurm":
         raise UserError("--local with --launcher slurm: --local runs on this machine; use --launcher deepspeed or torchrun")
     if launcher == "torchrun" and info.nodes > 1 and not local:
