@@ -21,8 +21,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import deepspeed.comm as dist
-
 COMPLETE = "COMPLETE"
 LATEST = "latest_good"
 KEEP = 2  # complete checkpoints kept; older ones are pruned after a newer one is published
@@ -54,6 +52,11 @@ def is_complete(ckpt_dir: Path, tag: str) -> bool:
     return (Path(ckpt_dir) / tag / COMPLETE).is_file()
 
 
+def step_of(tag: str) -> int:
+    """The step a tag written by ``tag_for`` names."""
+    return int(tag.removeprefix("step_"))
+
+
 def latest_good(ckpt_dir: Path) -> str | None:
     """The newest published tag, or None. A pointer to an incomplete tag is not trusted."""
     pointer = Path(ckpt_dir) / LATEST
@@ -65,6 +68,8 @@ def latest_good(ckpt_dir: Path) -> str | None:
 
 def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any]) -> str:
     """Save on every rank, then publish from rank 0. Returns the tag."""
+    import deepspeed.comm as dist  # here, not at the top: the supervisor reads checkpoints without DeepSpeed
+
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
     rank = dist.get_rank()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from planner.errors import UserError
+from planner.run import checkpoint
 from planner.run.job import Job
 from planner.run.processes import free_port, job_processes, kill, killpg, signal_name
 
@@ -80,17 +81,9 @@ class RunResult:
 
 
 def checkpoint_step(ckpt_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint, read the way planner.run.checkpoint publishes it
-    (``latest_good`` names a tag ``step_NNNNNNNN`` whose directory holds ``COMPLETE``)."""
-    pointer = Path(ckpt_dir) / "latest_good"
-    try:
-        tag = pointer.read_text().strip()
-    except OSError:
-        return None
-    match = re.fullmatch(r"step_(\d+)", tag)
-    if match is None or not (Path(ckpt_dir) / tag / "COMPLETE").is_file():
-        return None
-    return int(match.group(1))
+    """The step of the newest complete checkpoint (planner.run.checkpoint's ``latest_good``)."""
+    tag = checkpoint.latest_good(Path(ckpt_dir))
+    return None if tag is None else checkpoint.step_of(tag)
 
 
 class MetricsTail:
