@@ -54,7 +54,8 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
                        pp_comm=m * t.pp, dp_comm=max(dp_exposed), ep_comm=m * t.ep, optimizer=max(opt_time))
     return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
                 cfg=cfg, workload=workload, partition=parts, stages=stage_plans, time=time,
-                capacity_bytes=cluster.profile.gpu.memory_bytes, model_flops_per_step=model_flops(model, workload),
+                capacity_bytes=cluster.profile.gpu.memory_bytes,
+                host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB), model_flops_per_step=model_flops(model, workload),
                 peak_flops=dev.peak_flops)
 
 

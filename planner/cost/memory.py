@@ -226,6 +226,16 @@ def overhead_bytes(allocated: float) -> float:
     return CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated
 
 
+# Host memory an offloading job may use: the rest goes to the OS, the page cache, data-loader
+# workers and the launcher (DeepSpeed's estimators leave the same headroom to the user).
+HOST_USABLE_FRACTION = 0.85
+
+
+def host_capacity_bytes(host_memory_GiB: float) -> float:
+    """Host bytes per node that offloaded optimizer states and parameters may occupy."""
+    return host_memory_GiB * 2**30 * HOST_USABLE_FRACTION
+
+
 def cpu_bytes_per_node(cpu_per_gpu: float, gpus_per_node: int) -> float:
     """Host memory of a node's offloaded states, with DeepSpeed's pinned-buffer factor."""
     return cpu_per_gpu * gpus_per_node * CPU_BUFFER_FACTOR

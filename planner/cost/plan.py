@@ -41,6 +41,7 @@ class Plan:
     capacity_bytes: float
     model_flops_per_step: float
     peak_flops: float
+    host_capacity_bytes: float = float("inf")  # per node, for offloaded states
     reason: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -54,7 +55,13 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.memory.peak <= self.capacity_bytes and not self.reason
+        return (self.memory.peak <= self.capacity_bytes and self.cpu_bytes_per_node <= self.host_capacity_bytes
+                and not self.reason)
+
+    @property
+    def cpu_bytes_per_node(self) -> float:
+        """Host memory per node for offloaded states (0 without offload)."""
+        return max(s.memory.cpu_per_node for s in self.stages)
 
     @property
     def step_time_s(self) -> float:
@@ -85,6 +92,9 @@ class Plan:
             w = self.worst_stage
             return (f"pipeline rank {w.rank} needs {w.memory.peak / 2**30:.1f} GiB of "
                     f"{self.capacity_bytes / 2**30:.1f} GiB")
+        if self.cpu_bytes_per_node > self.host_capacity_bytes:
+            return (f"offloaded states need {self.cpu_bytes_per_node / 2**40:.2f} TiB of host memory per node; "
+                    f"{self.host_capacity_bytes / 2**40:.2f} TiB is usable")
         return ""
 
     def to_json(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from planner.cost.estimate import model_flops
+from planner.cost import memory as mem
 from planner.cost.memory import MemoryBreakdown
 from planner.cost.plan import Plan, StagePlan
 from planner.cost.step_time import MicroBatchTime, StepTime
@@ -50,5 +51,6 @@ def build_plan(ev: Evaluator, prep: Prepared, i: int) -> tuple[Plan, tuple[float
     plan = Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=ev.workload, partition=list(parts),
                 stages=stages, time=time, capacity_bytes=cluster.profile.gpu.memory_bytes,
+                host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB),
                 model_flops_per_step=_flops(ev), peak_flops=ev.dev.peak_flops)
     return plan, bottlenecks

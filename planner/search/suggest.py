@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from planner.cost.frameworks import check_framework
+from planner.cost.memory import host_capacity_bytes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.errors import UserError
@@ -231,6 +232,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     prep = ev.prepare(space)
     time_lb, mem_lb = ev.lower_bounds(prep)
     capacity = cluster.profile.gpu.memory_bytes
+    host_capacity = host_capacity_bytes(cluster.profile.node.host_memory_GiB)
     certain_oom = mem_lb > capacity
     lb = mem_lb if objective == "memory" else time_lb
     key_lb = np.full(len(prep.keys), np.inf)
@@ -255,7 +257,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         batch *= 2
         if progress is not None:
             progress(min(pos / max(len(key_order), 1), 1.0))
-        fits = done & (peak <= capacity)
+        fits = done & (peak <= capacity) & (cpu <= host_capacity)
         if pos < len(key_order) and fits.sum() >= top:
             # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
             # so the K-th distinct value is the bar (never lower than the true K-th plan's).
@@ -264,9 +266,9 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             if len(vals) >= top and key_lb[key_order[pos]] > vals[top - 1] * (1 + 2e-3):
                 break
 
-    _rebalance_oom(ev, prep, space, step, peak, cpu, done, certain_oom, time_lb, capacity, objective, top)
-    fits = done & (peak <= capacity)
-    oom = int(certain_oom.sum() + (done & ~certain_oom & (peak > capacity)).sum())
+    _rebalance_oom(ev, prep, space, step, peak, cpu, done, certain_oom, time_lb, capacity, host_capacity, objective, top)
+    fits = done & (peak <= capacity) & (cpu <= host_capacity)
+    oom = int(certain_oom.sum() + (done & ~certain_oom & ~fits).sum())
     pruned = int((~done & ~certain_oom).sum())
     rejected = {"out_of_memory": oom, "indivisible": space.rejected["indivisible"], "framework": space.rejected["framework"]}
     result = SuggestResult([], n, rejected, int(done.sum()), pruned, inputs, objective)
@@ -309,12 +311,12 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
 
 
 def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, certain_oom, time_lb, capacity: float,
-                   objective: str, top: int) -> None:
+                   host_capacity: float, objective: str, top: int) -> None:
     """Pipelines that ran out of memory with the time-balanced split but whose memory bound fits
     and whose time bound could still reach the top K: rebalance under the memory limit
     (planner/search/memfit.py) and take the exact re-evaluation (arrays updated in place)."""
     c = space.columns
-    fits = done & (peak <= capacity)
+    fits = done & (peak <= capacity) & (cpu <= host_capacity)
     vals = np.unique(peak[fits] if objective == "memory" else step[fits])
     bar = vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
     reach = time_lb <= bar if objective != "memory" else np.ones(len(step), dtype=bool)
@@ -384,14 +386,22 @@ def _fits_somewhere(model: ModelSpec, profile: HardwareProfile, nodes: int, work
 def _nothing_fits_message(result: SuggestResult, profile: HardwareProfile) -> str:
     cap = profile.gpu.memory_bytes
     gib = 2**30
-    lines = [f"no plan fits in {cap / gib:.0f} GiB per GPU ({result.evaluated} candidates evaluated, "
+    host = host_capacity_bytes(profile.node.host_memory_GiB) / 2**40
+    lines = [f"no plan fits in {cap / gib:.0f} GiB per GPU and {host:.2f} TiB of usable host memory per node "
+             f"({result.evaluated} candidates evaluated, "
              f"{result.rejected['out_of_memory']} out of memory)."]
     if result.closest is not None:
         p = result.closest
         m = p.memory
-        lines.append(f"closest: {describe(p.to_json())} needs {m.peak / gib:.1f} GiB on pipeline rank "
-                     f"{p.worst_stage.rank}, {(m.peak - cap) / gib:.1f} GiB short (weights {m.weights / gib:.1f}, grads "
-                     f"{m.grads / gib:.1f}, optimizer {m.optimizer / gib:.1f}, activations {m.activations / gib:.1f} GiB).")
+        parts = (f"weights {m.weights / gib:.1f}, grads {m.grads / gib:.1f}, optimizer {m.optimizer / gib:.1f}, "
+                 f"activations {m.activations / gib:.1f} GiB")
+        if m.peak > cap:
+            lines.append(f"closest: {describe(p.to_json())} needs {m.peak / gib:.1f} GiB on pipeline rank "
+                         f"{p.worst_stage.rank}, {(m.peak - cap) / gib:.1f} GiB short ({parts}).")
+        else:  # fits on the GPU; its offloaded states overflow the host
+            short = (p.cpu_bytes_per_node - p.host_capacity_bytes) / 2**40
+            lines.append(f"closest: {describe(p.to_json())} fits on the GPU ({m.peak / gib:.1f} GiB) but {p.why_not()}: "
+                         f"{short:.2f} TiB short per node.")
     if result.advice:
         lines.append("would fit with: " + "; or ".join(result.advice) + ".")
     else:
