@@ -7,6 +7,10 @@ leaf/spine fat-tree between nodes. Edges carry ``bw`` (bytes/s per direction), `
 ever routes inside *one* node's graph (``node_graph``, a few dozen vertices, cached per
 profile); the full graph is built lazily, for drawing and inspection only: 2048 nodes x 8
 GPUs would be ~40k vertices and the planner builds a Cluster on every ``suggest`` run.
+
+The routing hot path reads ``NodeFabric``, the same node graph as plain dicts, so ``suggest``
+never imports networkx (~0.2 s of a sub-second budget). Both are built by one function
+(``_add_node``), so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -126,6 +130,11 @@ class Cluster:
         return _node_graph(self.profile.model_dump_json())
 
     @property
+    def node_fabric(self) -> "NodeFabric":
+        """``node_graph`` as plain dicts (no networkx import); what the routing reads."""
+        return node_fabric(self.profile.model_dump_json())
+
+    @property
     def graph(self) -> nx.Graph:
         """The whole cluster, built on first use (for drawing and inspection, not the hot path)."""
         if self._graph is None:
@@ -135,7 +144,7 @@ class Cluster:
     # --- summary --------------------------------------------------------------------------
     def link_counts(self) -> dict[str, int]:
         """Edges of the graph by kind, counted without building it."""
-        per_node = _edge_kinds(self.node_graph)
+        per_node = _edge_kinds(self.node_fabric)
         counts = {kind: n * self.nodes for kind, n in per_node.items()}
         if self.nodes > 1:
             counts["network"] = self.nodes * self.profile.node.nics.count
@@ -211,11 +220,104 @@ def _capacity_digraph(g: nx.Graph) -> nx.DiGraph:
     return d
 
 
-def _edge_kinds(g: nx.Graph) -> dict[str, int]:
+def _edge_kinds(g: "NodeFabric") -> dict[str, int]:
     counts: dict[str, int] = {}
-    for _, _, kind in g.edges(data="kind"):
-        counts[kind] = counts.get(kind, 0) + 1
+    for _, _, data in g.edges():
+        counts[data["kind"]] = counts.get(data["kind"], 0) + 1
     return counts
+
+
+class NodeFabric:
+    """An undirected graph as insertion-ordered dicts, with the few operations the routing needs.
+
+    It mirrors networkx's ``Graph`` where that matters for identical results: vertices and
+    neighbours keep insertion order, both directions share one attribute dict, and
+    ``shortest_path`` is the same bidirectional breadth-first search ``nx.shortest_path``
+    runs on unweighted graphs, so ties between equally short routes break the same way.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, dict] = {}
+        self.adj: dict[str, dict[str, dict]] = {}
+
+    def add_node(self, name: str, **attrs) -> None:
+        if name not in self.nodes:
+            self.nodes[name], self.adj[name] = {}, {}
+        self.nodes[name].update(attrs)
+
+    def add_edge(self, u: str, v: str, **attrs) -> None:
+        for name in (u, v):
+            if name not in self.nodes:
+                self.add_node(name)
+        data = self.adj[u].get(v, {})
+        data.update(attrs)
+        self.adj[u][v] = self.adj[v][u] = data
+
+    def has_edge(self, u: str, v: str) -> bool:
+        return u in self.adj and v in self.adj[u]
+
+    def edge(self, u: str, v: str) -> dict:
+        return self.adj[u][v]
+
+    def edges(self) -> Iterable[tuple[str, str, dict]]:
+        """Each edge once, in networkx's order (by first endpoint, then neighbour order)."""
+        seen: set[str] = set()
+        for u, nbrs in self.adj.items():
+            for v, data in nbrs.items():
+                if v not in seen:
+                    yield u, v, data
+            seen.add(u)
+
+    def with_role(self, *roles: str) -> list[str]:
+        return [v for v, attrs in self.nodes.items() if attrs.get("role") in roles]
+
+    def shortest_path(self, source: str, target: str) -> list[str]:
+        """Fewest-hop route; grows the smaller frontier of two searches until they meet."""
+        if source == target:
+            return [source]
+        fwd: dict[str, str | None] = {source: None}
+        back: dict[str, str | None] = {target: None}
+        fwd_level, back_level = [source], [target]
+        meet = None
+        while meet is None and fwd_level and back_level:
+            forward = len(fwd_level) <= len(back_level)
+            level, here, there = (fwd_level, fwd, back) if forward else (back_level, back, fwd)
+            grown: list[str] = []
+            for v in level:
+                for w in self.adj[v]:
+                    if w not in here:
+                        here[w] = v
+                        grown.append(w)
+                    if w in there:
+                        meet = w
+                        break
+                if meet is not None:
+                    break
+            if forward:
+                fwd_level = grown
+            else:
+                back_level = grown
+        if meet is None:
+            raise ValueError(f"no path between {source} and {target}")
+        head: list[str] = []
+        w: str | None = meet
+        while w is not None:
+            head.append(w)
+            w = fwd[w]
+        head.reverse()
+        w = back[meet]
+        while w is not None:
+            head.append(w)
+            w = back[w]
+        return head
+
+
+@functools.lru_cache(maxsize=32)
+def node_fabric(profile_json: str) -> NodeFabric:
+    """One node's graph (GPUs ``n0.gpuI``, fabric, NICs) as plain data; cached per profile."""
+    g = NodeFabric()
+    _add_node(g, HardwareProfile.model_validate_json(profile_json), 0)
+    return g
 
 
 @functools.lru_cache(maxsize=32)
@@ -237,7 +339,7 @@ def nic_gpus(profile: HardwareProfile, nic: int) -> list[int]:
     return [nic // (count // gpus)]
 
 
-def _add_node(g: nx.Graph, profile: HardwareProfile, n: int) -> None:
+def _add_node(g: "nx.Graph | NodeFabric", profile: HardwareProfile, n: int) -> None:
     node, intra = profile.node, profile.node.intra
     lat, bw = intra.latency_us * 1e-6, intra.bw_GBps * 1e9
     kind = _INTRA_LINK_KIND[intra.kind]

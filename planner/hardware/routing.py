@@ -3,7 +3,9 @@
 Every group of one parallel dimension communicates at the same time, so all groups on a node
 are routed together: a PCIe uplink or a socket link carried by four rings gives each a quarter
 of its bandwidth. Results are cached per (profile, local groups); the graph is a few dozen
-vertices, so this runs once per group shape, never per query.
+vertices, so this runs once per group shape, never per query. It reads the plain-data
+``NodeFabric`` rather than the networkx graph: importing networkx alone would cost ``dsplan
+suggest`` a fifth of its one-second budget.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import networkx as nx
-
-from planner.hardware.cluster import _node_graph
+from planner.hardware.cluster import NodeFabric, node_fabric
 
 Flows = dict[tuple[str, str], float]
 
@@ -35,9 +35,9 @@ def intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> Intr
 
 @functools.lru_cache(maxsize=4096)
 def _intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> IntraRoutes:
-    g = _node_graph(profile_json)
+    g = node_fabric(profile_json)
     paths = _paths(profile_json)
-    mesh = not any(role in ("nvswitch", "pcie_switch") for _, role in g.nodes(data="role"))
+    mesh = not g.with_role("nvswitch", "pcie_switch")
     size = len(groups[0])
     if size < 2:
         return IntraRoutes(float("inf"), float("inf"), 0.0, "")
@@ -57,28 +57,28 @@ def _intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> Int
         # bandwidth is the sum of its direct links to the other members; a single send uses one.
         src = f"n0.gpu{groups[0][0]}"
         peers = {f"n0.gpu{i}" for i in groups[0][1:]}
-        direct = [g.edges[src, p]["bw"] for p in peers if g.has_edge(src, p)]
+        direct = [g.edge(src, p)["bw"] for p in peers if g.has_edge(src, p)]
         ring_bw = max(ring_bw, sum(direct)) if direct else ring_bw
         nxt = f"n0.gpu{groups[0][1]}"
-        p2p_bw = g.edges[src, nxt]["bw"] if g.has_edge(src, nxt) else p2p_bw
-    a2a_spb = max(load / g.edges[u, v]["bw"] for (u, v), load in a2a.items())
+        p2p_bw = g.edge(src, nxt)["bw"] if g.has_edge(src, nxt) else p2p_bw
+    a2a_spb = max(load / g.edge(u, v)["bw"] for (u, v), load in a2a.items())
     return IntraRoutes(ring_bw, p2p_bw, a2a_spb, edge)
 
 
 def path_kinds(profile_json: str, members: tuple[int, ...]) -> list[str]:
     """Edge kinds on the routes between the members of one local group (e.g. ["pcie", "socket"])."""
-    g, paths = _node_graph(profile_json), _paths(profile_json)
+    g, paths = node_fabric(profile_json), _paths(profile_json)
     names = [f"n0.gpu{i}" for i in members]
-    kinds = {g.edges[u, v]["kind"] for a in names for b in names if a != b for u, v in zip(paths[a][b], paths[a][b][1:])}
+    kinds = {g.edge(u, v)["kind"] for a in names for b in names if a != b for u, v in zip(paths[a][b], paths[a][b][1:])}
     order = ("nvlink", "xgmi", "pcie", "socket")
     return sorted(kinds, key=lambda k: order.index(k) if k in order else len(order))
 
 
 @functools.lru_cache(maxsize=32)
 def _paths(profile_json: str) -> dict[str, dict[str, list[str]]]:
-    g = _node_graph(profile_json)
-    gpus = [v for v, role in g.nodes(data="role") if role == "gpu"]
-    return {s: {d: nx.shortest_path(g, s, d) for d in gpus} for s in gpus}
+    g = node_fabric(profile_json)
+    gpus = g.with_role("gpu")
+    return {s: {d: g.shortest_path(s, d) for d in gpus} for s in gpus}
 
 
 def _add_path(flows: Flows, path: list[str], amount: float) -> None:
@@ -86,10 +86,10 @@ def _add_path(flows: Flows, path: list[str], amount: float) -> None:
         flows[(u, v)] = flows.get((u, v), 0.0) + amount
 
 
-def _bottleneck(g: nx.Graph, flows: Flows) -> tuple[float, str]:
+def _bottleneck(g: NodeFabric, flows: Flows) -> tuple[float, str]:
     best, where = float("inf"), ""
     for (u, v), count in flows.items():
-        share = g.edges[u, v]["bw"] / count
+        share = g.edge(u, v)["bw"] / count
         if share < best:
             best, where = share, f"{u}->{v}"
     return best, where

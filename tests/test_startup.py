@@ -1,0 +1,164 @@
+"""Start-up cost of the CLI: networkx off the ``suggest`` path, lazy command loading.
+
+The routing now reads a plain-data copy of the node graph (``NodeFabric``); these tests pin
+that it gives exactly what the networkx graph gave, for every built-in profile, a few
+synthetic fabrics with tied routes, and every group shape that tiles a node.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import networkx as nx
+import pytest
+
+from planner.hardware.cluster import Cluster, node_fabric
+from planner.hardware.load import list_profiles, load_profile, profile_from_dict
+from planner.hardware.routing import IntraRoutes, intra_routes, path_kinds
+from planner.resources import hardware_profiles_dir
+
+
+def _variant(base: str, **intra) -> object:
+    """A built-in profile with some ``node.intra`` fields changed (shapes no built-in has)."""
+    import yaml
+
+    data = yaml.safe_load((hardware_profiles_dir() / f"{base}.yaml").read_text())
+    data["name"] = f"{base}-variant"
+    data["node"]["intra"].update(intra)
+    return profile_from_dict(data)
+
+
+def _profiles() -> list:
+    builtins = [load_profile(name) for name in list_profiles()]
+    variants = [
+        _variant("mi300x", links_per_gpu=3),  # sparse circulant mesh: multi-hop routes with ties
+        _variant("mi300x", links_per_gpu=4),
+        _variant("mi250x", links_per_gpu=2),  # a ring
+        _variant("l40s-pcie", gpus_per_pcie_switch=4),  # two switches, one per socket
+        _variant("l40s-pcie", gpus_per_pcie_switch=1),  # eight switches over two sockets
+    ]
+    return builtins + variants
+
+
+PROFILES = _profiles()
+
+
+def _shapes(gpus: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Every (size, stride) layout whose groups tile one node, as local index groups."""
+    shapes = []
+    for size in range(1, gpus + 1):
+        for stride in range(1, gpus + 1):
+            span = size * stride
+            if gpus % span:
+                continue
+            groups = [tuple(b + o + j * stride for j in range(size)) for b in range(0, gpus, span) for o in range(stride)]
+            shapes.append(tuple(groups))
+    return shapes
+
+
+def _reference(g: nx.Graph, groups: tuple[tuple[int, ...], ...]) -> IntraRoutes:
+    """The routing as it was computed on the networkx graph (nx.shortest_path), kept as the oracle."""
+    gpus = [v for v, role in g.nodes(data="role") if role == "gpu"]
+    paths = {s: {d: nx.shortest_path(g, s, d) for d in gpus} for s in gpus}
+    mesh = not any(role in ("nvswitch", "pcie_switch") for _, role in g.nodes(data="role"))
+    size = len(groups[0])
+    if size < 2:
+        return IntraRoutes(float("inf"), float("inf"), 0.0, "")
+    ring: dict = {}
+    a2a: dict = {}
+
+    def add(flows: dict, path: list[str]) -> None:
+        for u, v in zip(path, path[1:]):
+            flows[(u, v)] = flows.get((u, v), 0.0) + 1.0
+
+    for members in groups:
+        names = [f"n0.gpu{i}" for i in members]
+        for k, src in enumerate(names):
+            add(ring, paths[src][names[(k + 1) % size]])
+            for dst in names:
+                if dst != src:
+                    add(a2a, paths[src][dst])
+    ring_bw, edge = float("inf"), ""
+    for (u, v), count in ring.items():
+        share = g.edges[u, v]["bw"] / count
+        if share < ring_bw:
+            ring_bw, edge = share, f"{u}->{v}"
+    p2p_bw = ring_bw
+    if mesh:
+        src = f"n0.gpu{groups[0][0]}"
+        direct = [g.edges[src, f"n0.gpu{i}"]["bw"] for i in groups[0][1:] if g.has_edge(src, f"n0.gpu{i}")]
+        ring_bw = max(ring_bw, sum(direct)) if direct else ring_bw
+        nxt = f"n0.gpu{groups[0][1]}"
+        p2p_bw = g.edges[src, nxt]["bw"] if g.has_edge(src, nxt) else p2p_bw
+    a2a_spb = max(load / g.edges[u, v]["bw"] for (u, v), load in a2a.items())
+    return IntraRoutes(ring_bw, p2p_bw, a2a_spb, edge)
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
+def test_fabric_is_the_networkx_node_graph(profile):
+    cluster = Cluster.build(profile, 1)
+    g, fabric = cluster.node_graph, cluster.node_fabric
+    assert list(fabric.nodes.items()) == list(g.nodes(data=True))
+    assert list(fabric.edges()) == list(g.edges(data=True))
+    for v in g:
+        assert list(fabric.adj[v]) == list(g.adj[v])
+    gpus = fabric.with_role("gpu")
+    assert len(gpus) == profile.node.gpus
+    for s in gpus:
+        for d in gpus:
+            assert fabric.shortest_path(s, d) == nx.shortest_path(g, s, d)
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
+def test_routes_identical_to_networkx(profile):
+    cluster = Cluster.build(profile, 1)
+    key = profile.model_dump_json()
+    shapes = _shapes(profile.node.gpus)
+    assert len(shapes) >= 4
+    for groups in shapes:
+        assert intra_routes(key, groups) == _reference(cluster.node_graph, groups), (profile.name, groups)
+
+
+def test_routes_in_real_numbers():
+    """The identity above is not vacuous: contention shows in the results."""
+    pcie = load_profile("l40s-pcie")
+    key = pcie.model_dump_json()
+    pair = intra_routes(key, ((0, 1), (2, 3), (4, 5), (6, 7)))
+    cross = intra_routes(key, ((0, 4), (1, 5), (2, 6), (3, 7)))
+    assert cross.ring_bw < pair.ring_bw
+    assert "socket" in path_kinds(key, (0, 4)) and "socket" not in path_kinds(key, (0, 1))
+    assert node_fabric(key).shortest_path("n0.gpu0", "n0.gpu4") == [
+        "n0.gpu0", "n0.pcie0", "n0.cpu0", "n0.cpu1", "n0.pcie2", "n0.gpu4"]
+
+
+def test_link_counts_and_summary_unchanged():
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 4)
+    kinds: dict[str, int] = {}
+    for _, _, kind in cluster.node_graph.edges(data="kind"):
+        kinds[kind] = kinds.get(kind, 0) + 1
+    counts = cluster.link_counts()
+    assert counts["nvlink"] == kinds["nvlink"] * 4 == 8 * 4
+    assert counts["network"] == 4 * 8
+
+
+def _run(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_suggest_never_imports_networkx():
+    code = (
+        "import json, sys\n"
+        "from click.testing import CliRunner\n"
+        "from planner.cli import main\n"
+        "r = CliRunner().invoke(main, ['suggest', '--model', 'vl2', '--nodes', '8', '--json'])\n"
+        "plans = json.loads(r.output)['plans'] if r.exit_code == 0 else []\n"
+        "print(json.dumps({'code': r.exit_code, 'plans': len(plans),"
+        " 'nx': 'networkx' in sys.modules, 'rich_table': 'rich.table' in sys.modules}))\n"
+    )
+    result = _run(code)
+    assert result["code"] == 0 and result["plans"] == 5
+    assert result["nx"] is False
+    # rich_table: see test below once the CLI loads commands lazily
