@@ -161,4 +161,40 @@ def test_suggest_never_imports_networkx():
     result = _run(code)
     assert result["code"] == 0 and result["plans"] == 5
     assert result["nx"] is False
-    # rich_table: see test below once the CLI loads commands lazily
+    assert result["rich_table"] is False  # --json prints no table
+
+
+def test_suggest_loads_only_its_command_module():
+    code = (
+        "import json, sys\n"
+        "from planner.cli import main\n"
+        "try:\n"
+        "    main(['suggest', '--model', 'vl2', '--nodes', '1', '--tp', '8', '--pp', '1', '--json'])\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "print(json.dumps({'code': code, 'cli': sorted(m for m in sys.modules if m.startswith('planner.cli.'))}))\n"
+    )
+    result = _run(code)
+    assert result["code"] == 0
+    assert "planner.cli.suggest" in result["cli"]
+    for other in ("models", "hardware", "topo", "estimate", "generate", "run", "plot"):
+        assert f"planner.cli.{other}" not in result["cli"]
+
+
+def test_help_lists_every_command_with_its_summary():
+    import importlib
+
+    from click.testing import CliRunner
+
+    from planner.cli import COMMAND_MODULES, main
+
+    result = CliRunner().invoke(main, ["--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    listed = result.output.split("Commands:")[1]
+    for name in COMMAND_MODULES:
+        (command,) = importlib.import_module(f"planner.cli.{name}").commands
+        assert command.name == name
+        summary = command.get_short_help_str(limit=100 - 6 - len(name))
+        assert f"  {name}" in listed and summary.rstrip(".")[:30] in listed, name
+    bad = CliRunner().invoke(main, ["sugest"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output

@@ -1,11 +1,15 @@
 """The ``dsplan`` command line: parse, call the planner API, print (rich table or --json).
 
 Each command lives in its own module here; this module owns the group and the one place
-where user errors become a clear message and exit status 2.
+where user errors become a clear message and exit status 2. A command's module is imported
+only when that command runs (or ``--help`` lists them all): ``dsplan suggest`` should not
+pay for the imports of ``models``, ``hardware`` or ``topo``.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 
 import click
@@ -14,8 +18,21 @@ from planner import __version__
 from planner.errors import UserError
 
 
+# planner.cli.<name> holds the command ``name`` (its ``commands`` list); absent modules are skipped.
+COMMAND_MODULES = ("models", "hardware", "topo", "estimate", "suggest", "generate", "run", "plot")
+
+
 class _Group(click.Group):
-    """Turns UserError (and pydantic/YAML problems surfaced as UserError) into exit status 2."""
+    """Loads command modules on demand; turns UserError into a message and exit status 2."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        lazy = [name for name in COMMAND_MODULES if importlib.util.find_spec(f"planner.cli.{name}") is not None]
+        return sorted(set(self.commands) | set(lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMAND_MODULES:
+            _load(cmd_name)
+        return self.commands.get(cmd_name)
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -38,19 +55,13 @@ def main() -> None:
     """
 
 
-def _register() -> None:
-    """Attach every command module; each exposes ``commands`` (a list of click commands)."""
-    import importlib
-
-    for name in ("models", "hardware", "topo", "estimate", "suggest", "generate", "run", "plot"):
-        try:
-            module = importlib.import_module(f"planner.cli.{name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"planner.cli.{name}":
-                continue  # command not built yet
-            raise
-        for command in module.commands:
-            main.add_command(command)
-
-
-_register()
+def _load(name: str) -> None:
+    """Attach the commands of planner.cli.<name> (each module exposes ``commands``)."""
+    try:
+        module = importlib.import_module(f"planner.cli.{name}")
+    except ModuleNotFoundError as err:
+        if err.name == f"planner.cli.{name}":
+            return  # command not built yet
+        raise
+    for command in module.commands:
+        main.add_command(command)

@@ -1,4 +1,8 @@
-"""Shared output helpers: JSON with stable keys, rich console, human units."""
+"""Shared output helpers: JSON with stable keys, rich console, human units.
+
+``console`` and ``err_console`` are created on first use (module ``__getattr__``), so a
+``--json`` run never imports rich (~50 ms of start-up).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,19 @@ import json
 from typing import Any
 
 import click
-from rich.console import Console
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+_CONSOLES = {"console": {}, "err_console": {"stderr": True}}
+
+
+def __getattr__(name: str) -> Any:
+    """``console`` / ``err_console``: rich consoles, built (and rich imported) when first asked for."""
+    if name not in _CONSOLES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from rich.console import Console
+
+    value = Console(highlight=False, **_CONSOLES[name])
+    globals()[name] = value
+    return value
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (stable snake_case keys).")
 
