@@ -12,15 +12,25 @@ from typing import Any
 import click
 
 _CONSOLES = {"console": {}, "err_console": {"stderr": True}}
+# Piped output (logs, CI) has no terminal width; rich would assume 80 columns and squeeze the
+# breakdown tables. COLUMNS still wins when set.
+PIPE_WIDTH = 120
 
 
 def __getattr__(name: str) -> Any:
     """``console`` / ``err_console``: rich consoles, built (and rich imported) when first asked for."""
     if name not in _CONSOLES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import os
+    import sys
+
     from rich.console import Console
 
-    value = Console(highlight=False, **_CONSOLES[name])
+    options = dict(_CONSOLES[name])
+    stream = sys.stderr if options.get("stderr") else sys.stdout
+    if "COLUMNS" not in os.environ and not stream.isatty():
+        options["width"] = PIPE_WIDTH
+    value = Console(highlight=False, **options)
     globals()[name] = value
     return value
 
