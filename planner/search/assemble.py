@@ -34,7 +34,7 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
     n = len(dp)
     weights, grads, opt, cpu = (np.zeros((n, pp)) for _ in range(4))
     code = (zero * 8 + off) * 8 + fwi
-    for value in np.unique(code):
+    for value in np.unique(code, return_counts=True)[0]:
         z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
         s = code == value
         wd, gd, od, cd = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], dp[s], w.precision, w.optimizer_moments)
@@ -91,7 +91,7 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     n = len(m)
     out = np.zeros((n, pp))
     keys = np.column_stack([col["tp"], col["ep"], col["dp"], col["zero"], col["framework"]])
-    for key in np.unique(keys, axis=0):
+    for key in np.unique(keys, axis=0, return_counts=True)[0]:
         tp, ep, dp, zero, fwi = (int(x) for x in key)
         if dp == 1 and ep == 1:
             continue

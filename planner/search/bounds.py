@@ -52,7 +52,7 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     states = np.zeros(n)
     edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
     code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
-    for value in np.unique(code):
+    for value in np.unique(code, return_counts=True)[0]:
         z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
         s = code == value
         wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], c["dp"][s].astype(float), w.precision,

@@ -111,7 +111,7 @@ def _segment_sums(prefix: np.ndarray) -> np.ndarray:
     """Sorted unique sums of every non-empty contiguous segment."""
     diff = prefix[None, :] - prefix[:, None]
     iu = np.triu_indices(len(prefix), k=1)
-    return np.unique(diff[iu])
+    return np.unique(diff[iu], return_counts=True)[0]
 
 
 def _far_ends(prefix: np.ndarray, limit: float, weights_prefix: np.ndarray | None = None,
@@ -209,7 +209,7 @@ def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = N
     # The optimum lies between max(max cost, mean per stage) and any achievable bottleneck.
     lower = max(float(np.max(arr[1:] - arr[:-1])), arr[-1] / stages) * (1 - 1e-12)
     top = float(arr[-1]) if upper is None else upper * (1 + 1e-12)
-    sums = np.unique(diff[(diff >= lower) & (diff <= top)]).tolist()
+    sums = np.unique(diff[(diff >= lower) & (diff <= top)], return_counts=True)[0].tolist()
 
     def pack(limit: float) -> list[int] | None:
         eps = 1e-12 * max(1.0, abs(limit))

@@ -31,7 +31,9 @@ DEFAULT_VIRTUAL_STAGES = (1, 2, 4)
 
 COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum")
 
-# A framework rule: None when the runtime can run the config, else the reason it cannot.
+# A framework rule: None when the runtime can run the config, else the reason it cannot. It is
+# memoised on ``_rule_pattern``: it may read the settings and whether tp, pp and ep exceed 1,
+# and the exact pp, virtual stages and accumulation only when virtual stages > 1.
 FrameworkRule = Callable[[ParallelConfig], "str | None"]
 
 
@@ -158,12 +160,22 @@ def _structurally_valid(deg: Degrees, setting: tuple[int, int, int, int, int]) -
     return not (setting[3] and deg.tp == 1)
 
 
-def _signature_ok(rule: FrameworkRule, deg: Degrees, setting: tuple[int, int, int, int, int], ga_ok: bool) -> bool:
-    """Whether the framework runs this combination, cached on what its rules look at: the
-    settings, whether tp and ep exceed 1, the exact pp and virtual stages (interleaving needs
-    the layers divisible by pp x v) and whether the accumulation steps divide by pp."""
-    key = (*setting, min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, ga_ok)
-    return _cached_rule(rule, key)
+def _rule_pattern(deg: Degrees, ga_ok: bool) -> tuple[int, int, int, int, bool]:
+    """What of a degree combination the framework rules can see (planner/cost/frameworks.py
+    ``check_framework``): whether tp, pp and ep exceed 1, and, only for an interleaved
+    schedule (vs > 1), the exact pp and virtual stages (the layers must divide by pp x v) and
+    whether the accumulation steps divide by pp. Without interleaving no rule reads the exact
+    pp or the accumulation, so all vs = 1 pipelines share one pattern: ~40x fewer rule calls.
+    tests/test_framework_memo.py checks the memo against the direct rule over whole spaces."""
+    if deg.vs == 1:
+        return (min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True)
+    return (min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, ga_ok)
+
+
+def _signature_ok(rule: FrameworkRule, pattern: tuple[int, int, int, int, bool],
+                  setting: tuple[int, int, int, int, int]) -> bool:
+    """Whether the framework runs ``setting`` on degrees with this rule pattern."""
+    return _cached_rule(rule, (*setting, *pattern))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -217,10 +229,10 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
             mb = micro[ga_ok == flag]
             if mb.size == 0:
                 continue
-            pattern = (min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, flag)
+            pattern = _rule_pattern(deg, flag)
             if pattern not in allowed:
                 valid = [st for st in settings if _structurally_valid(deg, st)]
-                ok = [st for st in valid if _signature_ok(framework_rule, deg, st, flag)]
+                ok = [st for st in valid if _signature_ok(framework_rule, pattern, st)]
                 allowed[pattern] = (np.array(ok, dtype=np.int64).reshape(-1, 5), len(valid))
             ok_arr, n_valid = allowed[pattern]
             framework_rejected += (n_valid - len(ok_arr)) * mb.size

@@ -261,7 +261,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         if pos < len(key_order) and fits.sum() >= top:
             # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
             # so the K-th distinct value is the bar (never lower than the true K-th plan's).
-            vals = np.unique(peak[fits] if objective == "memory" else step[fits])
+            vals = np.unique(peak[fits] if objective == "memory" else step[fits], return_counts=True)[0]
             # Ties (and the cost objective's 0.1% buckets) may reorder plans within a hair.
             if len(vals) >= top and key_lb[key_order[pos]] > vals[top - 1] * (1 + 2e-3):
                 break
@@ -301,7 +301,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             result.why = "the only plan that fits"
     else:
         if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
-            near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]])
+            near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]], return_counts=True)[0]
             rows, res = ev.evaluate(prep, near_keys)
             peak[rows], pid[rows], done[rows] = res.peak_bytes, res.partition_id, True
         near = np.nonzero(done)[0]
@@ -317,7 +317,7 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
     (planner/search/memfit.py) and take the exact re-evaluation (arrays updated in place)."""
     c = space.columns
     fits = done & (peak <= capacity) & (cpu <= host_capacity)
-    vals = np.unique(peak[fits] if objective == "memory" else step[fits])
+    vals = np.unique(peak[fits] if objective == "memory" else step[fits], return_counts=True)[0]
     bar = vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
     reach = time_lb <= bar if objective != "memory" else np.ones(len(step), dtype=bool)
     rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1) & (c["vs"] == 1) & reach)[0]

@@ -1,0 +1,59 @@
+"""The search memoises the framework rules on what they read (space._rule_pattern): over whole
+spaces, the candidates it keeps and the count it rejects equal checking every config directly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from planner.cost.frameworks import check_framework
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+from planner.errors import UserError
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.model.catalog import load_model
+from planner.search.space import Constraints, _settings, _structurally_valid, degree_combinations, divisors, \
+    enumerate_space
+from planner.search.suggest import _facts, _space
+
+
+def _direct(model, world: int, gpn: int, gb: int, cons: Constraints) -> tuple[set[tuple], int]:
+    """Every candidate checked with a real ParallelConfig and check_framework, no memo."""
+    degrees, _ = degree_combinations(world, gpn, gb, _facts(model), cons)
+    kept, rejected = set(), 0
+    for deg in degrees:
+        for mb in divisors(gb // deg.dp):
+            ga = gb // (deg.dp * mb)
+            for st in _settings(cons):
+                if not _structurally_valid(deg, st):
+                    continue
+                z, o, r, sp, f = st
+                cfg = ParallelConfig(dp=deg.dp, tp=deg.tp, pp=deg.pp, ep=deg.ep, zero_stage=z, offload=OFFLOADS[o],
+                                     micro_batch=mb, grad_accum=ga, recompute=RECOMPUTES[r],
+                                     sequence_parallel=bool(sp), virtual_stages=deg.vs, framework=FRAMEWORKS[f])
+                try:
+                    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers)
+                except UserError:
+                    rejected += 1
+                    continue
+                kept.add((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, z, o, r, sp, f, mb, ga))
+    return kept, rejected
+
+
+@pytest.mark.parametrize("name, nodes, gb", [("vl2", 1, 256), ("vl2", 2, 96), ("llama-3.1-8b", 2, 512),
+                                              ("llama-3.1-8b", 1, 60)])
+def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int) -> None:
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    cons = Constraints(virtual_stages=(1, 2, 3, 4))
+    space = _space(model, cluster, gb, cons)
+    cols = [space.columns[k] for k in ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework",
+                                       "micro_batch", "grad_accum")]
+    got = {tuple(int(v) for v in row) for row in zip(*cols)}
+    assert len(got) == len(space)
+    kept, rejected = _direct(model, cluster.num_gpus, cluster.gpus_per_node, gb, cons)
+    assert got == kept
+    assert space.rejected["framework"] == rejected
+    # Interleaving is both allowed and refused somewhere, so the exact-pp part of the key is exercised.
+    assert (space.columns["vs"] > 1).any() and rejected > 0
