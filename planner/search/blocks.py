@@ -86,7 +86,8 @@ def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarra
 def _comm(cluster: Cluster, shape: GroupShape, ops: list[list[tuple[str, float]]], bs: np.ndarray) -> np.ndarray:
     """[b, block] seconds of each block's list of (collective, bytes per sample).
 
-    One ``collective_time_array`` call per distinct (collective, bytes): most blocks repeat.
+    One ``collective_time_array`` call per collective, over every distinct (bytes x micro-batch)
+    size at once (the time is elementwise in the size, so this equals one call per size).
     """
     out = np.zeros((len(bs), len(ops)))
     if shape.size <= 1:
@@ -95,9 +96,16 @@ def _comm(cluster: Cluster, shape: GroupShape, ops: list[list[tuple[str, float]]
     for j, block_ops in enumerate(ops):
         for op, nbytes in block_ops:
             distinct.setdefault((op, float(nbytes)), []).append(j)
-    for (op, nbytes), blocks in distinct.items():
-        t = collective_time_array(cluster, op, shape, nbytes * bs)
-        np.add.at(out, (slice(None), np.asarray(blocks)), t[:, None])  # a block may list an op twice
+    by_op: dict[str, list[float]] = {}
+    for op, nbytes in distinct:
+        by_op.setdefault(op, []).append(nbytes)
+    times: dict[tuple[str, float], np.ndarray] = {}
+    for op, sizes in by_op.items():
+        t = collective_time_array(cluster, op, shape, np.concatenate([nbytes * bs for nbytes in sizes]))
+        for k, nbytes in enumerate(sizes):
+            times[op, nbytes] = t[k * len(bs):(k + 1) * len(bs)]
+    for key, blocks in distinct.items():  # summed in the same order as one call per size
+        np.add.at(out, (slice(None), np.asarray(blocks)), times[key][:, None])  # a block may list an op twice
     return out
 
 

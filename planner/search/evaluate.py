@@ -281,13 +281,15 @@ class Evaluator:
         weights = np.concatenate((np.cumprod(radix[::-1])[::-1][1:], [1]))
         _, first, inverse = np.unique(key_cols @ weights, return_index=True, return_inverse=True)
         keys = key_cols[first]
-        micro: dict[tuple[int, int, int], set[int]] = {}
-        for k in keys:
-            micro.setdefault((int(k[0]), int(k[1]), int(k[2])), set()).add(int(k[3]))
+        # Keys are sorted by their code, whose leading digits are (tp, sp, ep): each group's keys
+        # form one run, met in sorted order.
+        group = keys[:, :3] @ weights[:3]
+        cuts = np.concatenate(([0], np.flatnonzero(np.diff(group)) + 1, [len(keys)]))
+        micro = {tuple(int(x) for x in keys[a, :3]): tuple(sorted(set(keys[a:b, 3].tolist())))
+                 for a, b in zip(cuts[:-1], cuts[1:]) if b > a}
         order = np.argsort(inverse.reshape(-1), kind="stable")
         counts = np.bincount(inverse.reshape(-1), minlength=len(keys))
-        return Prepared(space, keys, inverse.reshape(-1), {k: tuple(sorted(v)) for k, v in micro.items()}, order,
-                        np.concatenate(([0], np.cumsum(counts))))
+        return Prepared(space, keys, inverse.reshape(-1), micro, order, np.concatenate(([0], np.cumsum(counts))))
 
     def lower_bounds(self, prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
         from planner.search.bounds import lower_bounds

@@ -215,37 +215,58 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     """Every candidate, as columns; rejected counts by reason."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons)
     settings = _settings(cons)
-    allowed: dict[tuple, tuple[np.ndarray, int]] = {}  # per rule-visible pattern: (ok settings, valid count)
-    blocks: list[np.ndarray] = []
+    allowed: dict[tuple, tuple[int, int, int]] = {}  # per rule pattern: (first ok row, ok count, valid count)
+    ok_rows: list[tuple[int, int, int, int, int]] = []
+    # One block per (degrees, accumulation-divides-pp flag): the block's ok settings x its
+    # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
+    heads: list[tuple[int, int, int, int, int]] = []
+    block_rows: list[tuple[int, int]] = []  # (first ok row, ok count)
+    block_mbs: list[np.ndarray] = []
     framework_rejected = 0
     for deg in degrees:
         micro = np.array(_allowed(divisors(global_batch // deg.dp), cons.micro_batch), dtype=np.int64)
         if micro.size == 0:
             indivisible += 1
             continue
-        ga = global_batch // (deg.dp * micro)
-        ga_ok = (ga % deg.pp) == 0
+        ga_ok_all = (global_batch // (deg.dp * micro)) % deg.pp == 0
         for flag in (True, False):
-            mb = micro[ga_ok == flag]
+            mb = micro[ga_ok_all == flag]
             if mb.size == 0:
                 continue
             pattern = _rule_pattern(deg, flag)
             if pattern not in allowed:
                 valid = [st for st in settings if _structurally_valid(deg, st)]
                 ok = [st for st in valid if _signature_ok(framework_rule, pattern, st)]
-                allowed[pattern] = (np.array(ok, dtype=np.int64).reshape(-1, 5), len(valid))
-            ok_arr, n_valid = allowed[pattern]
-            framework_rejected += (n_valid - len(ok_arr)) * mb.size
-            if not len(ok_arr):
+                allowed[pattern] = (len(ok_rows), len(ok), len(valid))
+                ok_rows.extend(ok)
+            first, k, n_valid = allowed[pattern]
+            framework_rejected += (n_valid - k) * mb.size
+            if not k:
                 continue
-            k = len(ok_arr)
-            head = np.tile(np.array((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs), dtype=np.int64), (k * mb.size, 1))
-            rows = np.repeat(ok_arr, mb.size, axis=0)
-            mb_col = np.tile(mb, k)
-            blocks.append(np.column_stack([head, rows, mb_col, global_batch // (deg.dp * mb_col)]))
-    table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
-    columns = {name: np.ascontiguousarray(table[:, k]) for k, name in enumerate(COLUMNS)}
+            heads.append((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs))
+            block_rows.append((first, k))
+            block_mbs.append(mb)
+    columns = _layout(heads, block_rows, block_mbs, np.array(ok_rows, dtype=np.int64).reshape(-1, 5), global_batch)
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected})
+
+
+def _layout(heads: list[tuple[int, int, int, int, int]], block_rows: list[tuple[int, int]],
+            block_mbs: list[np.ndarray], ok_rows: np.ndarray, global_batch: int) -> dict[str, np.ndarray]:
+    """The candidate columns: block i is ok_rows[first:first + k] (each repeated for every
+    micro-batch of the block) beside the block's degrees, micro-batches and accumulation."""
+    if not heads:
+        return {name: np.zeros(0, dtype=np.int64) for name in COLUMNS}
+    first, k = (np.array(col, dtype=np.int64) for col in zip(*block_rows))
+    m = np.array([mb.size for mb in block_mbs], dtype=np.int64)
+    sizes = k * m
+    block = np.repeat(np.arange(len(heads)), sizes)
+    pos = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # row within its block
+    mb_start = np.cumsum(m) - m
+    setting = ok_rows[first[block] + pos // m[block]]
+    mb = np.concatenate(block_mbs)[mb_start[block] + pos % m[block]]
+    head = np.array(heads, dtype=np.int64)[block]
+    table = np.column_stack([head, setting, mb, global_batch // (head[:, 0] * mb)])
+    return {name: np.ascontiguousarray(table[:, j]) for j, name in enumerate(COLUMNS)}
 
 
 def default_global_batch(seq_len: int, world: int, target_tokens: float = 4e6) -> int:
