@@ -20,6 +20,7 @@ balances time, then checks memory.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,16 +76,35 @@ def pipeline_units(model: ModelSpec) -> list[tuple[int, int]]:
 
 
 class Shapes:
-    """Process-group shapes of a placement, as ``estimate.build_comms`` lays ranks out."""
+    """Process-group shapes of a placement, as ``estimate.build_comms`` lays ranks out.
+
+    Each shape is summarised on first use: block tables need only tp and ep, and on
+    thousands of GPUs a shape costs a sort over every rank."""
 
     def __init__(self, cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> None:
-        full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}, order=("tp", "ep", "dp", "pp"))
-        dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
-        self.tp: GroupShape = full.group("tp")
-        self.ep: GroupShape = full.group("ep")
-        self.edp: GroupShape = full.group("dp")
-        self.pp: GroupShape = full.group("pp")
-        self.dp: GroupShape = dense.group("dp")
+        self._full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp},
+                               order=("tp", "ep", "dp", "pp"))
+        self._dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
+
+    @functools.cached_property
+    def tp(self) -> GroupShape:
+        return self._full.group("tp")
+
+    @functools.cached_property
+    def ep(self) -> GroupShape:
+        return self._full.group("ep")
+
+    @functools.cached_property
+    def edp(self) -> GroupShape:
+        return self._full.group("dp")
+
+    @functools.cached_property
+    def pp(self) -> GroupShape:
+        return self._full.group("pp")
+
+    @functools.cached_property
+    def dp(self) -> GroupShape:
+        return self._dense.group("dp")
 
 
 class Evaluator:
