@@ -124,6 +124,7 @@ class Evaluator:
         self._prefix: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
         self.model_flops: float | None = None  # filled by planner/search/plans.py
         self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
+        self._rank_base: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
         # Candidates whose time-balanced split ran out of memory and that were rebalanced under
         # a memory limit (planner/search/memfit.py): candidate -> (block ranges, bottleneck).
         self.overrides: dict[int, tuple[list[tuple[int, int]], float]] = {}
@@ -247,7 +248,24 @@ class Evaluator:
 
     def rank_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
                    tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Per pipeline rank (length pp): one micro-batch's time parts and the stage's contents."""
+        """Per pipeline rank (length pp): one micro-batch's time parts and the stage's contents.
+
+        All but the ZeRO-3 parts depend on the partition and the pp group's shape, not on dp or
+        the framework (beyond the send divisor), so they are computed once per such key."""
+        key = (id(table), tuple(parts), mode, b, pp, vs, tp, send_div, shapes.pp)
+        hit = self._rank_base.get(key)
+        if hit is None or hit[0] is not table:
+            hit = (table, self._rank_base_table(table, parts, mode, b, pp, vs, tp, send_div, shapes))
+            self._rank_base[key] = hit  # holding the table keeps its id unique
+        out = dict(hit[1])
+        starts = np.array([a for a, _ in parts])
+        ends = np.array([e for _, e in parts])
+        for name in ("z3_gather", "z3_reduce"):
+            out[name] = (z3[name][ends] - z3[name][starts]).reshape(vs, pp).sum(axis=0) if z3 else np.zeros(pp)
+        return out
+
+    def _rank_base_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
+                         tp: int, send_div: int, shapes: Shapes) -> dict[str, np.ndarray]:
         bi = table.b_index(b)
         starts = np.array([a for a, _ in parts])
         ends = np.array([e for _, e in parts])
@@ -276,8 +294,6 @@ class Evaluator:
         out["stored"] = chunk_sum("act") * b
         out["live"] = chunk_max(table.act_live) * b if RECOMPUTES[mode] == "full" else np.zeros(pp)
         out["ppbuf"] = 2.0 * chunk_max(table.pp_bytes) * b if pp > 1 else np.zeros(pp)
-        for name in ("z3_gather", "z3_reduce"):
-            out[name] = (z3[name][ends] - z3[name][starts]).reshape(vs, pp).sum(axis=0) if z3 else np.zeros(pp)
         if self._tied is not None:
             head, embed, size = self._tied
             owner = {}
