@@ -33,7 +33,8 @@ COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "
 
 # A framework rule: None when the runtime can run the config, else the reason it cannot. It is
 # memoised on ``_rule_pattern``: it may read the settings and whether tp, pp and ep exceed 1,
-# and the exact pp, virtual stages and accumulation only when virtual stages > 1.
+# and only when virtual stages > 1, whether the layers (ModelFacts.units) divide by pp x
+# virtual stages and whether the accumulation steps divide by pp.
 FrameworkRule = Callable[[ParallelConfig], "str | None"]
 
 
@@ -160,22 +161,22 @@ def _structurally_valid(deg: Degrees, setting: tuple[int, int, int, int, int]) -
     return not (setting[3] and deg.tp == 1)
 
 
-def _rule_pattern(deg: Degrees, ga_ok: bool) -> tuple[int, int, int, int, bool]:
+def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
     """What of a degree combination the framework rules can see (planner/cost/frameworks.py
     ``check_framework``): whether tp, pp and ep exceed 1, and, only for an interleaved
-    schedule (vs > 1), the exact pp and virtual stages (the layers must divide by pp x v) and
-    whether the accumulation steps divide by pp. Without interleaving no rule reads the exact
-    pp or the accumulation, so all vs = 1 pipelines share one pattern: ~40x fewer rule calls.
-    tests/test_framework_memo.py checks the memo against the direct rule over whole spaces."""
+    schedule (vs > 1), whether the layers divide by pp x v and the accumulation steps by pp.
+    So all plain pipelines share one pattern and interleaved ones a few: ~100x fewer rule
+    calls. tests/test_framework_memo.py checks the memo against direct calls over whole spaces."""
     if deg.vs == 1:
         return (min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True)
-    return (min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, ga_ok)
+    return (min(deg.tp, 2), units % (deg.pp * deg.vs) == 0, min(deg.ep, 2), 2, ga_ok)
 
 
-def _signature_ok(rule: FrameworkRule, pattern: tuple[int, int, int, int, bool],
-                  setting: tuple[int, int, int, int, int]) -> bool:
-    """Whether the framework runs ``setting`` on degrees with this rule pattern."""
-    return _cached_rule(rule, (*setting, *pattern))
+def _signature_ok(rule: FrameworkRule, deg: Degrees, ga_ok: bool, setting: tuple[int, int, int, int, int]) -> bool:
+    """Whether the framework runs ``setting`` on ``deg`` (a representative of its pattern)."""
+    if deg.vs == 1:  # the exact pp and accumulation are not read: normalise for the cache
+        return _cached_rule(rule, (*setting, min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True))
+    return _cached_rule(rule, (*setting, min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, ga_ok))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -233,10 +234,10 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
             mb = micro[ga_ok_all == flag]
             if mb.size == 0:
                 continue
-            pattern = _rule_pattern(deg, flag)
+            pattern = _rule_pattern(deg, flag, facts.units)
             if pattern not in allowed:
                 valid = [st for st in settings if _structurally_valid(deg, st)]
-                ok = [st for st in valid if _signature_ok(framework_rule, pattern, st)]
+                ok = [st for st in valid if _signature_ok(framework_rule, deg, flag, st)]
                 allowed[pattern] = (len(ok_rows), len(ok), len(valid))
                 ok_rows.extend(ok)
             first, k, n_valid = allowed[pattern]
