@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
+from planner.cli.options import constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.errors import UserError
 
-_DEGREE_HELP = "one value or a comma list; the search picks the rest"
 # Flags that shape the search; with --plan they would be silently ignored, so they are refused.
 _SEARCH_FLAGS = (
     "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer", "dp", "tp", "pp", "ep", "zero", "offload",
@@ -37,18 +37,7 @@ _SEARCH_FLAGS = (
 @click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image.")
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="[default: bf16]")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None, help="[default: adamw]")
-@click.option("--dp", default=None, help=f"Data-parallel degree: {_DEGREE_HELP}.")
-@click.option("--tp", default=None, help=f"Tensor-parallel degree: {_DEGREE_HELP}.")
-@click.option("--pp", default=None, help=f"Pipeline-parallel degree: {_DEGREE_HELP}.")
-@click.option("--ep", default=None, help=f"Expert-parallel degree: {_DEGREE_HELP}.")
-@click.option("--zero", default=None, help="ZeRO stage(s): 0,1,2,3.")
-@click.option("--offload", default=None, help="none, optimizer, optimizer+params.")
-@click.option("--micro-batch", default=None, help=f"Micro-batch size: {_DEGREE_HELP}.")
-@click.option("--recompute", default=None, help="none, selective, full.")
-@click.option("--virtual-stages", default=None, help="Interleaved pipeline chunks per rank.")
-@click.option("--framework", default=None, help="deepspeed, megatron-deepspeed, megatron.")
-@click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Pin sequence parallelism on or off.")
-@click.option("--allow-tp-across-nodes", is_flag=True, help="Let tensor parallelism span nodes.")
+@constraint_options
 @click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True)
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True)
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="Run directory to write (created if missing).")

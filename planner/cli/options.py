@@ -1,4 +1,4 @@
-"""Option parsing shared by commands that take parallel degrees (``suggest``, ``estimate``).
+"""Options shared by commands that take parallel degrees (``suggest``, ``generate``, ``plot``, ``estimate``).
 
 Each degree flag takes one value or a comma list (``--pp 2,4``); ``parse_int_list`` and
 ``parse_choice_list`` turn the text into a tuple and raise UserError naming the flag, so a
@@ -51,3 +51,56 @@ def single(flag: str, values: tuple | None, default):
     if len(values) != 1:
         raise UserError(f"{flag}: give one value here, not a list ({', '.join(map(str, values))})")
     return values[0]
+
+
+_LIST_HELP = "one value or a comma list (e.g. 2,4); default: search every valid value"
+# (flag, help) of every search axis, in the order --help shows them.
+_CONSTRAINT_FLAGS = (
+    ("--dp", f"Data-parallel degree: {_LIST_HELP}."),
+    ("--tp", f"Tensor-parallel degree: {_LIST_HELP}."),
+    ("--pp", f"Pipeline-parallel degree: {_LIST_HELP}."),
+    ("--ep", f"Expert-parallel degree: {_LIST_HELP}."),
+    ("--zero", "ZeRO stage(s): 0,1,2,3."),
+    ("--offload", "none, optimizer, optimizer+params (one or a comma list)."),
+    ("--micro-batch", f"Micro-batch size: {_LIST_HELP}."),
+    ("--recompute", "none, selective, full (one or a comma list)."),
+    ("--virtual-stages", "Interleaved pipeline chunks per rank (one or a comma list) [default: 1,2,4]."),
+    ("--framework", "deepspeed, megatron-deepspeed, megatron (one or a comma list)."),
+)
+
+
+def constraint_options(command):
+    """The search-axis flags shared by ``suggest``, ``generate`` and ``plot`` (one definition)."""
+    import click
+
+    decorators = [click.option(flag, default=None, help=text) for flag, text in _CONSTRAINT_FLAGS]
+    decorators.append(click.option("--sequence-parallel/--no-sequence-parallel", default=None,
+                                   help="Pin sequence parallelism on or off [default: try both]."))
+    decorators.append(click.option("--allow-tp-across-nodes", is_flag=True,
+                                   help="Let tensor parallelism span nodes (off by default: TP wants NVLink)."))
+    for decorate in reversed(decorators):
+        command = decorate(command)
+    return command
+
+
+def constraints_from_options(opts: dict):
+    """The parsed search-axis flags as ``planner.search.space.Constraints``."""
+    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
+    from planner.search.space import Constraints
+
+    sp = opts.get("sequence_parallel")
+    cons = Constraints(
+        dp=parse_int_list("--dp", opts.get("dp")), tp=parse_int_list("--tp", opts.get("tp")),
+        pp=parse_int_list("--pp", opts.get("pp")), ep=parse_int_list("--ep", opts.get("ep")),
+        zero=parse_int_list("--zero", opts.get("zero"), minimum=0),
+        offload=parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
+        micro_batch=parse_int_list("--micro-batch", opts.get("micro_batch")),
+        recompute=parse_choice_list("--recompute", opts.get("recompute"), RECOMPUTES),
+        virtual_stages=parse_int_list("--virtual-stages", opts.get("virtual_stages")),
+        framework=parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS),
+        sequence_parallel=None if sp is None else (bool(sp),),
+        allow_tp_across_nodes=bool(opts.get("allow_tp_across_nodes")),
+    )
+    if cons.zero and any(z > 3 for z in cons.zero):
+        raise UserError(f"--zero: stages are 0, 1, 2 or 3, got {','.join(map(str, cons.zero))}")
+    return cons

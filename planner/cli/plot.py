@@ -12,12 +12,11 @@ from typing import Any
 import click
 
 from planner.cli.hardware import hardware_option
-from planner.cli.options import parse_choice_list, parse_int_list
+from planner.cli.options import constraint_options, constraints_from_options, parse_int_list
 from planner.cli.output import console, json_option, print_json
 from planner.errors import UserError
 
 KINDS = ("pareto", "heatmap", "scaling")
-_LIST = "one value or a comma list; default: search every valid value"
 
 
 @click.command("plot")
@@ -33,22 +32,14 @@ _LIST = "one value or a comma list; default: search every valid value"
 @click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image [default: the model's].")
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
-@click.option("--tp", default=None, help=f"Tensor-parallel degree: {_LIST} (heatmap: the TP axis).")
-@click.option("--pp", default=None, help=f"Pipeline-parallel degree: {_LIST} (heatmap: the PP axis).")
-@click.option("--ep", default=None, help=f"Expert-parallel degree: {_LIST}.")
-@click.option("--zero", default=None, help="ZeRO stage(s): 0,1,2,3.")
-@click.option("--offload", default=None, help="none, optimizer, optimizer+params (one or a comma list).")
-@click.option("--micro-batch", default=None, help=f"Micro-batch size: {_LIST}.")
-@click.option("--recompute", default=None, help="none, selective, full (one or a comma list).")
-@click.option("--virtual-stages", default=None, help="Interleaved pipeline chunks per rank (one or a comma list).")
-@click.option("--framework", default=None, help="deepspeed, megatron-deepspeed, megatron (one or a comma list).")
-@click.option("--allow-tp-across-nodes", is_flag=True, help="Let tensor parallelism span nodes.")
+@constraint_options
 @click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True,
               help="Pipeline layer-partition balancer.")
 @json_option
 def plot_command(kind: str, model_name: str, hardware: str, nodes: str, out: str, as_json: bool, **opts: Any) -> None:
     """Render a trade-off plot to PNG: pareto (memory vs tokens/s of every plan that fits),
-    heatmap (best tokens/s per TP x PP), scaling (best tokens/s and MFU against nodes).
+    heatmap (best tokens/s per TP x PP; --tp/--pp pick its axes), scaling (best tokens/s and
+    MFU against nodes).
 
     \b
     Examples:
@@ -120,17 +111,10 @@ def _node_counts(text: str, kind: str) -> list[int]:
 
 def _axes(opts: dict[str, Any]) -> dict[str, Any]:
     """Constraint flags (comma lists) to ``api.suggest`` keywords."""
-    out: dict[str, Any] = {}
-    for flag in ("tp", "pp", "ep", "micro_batch", "virtual_stages"):
-        out[flag] = parse_int_list(f"--{flag.replace('_', '-')}", opts.get(flag))
-    out["zero"] = parse_int_list("--zero", opts.get("zero"), minimum=0)
-    if out["zero"] and any(z > 3 for z in out["zero"]):
-        raise UserError(f"--zero: stages are 0, 1, 2 or 3, got {opts['zero']}")
-    out["offload"] = parse_choice_list("--offload", opts.get("offload"), ("none", "optimizer", "optimizer+params"))
-    out["recompute"] = parse_choice_list("--recompute", opts.get("recompute"), ("none", "selective", "full"))
-    out["framework"] = parse_choice_list("--framework", opts.get("framework"), ("deepspeed", "megatron-deepspeed", "megatron"))
-    out["allow_tp_across_nodes"] = bool(opts.get("allow_tp_across_nodes"))
-    return {k: v for k, v in out.items() if v is not None}
+    from planner.api import SEARCH_AXES
+
+    cons = constraints_from_options(opts)
+    return {k: getattr(cons, k) for k in SEARCH_AXES if getattr(cons, k) is not None}
 
 
 commands = [plot_command]

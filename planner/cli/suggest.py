@@ -12,10 +12,10 @@ from typing import Any
 
 import click
 
+from planner.cli.options import constraint_options, constraints_from_options
 from planner.cli.output import json_option
 from planner.errors import UserError
 
-_DEGREE_HELP = "one value or a comma list (e.g. 2,4); default: search every valid value"
 
 
 @click.command("suggest")
@@ -30,18 +30,7 @@ _DEGREE_HELP = "one value or a comma list (e.g. 2,4); default: search every vali
 @click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image [default: the model's].")
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
-@click.option("--dp", default=None, help=f"Data-parallel degree: {_DEGREE_HELP}.")
-@click.option("--tp", default=None, help=f"Tensor-parallel degree: {_DEGREE_HELP}.")
-@click.option("--pp", default=None, help=f"Pipeline-parallel degree: {_DEGREE_HELP}.")
-@click.option("--ep", default=None, help=f"Expert-parallel degree: {_DEGREE_HELP}.")
-@click.option("--zero", default=None, help="ZeRO stage(s): 0,1,2,3.")
-@click.option("--offload", default=None, help="none, optimizer, optimizer+params (one or a comma list).")
-@click.option("--micro-batch", default=None, help=f"Micro-batch size: {_DEGREE_HELP}.")
-@click.option("--recompute", default=None, help="none, selective, full (one or a comma list).")
-@click.option("--virtual-stages", default=None, help="Interleaved pipeline chunks per rank (one or a comma list) [default: 1,2,4].")
-@click.option("--framework", default=None, help="deepspeed, megatron-deepspeed, megatron (one or a comma list).")
-@click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Pin sequence parallelism on or off [default: try both].")
-@click.option("--allow-tp-across-nodes", is_flag=True, help="Let tensor parallelism span nodes (off by default: TP wants NVLink).")
+@constraint_options
 @click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True,
               help="Pipeline layer-partition balancer.")
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True,
@@ -91,31 +80,13 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
 
 def request_from_options(opts: dict[str, Any]) -> dict[str, Any]:
     """Click options -> keyword arguments of ``planner.search.suggest.suggest``."""
-    from planner.cli.options import parse_choice_list, parse_int_list
-    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
-    from planner.search.space import Constraints
-
     for flag, key, low in (("--nodes", "nodes", 1), ("--gpus-per-node", "gpus_per_node", 1), ("--global-batch", "global_batch", 1),
                            ("--seq-len", "seq_len", 1), ("--images-per-sample", "images_per_sample", 0),
                            ("--tiles-per-image", "tiles_per_image", 0), ("--top", "top", 1)):
         value = opts.get(key)
         if value is not None and value < low:
             raise UserError(f"{flag}: need a whole number >= {low}, got {value}")
-    sp = opts.get("sequence_parallel")
-    cons = Constraints(
-        dp=parse_int_list("--dp", opts.get("dp")), tp=parse_int_list("--tp", opts.get("tp")),
-        pp=parse_int_list("--pp", opts.get("pp")), ep=parse_int_list("--ep", opts.get("ep")),
-        zero=parse_int_list("--zero", opts.get("zero"), minimum=0),
-        offload=parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
-        micro_batch=parse_int_list("--micro-batch", opts.get("micro_batch")),
-        recompute=parse_choice_list("--recompute", opts.get("recompute"), RECOMPUTES),
-        virtual_stages=parse_int_list("--virtual-stages", opts.get("virtual_stages")),
-        framework=parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS),
-        sequence_parallel=None if sp is None else (bool(sp),),
-        allow_tp_across_nodes=bool(opts.get("allow_tp_across_nodes")),
-    )
-    if cons.zero and any(z > 3 for z in cons.zero):
-        raise UserError(f"--zero: stages are 0, 1, 2 and 3, got {','.join(map(str, cons.zero))}")
+    cons = constraints_from_options(opts)
     return {
         "model": opts["model"], "hardware": opts["hardware"], "nodes": opts["nodes"],
         "gpus_per_node": opts.get("gpus_per_node"), "global_batch": opts.get("global_batch"),
