@@ -8,8 +8,9 @@ the balancers minimise the bottleneck. Two are offered because users meet both i
   hand-written partitions and DeepSpeed's ``partition_method="parameters"`` approximate.
 - ``optimal``: the contiguous partition with the smallest bottleneck, subject to every
   stage fitting in memory. Exact: the optimal bottleneck is one of the O(n^2) segment sums,
-  so we binary-search those with an exact feasibility test (a reachability sweep over stage
-  ends, which handles per-stage memory such as 1F1B's in-flight micro-batches).
+  so we binary-search those with an exact feasibility test (a greedy max-pack, exact also
+  with per-stage memory such as 1F1B's in-flight micro-batches), then rebuild the split
+  with a reachability sweep over stage ends.
 
 Costs are plain floats (seconds of forward+backward per micro-batch); memory is described
 by ``StageMemory`` (additive per layer, with per-stage multipliers), so both functions are
@@ -143,11 +144,11 @@ def _reachable(prefix: np.ndarray, limit: float, stages: int, memory: StageMemor
         starts = idx[reach_prev & (far > idx)]
         if starts.size == 0:
             return None
-        # Ends reachable from start i: (i, far[i]]; union of intervals via a difference array.
-        delta = np.zeros(n + 2, dtype=np.int64)
-        np.add.at(delta, starts + 1, 1)
-        np.add.at(delta, far[starts] + 1, -1)
-        reach = np.cumsum(delta)[: n + 1] > 0
+        # Ends reachable from start i: (i, far[i]]. j is in the union when some start before
+        # it reaches at least j (a running maximum of the furthest ends).
+        furthest = np.full(n + 1, -1, dtype=np.int64)
+        furthest[starts + 1] = far[starts]
+        reach = np.maximum.accumulate(furthest) >= idx
         # Leave at least one layer for each stage still to come.
         reach[n - (stages - s - 1) + 1:] = False
         history.append((reach_prev, far))
@@ -241,19 +242,56 @@ def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = N
     return tuple(e - s for s, e in zip([0] + ends[:-1], ends))
 
 
+def _packs(prefix: list[float], limit: float, stages: int, mem: list[tuple[list[float], float]] | None) -> bool:
+    """Exact feasibility of ``limit``: pack each stage as far as time (and its memory) allow.
+
+    Every stage's furthest end is non-decreasing in its start (costs and bytes are
+    non-negative), so the stage ends of this greedy pack are never behind those of any valid
+    partition: if any partition meets ``limit``, this one does. Per-stage memory limits
+    (1F1B's in-flight micro-batches) keep that property, so no reachability sweep is needed
+    for the test; the sweep (``_reachable``) runs once, to rebuild the chosen partition."""
+    from bisect import bisect_right
+
+    n = len(prefix) - 1
+    eps = 1e-12 * max(1.0, abs(limit))
+    start = 0
+    for s in range(stages):
+        last = s == stages - 1
+        end = n if last else min(bisect_right(prefix, prefix[start] + limit + eps) - 1, n - (stages - s - 1))
+        if last and prefix[n] - prefix[start] > limit + eps:
+            return False
+        if mem is not None:
+            weights, cap = mem[s]
+            meps = 1e-12 * max(1.0, abs(cap))
+            if last:
+                if weights[n] - weights[start] > cap + meps:
+                    return False
+            else:
+                end = min(end, bisect_right(weights, weights[start] + cap + meps) - 1)
+        if end <= start:
+            return False
+        start = end
+    return True
+
+
 def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: StageMemory | None,
             mem_prefixes: list[np.ndarray] | None) -> tuple[int, ...] | None:
     """Binary search the smallest feasible candidate bottleneck; rebuild its partition."""
-    if _reachable(prefix, float(candidates[-1]), stages, memory, mem_prefixes) is None:
+    plist = prefix.tolist()
+    mem = None
+    if memory is not None and mem_prefixes is not None:
+        mem = [(mem_prefixes[s].tolist(), memory.capacity - float(memory.base[s])) for s in range(stages)]
+    values = candidates.tolist()
+    if not _packs(plist, values[-1], stages, mem):
         return None
-    lo, hi = 0, len(candidates) - 1
+    lo, hi = 0, len(values) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _reachable(prefix, float(candidates[mid]), stages, memory, mem_prefixes) is not None:
+        if _packs(plist, values[mid], stages, mem):
             hi = mid
         else:
             lo = mid + 1
-    limit = float(candidates[lo])
+    limit = values[lo]
     reach = _reachable(prefix, limit, stages, memory, mem_prefixes)
     assert reach is not None
     return _backtrack(prefix, limit, stages, reach, memory, mem_prefixes)
