@@ -127,9 +127,17 @@ def collective_time_array(
     s = np.asarray(nbytes, dtype=float)
     if shape.size <= 1:
         return np.zeros_like(s)
-    _, terms, _ = _plan(cluster, op, shape, cluster.nvls if nvls is None else bool(nvls))
-    times = [lat + spb * np.maximum(s, ramp) + fill_spb * np.minimum(s, cap) for lat, spb, ramp, fill_spb, cap in terms]
-    return np.where(s > 0, np.min(times, axis=0), 0.0)
+    lat, spb, ramp, fill_spb, cap = _term_arrays(cluster, op, shape, cluster.nvls if nvls is None else bool(nvls))
+    flat = s.reshape(1, -1)
+    times = lat + spb * np.maximum(flat, ramp) + fill_spb * np.minimum(flat, cap)
+    return np.where(s > 0, times.min(axis=0).reshape(s.shape), 0.0)
+
+
+@functools.lru_cache(maxsize=65536)
+def _term_arrays(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tuple[np.ndarray, ...]:
+    """``_plan``'s terms as [candidates x 1] columns: one broadcast per array of sizes."""
+    terms = np.array(_plan(cluster, op, shape, nvls)[1], dtype=float)
+    return tuple(terms[:, k:k + 1] for k in range(5))
 
 
 def collective_time_for_size(

@@ -51,8 +51,9 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
     grow = 1.0 + mem.FRAGMENTATION
     per_block_state = (wd + gd + od) * table.params + (we + ge + oe) * table.expert
     per_block_act = table.act[mode] * b
-    state = [grow * float(per_block_state[s:e].sum()) for s, e in ev.units]
-    act = [grow * float(per_block_act[s:e].sum()) for s, e in ev.units]
+    starts = np.array([s for s, _ in ev.units])
+    state = (grow * np.add.reduceat(per_block_state, starts)).tolist()  # units tile the blocks in order
+    act = (grow * np.add.reduceat(per_block_act, starts)).tolist()
     rank = np.arange(pp)
     inflight = np.minimum(pp - rank, m).astype(float)
     groups = sum(int(x > 1) for x in (tp, pp, dp, ep))

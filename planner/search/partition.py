@@ -115,32 +115,30 @@ def _segment_sums(prefix: np.ndarray) -> np.ndarray:
     return np.unique(diff[iu], return_counts=True)[0]
 
 
-def _far_ends(prefix: np.ndarray, limit: float, weights_prefix: np.ndarray | None = None,
-              mem_limit: float = 0.0) -> np.ndarray:
-    """For each start i, the furthest end j with prefix[j] - prefix[i] <= limit (and memory)."""
+def _far_ends(prefix: np.ndarray, limit: float) -> np.ndarray:
+    """For each start i, the furthest end j with prefix[j] - prefix[i] <= limit."""
     # Relative slack so sums that equal the limit are not lost to rounding.
     eps = 1e-12 * max(1.0, abs(limit))
-    far = np.searchsorted(prefix, prefix + limit + eps, side="right") - 1
-    if weights_prefix is not None:
-        meps = 1e-12 * max(1.0, abs(mem_limit))
-        far_m = np.searchsorted(weights_prefix, weights_prefix + mem_limit + meps, side="right") - 1
-        far = np.minimum(far, far_m)
-    return far
+    return np.searchsorted(prefix, prefix + limit + eps, side="right") - 1
 
 
 def _reachable(prefix: np.ndarray, limit: float, stages: int, memory: StageMemory | None,
-               mem_prefixes: list[np.ndarray] | None) -> list[np.ndarray] | None:
-    """Boolean arrays: reach[s][j] is True when layers [0, j) fit exactly s+1 stages."""
+               mem_prefixes: list[np.ndarray] | None) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """(reach, far): reach[s][j] is True when layers [0, j) fit exactly s stages (the last
+    entry: all of them); far[s][i] is stage s's furthest end from start i."""
     n = len(prefix) - 1
     reach_prev = np.zeros(n + 1, dtype=bool)
     reach_prev[0] = True
     history = []
     idx = np.arange(n + 1)
+    far_time = _far_ends(prefix, limit)
     for s in range(stages):
+        far = far_time
         if memory is not None and mem_prefixes is not None:
-            far = _far_ends(prefix, limit, mem_prefixes[s], memory.capacity - float(memory.base[s]))
-        else:
-            far = _far_ends(prefix, limit)
+            cap = memory.capacity - float(memory.base[s])
+            meps = 1e-12 * max(1.0, abs(cap))
+            w = mem_prefixes[s]
+            far = np.minimum(far_time, np.searchsorted(w, w + cap + meps, side="right") - 1)
         starts = idx[reach_prev & (far > idx)]
         if starts.size == 0:
             return None
@@ -155,7 +153,7 @@ def _reachable(prefix: np.ndarray, limit: float, stages: int, memory: StageMemor
         reach_prev = reach
     if not reach_prev[n]:
         return None
-    return [h[0] for h in history] + [reach_prev]  # reach before each stage, then the final
+    return [h[0] for h in history] + [reach_prev], [h[1] for h in history]
 
 
 def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None,
@@ -173,14 +171,15 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
     if len(memory.inflight) < stages:
         raise ValueError("memory.inflight needs one entry per stage")
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
-    mem_prefixes = None
-    if memory is not None:
-        state = np.asarray(memory.state, dtype=float)
-        act = np.asarray(memory.act, dtype=float)
-        mem_prefixes = [np.concatenate(([0.0], np.cumsum(state + float(memory.inflight[s]) * act)))
-                        for s in range(stages)]
+    state = np.asarray(memory.state, dtype=float)
+    act = np.asarray(memory.act, dtype=float)
+    inflight = np.asarray(memory.inflight[:stages], dtype=float)
+    # Row s: prefix sums of stage s's bytes per layer (one cumsum over [stage x layer]).
+    weights = np.zeros((stages, len(costs) + 1))
+    np.cumsum(state[None, :] + inflight[:, None] * act[None, :], axis=1, out=weights[:, 1:])
+    mem_prefixes = list(weights)
     candidates = _segment_sums(prefix)
-    candidates = candidates[candidates >= float(np.max(costs)) * (1 - 1e-12)]
+    candidates = candidates[candidates >= max(float(np.max(costs)), float(prefix[-1]) / stages) * (1 - 1e-12)]
     result = _search(prefix, candidates, stages, memory, mem_prefixes)
     if result is None:
         counts = _search(prefix, candidates, stages, None, None)
@@ -292,27 +291,22 @@ def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: Sta
         else:
             lo = mid + 1
     limit = values[lo]
-    reach = _reachable(prefix, limit, stages, memory, mem_prefixes)
-    assert reach is not None
-    return _backtrack(prefix, limit, stages, reach, memory, mem_prefixes)
+    sweep = _reachable(prefix, limit, stages, memory, mem_prefixes)
+    assert sweep is not None
+    return _backtrack(limit, stages, sweep)
 
 
-def _backtrack(prefix: np.ndarray, limit: float, stages: int, reach: list[np.ndarray],
-               memory: StageMemory | None, mem_prefixes: list[np.ndarray] | None) -> tuple[int, ...]:
+def _backtrack(limit: float, stages: int, sweep: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[int, ...]:
     """Walk back from the last layer choosing, for each stage, the earliest valid start.
 
     Earliest start = the longest last stages, which keeps early stages (which hold the most
     in-flight micro-batches under 1F1B) as light as the bottleneck allows.
     """
-    n = len(prefix) - 1
-    end = n
+    reach, far = sweep
+    end = len(reach[0]) - 1
     counts: list[int] = []
     for s in range(stages - 1, -1, -1):
-        if memory is not None and mem_prefixes is not None:
-            far = _far_ends(prefix, limit, mem_prefixes[s], memory.capacity - float(memory.base[s]))
-        else:
-            far = _far_ends(prefix, limit)
-        ok = np.nonzero(reach[s][:end] & (far[:end] >= end))[0]
+        ok = np.nonzero(reach[s][:end] & (far[s][:end] >= end))[0]
         start = int(ok[0])
         counts.append(end - start)
         end = start

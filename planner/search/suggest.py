@@ -316,17 +316,29 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
     and whose time bound could still reach the top K: rebalance under the memory limit
     (planner/search/memfit.py) and take the exact re-evaluation (arrays updated in place)."""
     c = space.columns
-    fits = done & (peak <= capacity) & (cpu <= host_capacity)
-    vals = np.unique(peak[fits] if objective == "memory" else step[fits], return_counts=True)[0]
-    bar = vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
-    reach = time_lb <= bar if objective != "memory" else np.ones(len(step), dtype=bool)
-    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1) & (c["vs"] == 1) & reach)[0]
+
+    def bar() -> float:
+        """The K-th best distinct value so far (as in the main loop), or inf."""
+        if objective == "memory":
+            return np.inf
+        fits = done & (peak <= capacity) & (cpu <= host_capacity)
+        vals = np.unique(step[fits], return_counts=True)[0]
+        return vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
+
+    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1) & (c["vs"] == 1)
+                      & (time_lb <= bar()))[0]
     if not rows.size:
         return
-    from planner.search.memfit import rebalance
+    from planner.search.memfit import MAX_REBALANCED, rebalance
 
-    for i, s, p, u in rebalance(ev, prep, rows[np.argsort(time_lb[rows], kind="stable")]):
-        step[i], peak[i], cpu[i] = s, p, u
+    # Best time bound first, a few at a time: once the bound of the next one passes the K-th
+    # plan found so far, no later one can enter the top K (the same test as the main loop).
+    rows = rows[np.argsort(time_lb[rows], kind="stable")][:MAX_REBALANCED]
+    pos, batch = 0, 8
+    while pos < len(rows) and time_lb[rows[pos]] <= bar():
+        for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch]):
+            step[i], peak[i], cpu[i] = s, p, u
+        pos += batch
 
 
 def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:
