@@ -146,3 +146,36 @@ def test_block_table_per_run_of_identical_blocks_equals_the_direct_call(name: st
         direct = block_table(layer_costs(model, wl, tp, sp, ep), (1, 2), ev.dev, cluster, shapes.tp, shapes.ep)
         for f in ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live", "pp_bytes"):
             assert np.array_equal(getattr(fast, f), getattr(direct, f)), f
+
+
+@pytest.mark.parametrize("name", ["deepseek-vl2", "mixtral-8x7b", "llama-3-8b"])
+def test_tables_built_in_one_pass_equal_one_at_a_time(name: str) -> None:
+    """Evaluator.tables prices many (tp, sp, ep) groups side by side over the union of their
+    micro-batch sizes; each table must hold exactly what building it alone gives."""
+    from planner.cost.parallel import Workload
+    from planner.hardware.cluster import Cluster
+    from planner.hardware.load import load_profile
+    from planner.search.evaluate import Evaluator
+
+    model = load_preset(name)
+    vlm = model.vision is not None
+    wl = Workload(global_batch=64, seq_len=2048, images_per_sample=1 if vlm else 0, tiles_per_image=2 if vlm else 0)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 8)
+    eps = (1, 2, 8) if model.is_moe else (1,)
+    groups = {(tp, sp, ep): (64 // tp, 1, micro)
+              for tp, sp in ((1, 0), (2, 0), (2, 1), (8, 1)) for ep in eps
+              for micro in [(1, 2) if tp == 1 else (2, 4, 8)]}
+    together = Evaluator(model, cluster, wl)
+    together.tables(groups)
+    for (tp, sp, ep), (dp, pp, micro) in groups.items():
+        wide = together.table(tp, sp, ep, dp, pp, micro)
+        assert wide.micro_batches == (1, 2, 4, 8)  # the union
+        alone = Evaluator(model, cluster, wl).table(tp, sp, ep, dp, pp, micro)
+        for b in micro:
+            i, j = wide.b_index(b), alone.b_index(b)
+            for f in ("fwd", "bwd"):
+                assert np.array_equal(getattr(wide, f)[i], getattr(alone, f)[j]), (tp, sp, ep, b, f)
+            for f in ("rc", "tp", "ep"):
+                assert np.array_equal(getattr(wide, f)[:, i], getattr(alone, f)[:, j]), (tp, sp, ep, b, f)
+        for f in ("params", "expert", "act", "act_live", "pp_bytes"):
+            assert np.array_equal(getattr(wide, f), getattr(alone, f)), (tp, sp, ep, f)

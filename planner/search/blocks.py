@@ -111,34 +111,51 @@ def _comm(cluster: Cluster, shape: GroupShape, ops: list[list[tuple[str, float]]
 
 def block_table(costs: list[LayerCost], micro_batches: tuple[int, ...], dev: eff.Device, cluster: Cluster,
                 tp_shape: GroupShape, ep_shape: GroupShape) -> BlockTable:
+    return block_tables([(costs, tp_shape, ep_shape)], micro_batches, dev, cluster)[0]
+
+
+def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], micro_batches: tuple[int, ...],
+                 dev: eff.Device, cluster: Cluster) -> list[BlockTable]:
+    """One table per (layer costs, TP shape, EP shape) group, over the same micro-batches.
+
+    The compute kernels are elementwise in (micro-batch, block), so every group's blocks go
+    through them side by side in one pass (a search needs dozens of groups); only the
+    collectives, which depend on each group's process-group shapes, are priced per group."""
     bs = np.asarray(micro_batches, dtype=float)
+    costs = [c for group, _, _ in groups for c in group]
     gemm = _gemms(costs, bs, dev)
-    hbm = np.array([c.hbm_fwd for c in costs])[None, :] * bs[:, None]
-    hbm_t = eff.hbm_time(hbm, dev)
+    hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in costs])[None, :] * bs[:, None], dev)
     attn_f = _attention(costs, bs, dev, False)
     attn_b = _attention(costs, bs, dev, True)
-    fwd = gemm + attn_f + hbm_t
-    bwd = 2.0 * gemm + attn_b + 2.0 * hbm_t
-    ckpt = np.array([c.checkpointed for c in costs])
-    has_attn = np.array([c.attn is not None for c in costs])
-    score = eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in costs])[None, :] * bs[:, None], dev)
-    rc = np.zeros((len(RECOMPUTES), len(bs), len(costs)))
-    rc[RECOMPUTES.index("full")] = np.where(ckpt[None, :], fwd, 0.0)
-    rc[RECOMPUTES.index("selective")] = np.where(has_attn[None, :], attn_f + score, 0.0)
-    tp = np.zeros_like(rc)
-    ep = np.zeros_like(rc)
-    base_tp = _comm(cluster, tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in costs], bs)
-    again_tp = _comm(cluster, tp_shape, [list(c.tp_fwd) for c in costs], bs)
-    a2a = _comm(cluster, ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in costs], bs)
-    count = np.array([c.ep_a2a_count for c in costs], dtype=float)
-    for mode, name in enumerate(RECOMPUTES):
-        again = (name == "full") & ckpt
-        tp[mode] = base_tp + np.where(again[None, :], again_tp, 0.0)
-        ep[mode] = (2.0 + again.astype(float))[None, :] * count[None, :] * a2a
-    return BlockTable(
-        micro_batches=tuple(micro_batches), fwd=fwd, bwd=bwd, rc=rc, tp=tp, ep=ep,
-        params=np.array([c.params_rank for c in costs]), expert=np.array([c.expert_params_rank for c in costs]),
-        act=np.array([[c.act[m] for c in costs] for m in RECOMPUTES]),
-        act_live=np.array([c.act_live if c.checkpointed else 0.0 for c in costs]),
-        pp_bytes=np.array([c.pp_bytes for c in costs]),
-    )
+    fwd_all = gemm + attn_f + hbm_t
+    bwd_all = 2.0 * gemm + attn_b + 2.0 * hbm_t
+    score_all = eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in costs])[None, :] * bs[:, None], dev)
+    out, start = [], 0
+    for group, tp_shape, ep_shape in groups:
+        cols = slice(start, start + len(group))
+        start += len(group)
+        fwd, bwd, score, attn = fwd_all[:, cols], bwd_all[:, cols], score_all[:, cols], attn_f[:, cols]
+        ckpt = np.array([c.checkpointed for c in group])
+        has_attn = np.array([c.attn is not None for c in group])
+        rc = np.zeros((len(RECOMPUTES), len(bs), len(group)))
+        rc[RECOMPUTES.index("full")] = np.where(ckpt[None, :], fwd, 0.0)
+        rc[RECOMPUTES.index("selective")] = np.where(has_attn[None, :], attn + score, 0.0)
+        tp = np.zeros_like(rc)
+        ep = np.zeros_like(rc)
+        base_tp = _comm(cluster, tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group], bs)
+        again_tp = _comm(cluster, tp_shape, [list(c.tp_fwd) for c in group], bs)
+        a2a = _comm(cluster, ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group], bs)
+        count = np.array([c.ep_a2a_count for c in group], dtype=float)
+        for mode, name in enumerate(RECOMPUTES):
+            again = (name == "full") & ckpt
+            tp[mode] = base_tp + np.where(again[None, :], again_tp, 0.0)
+            ep[mode] = (2.0 + again.astype(float))[None, :] * count[None, :] * a2a
+        out.append(BlockTable(
+            micro_batches=tuple(micro_batches), fwd=fwd, bwd=bwd, rc=rc, tp=tp, ep=ep,
+            params=np.array([c.params_rank for c in group]),
+            expert=np.array([c.expert_params_rank for c in group]),
+            act=np.array([[c.act[m] for c in group] for m in RECOMPUTES]),
+            act_live=np.array([c.act_live if c.checkpointed else 0.0 for c in group]),
+            pp_bytes=np.array([c.pp_bytes for c in group]),
+        ))
+    return out

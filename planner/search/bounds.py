@@ -32,10 +32,17 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     block_sum = np.zeros(len(prep.keys))
     per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
     k = prep.keys
+    selections, groups = {}, {}
     for (tp, sp, ep), micro in prep.micro.items():
         sel = (k[:, 0] == tp) & (k[:, 1] == sp) & (k[:, 2] == ep)
         first = k[np.argmax(sel)]
-        table = ev.table(tp, sp, ep, int(first[7]), int(first[5]), micro)
+        selections[tp, sp, ep] = sel
+        groups[tp, sp, ep] = (int(first[7]), int(first[5]), micro)
+    ev.tables(groups)  # every group's table in one pass
+    for (tp, sp, ep), micro in prep.micro.items():
+        sel = selections[tp, sp, ep]
+        dp, pp, _ = groups[tp, sp, ep]
+        table = ev.table(tp, sp, ep, dp, pp, micro)
         # [mode, b] sums of per-block micro-batch time, and [mode] stored bytes per sample
         sums = (table.fwd + table.bwd)[None, :, :].sum(axis=2) + (table.rc + table.tp + table.ep).sum(axis=2)
         bi = np.searchsorted(np.array(table.micro_batches), k[sel, 3])

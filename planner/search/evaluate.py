@@ -34,7 +34,7 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.placement import GroupShape, Placement
 from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelSpec, VisionBlock
 from planner.search.assemble import assemble
-from planner.search.blocks import BlockTable, block_table
+from planner.search.blocks import BlockTable, block_tables
 from planner.search.partition import greedy_partition, optimal_partition
 from planner.search.space import Space
 
@@ -164,8 +164,27 @@ class Evaluator:
         self._parts[key] = out
         return out
 
+    def tables(self, groups: dict[tuple[int, int, int], tuple[int, int, tuple[int, ...]]]) -> None:
+        """Build the missing block tables of many (tp, sp, ep) groups in one pass.
+
+        ``groups`` maps (tp, sp, ep) to (dp, pp, micro-batches) of one of its candidates. Every
+        table covers the union of the micro-batch sizes (the kernels are elementwise in the
+        size, so a wider table holds the same numbers for the sizes a group uses)."""
+        todo = [(key, dp, pp) for key, (dp, pp, micro) in groups.items()
+                if key not in self._tables or not set(micro) <= set(self._tables[key].micro_batches)]
+        if not todo:
+            return
+        mbs = tuple(sorted({b for _, _, micro in groups.values() for b in micro}))
+        specs = [(tp, bool(sp), ep, self.shapes(tp, ep, dp, pp)) for (tp, sp, ep), dp, pp in todo]
+        for (key, _, _), table in zip(todo, self._block_tables(specs, mbs)):
+            self._tables[key] = table
+
     def _block_table(self, tp: int, sp: bool, ep: int, mbs: tuple[int, ...], shapes: Shapes) -> BlockTable:
-        """``block_table(layer_costs(...))``, priced once per run of identical blocks.
+        return self._block_tables([(tp, sp, ep, shapes)], mbs)[0]
+
+    def _block_tables(self, specs: list[tuple[int, bool, int, Shapes]], mbs: tuple[int, ...]) -> list[BlockTable]:
+        """``block_table(layer_costs(...))`` per (tp, sp, ep, shapes), priced once per run of
+        identical blocks.
 
         A block's cost depends on the block, the workload and (for a norm) whether the block
         before it is a vision block, so the first block of each run stands for the run: the
@@ -178,10 +197,11 @@ class Evaluator:
             pos = np.searchsorted(keep, np.arange(len(blocks)), side="right") - 1
             self._runs = (self.model.model_copy(update={"blocks": [blocks[i] for i in keep]}), pos)
         short, pos = self._runs
-        t = block_table(layer_costs(short, self.workload, tp, sp, ep), mbs, self.dev, self.cluster, shapes.tp, shapes.ep)
-        return BlockTable(t.micro_batches, *(getattr(t, f)[..., pos] for f in
-                                             ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live",
-                                              "pp_bytes")))
+        groups = [(layer_costs(short, self.workload, tp, sp, ep), shapes.tp, shapes.ep) for tp, sp, ep, shapes in specs]
+        return [BlockTable(t.micro_batches, *(getattr(t, f)[..., pos] for f in
+                                              ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live",
+                                               "pp_bytes")))
+                for t in block_tables(groups, mbs, self.dev, self.cluster)]
 
     def unit_costs(self, table: BlockTable, mode: int, b: int) -> list[float]:
         """Seconds per micro-batch of each pipeline unit: what the balancers split."""

@@ -85,7 +85,9 @@ def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> list[tuple
         i = int(i)
         tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
         table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
-        part = optimal_partition(ev.unit_costs(table, mode, b), pp, memory=stage_memory(ev, prep, i))
+        # The time-only optimum of the same split problem: no memory-limited split beats it.
+        fastest = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
+        part = optimal_partition(ev.unit_costs(table, mode, b), pp, memory=stage_memory(ev, prep, i), lower=fastest)
         if not part.fits:
             continue
         ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)

@@ -157,12 +157,13 @@ def _reachable(prefix: np.ndarray, limit: float, stages: int, memory: StageMemor
 
 
 def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None,
-                      upper: float | None = None) -> Partition:
+                      upper: float | None = None, lower: float | None = None) -> Partition:
     """The contiguous partition minimising the slowest stage, every stage within memory.
 
     When no partition fits in memory, the time-optimal partition is returned with
     ``fits=False`` so the caller can report how far it is from fitting. ``upper``: a known
-    achievable bottleneck (e.g. greedy's), which narrows the search.
+    achievable bottleneck (e.g. greedy's), which narrows the time-only search; ``lower``: a
+    bottleneck no partition beats (e.g. the time-only optimum when memory is limited).
     """
     _check(costs, stages)
     if memory is None:
@@ -179,7 +180,8 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
     np.cumsum(state[None, :] + inflight[:, None] * act[None, :], axis=1, out=weights[:, 1:])
     mem_prefixes = list(weights)
     candidates = _segment_sums(prefix)
-    candidates = candidates[candidates >= max(float(np.max(costs)), float(prefix[-1]) / stages) * (1 - 1e-12)]
+    floor = max(float(np.max(costs)), float(prefix[-1]) / stages, lower or 0.0)
+    candidates = candidates[candidates >= floor * (1 - 1e-12)]
     result = _search(prefix, candidates, stages, memory, mem_prefixes)
     if result is None:
         counts = _search(prefix, candidates, stages, None, None)
@@ -283,7 +285,15 @@ def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: Sta
     values = candidates.tolist()
     if not _packs(plist, values[-1], stages, mem):
         return None
-    lo, hi = 0, len(values) - 1
+    # Gallop up from the smallest candidate (a memory limit usually moves the optimum only a
+    # few sums above the time-only one), then bisect the bracket: the smallest feasible index.
+    lo, hi, probe, stride = 0, len(values) - 1, 0, 1
+    while probe < hi:
+        if _packs(plist, values[probe], stages, mem):
+            hi = probe
+            break
+        lo = probe + 1
+        probe, stride = min(lo + stride, hi), stride * 2
     while lo < hi:
         mid = (lo + hi) // 2
         if _packs(plist, values[mid], stages, mem):

@@ -64,6 +64,7 @@ class SuggestResult:
     objective: str
     why: str = ""  # one line: why the best plan beat the runner-up
     elapsed_s: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of the search, all threads (start-up and imports excluded)
     closest: Plan | None = None  # nothing fits: the plan nearest to fitting
     advice: list[str] = field(default_factory=list)
 
@@ -77,7 +78,7 @@ class SuggestResult:
             "plans": [p.to_json() for p in self.plans],
             "evaluated": self.evaluated, "rejected": dict(self.rejected),
             "search": {"fully_evaluated": self.fully_evaluated, "pruned_by_bound": self.pruned,
-                       "elapsed_s": self.elapsed_s},
+                       "elapsed_s": self.elapsed_s, "cpu_s": self.cpu_s},
             "why": self.why,
         }
 
@@ -158,7 +159,7 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
             objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None) -> SuggestResult:
     """Rank the plans that fit; raise ``NoPlanFits`` (a UserError) when none does."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise UserError(f"--nodes: need a whole number of nodes >= 1, got {nodes!r}")
     if top < 1:
@@ -194,6 +195,7 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     space = _space(model, cluster, gb, cons)
     result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress)
     result.elapsed_s = time.perf_counter() - started
+    result.cpu_s = time.process_time() - cpu_started
     if not result.plans:
         result.advice = _advice(model, profile, nodes, workload, cons, balancer)
         raise NoPlanFits(_nothing_fits_message(result, profile), result)
