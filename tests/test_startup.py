@@ -198,3 +198,57 @@ def test_help_lists_every_command_with_its_summary():
         assert f"  {name}" in listed and summary.rstrip(".")[:30] in listed, name
     bad = CliRunner().invoke(main, ["sugest"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+# -- lean environment: OpenBLAS single-threaded, no pydantic plugin scan ---------------------
+
+_LEAN = ("OPENBLAS_NUM_THREADS", "PYDANTIC_DISABLE_PLUGINS")
+
+
+def _run_clean(code: str, **env: str) -> dict:
+    """_run in a child whose environment has neither lean variable unless given."""
+    import os
+
+    child = {k: v for k, v in os.environ.items() if k not in _LEAN} | env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=child)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_suggest_starts_no_blas_threads_and_scans_no_plugins():
+    code = (
+        "import json, os, sys\n"
+        "from planner.cli import main\n"
+        "try:\n"
+        "    main(['suggest', '--model', 'vl2', '--nodes', '8', '--json'])\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "import pydantic.plugin._loader as loader\n"
+        "print(json.dumps({'code': code, 'threads': len(os.listdir('/proc/self/task')),\n"
+        "                  'numpy': 'numpy' in sys.modules, 'scanned': loader._plugins is not None,\n"
+        "                  'left': [k for k in %r if k in os.environ]}))\n" % (_LEAN,)
+    )
+    result = _run_clean(code)
+    assert result["code"] == 0 and result["numpy"]
+    assert result["threads"] == 1  # OpenBLAS starts one thread per extra core unless told otherwise
+    assert result["scanned"] is False  # pydantic never read the installed distributions' entry points
+    assert result["left"] == []  # set for the command only: nothing leaks to what runs after it
+
+
+def test_lean_environment_keeps_the_users_values_and_spares_run():
+    code = (
+        "import json, os, click\n"
+        "from planner.cli import main\n"
+        "seen = {}\n"
+        "for name in ('run', 'probe'):\n"
+        "    main.add_command(click.Command(name, callback=lambda name=name: seen.update(\n"
+        "        {name: {k: os.environ.get(k) for k in %r}})))\n"
+        "    try:\n"
+        "        main([name])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(json.dumps(seen))\n" % (_LEAN,)
+    )
+    seen = _run_clean(code, OPENBLAS_NUM_THREADS="4")
+    assert seen["probe"] == {"OPENBLAS_NUM_THREADS": "4", "PYDANTIC_DISABLE_PLUGINS": "__all__"}
+    # the training job that ``run`` starts inherits the environment: it gets the user's, untouched
+    assert seen["run"] == {"OPENBLAS_NUM_THREADS": "4", "PYDANTIC_DISABLE_PLUGINS": None}
