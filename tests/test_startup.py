@@ -252,3 +252,56 @@ def test_lean_environment_keeps_the_users_values_and_spares_run():
     assert seen["probe"] == {"OPENBLAS_NUM_THREADS": "4", "PYDANTIC_DISABLE_PLUGINS": "__all__"}
     # the training job that ``run`` starts inherits the environment: it gets the user's, untouched
     assert seen["run"] == {"OPENBLAS_NUM_THREADS": "4", "PYDANTIC_DISABLE_PLUGINS": None}
+
+
+# -- hardware profiles parsed by libyaml, with PyYAML's own words for broken files ----------
+
+_TRICKY_YAML = [
+    "a: &base {x: 1, y: [1, 2.5, 3e2, 1.0e+3, .inf, 0x1F, 0o17, 017, 1_000]}\nb: *base\nc: [*base, null]\n",
+    "s: 'it''s'\nt: \"tab\\tand \\u00e9\"\nu: |\n  two\n  lines\nv: >-\n  folded\n  text\nw: ~\nx: yes\ny: Off\nz: 2024-01-02\n",
+    "name: h\u00e9llo w\u00f6rld \u2014 \U0001F680\n'quoted key': [a, 'b', \"c\"]\n? complex\n: value\n",
+    "nested:\n  - {a: 1}\n  - - x\n    - y\n  -\n    k: v\n",
+]
+
+_BROKEN_YAML = [
+    "name: x\ngpu: {name: [unclosed\n",
+    "name: x\nname: y\n",
+    "a: 1\n b: 2\n",
+    "a: [1, 2\nb: 3\n",
+    "key: value: other\n",
+    "\tname: tab\n",
+    "a: !!python/object:os.system 1\n",
+    "a: &base {x: 1}\nb:\n  <<: *base\n",  # merge keys: refused by the duplicate-key check (both parsers)
+]
+
+
+def test_profiles_are_parsed_by_libyaml_exactly_as_by_pyyaml():
+    import yaml
+
+    from planner.hardware import load
+
+    assert load._FastUniqueKeyLoader is not None  # this PyYAML has libyaml: the fast path is the one tested
+    texts = [p.read_text() for p in sorted(hardware_profiles_dir().glob("*.yaml"))] + _TRICKY_YAML
+    assert len(texts) >= 9 + len(_TRICKY_YAML)
+    for text in texts:
+        slow = yaml.load(text, Loader=load._UniqueKeyLoader)  # noqa: S506
+        fast = yaml.load(text, Loader=load._FastUniqueKeyLoader)  # noqa: S506
+        assert fast == slow and repr(fast) == repr(slow)  # same values and the same types
+
+
+@pytest.mark.parametrize("text", _BROKEN_YAML)
+def test_broken_yaml_is_described_in_pyyaml_words(tmp_path, text):
+    import yaml
+
+    from planner.errors import UserError
+    from planner.hardware import load
+
+    with pytest.raises(yaml.YAMLError) as slow:
+        yaml.load(text, Loader=load._UniqueKeyLoader)  # noqa: S506
+    mark = slow.value.problem_mark
+    expected = f"malformed YAML (line {mark.line + 1}, column {mark.column + 1}): {slow.value.problem}"
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        load.load_profile_file(path)
+    assert str(err.value) == f"{path}: {expected}"
