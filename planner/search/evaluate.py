@@ -129,6 +129,7 @@ class Evaluator:
         # a memory limit (planner/search/memfit.py): candidate -> (block ranges, bottleneck).
         self.overrides: dict[int, tuple[list[tuple[int, int]], float]] = {}
         self._runs: tuple[ModelSpec, np.ndarray] | None = None
+        self._unit_costs: dict[tuple, tuple[BlockTable, list[float]]] = {}
 
     # -- caches ---------------------------------------------------------------------------
     def shapes(self, tp: int, ep: int, dp: int, pp: int) -> Shapes:
@@ -204,9 +205,17 @@ class Evaluator:
                 for t in block_tables(groups, mbs, self.dev, self.cluster)]
 
     def unit_costs(self, table: BlockTable, mode: int, b: int) -> list[float]:
-        """Seconds per micro-batch of each pipeline unit: what the balancers split."""
-        prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b)))))
-        return [float(prefix[e] - prefix[s]) for s, e in self.units]
+        """Seconds per micro-batch of each pipeline unit: what the balancers split (the same
+        for every pp and virtual-stage count, so kept per table, mode and micro-batch)."""
+        key = (id(table), mode, b)
+        hit = self._unit_costs.get(key)
+        if hit is None or hit[0] is not table:
+            prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b)))))
+            starts = np.array([s for s, _ in self.units])
+            ends = np.array([e for _, e in self.units])
+            hit = (table, (prefix[ends] - prefix[starts]).tolist())
+            self._unit_costs[key] = hit  # holding the table keeps its id unique
+        return hit[1]
 
     def _blocks(self, counts: tuple[int, ...]) -> list[tuple[int, int]]:
         bounds, u = [], 0

@@ -108,13 +108,6 @@ def greedy_partition(costs: Sequence[float], stages: int) -> Partition:
     return Partition(tuple(counts), _stage_costs(costs, counts))
 
 
-def _segment_sums(prefix: np.ndarray) -> np.ndarray:
-    """Sorted unique sums of every non-empty contiguous segment."""
-    diff = prefix[None, :] - prefix[:, None]
-    iu = np.triu_indices(len(prefix), k=1)
-    return np.unique(diff[iu], return_counts=True)[0]
-
-
 def _far_ends(prefix: np.ndarray, limit: float) -> np.ndarray:
     """For each start i, the furthest end j with prefix[j] - prefix[i] <= limit."""
     # Relative slack so sums that equal the limit are not lost to rounding.
@@ -171,7 +164,7 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
         return Partition(counts, _stage_costs(costs, counts))
     if len(memory.inflight) < stages:
         raise ValueError("memory.inflight needs one entry per stage")
-    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
+    prefix, _, _, _, all_sums = _cost_profile(tuple(float(c) for c in costs))
     state = np.asarray(memory.state, dtype=float)
     act = np.asarray(memory.act, dtype=float)
     inflight = np.asarray(memory.inflight[:stages], dtype=float)
@@ -179,9 +172,8 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
     weights = np.zeros((stages, len(costs) + 1))
     np.cumsum(state[None, :] + inflight[:, None] * act[None, :], axis=1, out=weights[:, 1:])
     mem_prefixes = list(weights)
-    candidates = _segment_sums(prefix)
     floor = max(float(np.max(costs)), float(prefix[-1]) / stages, lower or 0.0)
-    candidates = candidates[candidates >= floor * (1 - 1e-12)]
+    candidates = all_sums[np.searchsorted(all_sums, floor * (1 - 1e-12), side="left"):]
     result = _search(prefix, candidates, stages, memory, mem_prefixes)
     if result is None:
         counts = _search(prefix, candidates, stages, None, None)
@@ -195,6 +187,19 @@ def _upper(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(n, k=1)
 
 
+@functools.lru_cache(maxsize=4096)
+def _cost_profile(costs: tuple[float, ...]) -> tuple[np.ndarray, list[float], float, float, np.ndarray]:
+    """(prefix sums as an array and a list, largest cost, total, sorted unique segment sums)
+    of one cost vector.
+
+    A search splits the same per-layer costs over many stage counts (pp x virtual stages);
+    the O(n^2) segment sums are computed once per vector, not once per stage count."""
+    arr = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
+    sums = (arr[None, :] - arr[:, None])[_upper(len(arr))]
+    return (arr, arr.tolist(), float(np.max(arr[1:] - arr[:-1])), float(arr[-1]),
+            np.unique(sums, return_counts=True)[0])
+
+
 def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = None) -> tuple[int, ...]:
     """Time-only optimum: binary search of the segment sums with a greedy max-pack test.
 
@@ -202,77 +207,56 @@ def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = N
     for each later stage) reaches at least as far as any valid partition, so the test is exact;
     bisect on a Python list keeps it cheap (the search calls this thousands of times).
     """
-    from bisect import bisect_right
-
-    n = len(costs)
-    arr = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
-    prefix = arr.tolist()
-    diff = (arr[None, :] - arr[:, None])[_upper(n + 1)]
+    _, prefix, largest, total, all_sums = _cost_profile(tuple(float(c) for c in costs))
     # The optimum lies between max(max cost, mean per stage) and any achievable bottleneck.
-    lower = max(float(np.max(arr[1:] - arr[:-1])), arr[-1] / stages) * (1 - 1e-12)
-    top = float(arr[-1]) if upper is None else upper * (1 + 1e-12)
-    sums = np.unique(diff[(diff >= lower) & (diff <= top)], return_counts=True)[0].tolist()
-
-    def pack(limit: float) -> list[int] | None:
-        eps = 1e-12 * max(1.0, abs(limit))
-        ends, start = [], 0
-        for s in range(stages):
-            if start >= n:
-                return None
-            if s == stages - 1:
-                end = n
-                if prefix[n] - prefix[start] > limit + eps:
-                    return None
-            else:
-                end = min(bisect_right(prefix, prefix[start] + limit + eps) - 1, n - (stages - s - 1))
-                if end <= start:
-                    return None
-            ends.append(end)
-            start = end
-        return ends
-
+    lower = max(largest, total / stages) * (1 - 1e-12)
+    top = total if upper is None else upper * (1 + 1e-12)
+    sums = all_sums[np.searchsorted(all_sums, lower, side="left"):np.searchsorted(all_sums, top, side="right")].tolist()
     lo, hi = 0, len(sums) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if pack(sums[mid]) is not None:
+        if _pack_ends(prefix, sums[mid], stages, None) is not None:
             hi = mid
         else:
             lo = mid + 1
-    ends = pack(sums[lo])
+    ends = _pack_ends(prefix, sums[lo], stages, None)
     assert ends is not None
     return tuple(e - s for s, e in zip([0] + ends[:-1], ends))
 
 
-def _packs(prefix: list[float], limit: float, stages: int, mem: list[tuple[list[float], float]] | None) -> bool:
-    """Exact feasibility of ``limit``: pack each stage as far as time (and its memory) allow.
+def _pack_ends(prefix: list[float], limit: float, stages: int,
+               mem: list[tuple[list[float], float]] | None) -> list[int] | None:
+    """Stage ends of the greedy max-pack at ``limit`` (None when it fails): each stage as far
+    as time (and its memory) allow, leaving one layer for each later stage.
 
     Every stage's furthest end is non-decreasing in its start (costs and bytes are
-    non-negative), so the stage ends of this greedy pack are never behind those of any valid
+    non-negative), so the stage ends of this pack are never behind those of any valid
     partition: if any partition meets ``limit``, this one does. Per-stage memory limits
-    (1F1B's in-flight micro-batches) keep that property, so no reachability sweep is needed
-    for the test; the sweep (``_reachable``) runs once, to rebuild the chosen partition."""
+    (1F1B's in-flight micro-batches) keep that property, so the test needs no reachability
+    sweep; the sweep (``_reachable``) runs once, to rebuild a memory-limited split."""
     from bisect import bisect_right
 
     n = len(prefix) - 1
     eps = 1e-12 * max(1.0, abs(limit))
-    start = 0
+    ends, start = [], 0
     for s in range(stages):
         last = s == stages - 1
         end = n if last else min(bisect_right(prefix, prefix[start] + limit + eps) - 1, n - (stages - s - 1))
         if last and prefix[n] - prefix[start] > limit + eps:
-            return False
+            return None
         if mem is not None:
             weights, cap = mem[s]
             meps = 1e-12 * max(1.0, abs(cap))
             if last:
                 if weights[n] - weights[start] > cap + meps:
-                    return False
+                    return None
             else:
                 end = min(end, bisect_right(weights, weights[start] + cap + meps) - 1)
         if end <= start:
-            return False
+            return None
+        ends.append(end)
         start = end
-    return True
+    return ends
 
 
 def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: StageMemory | None,
@@ -283,20 +267,20 @@ def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: Sta
     if memory is not None and mem_prefixes is not None:
         mem = [(mem_prefixes[s].tolist(), memory.capacity - float(memory.base[s])) for s in range(stages)]
     values = candidates.tolist()
-    if not _packs(plist, values[-1], stages, mem):
+    if _pack_ends(plist, values[-1], stages, mem) is None:
         return None
     # Gallop up from the smallest candidate (a memory limit usually moves the optimum only a
     # few sums above the time-only one), then bisect the bracket: the smallest feasible index.
     lo, hi, probe, stride = 0, len(values) - 1, 0, 1
     while probe < hi:
-        if _packs(plist, values[probe], stages, mem):
+        if _pack_ends(plist, values[probe], stages, mem) is not None:
             hi = probe
             break
         lo = probe + 1
         probe, stride = min(lo + stride, hi), stride * 2
     while lo < hi:
         mid = (lo + hi) // 2
-        if _packs(plist, values[mid], stages, mem):
+        if _pack_ends(plist, values[mid], stages, mem) is not None:
             hi = mid
         else:
             lo = mid + 1
