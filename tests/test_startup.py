@@ -225,6 +225,7 @@ def test_suggest_skips_start_up_work_it_does_not_need():
         "import pydantic.plugin._loader as loader, tokenize\n"
         "print(json.dumps({'code': code, 'threads': len(os.listdir('/proc/self/task')),\n"
         "                  'tokenize_regex': tokenize._compile.cache_info().currsize,\n"
+        "                  'difflib': 'difflib' in sys.modules,\n"
         "                  'numpy': 'numpy' in sys.modules, 'scanned': loader._plugins is not None,\n"
         "                  'left': [k for k in %r if k in os.environ]}))\n" % (_LEAN,)
     )
@@ -236,6 +237,7 @@ def test_suggest_skips_start_up_work_it_does_not_need():
     # no pydantic default_factory is a builtin (``list``): reading a builtin's signature compiles
     # tokenize's regex (~5 ms), and nothing else on this path needs it
     assert result["tokenize_regex"] == 0
+    assert result["difflib"] is False  # only a mistyped model or profile name needs "did you mean"
 
 
 def test_lean_environment_keeps_the_users_values_and_spares_run():

@@ -7,7 +7,6 @@ and the field, so the CLI exits with status 2 and no traceback.
 
 from __future__ import annotations
 
-import difflib
 import functools
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,8 @@ def _looks_like_path(text: str) -> bool:
 
 
 def _unknown_name_message(name: str) -> str:
+    import difflib  # only for a mistyped name: off the start-up path
+
     known = list_profiles()
     close = difflib.get_close_matches(name.lower(), known + list(ALIASES), n=3, cutoff=0.5)
     close = list(dict.fromkeys(ALIASES.get(c, c) for c in close))
@@ -168,6 +169,8 @@ def _parse_yaml(path: Path, text: str) -> dict[str, Any]:
 
 def _describe(source: str, err: ValidationError) -> str:
     """describe_validation_error plus 'did you mean' for misspelled field names."""
+    import difflib  # only for a broken file: off the start-up path
+
     message = describe_validation_error(source, err)
     hints = []
     for item in err.errors():

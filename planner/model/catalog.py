@@ -9,7 +9,6 @@ a directory holding a config.json.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import warnings
@@ -131,6 +130,8 @@ def _load_file(path: Path) -> ModelSpec:
 
 
 def _unknown(name: str) -> UserError:
+    import difflib  # only for a mistyped name: off the start-up path
+
     close = difflib.get_close_matches(name.strip().lower(), list(_aliases()), n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
     return UserError(f"unknown model {name!r}: not a preset, an alias or an existing config.json path.{hint} "
