@@ -88,3 +88,59 @@ def test_stage_memory_bounds_the_real_stage_peak_from_above(name: str, cons: Con
                 start += int(c)
             checked += 1
     assert checked >= 5
+
+
+@pytest.mark.parametrize(("name", "nodes", "cons"), [
+    ("vl2", 1, CONS),
+    ("llama-3.1-8b", 1, Constraints(pp=(2, 4), micro_batch=(1, 2), recompute=("none", "selective"),
+                                    virtual_stages=(1,), framework=("megatron", "deepspeed"))),
+    ("deepseek-vl2-tiny", 1, Constraints(pp=(2, 4), virtual_stages=(1,), recompute=("none",))),
+])
+def test_split_time_bound_holds_for_every_split(name: str, nodes: int, cons: Constraints) -> None:
+    """The bound that orders and stops the rebalancing (bounds.split_time_bound) is never above
+    the step time of the time-optimal split, of the memory-limited one, or of random splits."""
+    from planner.search.bounds import lower_bounds, split_time_bound
+
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    images, tiles = (1, 2) if model.is_vlm else (0, 0)
+    wl = Workload(global_batch=64, seq_len=4096, images_per_sample=images, tiles_per_image=tiles)
+    space = _space(model, cluster, 64, cons)
+    ev = Evaluator(model, cluster, wl)
+    prep = ev.prepare(space)
+    rows, out = ev.evaluate(prep)
+    pipelined = rows[space.columns["pp"][rows] > 1]
+    bound = split_time_bound(ev, prep, pipelined)
+    time_lb, _ = lower_bounds(ev, prep)
+    step = dict(zip(rows.tolist(), out.step_time.tolist()))
+    assert len(pipelined) >= 9
+    assert np.all(bound >= time_lb[pipelined] * (1 - 1e-8))  # never looser than the generic bound
+    assert np.any(bound > time_lb[pipelined] * 1.01)  # and tighter somewhere
+    rng = np.random.default_rng(1)
+    units = len(ev.units)
+    for j, i in enumerate(pipelined.tolist()):
+        assert bound[j] <= step[i]
+        pp = int(space.columns["pp"][i])
+        for _ in range(3):  # any other contiguous split is slower than the bound as well
+            cuts = np.sort(rng.choice(np.arange(1, units), pp - 1, replace=False))
+            counts = np.diff(np.concatenate(([0], cuts, [units])))
+            ev.overrides[i] = (ev._blocks(tuple(int(c) for c in counts)), 0.0)
+            assert bound[j] <= ev.evaluate_one(prep, i)[0]
+        del ev.overrides[i]
+        mem = memfit.stage_memory(ev, prep, i)
+        part = memfit.optimal_partition(ev.unit_costs(ev.table(*_table_args(prep, i)), *_mode_b(prep, i)), pp,
+                                        memory=mem)
+        if part.fits:
+            ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)
+            assert bound[j] <= ev.evaluate_one(prep, i)[0]
+            del ev.overrides[i]
+
+
+def _table_args(prep, i: int) -> tuple:
+    tp, sp, ep, _, _, pp, _, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
+    return tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)]
+
+
+def _mode_b(prep, i: int) -> tuple[int, int]:
+    _, _, _, b, mode, *_ = (int(x) for x in prep.keys[prep.inverse[i]])
+    return mode, b

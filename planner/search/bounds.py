@@ -73,3 +73,24 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     allocated = (states + stored * inflight_last) / pp + mem.NCCL_BYTES_PER_GROUP * groups
     mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
     return time_lb, mem_lb
+
+
+def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.ndarray:
+    """A step-time bound for plain 1F1B candidates (vs = 1) whose time-optimal split is known,
+    valid for every other split too (the memory-limited ones of planner/search/memfit.py).
+
+    Any split's slowest rank takes at least the optimal bottleneck B of its blocks' times
+    (the optimum minimises exactly that maximum; pipeline sends only add), and the ranks
+    together at least S, the sum over blocks; with the step ``m T_w + (S' - T_w) + ...``
+    growing in T_w and S', it is at least ``(m - 1) B + S``. Tighter than ``lower_bounds``'s
+    ``(m - 1) S / pp + S`` because B >= S / pp.
+    """
+    c = prep.space.columns
+    out = np.empty(len(rows))
+    for j, i in enumerate(rows):
+        tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
+        table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
+        costs = ev.unit_costs(table, mode, b)
+        bottleneck = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
+        out[j] = (int(c["grad_accum"][i]) - 1) * bottleneck + float(sum(costs))
+    return out * (1 - 1e-9)  # rounding between the two sums must not lift the bound

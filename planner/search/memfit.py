@@ -28,8 +28,10 @@ if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator, Prepared
 
 # Candidates rebalanced per search at most (best time bound first): each costs a memory-
-# constrained partition and one exact evaluation.
-MAX_REBALANCED = 64
+# constrained partition and one exact evaluation (~2 ms). The search stops well before this
+# once the bound of the next candidate passes the K-th plan (bounds.split_time_bound): on the
+# presets it rebalances 20-100. The cap only guards against pathological spaces.
+MAX_REBALANCED = 512
 
 
 def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:

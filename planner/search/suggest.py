@@ -64,7 +64,8 @@ class SuggestResult:
     objective: str
     why: str = ""  # one line: why the best plan beat the runner-up
     elapsed_s: float = 0.0
-    cpu_s: float = 0.0  # CPU seconds of the search, all threads (start-up and imports excluded)
+    cpu_s: float = 0.0  # CPU seconds of the search proper: space, bounds, evaluation, ranking
+    setup_cpu_s: float = 0.0  # CPU seconds before it: loading the model and hardware, building the cluster
     closest: Plan | None = None  # nothing fits: the plan nearest to fitting
     advice: list[str] = field(default_factory=list)
 
@@ -78,7 +79,7 @@ class SuggestResult:
             "plans": [p.to_json() for p in self.plans],
             "evaluated": self.evaluated, "rejected": dict(self.rejected),
             "search": {"fully_evaluated": self.fully_evaluated, "pruned_by_bound": self.pruned,
-                       "elapsed_s": self.elapsed_s, "cpu_s": self.cpu_s},
+                       "elapsed_s": self.elapsed_s, "cpu_s": self.cpu_s, "setup_cpu_s": self.setup_cpu_s},
             "why": self.why,
         }
 
@@ -192,10 +193,12 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
               "optimizer": optimizer, "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer,
               "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
+    search_cpu_started = time.process_time()
     space = _space(model, cluster, gb, cons)
     result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress)
     result.elapsed_s = time.perf_counter() - started
-    result.cpu_s = time.process_time() - cpu_started
+    result.cpu_s = time.process_time() - search_cpu_started
+    result.setup_cpu_s = search_cpu_started - cpu_started
     if not result.plans:
         result.advice = _advice(model, profile, nodes, workload, cons, balancer)
         raise NoPlanFits(_nothing_fits_message(result, profile), result)
@@ -331,13 +334,20 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
                       & (time_lb <= bar()))[0]
     if not rows.size:
         return
+    from planner.search.bounds import split_time_bound
     from planner.search.memfit import MAX_REBALANCED, rebalance
 
-    # Best time bound first, a few at a time: once the bound of the next one passes the K-th
-    # plan found so far, no later one can enter the top K (the same test as the main loop).
-    rows = rows[np.argsort(time_lb[rows], kind="stable")][:MAX_REBALANCED]
+    # Their time-optimal split is known now, which bounds every other split more tightly.
+    bound = np.maximum(time_lb[rows], split_time_bound(ev, prep, rows))
+    if objective != "memory":
+        keep = bound <= bar()
+        rows, bound = rows[keep], bound[keep]
+    # Best bound first, a few at a time: once the bound of the next one passes the K-th plan
+    # found so far, no later one can enter the top K (the same test as the main loop).
+    order = np.argsort(bound, kind="stable")[:MAX_REBALANCED]
+    rows, bound = rows[order], bound[order]
     pos, batch = 0, 8
-    while pos < len(rows) and time_lb[rows[pos]] <= bar():
+    while pos < len(rows) and bound[pos] <= bar():
         for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch]):
             step[i], peak[i], cpu[i] = s, p, u
         pos += batch
