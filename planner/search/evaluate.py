@@ -419,6 +419,20 @@ class Evaluator:
         step, peak, cpu = assemble(self, col, {k: v[None, :] for k, v in ranks.items()}, pp)
         return float(step[0]), float(peak[0]), float(cpu[0])
 
+    def evaluate_rows(self, prep: "Prepared", rows: list[int]) -> dict[int, tuple[float, float, float]]:
+        """``evaluate_one`` of many candidates, assembled together per pipeline depth."""
+        by_pp: dict[int, list[tuple[int, dict[str, np.ndarray]]]] = {}
+        for i in rows:
+            _, ranks, _, pp, _ = self._one(prep, i)
+            by_pp.setdefault(pp, []).append((i, ranks))
+        out = {}
+        for pp, items in by_pp.items():
+            idx = np.array([i for i, _ in items])
+            stacked = {k: np.stack([r[k] for _, r in items]) for k in items[0][1]}
+            step, peak, cpu = assemble(self, {k: v[idx] for k, v in prep.space.columns.items()}, stacked, pp)
+            out.update({i: (float(step[j]), float(peak[j]), float(cpu[j])) for j, (i, _) in enumerate(items)})
+        return out
+
     def _one(self, prep: "Prepared", i: int):
         tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[prep.inverse[i]])
         table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])

@@ -82,7 +82,7 @@ def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> list[tuple
     Returns (candidate, step time, peak bytes, CPU bytes per node) for each that now fits;
     its split is recorded in ``ev.overrides`` so the Plan built later uses it.
     """
-    out = []
+    fitted = []
     for i in rows[:MAX_REBALANCED]:
         i = int(i)
         tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
@@ -90,10 +90,11 @@ def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> list[tuple
         # The time-only optimum of the same split problem: no memory-limited split beats it.
         fastest = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
         part = optimal_partition(ev.unit_costs(table, mode, b), pp, memory=stage_memory(ev, prep, i), lower=fastest)
-        if not part.fits:
-            continue
-        ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)
-        step, peak, cpu = ev.evaluate_one(prep, i)
+        if part.fits:
+            ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)
+            fitted.append(i)
+    out = []
+    for i, (step, peak, cpu) in ev.evaluate_rows(prep, fitted).items():
         if peak <= ev.cluster.profile.gpu.memory_bytes:
             out.append((i, step, peak, cpu))
         else:  # cannot happen while stage_memory bounds assemble from above; keep the plan honest anyway
