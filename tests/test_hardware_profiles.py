@@ -314,3 +314,13 @@ def test_readme_documents_every_schema_field():
     for model in (HardwareProfile, GPU, Node, IntraNode, NIC, Fabric):
         for field in model.model_fields:
             assert f"| `{field}` |" in readme, f"{model.__name__}.{field} is not documented"
+
+
+
+def test_yaml_merge_keys_merge_and_local_keys_override() -> None:
+    """Anchors and ``<<:`` merges are how people keep variants of one machine in YAML; the
+    duplicate-key check must not refuse them, and a key given beside the merge wins."""
+    from planner.hardware.load import _load_yaml
+
+    text = "a: &base {x: 1, y: 2}\nb:\n  <<: *base\n  y: 3\n"
+    assert _load_yaml(text) == {"a": {"x": 1, "y": 2}, "b": {"x": 1, "y": 3}}

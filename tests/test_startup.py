@@ -267,6 +267,7 @@ _TRICKY_YAML = [
     "s: 'it''s'\nt: \"tab\\tand \\u00e9\"\nu: |\n  two\n  lines\nv: >-\n  folded\n  text\nw: ~\nx: yes\ny: Off\nz: 2024-01-02\n",
     "name: h\u00e9llo w\u00f6rld \u2014 \U0001F680\n'quoted key': [a, 'b', \"c\"]\n? complex\n: value\n",
     "nested:\n  - {a: 1}\n  - - x\n    - y\n  -\n    k: v\n",
+    "a: &base {x: 1, y: 2}\nb:\n  <<: *base\n  y: 3\n",  # merge keys; a key given here overrides the merged one
 ]
 
 _BROKEN_YAML = [
@@ -277,7 +278,7 @@ _BROKEN_YAML = [
     "key: value: other\n",
     "\tname: tab\n",
     "a: !!python/object:os.system 1\n",
-    "a: &base {x: 1}\nb:\n  <<: *base\n",  # merge keys: refused by the duplicate-key check (both parsers)
+    "a: &base {x: 1}\nb:\n  <<: *base\n  y: 2\n  y: 3\n",  # a duplicate beside a merge key
 ]
 
 
