@@ -32,25 +32,26 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     block_sum = np.zeros(len(prep.keys))
     per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
     k = prep.keys
-    selections, groups = {}, {}
-    for (tp, sp, ep), micro in prep.micro.items():
-        sel = (k[:, 0] == tp) & (k[:, 1] == sp) & (k[:, 2] == ep)
-        first = k[np.argmax(sel)]
-        selections[tp, sp, ep] = sel
-        groups[tp, sp, ep] = (int(first[7]), int(first[5]), micro)
+    # Keys are sorted by a code whose leading digits are (tp, sp, ep): each group is one run.
+    cuts = np.concatenate(([0], np.flatnonzero(np.any(np.diff(k[:, :3], axis=0) != 0, axis=1)) + 1, [len(k)]))
+    runs = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    groups = {}
+    for a, _ in runs:
+        tp, sp, ep = (int(x) for x in k[a, :3])
+        groups[tp, sp, ep] = (int(k[a, 7]), int(k[a, 5]), prep.micro[tp, sp, ep])
     ev.tables(groups)  # every group's table in one pass
-    for (tp, sp, ep), micro in prep.micro.items():
-        sel = selections[tp, sp, ep]
-        dp, pp, _ = groups[tp, sp, ep]
+    for a, b in runs:
+        tp, sp, ep = (int(x) for x in k[a, :3])
+        dp, pp, micro = groups[tp, sp, ep]
         table = ev.table(tp, sp, ep, dp, pp, micro)
         # [mode, b] sums of per-block micro-batch time, and [mode] stored bytes per sample
         sums = (table.fwd + table.bwd)[None, :, :].sum(axis=2) + (table.rc + table.tp + table.ep).sum(axis=2)
-        bi = np.searchsorted(np.array(table.micro_batches), k[sel, 3])
-        mode = k[sel, 4]
-        block_sum[sel] = sums[mode, bi]
-        per_sample[sel, 0] = table.params.sum()
-        per_sample[sel, 1] = table.expert.sum()
-        per_sample[sel, 2] = table.act.sum(axis=1)[mode] * k[sel, 3]
+        bi = np.searchsorted(np.array(table.micro_batches), k[a:b, 3])
+        mode = k[a:b, 4]
+        block_sum[a:b] = sums[mode, bi]
+        per_sample[a:b, 0] = table.params.sum()
+        per_sample[a:b, 1] = table.expert.sum()
+        per_sample[a:b, 2] = table.act.sum(axis=1)[mode] * k[a:b, 3]
     S = block_sum[prep.inverse]
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)

@@ -176,7 +176,11 @@ class Evaluator:
         if not todo:
             return
         mbs = tuple(sorted({b for _, _, micro in groups.values() for b in micro}))
-        specs = [(tp, bool(sp), ep, self.shapes(tp, ep, dp, pp)) for (tp, sp, ep), dp, pp in todo]
+        # Tables read only the TP and EP group shapes, which depend on tp and ep alone.
+        shapes: dict[tuple[int, int], Shapes] = {}
+        for (tp, _, ep), dp, pp in todo:
+            shapes.setdefault((tp, ep), self.shapes(tp, ep, dp, pp))
+        specs = [(tp, bool(sp), ep, shapes[tp, ep]) for (tp, sp, ep), _, _ in todo]
         for (key, _, _), table in zip(todo, self._block_tables(specs, mbs)):
             self._tables[key] = table
 
