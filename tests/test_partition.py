@@ -102,6 +102,38 @@ def test_optimal_with_memory_is_exact_against_brute_force(seed: int) -> None:
         assert memory.stage_bytes(s, a, b) <= capacity * (1 + 1e-12)
 
 
+
+@pytest.mark.parametrize("seed", range(40))
+def test_memory_limited_split_has_the_longest_last_stages(seed: int) -> None:
+    """Among the optimal splits that fit, the balancer returns the one whose last stage is
+    longest, then the one before it, and so on (early 1F1B stages hold the most micro-batches,
+    so they stay as light as the bottleneck allows): checked against every split."""
+    from itertools import combinations
+
+    rng = random.Random(5000 + seed)
+    n = rng.randint(4, 11)
+    stages = rng.randint(2, min(n, 5))
+    costs = [float(rng.choice([1, 2, 3])) if seed % 2 else rng.uniform(0.5, 5.0) for _ in range(n)]  # ties too
+    state = [rng.uniform(1.0, 6.0) for _ in range(n)]
+    act = [rng.uniform(0.1, 1.0) for _ in range(n)]
+    memory = StageMemory(state=state, act=act, inflight=[stages - s for s in range(stages)], base=[1.0] * stages,
+                         capacity=rng.uniform(0.5, 1.0) * (sum(state) + stages * sum(act)))
+    o = optimal_partition(costs, stages, memory)
+    best = None
+    for cuts in combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        counts = tuple(bounds[k + 1] - bounds[k] for k in range(stages))
+        if any(memory.stage_bytes(s, bounds[s], bounds[s + 1]) > memory.capacity for s in range(stages)):
+            continue
+        bottleneck = max(sum(costs[bounds[k]:bounds[k + 1]]) for k in range(stages))
+        key = (round(bottleneck, 9), tuple(-c for c in reversed(counts)))
+        if best is None or key < best[0]:
+            best = (key, counts)
+    if best is None:
+        assert not o.fits
+        return
+    assert o.fits and o.counts == best[1]
+
 def test_memory_limit_moves_layers_off_the_crowded_first_stage() -> None:
     costs = [1.0] * 8
     # Without memory: 4 + 4. The first stage holds 2 in-flight micro-batches, so with a tight

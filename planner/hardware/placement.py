@@ -118,7 +118,8 @@ def shape_of(cluster: Cluster, groups: np.ndarray, stride: int, what: str = "gro
     """Summarise rows of ranks as one GroupShape; groups that split unevenly over nodes are refused."""
     size = groups.shape[1]
     g = cluster.gpus_per_node
-    nodes = groups // g
+    # Sorted once: node, leaf and pod numbers are monotone in the node, so each row stays sorted.
+    nodes = np.sort(groups // g, axis=1)
     spanned = _distinct_per_row(nodes)
     if spanned.min() != spanned.max() or size % int(spanned[0]):
         raise UserError(
@@ -127,7 +128,7 @@ def shape_of(cluster: Cluster, groups: np.ndarray, stride: int, what: str = "gro
         )
     m = int(spanned[0])
     r = size // m
-    per_node = np.sort(nodes, axis=1)
+    per_node = nodes
     if m > 1 and not np.all(per_node.reshape(len(groups), m, r) == per_node.reshape(len(groups), m, r)[:, :, :1]):
         raise UserError(
             f"{what} groups of {size} ranks split unevenly across nodes (not {r} ranks on each of {m} nodes); "
@@ -154,8 +155,8 @@ def links_crossed(cluster: Cluster, shape: GroupShape) -> tuple[str, ...]:
 
 
 def _distinct_per_row(a: np.ndarray) -> np.ndarray:
-    s = np.sort(a, axis=1)
-    return 1 + np.count_nonzero(np.diff(s, axis=1), axis=1)
+    """Distinct values in each row of ``a``, whose rows are sorted."""
+    return 1 + np.count_nonzero(np.diff(a, axis=1), axis=1)
 
 
 def contiguous_shape(cluster: Cluster, size: int, what: str = "--group-size") -> GroupShape:

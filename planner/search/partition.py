@@ -9,8 +9,8 @@ the balancers minimise the bottleneck. Two are offered because users meet both i
 - ``optimal``: the contiguous partition with the smallest bottleneck, subject to every
   stage fitting in memory. Exact: the optimal bottleneck is one of the O(n^2) segment sums,
   so we binary-search those with an exact feasibility test (a greedy max-pack, exact also
-  with per-stage memory such as 1F1B's in-flight micro-batches), then rebuild the split
-  with a reachability sweep over stage ends.
+  with per-stage memory such as 1F1B's in-flight micro-batches); with memory, the split is
+  the same pack walked back from the last layer (longest last stages).
 
 Costs are plain floats (seconds of forward+backward per micro-batch); memory is described
 by ``StageMemory`` (additive per layer, with per-stage multipliers), so both functions are
@@ -108,47 +108,6 @@ def greedy_partition(costs: Sequence[float], stages: int) -> Partition:
     return Partition(tuple(counts), _stage_costs(costs, counts))
 
 
-def _far_ends(prefix: np.ndarray, limit: float) -> np.ndarray:
-    """For each start i, the furthest end j with prefix[j] - prefix[i] <= limit."""
-    # Relative slack so sums that equal the limit are not lost to rounding.
-    eps = 1e-12 * max(1.0, abs(limit))
-    return np.searchsorted(prefix, prefix + limit + eps, side="right") - 1
-
-
-def _reachable(prefix: np.ndarray, limit: float, stages: int, memory: StageMemory | None,
-               mem_prefixes: list[np.ndarray] | None) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
-    """(reach, far): reach[s][j] is True when layers [0, j) fit exactly s stages (the last
-    entry: all of them); far[s][i] is stage s's furthest end from start i."""
-    n = len(prefix) - 1
-    reach_prev = np.zeros(n + 1, dtype=bool)
-    reach_prev[0] = True
-    history = []
-    idx = np.arange(n + 1)
-    far_time = _far_ends(prefix, limit)
-    for s in range(stages):
-        far = far_time
-        if memory is not None and mem_prefixes is not None:
-            cap = memory.capacity - float(memory.base[s])
-            meps = 1e-12 * max(1.0, abs(cap))
-            w = mem_prefixes[s]
-            far = np.minimum(far_time, np.searchsorted(w, w + cap + meps, side="right") - 1)
-        starts = idx[reach_prev & (far > idx)]
-        if starts.size == 0:
-            return None
-        # Ends reachable from start i: (i, far[i]]. j is in the union when some start before
-        # it reaches at least j (a running maximum of the furthest ends).
-        furthest = np.full(n + 1, -1, dtype=np.int64)
-        furthest[starts + 1] = far[starts]
-        reach = np.maximum.accumulate(furthest) >= idx
-        # Leave at least one layer for each stage still to come.
-        reach[n - (stages - s - 1) + 1:] = False
-        history.append((reach_prev, far))
-        reach_prev = reach
-    if not reach_prev[n]:
-        return None
-    return [h[0] for h in history] + [reach_prev], [h[1] for h in history]
-
-
 def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None,
                       upper: float | None = None, lower: float | None = None) -> Partition:
     """The contiguous partition minimising the slowest stage, every stage within memory.
@@ -164,19 +123,19 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
         return Partition(counts, _stage_costs(costs, counts))
     if len(memory.inflight) < stages:
         raise ValueError("memory.inflight needs one entry per stage")
-    prefix, _, _, _, all_sums = _cost_profile(tuple(float(c) for c in costs))
+    _, prefix, _, total, all_sums = _cost_profile(tuple(float(c) for c in costs))
     state = np.asarray(memory.state, dtype=float)
     act = np.asarray(memory.act, dtype=float)
     inflight = np.asarray(memory.inflight[:stages], dtype=float)
     # Row s: prefix sums of stage s's bytes per layer (one cumsum over [stage x layer]).
     weights = np.zeros((stages, len(costs) + 1))
     np.cumsum(state[None, :] + inflight[:, None] * act[None, :], axis=1, out=weights[:, 1:])
-    mem_prefixes = list(weights)
-    floor = max(float(np.max(costs)), float(prefix[-1]) / stages, lower or 0.0)
-    candidates = all_sums[np.searchsorted(all_sums, floor * (1 - 1e-12), side="left"):]
-    result = _search(prefix, candidates, stages, memory, mem_prefixes)
+    mem = [(row, memory.capacity - float(memory.base[s])) for s, row in enumerate(weights.tolist())]
+    floor = max(float(np.max(costs)), total / stages, lower or 0.0)
+    values = all_sums[np.searchsorted(all_sums, floor * (1 - 1e-12), side="left"):].tolist()
+    result = _search(prefix, values, stages, mem)
     if result is None:
-        counts = _search(prefix, candidates, stages, None, None)
+        counts = _search(prefix, values, stages, None)
         assert counts is not None  # without memory the whole sum always works
         return Partition(counts, _stage_costs(costs, counts), fits=False)
     return Partition(result, _stage_costs(costs, result))
@@ -232,8 +191,7 @@ def _pack_ends(prefix: list[float], limit: float, stages: int,
     Every stage's furthest end is non-decreasing in its start (costs and bytes are
     non-negative), so the stage ends of this pack are never behind those of any valid
     partition: if any partition meets ``limit``, this one does. Per-stage memory limits
-    (1F1B's in-flight micro-batches) keep that property, so the test needs no reachability
-    sweep; the sweep (``_reachable``) runs once, to rebuild a memory-limited split."""
+    (1F1B's in-flight micro-batches) keep that property."""
     from bisect import bisect_right
 
     n = len(prefix) - 1
@@ -259,14 +217,10 @@ def _pack_ends(prefix: list[float], limit: float, stages: int,
     return ends
 
 
-def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: StageMemory | None,
-            mem_prefixes: list[np.ndarray] | None) -> tuple[int, ...] | None:
-    """Binary search the smallest feasible candidate bottleneck; rebuild its partition."""
-    plist = prefix.tolist()
-    mem = None
-    if memory is not None and mem_prefixes is not None:
-        mem = [(mem_prefixes[s].tolist(), memory.capacity - float(memory.base[s])) for s in range(stages)]
-    values = candidates.tolist()
+def _search(prefix: list[float], values: list[float], stages: int,
+            mem: list[tuple[list[float], float]] | None) -> tuple[int, ...] | None:
+    """The split at the smallest feasible bottleneck among ``values`` (sorted), else None."""
+    plist = prefix
     if _pack_ends(plist, values[-1], stages, mem) is None:
         return None
     # Gallop up from the smallest candidate (a memory limit usually moves the optimum only a
@@ -284,27 +238,38 @@ def _search(prefix: np.ndarray, candidates: np.ndarray, stages: int, memory: Sta
             hi = mid
         else:
             lo = mid + 1
-    limit = values[lo]
-    sweep = _reachable(prefix, limit, stages, memory, mem_prefixes)
-    assert sweep is not None
-    return _backtrack(limit, stages, sweep)
+    return _pack_back(plist, values[lo], stages, mem)
 
 
-def _backtrack(limit: float, stages: int, sweep: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[int, ...]:
-    """Walk back from the last layer choosing, for each stage, the earliest valid start.
-
-    Earliest start = the longest last stages, which keeps early stages (which hold the most
+def _pack_back(prefix: list[float], limit: float, stages: int,
+               mem: list[tuple[list[float], float]] | None) -> tuple[int, ...]:
+    """The split at a feasible ``limit`` with the longest last stages: walking back from the
+    last layer, each stage starts as early as time and its memory allow, leaving one layer
+    for each earlier stage. Long last stages keep the early stages (which hold the most
     in-flight micro-batches under 1F1B) as light as the bottleneck allows.
-    """
-    reach, far = sweep
-    end = len(reach[0]) - 1
-    counts: list[int] = []
-    for s in range(stages - 1, -1, -1):
-        ok = np.nonzero(reach[s][:end] & (far[s][:end] >= end))[0]
-        start = int(ok[0])
+
+    Exact for the same reason as ``_pack_ends``, mirrored: each stage's earliest start is
+    non-decreasing in its end, so this walk is never ahead of any valid split and the first
+    stage, what is left, fits whenever some split meets ``limit``."""
+    from bisect import bisect_left
+
+    eps = 1e-12 * max(1.0, abs(limit))
+    end, counts = len(prefix) - 1, []
+    for s in range(stages - 1, 0, -1):
+        if mem is None:
+            def fits(i: int) -> bool:
+                return prefix[end] <= prefix[i] + limit + eps
+        else:
+            weights, cap = mem[s]
+            meps = 1e-12 * max(1.0, abs(cap))
+
+            def fits(i: int) -> bool:
+                return prefix[end] <= prefix[i] + limit + eps and weights[end] <= weights[i] + cap + meps
+        start = bisect_left(range(s, end), True, key=fits) + s  # the first start in [s, end) that fits
+        assert start < end, "limit is not feasible"
         counts.append(end - start)
         end = start
-    assert end == 0
+    counts.append(end)
     return tuple(reversed(counts))
 
 
