@@ -2,16 +2,32 @@
 
 DeepSpeed runs on CPU here: every test process (and the launchers it starts) gets
 DS_ACCELERATOR=cpu unless the caller set something else.
+
+DeepSpeed JIT-compiles its ops into TORCH_EXTENSIONS_DIR. The build files name the
+interpreter's torch headers, so two virtual environments sharing one cache rebuild every op
+each time they alternate; the tests get a cache of their own per interpreter (unless the
+caller set one). The ops are built once per session, before any launch, so a launch's
+timeout measures training, not a compiler on a busy machine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
+    Path.home() / ".cache" / "torch_extensions" / f"dsplan-tests-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}"))
+
+# DeepSpeed ops the CPU jobs load: the shared-memory comm op (every launch), fused Adam (ZeRO
+# 0-2 without offload), CPU Adam (optimizer offload).
+DEEPSPEED_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")
+STALE_LOCK_S = 1200  # no op takes this long to build: a lock this old is a killed build's
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_REFERENCE = REPO_ROOT.parent / "shared" / "reference"
@@ -22,3 +38,23 @@ def reference_dir() -> Path:
     """../shared/reference: published facts the tests check against (present in CI)."""
     assert SHARED_REFERENCE.is_dir(), f"reference data missing at {SHARED_REFERENCE}"
     return SHARED_REFERENCE
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_ops_first(request: pytest.FixtureRequest) -> None:
+    """Tests marked ``deepspeed`` launch real jobs: have their ops built first."""
+    if request.node.get_closest_marker("deepspeed") is not None:
+        request.getfixturevalue("deepspeed_ops")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops() -> None:
+    """Build (or load from the cache) the DeepSpeed ops the launched jobs use."""
+    from deepspeed.accelerator import get_accelerator
+
+    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    for lock in cache.glob("**/lock"):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+    for name in DEEPSPEED_OPS:
+        get_accelerator().create_op_builder(name).load(verbose=False)

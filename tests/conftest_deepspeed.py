@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from planner.model.spec import (
     VisionEmbedBlock,
     VisionTiling,
 )
+from planner.run.processes import remove_shm_buffers
 from planner.run.rundir import default_ds_config, write_run_dir, PlanFile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -109,13 +111,40 @@ def launcher_env() -> dict[str, str]:
     return env
 
 
+def run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own and kill the whole session when it ends or times
+    out: the launcher's ranks must not outlive a failed test (an orphan rank waiting on a
+    build lock or a collective keeps spinning and holds the lock for the next run)."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=launcher_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        proc.communicate()
+        raise
+    finally:
+        _kill_session(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_deepspeed(run_dir: Path, *extra: str, num_procs: int = 2, check: bool = True) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus N --module planner.run.trainer ...`` on this machine's CPUs."""
-    cmd = [DEEPSPEED, "--num_gpus", str(num_procs), "--master_port", str(free_port()), "--module",
+    port = free_port()
+    cmd = [DEEPSPEED, "--num_gpus", str(num_procs), "--master_port", str(port), "--module",
            "planner.run.trainer", "--run-dir", str(run_dir), "--deepspeed_config", str(run_dir / "ds_config.json"),
            *extra]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=launcher_env(), capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    proc = run_group(cmd, LAUNCH_TIMEOUT_S)
+    # Shared-memory buffers the job left (the trainer removes its own at a clean exit; a rank
+    # that crashes on purpose cannot): counted for the tests, then removed.
+    proc.shm_left = remove_shm_buffers("127.0.0.1", port)  # type: ignore[attr-defined]
     (run_dir / "launcher.log").write_text(proc.stdout + proc.stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exited {proc.returncode}; tail:\n{(proc.stdout + proc.stderr)[-4000:]}")

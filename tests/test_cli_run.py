@@ -210,3 +210,24 @@ def test_measure_takes_the_later_attempt_and_skips_warmup():
     assert m["peak_memory_bytes_per_rank"] == {"0": 100_008_000, "1": 100_008_007}
     assert relative_error(2.0, 1.6) == pytest.approx(0.25) and relative_error(1.0, None) is None
     assert relative_error(1.0, 0) is None
+
+
+def test_remove_shm_buffers_takes_only_that_jobs_buffers():
+    """DeepSpeed's CPU all-reduce leaves /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    behind; the supervisor removes its own job's, and nothing else (another job, another port)."""
+    from planner.run.processes import SHM_DIR, remove_shm_buffers, shm_buffer_name
+
+    port = 40000 + os.getpid() % 20000
+    mine = [Path(SHM_DIR) / shm_buffer_name("127.0.0.1", port, r) for r in (0, 1, 12)]
+    others = [Path(SHM_DIR) / shm_buffer_name("127.0.0.1", port + 1, 0),  # another job
+              Path(SHM_DIR) / shm_buffer_name("127.0.0.1", f"{port}0", 0),  # a port that starts the same
+              Path(SHM_DIR) / (shm_buffer_name("127.0.0.1", port, 0) + "x")]
+    try:
+        for path in mine + others:
+            path.write_bytes(b"\0" * 16)
+        assert remove_shm_buffers("127.0.0.1", port) == 3
+        assert not any(p.exists() for p in mine)
+        assert all(p.exists() for p in others)
+    finally:
+        for path in mine + others:
+            path.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli_run import generate
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900  # a fresh machine JIT-builds DeepSpeed's ops on the first start (minutes)
@@ -150,6 +152,12 @@ def test_killed_and_hung_ranks_restart_from_the_last_checkpoint(tmp_path):
     log = run.log()
     assert code == 0, log[-4000:]
     assert job_pids(run.job_id) == []  # nothing of the job is left
+    # nor DeepSpeed's shared-memory buffers, of the killed and the frozen ranks' attempts too
+    from planner.run.processes import SHM_BUFFER_PREFIX, SHM_DIR
+
+    ports = set(re.findall(r"MASTER_PORT=(\d+)", log))
+    assert len(ports) == 3  # one per attempt
+    assert not [p for port in ports for p in Path(SHM_DIR).glob(f"{SHM_BUFFER_PREFIX}_*_127.0.0.1_{port}_*")]
     report = json.loads(run.out.read_text())
     assert report == json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed" and report["steps"]["last"] == steps

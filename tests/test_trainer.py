@@ -9,6 +9,8 @@ DeepSpeed's comm op (a few minutes); later runs reuse ~/.cache/torch_extensions.
 from __future__ import annotations
 
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,7 @@ from tests.conftest_deepspeed import (
     run_deepspeed,
     vl2_like,
 )
+
 
 FAST_LR = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
 STEPS = 4
@@ -143,10 +146,12 @@ def test_trainer_bad_run_dir_exits_2_without_traceback(tmp_path):
 def test_zero_stages(tmp_path, stage, recompute, grad_accum):
     run_dir = make_run_dir(tmp_path / "run", llama_like(), FAST_LR, zero_stage=stage, recompute=recompute,
                            grad_accum=grad_accum)
-    run_deepspeed(run_dir, "--steps", str(STEPS))
+    proc = run_deepspeed(run_dir, "--steps", str(STEPS))
     assert_trained(run_dir)
     info = read_info(run_dir, 0)
     assert info["zero_stage"] == stage and info["recompute"] == recompute
+    # DeepSpeed's CPU all-reduce buffers (66 MB of RAM per rank) do not outlive the job.
+    assert proc.shm_left == 0
     records = read_metrics(run_dir, 0)
     assert records[0]["tokens"] == 2 * grad_accum * 2 * 32  # micro x accumulation x dp x seq
     assert "step 4/4 loss" in (run_dir / "launcher.log").read_text()
@@ -233,12 +238,15 @@ def test_two_nodes_on_localhost(tmp_path):
                                "--master_addr", "127.0.0.1", "--master_port", port, "--module", "planner.run.trainer",
                                "--run-dir", str(run_dir), "--steps", str(STEPS)],
                               cwd=REPO_ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for node in (0, 1)]
+                              text=True, start_new_session=True) for node in (0, 1)]
     try:
         outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for p in procs]
     finally:
-        for p in procs:
-            p.kill() if p.poll() is None else None
+        for p in procs:  # each launcher's session: its ranks too
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "step 4/4 loss" in outputs[0]  # rank 0 lives on node 0
     assert_trained(run_dir)

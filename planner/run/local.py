@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 DEFAULT_SCALE = "tiny"
 MAX_LOCAL_SEQ_LEN = 256  # tokens per sample on CPU: keeps a tiny-scale step well under a second
 PROCS_PER_CORE = 2  # more processes than this per core only measure the scheduler
+LOCAL_MASTER_ADDR = "127.0.0.1"  # every simulated node of a --local job runs on this machine
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class LocalPlan:
             "scale": self.scale, "seq_len": self.seq_len, "planned_seq_len": self.planned_seq_len,
             "precision_changed": self.ds_config is not None,
         }
+
 
 
 def max_local_processes(cpu_count: int | None = None) -> int:
@@ -111,7 +113,7 @@ def local_env(local: LocalPlan, node_rank: int, master_port: int, hostfile: Path
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": str(local.threads_per_proc),
         "GPUS_PER_NODE": str(local.procs_per_node),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": LOCAL_MASTER_ADDR,
         "MASTER_PORT": str(master_port),
     }
     if local.nodes > 1:

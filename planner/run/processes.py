@@ -63,3 +63,34 @@ def kill(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# DeepSpeed's CPU shared-memory all-reduce (csrc/cpu/comm/shm.cpp) gives each rank of a job
+# whose ranks share a machine a ~66 MB POSIX shared-memory buffer named
+# deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, and never unlinks it:
+# every CPU job leaves them in /dev/shm (RAM) until reboot (DeepSpeed PR #4115 discussion).
+SHM_DIR = "/dev/shm"
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def shm_buffer_name(master_addr: str, master_port: int | str, rank: int | str) -> str:
+    return f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{master_addr}_{master_port}_{rank}"
+
+
+def remove_shm_buffers(master_addr: str, master_port: int | str) -> int:
+    """Unlink the shared-memory buffers of the job at ``master_addr:master_port``; returns how
+    many. Ranks that still map one keep it until they exit; the name is gone at once."""
+    prefix = shm_buffer_name(master_addr, master_port, "")
+    removed = 0
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.name.startswith(prefix) and entry.name[len(prefix):].isdigit():
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except OSError:
+                pass
+    return removed

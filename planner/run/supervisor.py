@@ -33,7 +33,8 @@ from typing import Any, Callable
 from planner.errors import UserError
 from planner.run import checkpoint
 from planner.run.job import Job
-from planner.run.processes import free_port, job_processes, kill, killpg, signal_name
+from planner.run.local import LOCAL_MASTER_ADDR
+from planner.run.processes import free_port, job_processes, kill, killpg, remove_shm_buffers, signal_name
 
 GRACE_S = 15.0
 POLL_S = 0.2
@@ -153,6 +154,7 @@ class Supervisor:
         self.rank_exits: list[str] = []
         self.log_fh = None
         self.stopping = False  # a signal while stopping shortens the grace period instead of raising
+        self.ports: list[int] = []  # master port of each local attempt
         self.hurry = False
 
     # -- the loop ---------------------------------------------------------------------------
@@ -192,12 +194,16 @@ class Supervisor:
         finally:
             self.stopping = True
             self._stop("cleanup")
+            for port in self.ports:  # the local job's ranks are gone: free DeepSpeed's shm buffers
+                remove_shm_buffers(LOCAL_MASTER_ADDR, port)
             self._restore_signals(previous)
             self.log_fh.close()
         return RunResult(status, started, time.time(), self.attempts, self.restarts, self.records)
 
     def _run_attempt(self, attempt: Attempt, tail: MetricsTail) -> str:
         port = free_port() if self.job.local is not None else None
+        if port is not None:
+            self.ports.append(port)
         commands = self.job.commands(attempt.index, port)
         self.rank_exits = []
         self.procs = []

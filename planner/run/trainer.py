@@ -16,6 +16,8 @@ line per step from rank 0.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
 import resource
@@ -151,6 +153,15 @@ def _train_step(engine: Any, batches: list, pipelined: bool) -> float:
     return float(total)
 
 
+def _release_shm_buffer(rank: int) -> None:
+    from planner.run.processes import SHM_DIR, shm_buffer_name
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, shm_buffer_name(addr, port, rank)))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return train(parse_args(argv))
@@ -191,6 +202,8 @@ def train(args: argparse.Namespace) -> int:
     on_cpu = get_accelerator().device_name() == "cpu"
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if on_cpu:  # DeepSpeed never unlinks its CPU all-reduce buffer: this rank's goes when it exits
+        atexit.register(_release_shm_buffer, rank)
     phase("init_distributed")
     _check_degrees(plan, cfg, world, spec)
 
