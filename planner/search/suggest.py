@@ -4,9 +4,11 @@ Pipeline: resolve the request (defaults printed by the CLI) -> enumerate the spa
 (planner/search/space.py) -> bound every candidate (a step time and a peak memory no
 partition can beat) -> evaluate candidates in full, best bound first, until the bound of
 what is left cannot reach the top K (branch and bound: exact, since the bounds are proven;
-tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rebalance pipelines whose time-balanced split runs out of
-memory under a memory limit (planner/search/memfit.py) -> collapse identical predictions
-(the same layout under two runtimes) -> rank ->
+tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rebalance
+pipelines whose time-balanced split runs out of memory under a memory limit
+(planner/search/memfit.py), best split-independent bound first, until that bound cannot
+reach the top K (bounds.split_time_bound) -> collapse identical predictions (the same
+layout under two runtimes) -> rank ->
 build the winners' ``Plan`` objects from the twin's per-rank parts (planner/search/plans.py;
 tests/test_suggest.py checks they equal ``estimate`` for the same configuration and partition).
 """
