@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from planner.cli.options import constraint_options
+from planner.cli.options import balancer_option, constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.errors import UserError
 
@@ -38,7 +38,7 @@ _SEARCH_FLAGS = (
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="[default: bf16]")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None, help="[default: adamw]")
 @constraint_options
-@click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True)
+@balancer_option
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True)
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",

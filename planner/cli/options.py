@@ -1,5 +1,8 @@
 """Options shared by commands that take parallel degrees (``suggest``, ``generate``, ``plot``, ``estimate``).
 
+``workload_options`` (the batch, sequence, images, precision and optimizer flags) and
+``balancer_option`` are defined once for the commands that search (``suggest``, ``plot``).
+
 Each degree flag takes one value or a comma list (``--pp 2,4``); ``parse_int_list`` and
 ``parse_choice_list`` turn the text into a tuple and raise UserError naming the flag, so a
 typo exits with status 2 and one message. ``estimate`` wants exactly one value per flag;
@@ -67,6 +70,38 @@ _CONSTRAINT_FLAGS = (
     ("--virtual-stages", "Interleaved pipeline chunks per rank (one or a comma list) [default: 1,2,4]."),
     ("--framework", "deepspeed, megatron-deepspeed, megatron (one or a comma list)."),
 )
+
+
+def workload_options(global_batch_help: str):
+    """--global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
+    --precision and --optimizer, with the model's defaults."""
+    import click
+
+    decorators = [
+        click.option("--global-batch", type=int, default=None, help=global_batch_help),
+        click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length]."),
+        click.option("--images-per-sample", type=int, default=None,
+                     help="Vision-language models: images per sample [default: the model's]."),
+        click.option("--tiles-per-image", type=int, default=None,
+                     help="Vision-language models: local tiles per image [default: the model's]."),
+        click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True),
+        click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True),
+    ]
+
+    def apply(command):
+        for decorate in reversed(decorators):
+            command = decorate(command)
+        return command
+
+    return apply
+
+
+def balancer_option(command):
+    """--balancer greedy|optimal."""
+    import click
+
+    return click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True,
+                        help="Pipeline layer-partition balancer.")(command)
 
 
 def constraint_options(command):

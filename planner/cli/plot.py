@@ -12,7 +12,8 @@ from typing import Any
 import click
 
 from planner.cli.hardware import hardware_option
-from planner.cli.options import constraint_options, constraints_from_options, parse_int_list
+from planner.cli.options import (balancer_option, constraint_options, constraints_from_options, parse_int_list,
+                                 workload_options)
 from planner.cli.output import console, json_option, print_json
 from planner.errors import UserError
 
@@ -26,15 +27,9 @@ KINDS = ("pareto", "heatmap", "scaling")
 @click.option("--nodes", default="1", show_default=True, metavar="N|LIST",
               help="Nodes. scaling: the largest count (sweeps 1, 2, 4, ... up to N) or a comma list of counts.")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="PNG file to write (replaced atomically).")
-@click.option("--global-batch", type=int, default=None, help="Samples per step [default: ~4M tokens, divisible by many DP sizes].")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length].")
-@click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample [default: the model's].")
-@click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image [default: the model's].")
-@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
+@workload_options("Samples per step [default: ~4M tokens, divisible by many DP sizes].")
 @constraint_options
-@click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True,
-              help="Pipeline layer-partition balancer.")
+@balancer_option
 @json_option
 def plot_command(kind: str, model_name: str, hardware: str, nodes: str, out: str, as_json: bool, **opts: Any) -> None:
     """Render a trade-off plot to PNG: pareto (memory vs tokens/s of every plan that fits),

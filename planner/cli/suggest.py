@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from planner.cli.options import constraint_options, constraints_from_options
+from planner.cli.options import balancer_option, constraint_options, constraints_from_options, workload_options
 from planner.cli.output import json_option
 from planner.errors import UserError
 
@@ -24,15 +24,9 @@ from planner.errors import UserError
               help="Hardware profile: a built-in name (see `dsplan hardware`) or a YAML file.")
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node [default: from the hardware profile].")
-@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length].")
-@click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample [default: the model's].")
-@click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image [default: the model's].")
-@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
+@workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
 @constraint_options
-@click.option("--balancer", type=click.Choice(["greedy", "optimal"]), default="optimal", show_default=True,
-              help="Pipeline layer-partition balancer.")
+@balancer_option
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True,
               help="Rank by tokens/s, by lowest peak memory, or by GPU-hours per token.")
 @click.option("--top", type=int, default=5, show_default=True, help="How many plans to show.")
