@@ -171,14 +171,7 @@ def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = N
     lower = max(largest, total / stages) * (1 - 1e-12)
     top = total if upper is None else upper * (1 + 1e-12)
     sums = all_sums[np.searchsorted(all_sums, lower, side="left"):np.searchsorted(all_sums, top, side="right")].tolist()
-    lo, hi = 0, len(sums) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _pack_ends(prefix, sums[mid], stages, None) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    ends = _pack_ends(prefix, sums[lo], stages, None)
+    ends = _pack_ends(prefix, sums[_first_feasible(prefix, sums, stages, None)], stages, None)
     assert ends is not None
     return tuple(e - s for s, e in zip([0] + ends[:-1], ends))
 
@@ -220,25 +213,31 @@ def _pack_ends(prefix: list[float], limit: float, stages: int,
 def _search(prefix: list[float], values: list[float], stages: int,
             mem: list[tuple[list[float], float]] | None) -> tuple[int, ...] | None:
     """The split at the smallest feasible bottleneck among ``values`` (sorted), else None."""
-    plist = prefix
-    if _pack_ends(plist, values[-1], stages, mem) is None:
+    if _pack_ends(prefix, values[-1], stages, mem) is None:
         return None
-    # Gallop up from the smallest candidate (a memory limit usually moves the optimum only a
-    # few sums above the time-only one), then bisect the bracket: the smallest feasible index.
+    return _pack_back(prefix, values[_first_feasible(prefix, values, stages, mem)], stages, mem)
+
+
+def _first_feasible(prefix: list[float], values: list[float], stages: int,
+                    mem: list[tuple[list[float], float]] | None) -> int:
+    """Index of the smallest feasible limit in ``values`` (sorted; the last one feasible).
+
+    Gallops up from the smallest (the optimum usually sits a few sums above the lower
+    bound, and a memory limit moves it only a little further), then bisects the bracket."""
     lo, hi, probe, stride = 0, len(values) - 1, 0, 1
     while probe < hi:
-        if _pack_ends(plist, values[probe], stages, mem) is not None:
+        if _pack_ends(prefix, values[probe], stages, mem) is not None:
             hi = probe
             break
         lo = probe + 1
         probe, stride = min(lo + stride, hi), stride * 2
     while lo < hi:
         mid = (lo + hi) // 2
-        if _pack_ends(plist, values[mid], stages, mem) is not None:
+        if _pack_ends(prefix, values[mid], stages, mem) is not None:
             hi = mid
         else:
             lo = mid + 1
-    return _pack_back(plist, values[lo], stages, mem)
+    return lo
 
 
 def _pack_back(prefix: list[float], limit: float, stages: int,
