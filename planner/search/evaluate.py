@@ -419,9 +419,7 @@ class Evaluator:
 
     def evaluate_one(self, prep: "Prepared", i: int) -> tuple[float, float, float]:
         """Candidate ``i``'s (step time, peak bytes, CPU bytes per node), with its override if any."""
-        _, ranks, col, pp, _ = self._one(prep, i)
-        step, peak, cpu = assemble(self, col, {k: v[None, :] for k, v in ranks.items()}, pp)
-        return float(step[0]), float(peak[0]), float(cpu[0])
+        return self.evaluate_rows(prep, [i])[i]
 
     def evaluate_rows(self, prep: "Prepared", rows: list[int]) -> dict[int, tuple[float, float, float]]:
         """``evaluate_one`` of many candidates, assembled together per pipeline depth."""
