@@ -143,3 +143,49 @@ def test_links_crossed_per_dimension(a100):
     pcie = Placement(Cluster.build(load_profile("a100-pcie"), 1), {"tp": 2, "dp": 4})
     assert pcie.links("dp") == ("pcie", "socket")
     assert pcie.links("tp") == ("pcie",)  # both GPUs of a pair sit under one PCIe switch
+
+
+def _shape_by_every_group(cluster, placement, dim):
+    """The group shape read off every group's ranks, one by one (what shape_of condenses)."""
+    g, ft = cluster.gpus_per_node, cluster.fat_tree
+    groups = [placement.ranks(dim, k) for k in range(cluster.num_gpus // placement.dims[dim])]
+    nodes = [sorted({r // g for r in ranks}) for ranks in groups]
+    assert len({len(n) for n in nodes}) == 1
+    m = len(nodes[0])
+    size = placement.dims[dim]
+    assert all(sorted(r // g for r in ranks).count(n) * m == size for ranks, ns in zip(groups, nodes) for n in ns)
+    leaf = max(len({n // ft.nodes_per_leaf for n in ns}) for ns in nodes)
+    pods = max(len({n // ft.nodes_per_pod for n in ns}) for ns in nodes)
+    return GroupShape(size, placement.stride(dim), size // m, m, g // (size // m), leaf, pods)
+
+
+@pytest.mark.parametrize("profile,nodes,radix", [("dgx-a100-80g", 4, None), ("dgx-a100-80g", 96, None),
+                                                 ("dgx-a100-80g", 96, 8), ("dgx-h100", 160, 12),
+                                                 ("a100-pcie", 24, None), ("mi250x", 40, 16)])
+def test_group_shapes_equal_every_group(profile, nodes, radix):
+    """shape_of looks at one group per base residue modulo the pod period; on clusters that span
+    several leaves and pods (small switches), every layout's shapes equal those read off every group."""
+    from planner.search.space import divisors
+
+    prof = load_profile(profile)
+    if radix:
+        prof = prof.model_copy(update={"fabric": prof.fabric.model_copy(update={"switch_radix": radix})})
+    cluster = Cluster.build(prof, nodes)
+    assert radix is None or cluster.fat_tree.nodes_per_pod < nodes
+    world, g = cluster.num_gpus, cluster.gpus_per_node
+    checked = 0
+    for tp in [d for d in divisors(g) if d <= g]:
+        for pp in [d for d in divisors(world // tp)][::3]:
+            dp = world // (tp * pp)
+            for ep in [1, 2] if dp % 2 == 0 else [1]:
+                p = Placement(cluster, {"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}, order=("tp", "ep", "dp", "pp"))
+                for dim in p.order:
+                    try:
+                        want = _shape_by_every_group(cluster, p, dim)
+                    except AssertionError:  # uneven split: shape_of must refuse it too
+                        with pytest.raises(UserError, match="unevenly"):
+                            p.group(dim)
+                        continue
+                    assert p.group(dim) == want, (tp, ep, dp, pp, dim)
+                    checked += 1
+    assert checked > 20

@@ -133,6 +133,24 @@ def collective_time_array(
     return np.where(s > 0, times.min(axis=0).reshape(s.shape), 0.0)
 
 
+def collective_times(cluster: Cluster, requests: list[tuple[str, GroupShape, np.ndarray]]) -> list[np.ndarray]:
+    """``collective_time_array`` of each (op, shape, sizes) request, in one call per distinct
+    (op, shape): a search prices hundreds of small arrays, where numpy's fixed cost per call
+    outweighs the arithmetic. Elementwise, so equal to one call per request."""
+    by_key: dict[tuple[str, GroupShape], list[int]] = {}
+    for i, (op, shape, _) in enumerate(requests):
+        by_key.setdefault((op, shape), []).append(i)
+    out: list[np.ndarray] = [np.empty(0)] * len(requests)
+    for (op, shape), idx in by_key.items():
+        arrays = [np.asarray(requests[i][2], dtype=float) for i in idx]
+        flat = collective_time_array(cluster, op, shape, np.concatenate([a.ravel() for a in arrays]))
+        pos = 0
+        for i, a in zip(idx, arrays):
+            out[i] = flat[pos:pos + a.size].reshape(a.shape)
+            pos += a.size
+    return out
+
+
 @functools.lru_cache(maxsize=65536)
 def _term_arrays(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tuple[np.ndarray, ...]:
     """``_plan``'s terms as [candidates x 1] columns: one broadcast per array of sizes."""

@@ -8,6 +8,7 @@ and everything the collective model needs about it fits in a small hashable ``Gr
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -99,7 +100,7 @@ class Placement:
         if dim not in self.dims:
             raise UserError(f"unknown parallel dimension {dim!r}; this placement has {list(self.order)}")
         if dim not in self._shapes:
-            self._shapes[dim] = shape_of(self.cluster, self._group_matrix(dim), self.stride(dim), dim)
+            self._shapes[dim] = strided_shape(self.cluster, self.stride(dim), self.dims[dim], dim)
         return self._shapes[dim]
 
     def links(self, dim: str) -> tuple[str, ...]:
@@ -114,12 +115,41 @@ class Placement:
         return np.moveaxis(ranks, axis, -1).reshape(-1, self.dims[dim])
 
 
-def shape_of(cluster: Cluster, groups: np.ndarray, stride: int, what: str = "group") -> GroupShape:
-    """Summarise rows of ranks as one GroupShape; groups that split unevenly over nodes are refused."""
-    size = groups.shape[1]
+@functools.lru_cache(maxsize=4096)
+def strided_shape(cluster: Cluster, stride: int, size: int, what: str = "group") -> GroupShape:
+    """The shape of every group of ``size`` ranks ``stride`` apart (one dimension of a layout).
+
+    It depends on the stride and size alone, whatever the other degrees are, so a search that
+    lays out hundreds of (tp, ep, dp, pp) combinations computes each shape once."""
+    return shape_of(cluster, representative_bases(cluster, stride, size), size, stride, what)
+
+
+def representative_bases(cluster: Cluster, stride: int, size: int) -> np.ndarray:
+    """Lowest ranks of groups that between them look like every group of a dimension.
+
+    The groups are {base + j * stride : j < size} with base = inner + outer * stride * size
+    (inner < stride: the dims inside this one; outer: the dims outside). Two kinds of group look
+    alike, so only one of each is needed (on 16,384 GPUs: tens of rows, not thousands):
+    - bases a whole number of pods apart (leaf and pod boundaries repeat with that period):
+      the nodes, leaves and pods are those of the other group, shifted;
+    - when the stride is a whole number of nodes, inner offsets within one node: every member
+      sits on the same node as the matching member of the node-aligned group.
+    tests/test_cluster.py checks the shapes against every group's ranks."""
+    g, ft = cluster.gpus_per_node, cluster.fat_tree
+    period = g * math.lcm(ft.nodes_per_leaf, ft.nodes_per_pod)
+    block = stride * size
+    outer = np.arange(min(cluster.num_gpus // block, period // math.gcd(block, period))) * block
+    inner = np.arange(0, stride, g) if stride % g == 0 else np.arange(stride)
+    return (outer[:, None] + inner).ravel()
+
+
+def shape_of(cluster: Cluster, bases: np.ndarray, size: int, stride: int, what: str = "group") -> GroupShape:
+    """Summarise the groups {base + j * stride : j < size} as one GroupShape; groups that split
+    unevenly over nodes are refused. ``bases`` may be every group's or representative_bases."""
     g = cluster.gpus_per_node
-    # Sorted once: node, leaf and pod numbers are monotone in the node, so each row stays sorted.
-    nodes = np.sort(groups // g, axis=1)
+    ft = cluster.fat_tree
+    # Ranks grow along each row, and node, leaf and pod numbers are monotone in the rank.
+    nodes = (np.asarray(bases, dtype=np.int64)[:, None] + stride * np.arange(size)) // g
     spanned = _distinct_per_row(nodes)
     if spanned.min() != spanned.max() or size % int(spanned[0]):
         raise UserError(
@@ -128,13 +158,13 @@ def shape_of(cluster: Cluster, groups: np.ndarray, stride: int, what: str = "gro
         )
     m = int(spanned[0])
     r = size // m
-    per_node = nodes
-    if m > 1 and not np.all(per_node.reshape(len(groups), m, r) == per_node.reshape(len(groups), m, r)[:, :, :1]):
-        raise UserError(
-            f"{what} groups of {size} ranks split unevenly across nodes (not {r} ranks on each of {m} nodes); "
-            f"choose a size that divides {g} or is a multiple of it"
-        )
-    ft = cluster.fat_tree
+    if m > 1:
+        per_node = nodes.reshape(len(nodes), m, r)
+        if not np.all(per_node == per_node[:, :, :1]):
+            raise UserError(
+                f"{what} groups of {size} ranks split unevenly across nodes (not {r} ranks on each of {m} nodes); "
+                f"choose a size that divides {g} or is a multiple of it"
+            )
     blocks = int(_distinct_per_row(nodes // ft.nodes_per_leaf).max())
     pods = int(_distinct_per_row(nodes // ft.nodes_per_pod).max())
     return GroupShape(size, stride, r, m, g // r, blocks, pods)
@@ -173,5 +203,4 @@ def contiguous_shape(cluster: Cluster, size: int, what: str = "--group-size") ->
             f"{what} {size} does not divide the cluster's {cluster.num_gpus} GPUs into whole groups; "
             f"use a divisor of {cluster.num_gpus}"
         )
-    groups = np.arange(cluster.num_gpus).reshape(-1, size)
-    return shape_of(cluster, groups, 1, what)
+    return strided_shape(cluster, 1, size, what)

@@ -16,7 +16,7 @@ from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost import step_time as st
-from planner.cost.collectives import collective_time_array
+from planner.cost.collectives import collective_times
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 
 if TYPE_CHECKING:
@@ -87,38 +87,56 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
     return step, peak.max(axis=1), cpu_node
 
 def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
-    w = ev.workload
+    """Per rank: the data-parallel traffic the backward pass does not hide (estimate.dp_exposed).
+
+    Two passes: every (tp, ep, dp, zero, framework) group lists the collectives it needs,
+    they are priced together (collective_times: one call per op and process-group shape),
+    then each group takes its share."""
     n = len(m)
     out = np.zeros((n, pp))
     keys = np.column_stack([col["tp"], col["ep"], col["dp"], col["zero"], col["framework"]])
-    for key in np.unique(keys, axis=0, return_counts=True)[0]:
+    requests: list[tuple[str, object, np.ndarray]] = []
+    plans = []
+    for key in np.unique(keys, axis=0, return_counts=True)[0]:  # counts: numpy.ma is never imported
         tp, ep, dp, zero, fwi = (int(x) for x in key)
         if dp == 1 and ep == 1:
             continue
         s = np.all(keys == key, axis=1)
-        traits = fw.traits(FRAMEWORKS[fwi])
+        if zero == 3:
+            plans.append((s, zero, fwi, None))
+            continue
         gbytes = ev._grad_bytes(fwi)
         shapes = ev.shapes(tp, ep, dp, pp)
-        edp = dp // ep
         dense, expert = r["dense"][s], r["expert"][s]
+        # (op, dense bytes, expert bytes): the reduction, then the 16-bit weight gather
+        ops = ([("reducescatter", gbytes * dense, gbytes * expert), ("allgather", 2 * dense, 2 * expert)]
+               if zero >= 1 else [("allreduce", gbytes * dense, gbytes * expert)])
+        parts = []
+        for op, d, e in ops:
+            # dense parameters over the DP group, expert parameters over the expert-DP group
+            di = len(requests) if dp > 1 else None
+            if dp > 1:
+                requests.append((op, shapes.dp, d))
+            ei = len(requests) if dp // ep > 1 else None
+            if dp // ep > 1:
+                requests.append((op, shapes.edp, e))
+            parts.append((di, ei, e))
+        plans.append((s, zero, fwi, parts))
+    priced = collective_times(ev.cluster, requests)
 
-        def on(op: str, d: np.ndarray, e: np.ndarray) -> np.ndarray:
-            t = collective_time_array(ev.cluster, op, shapes.dp, d) if dp > 1 else np.zeros_like(d)
-            if edp > 1:
-                t = t + np.where(e > 0, collective_time_array(ev.cluster, op, shapes.edp, e), 0.0)
-            return t
+    def total(di, ei, e) -> np.ndarray:
+        t = priced[di] if di is not None else np.zeros_like(e)
+        return t + np.where(e > 0, priced[ei], 0.0) if ei is not None else t
 
+    for s, zero, fwi, parts in plans:
         fwd, bwd = r["fwd"][s], r["bwd"][s] + r["rc"][s]
-        ms = m[s]
-        if zero == 3:
+        if parts is None:  # ZeRO-3: per-block gathers and reduce-scatters against compute
             gather, reduce = r["z3_gather"][s], r["z3_reduce"][s]
-            out[s] = ms * (np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + reduce - bwd))
+            out[s] = m[s] * (np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + reduce - bwd))
             continue
-        if zero >= 1:
-            reduce = on("reducescatter", gbytes * dense, gbytes * expert)
-            gather = on("allgather", 2 * dense, 2 * expert)
-        else:
-            reduce, gather = on("allreduce", gbytes * dense, gbytes * expert), np.zeros_like(dense)
+        reduce = total(*parts[0])
+        gather = total(*parts[1]) if len(parts) > 1 else np.zeros_like(reduce)
+        traits = fw.traits(FRAMEWORKS[fwi])
         rank = np.arange(pp)[None, :]
         cooldown = rank * bwd / vs[s] if pp > 1 else np.zeros_like(bwd)
         first_fwd = fwd if FRAMEWORKS[fwi] == "megatron" else np.zeros_like(fwd)
@@ -126,6 +144,7 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
         hide = np.where((gather > 0) & traits.overlap_grad_reduce, first_fwd, 0.0)
         out[s] = np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
     return out
+
 
 def _optimizer(ev: "Evaluator", col, r, pp: int, m) -> np.ndarray:
     w = ev.workload

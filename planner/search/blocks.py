@@ -83,29 +83,39 @@ def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarra
     return out
 
 
-def _comm(cluster: Cluster, shape: GroupShape, ops: list[list[tuple[str, float]]], bs: np.ndarray) -> np.ndarray:
-    """[b, block] seconds of each block's list of (collective, bytes per sample).
+def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, float]]]]],
+          bs: np.ndarray) -> list[np.ndarray]:
+    """[b, block] seconds of each job: a group shape and each block's list of (collective,
+    bytes per sample).
 
-    One ``collective_time_array`` call per collective, over every distinct (bytes x micro-batch)
-    size at once (the time is elementwise in the size, so this equals one call per size).
+    One ``collective_time_array`` call per (shape, collective) over every distinct (bytes x
+    micro-batch) size of every job at once: the time is elementwise in the size, so this
+    equals one call per size, and the dozens of (tp, sp, ep) tables of a search share a
+    handful of TP and EP shapes.
     """
-    out = np.zeros((len(bs), len(ops)))
-    if shape.size <= 1:
-        return out
-    distinct: dict[tuple[str, float], list[int]] = {}
-    for j, block_ops in enumerate(ops):
-        for op, nbytes in block_ops:
-            distinct.setdefault((op, float(nbytes)), []).append(j)
-    by_op: dict[str, list[float]] = {}
-    for op, nbytes in distinct:
-        by_op.setdefault(op, []).append(nbytes)
-    times: dict[tuple[str, float], np.ndarray] = {}
-    for op, sizes in by_op.items():
-        t = collective_time_array(cluster, op, shape, np.concatenate([nbytes * bs for nbytes in sizes]))
-        for k, nbytes in enumerate(sizes):
-            times[op, nbytes] = t[k * len(bs):(k + 1) * len(bs)]
-    for key, blocks in distinct.items():  # summed in the same order as one call per size
-        np.add.at(out, (slice(None), np.asarray(blocks)), times[key][:, None])  # a block may list an op twice
+    wanted: dict[tuple[GroupShape, str], dict[float, int]] = {}  # per (shape, op): size -> row
+    per_job: list[dict[tuple[str, float], list[int]]] = []
+    for shape, ops in jobs:
+        distinct: dict[tuple[str, float], list[int]] = {}
+        if shape.size > 1:
+            for j, block_ops in enumerate(ops):
+                for op, nbytes in block_ops:
+                    distinct.setdefault((op, float(nbytes)), []).append(j)
+            for op, nbytes in distinct:
+                rows = wanted.setdefault((shape, op), {})
+                rows.setdefault(nbytes, len(rows))
+        per_job.append(distinct)
+    times: dict[tuple[GroupShape, str], np.ndarray] = {}
+    for (shape, op), rows in wanted.items():
+        sizes = np.fromiter(rows, dtype=float, count=len(rows))
+        times[shape, op] = collective_time_array(cluster, op, shape, sizes[:, None] * bs[None, :])
+    out = []
+    for (shape, ops), distinct in zip(jobs, per_job):
+        o = np.zeros((len(bs), len(ops)))
+        for (op, nbytes), blocks in distinct.items():  # summed in the same order as one call per size
+            t = times[shape, op][wanted[shape, op][nbytes]]
+            np.add.at(o, (slice(None), np.asarray(blocks)), t[:, None])  # a block may list an op twice
+        out.append(o)
     return out
 
 
@@ -119,8 +129,8 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     """One table per (layer costs, TP shape, EP shape) group, over the same micro-batches.
 
     The compute kernels are elementwise in (micro-batch, block), so every group's blocks go
-    through them side by side in one pass (a search needs dozens of groups); only the
-    collectives, which depend on each group's process-group shapes, are priced per group."""
+    through them side by side in one pass (a search needs dozens of groups); the collectives,
+    which depend on each group's process-group shapes, are priced once per (shape, collective)."""
     bs = np.asarray(micro_batches, dtype=float)
     costs = [c for group, _, _ in groups for c in group]
     gemm = _gemms(costs, bs, dev)
@@ -130,8 +140,13 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     fwd_all = gemm + attn_f + hbm_t
     bwd_all = 2.0 * gemm + attn_b + 2.0 * hbm_t
     score_all = eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in costs])[None, :] * bs[:, None], dev)
-    out, start = [], 0
+    jobs = []
     for group, tp_shape, ep_shape in groups:
+        jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
+                 (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
+    comms = _comm(cluster, jobs, bs)
+    out, start = [], 0
+    for k, (group, tp_shape, ep_shape) in enumerate(groups):
         cols = slice(start, start + len(group))
         start += len(group)
         fwd, bwd, score, attn = fwd_all[:, cols], bwd_all[:, cols], score_all[:, cols], attn_f[:, cols]
@@ -142,9 +157,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         rc[RECOMPUTES.index("selective")] = np.where(has_attn[None, :], attn + score, 0.0)
         tp = np.zeros_like(rc)
         ep = np.zeros_like(rc)
-        base_tp = _comm(cluster, tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group], bs)
-        again_tp = _comm(cluster, tp_shape, [list(c.tp_fwd) for c in group], bs)
-        a2a = _comm(cluster, ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group], bs)
+        base_tp, again_tp, a2a = comms[3 * k:3 * k + 3]
         count = np.array([c.ep_a2a_count for c in group], dtype=float)
         for mode, name in enumerate(RECOMPUTES):
             again = (name == "full") & ckpt
