@@ -165,6 +165,7 @@ def _shape_by_every_group(cluster, placement, dim):
 def test_group_shapes_equal_every_group(profile, nodes, radix):
     """shape_of looks at one group per base residue modulo the pod period; on clusters that span
     several leaves and pods (small switches), every layout's shapes equal those read off every group."""
+    from planner.hardware.placement import splits_evenly
     from planner.search.space import divisors
 
     prof = load_profile(profile)
@@ -185,7 +186,9 @@ def test_group_shapes_equal_every_group(profile, nodes, radix):
                     except AssertionError:  # uneven split: shape_of must refuse it too
                         with pytest.raises(UserError, match="unevenly"):
                             p.group(dim)
+                        assert not splits_evenly(g, p.stride(dim), p.dims[dim])
                         continue
                     assert p.group(dim) == want, (tp, ep, dp, pp, dim)
+                    assert splits_evenly(g, p.stride(dim), p.dims[dim])
                     checked += 1
     assert checked > 20

@@ -10,6 +10,7 @@ from planner.search.partition import (
     StageMemory,
     balance,
     brute_force_partition,
+    fits_within,
     greedy_partition,
     optimal_partition,
 )
@@ -95,11 +96,18 @@ def test_optimal_with_memory_is_exact_against_brute_force(seed: int) -> None:
     bf = brute_force_partition(costs, stages, memory)
     if bf is None:
         assert not o.fits
+        assert not fits_within(costs, stages, memory, sum(costs))
         return
     assert o.fits
     assert o.bottleneck == pytest.approx(bf.bottleneck, rel=1e-12)
     for s, (a, b) in enumerate(o.bounds):
         assert memory.stage_bytes(s, a, b) <= capacity * (1 + 1e-12)
+    # One pack answers "does a split within memory reach this bottleneck?" exactly: yes at the
+    # optimum, no just below it, and at every limit as brute force would.
+    assert fits_within(costs, stages, memory, bf.bottleneck)
+    assert not fits_within(costs, stages, memory, bf.bottleneck * (1 - 1e-6))
+    for limit in (rng.uniform(0.5, 1.5) * bf.bottleneck for _ in range(5)):
+        assert fits_within(costs, stages, memory, limit) == (limit >= bf.bottleneck * (1 - 1e-12))
 
 
 

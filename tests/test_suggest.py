@@ -202,3 +202,23 @@ def test_identical_predictions_under_two_runtimes_are_one_row() -> None:
         assert again.memory.peak == pytest.approx(rp.plan.memory.peak, rel=1e-9)
     # The explanation names the time parts that differ and the memory trade.
     assert "beats" in res.why and ("less" in res.why or "tie-break" in res.why) and "memory" in res.why
+
+
+def test_layouts_with_uneven_groups_are_left_out() -> None:
+    """384 GPUs admit dp 3 x tp 4, whose DP groups (ranks 0, 4, 8) put two ranks on one node
+    and one on the next: the collective model has no shape for that, so the space leaves such
+    layouts out (counted as indivisible) instead of failing the whole search."""
+    from planner.search.evaluate import Shapes
+
+    model = load_model("bloom-176b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 48)
+    space = _space(model, cluster, 1536, Constraints())
+    c = space.columns
+    layouts = {(int(c["tp"][i]), int(c["ep"][i]), int(c["dp"][i]), int(c["pp"][i])) for i in range(len(space))}
+    for tp, ep, dp, pp in layouts:  # every shape of every layout can be priced
+        shapes = Shapes(cluster, tp, ep, dp, pp)
+        assert shapes.tp and shapes.ep and shapes.edp and shapes.pp and shapes.dp
+    assert not any(dp == 3 and tp == 4 for tp, _, dp, _ in layouts)
+    assert any(dp == 6 and tp == 4 for tp, _, dp, _ in layouts)  # ranks 0, 4, ..., 20: two on each of 3 nodes
+    result = suggest(model, nodes=48)
+    assert result.plans and result.rejected["indivisible"] > 0

@@ -150,6 +150,16 @@ def shape_of(cluster: Cluster, bases: np.ndarray, size: int, stride: int, what: 
     ft = cluster.fat_tree
     # Ranks grow along each row, and node, leaf and pod numbers are monotone in the rank.
     nodes = (np.asarray(bases, dtype=np.int64)[:, None] + stride * np.arange(size)) // g
+    m, r = _node_split(nodes, size, stride, g, what)
+    blocks = int(_distinct_per_row(nodes // ft.nodes_per_leaf).max())
+    pods = int(_distinct_per_row(nodes // ft.nodes_per_pod).max())
+    return GroupShape(size, stride, r, m, g // r, blocks, pods)
+
+
+def _node_split(nodes: np.ndarray, size: int, stride: int, g: int, what: str) -> tuple[int, int]:
+    """(nodes each group touches, its ranks on each) from rows of the groups' node numbers;
+    UserError when groups touch different numbers of nodes or hold unequal shares of them
+    (the collective model prices one shape per dimension)."""
     spanned = _distinct_per_row(nodes)
     if spanned.min() != spanned.max() or size % int(spanned[0]):
         raise UserError(
@@ -165,9 +175,26 @@ def shape_of(cluster: Cluster, bases: np.ndarray, size: int, stride: int, what: 
                 f"{what} groups of {size} ranks split unevenly across nodes (not {r} ranks on each of {m} nodes); "
                 f"choose a size that divides {g} or is a multiple of it"
             )
-    blocks = int(_distinct_per_row(nodes // ft.nodes_per_leaf).max())
-    pods = int(_distinct_per_row(nodes // ft.nodes_per_pod).max())
-    return GroupShape(size, stride, r, m, g // r, blocks, pods)
+    return m, r
+
+
+@functools.lru_cache(maxsize=4096)
+def splits_evenly(gpus_per_node: int, stride: int, size: int) -> bool:
+    """Whether every group of ``size`` ranks ``stride`` apart holds the same number of ranks on
+    each node it touches, whatever the cluster's size: what ``shape_of`` requires, checked on
+    one group per base residue modulo a node (a search filters layouts with it).
+
+    Bases are inner offsets below the stride plus multiples of stride x size; the node
+    pattern depends on a base modulo the GPUs per node only (a whole node further shifts
+    every member by one node)."""
+    g = gpus_per_node
+    residues = sorted({(i + k * stride * size) % g for i in range(min(stride, g)) for k in range(g)})
+    nodes = (np.array(residues, dtype=np.int64)[:, None] + stride * np.arange(size)) // g
+    try:
+        _node_split(nodes, size, stride, g, "group")
+    except UserError:
+        return False
+    return True
 
 
 def links_crossed(cluster: Cluster, shape: GroupShape) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ import numpy as np
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
-from planner.search.partition import StageMemory, optimal_partition
+from planner.search.partition import StageMemory, fits_within, optimal_partition
 
 if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator, Prepared
@@ -76,11 +76,16 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
                        capacity=float(ev.cluster.profile.gpu.memory_bytes))
 
 
-def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> list[tuple[int, float, float, float]]:
+def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray,
+              bar: float = float("inf")) -> list[tuple[int, float, float, float]]:
     """Rebalance candidates ``rows`` (1F1B, pp > 1) under their memory limit.
 
     Returns (candidate, step time, peak bytes, CPU bytes per node) for each that now fits;
-    its split is recorded in ``ev.overrides`` so the Plan built later uses it.
+    its split is recorded in ``ev.overrides`` so the Plan built later uses it. ``bar``: a step
+    time a candidate must reach to matter. A split whose slowest stage takes B seconds per
+    micro-batch gives a step of at least (m - 1) B + S (bounds.split_time_bound), so only
+    splits with B <= (bar - S) / (m - 1) can; one pack (partition.fits_within) tells whether
+    any such split fits in memory, and the candidate is skipped, with proof, when none does.
     """
     fitted = []
     for i in rows[:MAX_REBALANCED]:
@@ -89,7 +94,15 @@ def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> list[tuple
         table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
         # The time-only optimum of the same split problem: no memory-limited split beats it.
         fastest = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
-        part = optimal_partition(ev.unit_costs(table, mode, b), pp, memory=stage_memory(ev, prep, i), lower=fastest)
+        costs = ev.unit_costs(table, mode, b)
+        memory = stage_memory(ev, prep, i)
+        m = int(prep.space.columns["grad_accum"][i])
+        if m > 1 and np.isfinite(bar):
+            # generous by a hair: rounding must not prune a split that reaches the bar
+            limit = (bar - float(sum(costs))) / (m - 1) * (1 + 1e-9)
+            if limit < fastest or not fits_within(costs, pp, memory, limit):
+                continue
+        part = optimal_partition(costs, pp, memory=memory, lower=fastest)
         if part.fits:
             ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)
             fitted.append(i)

@@ -121,16 +121,8 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
     if memory is None:
         counts = _fast_time_only(costs, stages, upper)
         return Partition(counts, _stage_costs(costs, counts))
-    if len(memory.inflight) < stages:
-        raise ValueError("memory.inflight needs one entry per stage")
     _, prefix, _, total, all_sums = _cost_profile(tuple(float(c) for c in costs))
-    state = np.asarray(memory.state, dtype=float)
-    act = np.asarray(memory.act, dtype=float)
-    inflight = np.asarray(memory.inflight[:stages], dtype=float)
-    # Row s: prefix sums of stage s's bytes per layer (one cumsum over [stage x layer]).
-    weights = np.zeros((stages, len(costs) + 1))
-    np.cumsum(state[None, :] + inflight[:, None] * act[None, :], axis=1, out=weights[:, 1:])
-    mem = [(row, memory.capacity - float(memory.base[s])) for s, row in enumerate(weights.tolist())]
+    mem = _memory_rows(memory, stages, len(costs))
     floor = max(float(np.max(costs)), total / stages, lower or 0.0)
     values = all_sums[np.searchsorted(all_sums, floor * (1 - 1e-12), side="left"):].tolist()
     result = _search(prefix, values, stages, mem)
@@ -139,6 +131,28 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
         assert counts is not None  # without memory the whole sum always works
         return Partition(counts, _stage_costs(costs, counts), fits=False)
     return Partition(result, _stage_costs(costs, result))
+
+
+def fits_within(costs: Sequence[float], stages: int, memory: StageMemory, limit: float) -> bool:
+    """Whether some split has every stage within memory and a bottleneck of at most ``limit``:
+    one greedy max-pack (exact, see ``_pack_ends``), far cheaper than finding the best split.
+    The search asks it first when only a split below ``limit`` could still matter."""
+    _check(costs, stages)
+    _, prefix, _, _, _ = _cost_profile(tuple(float(c) for c in costs))
+    return _pack_ends(prefix, limit, stages, _memory_rows(memory, stages, len(costs))) is not None
+
+
+def _memory_rows(memory: StageMemory, stages: int, n: int) -> list[tuple[list[float], float]]:
+    """Per stage: prefix sums of its bytes per layer, and the room left after its fixed bytes."""
+    if len(memory.inflight) < stages:
+        raise ValueError("memory.inflight needs one entry per stage")
+    state = np.asarray(memory.state, dtype=float)
+    act = np.asarray(memory.act, dtype=float)
+    inflight = np.asarray(memory.inflight[:stages], dtype=float)
+    # Row s: prefix sums of stage s's bytes per layer (one cumsum over [stage x layer]).
+    weights = np.zeros((stages, n + 1))
+    np.cumsum(state[None, :] + inflight[:, None] * act[None, :], axis=1, out=weights[:, 1:])
+    return [(row, memory.capacity - float(memory.base[s])) for s, row in enumerate(weights.tolist())]
 
 
 @functools.lru_cache(maxsize=64)

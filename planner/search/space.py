@@ -7,7 +7,8 @@ candidates are counted by reason without being materialised:
 
 - ``indivisible``: degree combinations that break a divisibility rule (TP divides the
   attention and KV heads and stays inside a node, EP divides the routed experts and DP,
-  PP x virtual stages does not exceed the pipeline units, DP divides the global batch);
+  PP x virtual stages does not exceed the pipeline units, DP divides the global batch,
+  every process group holds equal shares of the nodes it spans);
 - ``framework``: settings the chosen runtime cannot run (checked once per distinct
   signature with the cost model's scalar rule, so the two can never disagree).
 
@@ -25,6 +26,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+from planner.hardware.placement import splits_evenly
 
 # Interleaved chunks per pipeline rank tried when the user does not pin --virtual-stages.
 DEFAULT_VIRTUAL_STAGES = (1, 2, 4)
@@ -130,11 +132,21 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
                 if facts.routed_experts:
                     ok = ok and facts.routed_experts % ep == 0
                 ok = ok and pp * vs <= facts.units and (vs == 1 or pp > 1)
+                ok = ok and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp)
                 if ok:
                     valid.append(Degrees(dp, tp, pp, ep, vs))
                 else:
                     rejected += 1
     return valid, rejected
+
+
+def _groups_split_evenly(gpus_per_node: int, tp: int, ep: int, dp: int, pp: int) -> bool:
+    """Every process group of the layout (TP innermost, then EP, expert-DP and PP; and TP, DP,
+    PP for dense parameters) holds equal shares of the nodes it touches. Other layouts run,
+    but the collective model prices one group shape per dimension, so they are not offered:
+    e.g. DP groups of 3 ranks 4 apart on 8-GPU nodes put two ranks on one node, one on the next."""
+    return all(splits_evenly(gpus_per_node, stride, size) for stride, size in (
+        (1, tp), (tp, ep), (tp * ep, dp // ep), (tp, dp), (tp * dp, pp)))
 
 
 def _settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:

@@ -229,7 +229,8 @@ def _space(model: ModelSpec, cluster: Cluster, gb: int, cons: Constraints) -> Sp
         "the constraints exclude every plan "
         f"({space.rejected['indivisible']} degree combinations break a divisibility rule: TP must divide the "
         f"{'/'.join(map(str, facts.heads))} heads and {facts.kv_heads} KV heads and stay in a node, PP x virtual stages "
-        f"<= {facts.units} layers, DP must divide the global batch {gb}; {space.rejected['framework']} candidates "
+        f"<= {facts.units} layers, DP must divide the global batch {gb}, every process group must hold equal shares "
+        f"of the nodes it spans; {space.rejected['framework']} candidates "
         "need something their framework cannot run); relax --tp/--pp/--zero/--framework or the batch")
 
 
@@ -349,8 +350,8 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
     order = np.argsort(bound, kind="stable")[:MAX_REBALANCED]
     rows, bound = rows[order], bound[order]
     pos, batch = 0, 8
-    while pos < len(rows) and bound[pos] <= bar():
-        for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch]):
+    while pos < len(rows) and bound[pos] <= (limit := bar()):
+        for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch], limit):
             step[i], peak[i], cpu[i] = s, p, u
         pos += batch
 
