@@ -188,6 +188,13 @@ def splits_evenly(gpus_per_node: int, stride: int, size: int) -> bool:
     pattern depends on a base modulo the GPUs per node only (a whole node further shifts
     every member by one node)."""
     g = gpus_per_node
+    block = stride * size
+    if size == 1 or stride % g == 0:  # one rank per node
+        return True
+    if g % stride == 0 and (g % block == 0 or block % g == 0):
+        # Node boundaries fall on multiples of the stride, and a group fills whole nodes
+        # (g/stride ranks on each) or sits inside one.
+        return True
     residues = sorted({(i + k * stride * size) % g for i in range(min(stride, g)) for k in range(g)})
     nodes = (np.array(residues, dtype=np.int64)[:, None] + stride * np.arange(size)) // g
     try:

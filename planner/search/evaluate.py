@@ -49,6 +49,7 @@ class Prepared:
     micro: dict[tuple[int, int, int], tuple[int, ...]]  # micro-batch sizes per (tp, sp, ep)
     order: np.ndarray  # candidates sorted by key
     starts: np.ndarray  # order[starts[k]:starts[k + 1]] are the candidates of key k
+    zero3: np.ndarray  # per key: whether any of its candidates uses ZeRO-3 (needs the per-block collectives)
 
 
 @dataclass
@@ -273,9 +274,12 @@ class Evaluator:
         hit = self._prefix.get(key)
         pre = hit[1] if hit is not None and hit[0] is table else None
         if pre is None:
-            series = {"fwd": table.fwd[bi], "bwd": table.bwd[bi], "rc": table.rc[mode, bi], "tp": table.tp[mode, bi],
-                      "ep": table.ep[mode, bi], "dense": table.params, "expert": table.expert, "act": table.act[mode]}
-            pre = {k: np.concatenate(([0.0], np.cumsum(v))) for k, v in series.items()}
+            names = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act")
+            series = np.stack((table.fwd[bi], table.bwd[bi], table.rc[mode, bi], table.tp[mode, bi], table.ep[mode, bi],
+                               table.params, table.expert, table.act[mode]))
+            sums = np.zeros((len(names), series.shape[1] + 1))
+            np.cumsum(series, axis=1, out=sums[:, 1:])  # row by row, as one cumsum per series
+            pre = dict(zip(names, sums))
             self._prefix[key] = (table, pre)  # holding the table keeps its id unique
         return pre
 
@@ -317,8 +321,8 @@ class Evaluator:
         recvs = np.where(starts > 0, table.pp_bytes[np.maximum(starts - 1, 0)] * b / send_div, 0.0)
         pp_shape = shapes.pp
         if pp_shape.size > 1:
-            pp_time = (collective_time_array(self.cluster, "p2p", pp_shape, sends)
-                       + collective_time_array(self.cluster, "p2p", pp_shape, recvs))
+            send_t, recv_t = collective_time_array(self.cluster, "p2p", pp_shape, np.stack((sends, recvs)))
+            pp_time = send_t + recv_t
         else:
             pp_time = np.zeros(len(parts))
         out = {name: chunk_sum(name) for name in ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert")}
@@ -358,7 +362,9 @@ class Evaluator:
                  for a, b in zip(cuts[:-1], cuts[1:]) if b > a}
         order = np.argsort(inverse.reshape(-1), kind="stable")
         counts = np.bincount(inverse.reshape(-1), minlength=len(keys))
-        return Prepared(space, keys, inverse.reshape(-1), micro, order, np.concatenate(([0], np.cumsum(counts))))
+        zero3 = np.bincount(inverse.reshape(-1), weights=c["zero"] == 3, minlength=len(keys)) > 0
+        return Prepared(space, keys, inverse.reshape(-1), micro, order, np.concatenate(([0], np.cumsum(counts))),
+                        zero3)
 
     def lower_bounds(self, prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
         from planner.search.bounds import lower_bounds
@@ -380,7 +386,8 @@ class Evaluator:
                 self.partitions.append(parts)
             send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
             shapes = self.shapes(tp, ep, dp, pp)
-            z3 = self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+            z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+                  if prep.zero3[g] else None)
             ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
             meta = (self._part_index[pkey], gbot, obot)
             by_pp.setdefault(pp, []).append((int(g), ranks, meta))
@@ -443,7 +450,8 @@ class Evaluator:
             parts = self.overrides[i][0]
         send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
         shapes = self.shapes(tp, ep, dp, pp)
-        z3 = self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+        z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+              if prep.space.columns["zero"][i] == 3 else None)
         ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
         col = {k: v[i:i + 1] for k, v in prep.space.columns.items()}
         return parts, ranks, col, pp, (gbot, obot)

@@ -127,12 +127,12 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
             # A dense model has no experts to shard: ep is 1, not a rejected candidate.
             eps = _allowed(divisors(dp), cons.ep) if facts.routed_experts else [1]
             vss = _allowed(range(1, facts.units + 1), cons.virtual_stages or DEFAULT_VIRTUAL_STAGES)
+            even = {ep: base_ok and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp) for ep in eps}
             for ep, vs in itertools.product(eps, vss):
-                ok = base_ok
+                ok = even[ep]
                 if facts.routed_experts:
                     ok = ok and facts.routed_experts % ep == 0
                 ok = ok and pp * vs <= facts.units and (vs == 1 or pp > 1)
-                ok = ok and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp)
                 if ok:
                     valid.append(Degrees(dp, tp, pp, ep, vs))
                 else:
@@ -236,16 +236,20 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     block_rows: list[tuple[int, int]] = []  # (first ok row, ok count)
     block_mbs: list[np.ndarray] = []
     framework_rejected = 0
+    # Micro-batches split by whether the accumulation divides by pp: per (dp, pp), which many
+    # degree combinations share.
+    splits: dict[tuple[int, int], list[tuple[bool, np.ndarray]]] = {}
     for deg in degrees:
-        micro = np.array(_allowed(divisors(global_batch // deg.dp), cons.micro_batch), dtype=np.int64)
-        if micro.size == 0:
+        split = splits.get((deg.dp, deg.pp))
+        if split is None:
+            micro = np.array(_allowed(divisors(global_batch // deg.dp), cons.micro_batch), dtype=np.int64)
+            ga_ok_all = (global_batch // (deg.dp * micro)) % deg.pp == 0
+            split = splits[deg.dp, deg.pp] = [(flag, micro[ga_ok_all == flag]) for flag in (True, False)
+                                               if (ga_ok_all == flag).any()]
+        if not split:
             indivisible += 1
             continue
-        ga_ok_all = (global_batch // (deg.dp * micro)) % deg.pp == 0
-        for flag in (True, False):
-            mb = micro[ga_ok_all == flag]
-            if mb.size == 0:
-                continue
+        for flag, mb in split:
             pattern = _rule_pattern(deg, flag, facts.units)
             if pattern not in allowed:
                 valid = [st for st in settings if _structurally_valid(deg, st)]
