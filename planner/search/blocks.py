@@ -125,50 +125,62 @@ def block_table(costs: list[LayerCost], micro_batches: tuple[int, ...], dev: eff
 
 
 def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], micro_batches: tuple[int, ...],
-                 dev: eff.Device, cluster: Cluster) -> list[BlockTable]:
+                 dev: eff.Device, cluster: Cluster, expand: np.ndarray | None = None) -> list[BlockTable]:
     """One table per (layer costs, TP shape, EP shape) group, over the same micro-batches.
 
-    The compute kernels are elementwise in (micro-batch, block), so every group's blocks go
-    through them side by side in one pass (a search needs dozens of groups); the collectives,
-    which depend on each group's process-group shapes, are priced once per (shape, collective)."""
+    The groups list the same blocks (one model under different tp, sp, ep). Every quantity is
+    elementwise in (group, micro-batch, block), so all groups go through the kernels side by
+    side as [group x micro-batch x block] arrays (a search needs dozens of groups); the
+    collectives, which depend on each group's process-group shapes, are priced once per
+    (shape, collective). ``expand``: for each block of the tables, the priced block it copies
+    (runs of identical blocks are priced once, then widened here in one index per array)."""
     bs = np.asarray(micro_batches, dtype=float)
+    n_groups, n_blocks = len(groups), len(groups[0][0])
+    if any(len(group) != n_blocks for group, _, _ in groups):
+        raise ValueError("block_tables: every group must list the same blocks")
     costs = [c for group, _, _ in groups for c in group]
+
+    def per_block(values) -> np.ndarray:  # [group, block]
+        return np.array(values, dtype=float).reshape(n_groups, n_blocks)
+
+    def per_size(a: np.ndarray) -> np.ndarray:  # [b, group x block] -> [group, b, block]
+        return a.reshape(len(bs), n_groups, n_blocks).transpose(1, 0, 2)
+
     gemm = _gemms(costs, bs, dev)
     hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in costs])[None, :] * bs[:, None], dev)
     attn_f = _attention(costs, bs, dev, False)
     attn_b = _attention(costs, bs, dev, True)
-    fwd_all = gemm + attn_f + hbm_t
-    bwd_all = 2.0 * gemm + attn_b + 2.0 * hbm_t
-    score_all = eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in costs])[None, :] * bs[:, None], dev)
+    fwd = per_size(gemm + attn_f + hbm_t)
+    bwd = per_size(2.0 * gemm + attn_b + 2.0 * hbm_t)
+    score = per_size(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in costs])[None, :] * bs[:, None], dev))
+    attn = per_size(attn_f)
+    ckpt = per_block([c.checkpointed for c in costs]) > 0
+    has_attn = per_block([c.attn is not None for c in costs]) > 0
+    count = per_block([c.ep_a2a_count for c in costs])
     jobs = []
     for group, tp_shape, ep_shape in groups:
         jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
                  (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
     comms = _comm(cluster, jobs, bs)
-    out, start = [], 0
-    for k, (group, tp_shape, ep_shape) in enumerate(groups):
-        cols = slice(start, start + len(group))
-        start += len(group)
-        fwd, bwd, score, attn = fwd_all[:, cols], bwd_all[:, cols], score_all[:, cols], attn_f[:, cols]
-        ckpt = np.array([c.checkpointed for c in group])
-        has_attn = np.array([c.attn is not None for c in group])
-        rc = np.zeros((len(RECOMPUTES), len(bs), len(group)))
-        rc[RECOMPUTES.index("full")] = np.where(ckpt[None, :], fwd, 0.0)
-        rc[RECOMPUTES.index("selective")] = np.where(has_attn[None, :], attn + score, 0.0)
-        tp = np.zeros_like(rc)
-        ep = np.zeros_like(rc)
-        base_tp, again_tp, a2a = comms[3 * k:3 * k + 3]
-        count = np.array([c.ep_a2a_count for c in group], dtype=float)
-        for mode, name in enumerate(RECOMPUTES):
-            again = (name == "full") & ckpt
-            tp[mode] = base_tp + np.where(again[None, :], again_tp, 0.0)
-            ep[mode] = (2.0 + again.astype(float))[None, :] * count[None, :] * a2a
-        out.append(BlockTable(
-            micro_batches=tuple(micro_batches), fwd=fwd, bwd=bwd, rc=rc, tp=tp, ep=ep,
-            params=np.array([c.params_rank for c in group]),
-            expert=np.array([c.expert_params_rank for c in group]),
-            act=np.array([[c.act[m] for c in group] for m in RECOMPUTES]),
-            act_live=np.array([c.act_live if c.checkpointed else 0.0 for c in group]),
-            pp_bytes=np.array([c.pp_bytes for c in group]),
-        ))
-    return out
+    base_tp, again_tp, a2a = (np.stack(comms[k::3]) for k in range(3))  # [group, b, block]
+    rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
+    rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
+    rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], attn + score, 0.0)
+    tp = np.zeros_like(rc)
+    ep = np.zeros_like(rc)
+    for mode, name in enumerate(RECOMPUTES):
+        again = (name == "full") & ckpt
+        tp[:, mode] = base_tp + np.where(again[:, None, :], again_tp, 0.0)
+        ep[:, mode] = (2.0 + again.astype(float))[:, None, :] * count[:, None, :] * a2a
+    fields = {
+        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep,
+        "params": per_block([c.params_rank for c in costs]),
+        "expert": per_block([c.expert_params_rank for c in costs]),
+        "act": np.array([[c.act[m] for c in costs] for m in RECOMPUTES], dtype=float)
+                 .reshape(len(RECOMPUTES), n_groups, n_blocks).transpose(1, 0, 2),
+        "act_live": per_block([c.act_live if c.checkpointed else 0.0 for c in costs]),
+        "pp_bytes": per_block([c.pp_bytes for c in costs]),
+    }
+    if expand is not None:
+        fields = {k: v[..., expand] for k, v in fields.items()}
+    return [BlockTable(tuple(micro_batches), **{k: v[g] for k, v in fields.items()}) for g in range(n_groups)]

@@ -204,10 +204,7 @@ class Evaluator:
             self._runs = (self.model.model_copy(update={"blocks": [blocks[i] for i in keep]}), pos)
         short, pos = self._runs
         groups = [(layer_costs(short, self.workload, tp, sp, ep), shapes.tp, shapes.ep) for tp, sp, ep, shapes in specs]
-        return [BlockTable(t.micro_batches, *(getattr(t, f)[..., pos] for f in
-                                              ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live",
-                                               "pp_bytes")))
-                for t in block_tables(groups, mbs, self.dev, self.cluster)]
+        return block_tables(groups, mbs, self.dev, self.cluster, expand=pos)
 
     def unit_costs(self, table: BlockTable, mode: int, b: int) -> list[float]:
         """Seconds per micro-batch of each pipeline unit: what the balancers split (the same
