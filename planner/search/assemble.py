@@ -89,60 +89,57 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
 def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     """Per rank: the data-parallel traffic the backward pass does not hide (estimate.dp_exposed).
 
-    Two passes: every (tp, ep, dp, zero, framework) group lists the collectives it needs,
-    they are priced together (collective_times: one call per op and process-group shape),
-    then each group takes its share."""
+    The collectives are listed per (tp, ep, dp) layout (its DP and expert-DP group shapes),
+    priced together (collective_times: one call per op and shape), and the rest is
+    elementwise over every candidate at once."""
     n = len(m)
-    out = np.zeros((n, pp))
-    keys = np.column_stack([col["tp"], col["ep"], col["dp"], col["zero"], col["framework"]])
+    zero, fwi = col["zero"], col["framework"]
+    gbytes = np.array([ev._grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
+    dense, expert = r["dense"], r["expert"]
+    reduce, gather = np.zeros((n, pp)), np.zeros((n, pp))
+    code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
     requests: list[tuple[str, object, np.ndarray]] = []
-    plans = []
-    for key in np.unique(keys, axis=0, return_counts=True)[0]:  # counts: numpy.ma is never imported
-        tp, ep, dp, zero, fwi = (int(x) for x in key)
+    fills = []  # (target array, rows, dense request, expert request, expert bytes)
+    for value in np.unique(code, return_counts=True)[0]:  # counts: numpy.ma is never imported
+        s = code == value
+        i = int(np.argmax(s))
+        tp, ep, dp = int(col["tp"][i]), int(col["ep"][i]), int(col["dp"][i])
         if dp == 1 and ep == 1:
             continue
-        s = np.all(keys == key, axis=1)
-        if zero == 3:
-            plans.append((s, zero, fwi, None))
-            continue
-        gbytes = ev._grad_bytes(fwi)
         shapes = ev.shapes(tp, ep, dp, pp)
-        dense, expert = r["dense"][s], r["expert"][s]
-        # (op, dense bytes, expert bytes): the reduction, then the 16-bit weight gather
-        ops = ([("reducescatter", gbytes * dense, gbytes * expert), ("allgather", 2 * dense, 2 * expert)]
-               if zero >= 1 else [("allreduce", gbytes * dense, gbytes * expert)])
-        parts = []
-        for op, d, e in ops:
+        for rows, op, target, d, e in (
+            (s & ((zero == 1) | (zero == 2)), "reducescatter", reduce, gbytes * dense, gbytes * expert),
+            (s & ((zero == 1) | (zero == 2)), "allgather", gather, 2 * dense, 2 * expert),  # 16-bit weights
+            (s & (zero == 0), "allreduce", reduce, gbytes * dense, gbytes * expert),
+        ):
+            if not rows.any():
+                continue
+            e_rows = e[rows]
             # dense parameters over the DP group, expert parameters over the expert-DP group
-            di = len(requests) if dp > 1 else None
+            di = ei = None
             if dp > 1:
-                requests.append((op, shapes.dp, d))
-            ei = len(requests) if dp // ep > 1 else None
+                di = len(requests)
+                requests.append((op, shapes.dp, d[rows]))
             if dp // ep > 1:
-                requests.append((op, shapes.edp, e))
-            parts.append((di, ei, e))
-        plans.append((s, zero, fwi, parts))
+                ei = len(requests)
+                requests.append((op, shapes.edp, e_rows))
+            fills.append((target, rows, di, ei, e_rows))
     priced = collective_times(ev.cluster, requests)
-
-    def total(di, ei, e) -> np.ndarray:
-        t = priced[di] if di is not None else np.zeros_like(e)
-        return t + np.where(e > 0, priced[ei], 0.0) if ei is not None else t
-
-    for s, zero, fwi, parts in plans:
-        fwd, bwd = r["fwd"][s], r["bwd"][s] + r["rc"][s]
-        if parts is None:  # ZeRO-3: per-block gathers and reduce-scatters against compute
-            gather, reduce = r["z3_gather"][s], r["z3_reduce"][s]
-            out[s] = m[s] * (np.maximum(0.0, gather - fwd) + np.maximum(0.0, gather + reduce - bwd))
-            continue
-        reduce = total(*parts[0])
-        gather = total(*parts[1]) if len(parts) > 1 else np.zeros_like(reduce)
-        traits = fw.traits(FRAMEWORKS[fwi])
-        rank = np.arange(pp)[None, :]
-        cooldown = rank * bwd / vs[s] if pp > 1 else np.zeros_like(bwd)
-        first_fwd = fwd if FRAMEWORKS[fwi] == "megatron" else np.zeros_like(fwd)
-        window = (bwd if traits.overlap_grad_reduce else 0.0) + cooldown
-        hide = np.where((gather > 0) & traits.overlap_grad_reduce, first_fwd, 0.0)
-        out[s] = np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
+    for target, rows, di, ei, e_rows in fills:
+        t = priced[di] if di is not None else np.zeros_like(e_rows)
+        target[rows] = t + np.where(e_rows > 0, priced[ei], 0.0) if ei is not None else t
+    fwd, bwd = r["fwd"], r["bwd"] + r["rc"]
+    overlap = np.array([fw.traits(f).overlap_grad_reduce for f in FRAMEWORKS])[fwi][:, None]
+    cooldown = np.arange(pp)[None, :] * bwd / vs if pp > 1 else np.zeros_like(bwd)
+    first_fwd = np.where((fwi == FRAMEWORKS.index("megatron"))[:, None], fwd, 0.0)
+    window = np.where(overlap, bwd, 0.0) + cooldown
+    hide = np.where((gather > 0) & overlap, first_fwd, 0.0)
+    out = np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
+    z3 = (zero == 3) & ((col["dp"] > 1) | (col["ep"] > 1))
+    if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute
+        g3, r3 = r["z3_gather"][z3], r["z3_reduce"][z3]
+        out[z3] = m[z3] * (np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 - bwd[z3]))
+    out[(col["dp"] == 1) & (col["ep"] == 1)] = 0.0
     return out
 
 
