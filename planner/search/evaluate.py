@@ -76,6 +76,19 @@ def pipeline_units(model: ModelSpec) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
+# Rows of a rank table (Evaluator.rank_table): per pipeline rank, one micro-batch's seconds of
+# forward, backward, recompute, TP, EP and pipeline traffic; the stage's dense and expert
+# parameters, its largest block, stored and live activation bytes and pipeline buffers; the
+# ZeRO-3 per-block gathers and reduce-scatters.
+RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
+               "z3_gather", "z3_reduce")
+
+
+def rank_fields(ranks: np.ndarray) -> dict[str, np.ndarray]:
+    """Name the rows of rank tables ([..., field, rank] -> {field: [..., rank]}), as views."""
+    return {name: ranks[..., k, :] for k, name in enumerate(RANK_FIELDS)}
+
+
 class Shapes:
     """Process-group shapes of a placement, as ``estimate.build_comms`` lays ranks out.
 
@@ -266,23 +279,24 @@ class Evaluator:
         self._z3[key] = (table, out)
         return out
 
-    def _prefixes(self, table: BlockTable, mode: int, bi: int) -> dict[str, np.ndarray]:
+    def _prefixes(self, table: BlockTable, mode: int, bi: int) -> np.ndarray:
+        """Prefix sums over blocks of fwd, bwd, rc, tp, ep, dense, expert, act: [8 x blocks + 1]."""
         key = (id(table), mode, bi)
         hit = self._prefix.get(key)
-        pre = hit[1] if hit is not None and hit[0] is table else None
-        if pre is None:
-            names = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act")
-            series = np.stack((table.fwd[bi], table.bwd[bi], table.rc[mode, bi], table.tp[mode, bi], table.ep[mode, bi],
-                               table.params, table.expert, table.act[mode]))
-            sums = np.zeros((len(names), series.shape[1] + 1))
-            np.cumsum(series, axis=1, out=sums[:, 1:])  # row by row, as one cumsum per series
-            pre = dict(zip(names, sums))
-            self._prefix[key] = (table, pre)  # holding the table keeps its id unique
-        return pre
+        if hit is not None and hit[0] is table:
+            return hit[1]
+        series = np.stack((table.fwd[bi], table.bwd[bi], table.rc[mode, bi], table.tp[mode, bi], table.ep[mode, bi],
+                           table.params, table.expert, table.act[mode]))
+        sums = np.zeros((len(series), series.shape[1] + 1))
+        np.cumsum(series, axis=1, out=sums[:, 1:])  # row by row, as one cumsum per series
+        self._prefix[key] = (table, sums)  # holding the table keeps its id unique
+        return sums
 
     def rank_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                   tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Per pipeline rank (length pp): one micro-batch's time parts and the stage's contents.
+                   tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Per pipeline rank: one micro-batch's time parts and the stage's contents, as a
+        [RANK_FIELDS x pp] matrix (one array per key, so a chunk of keys stacks in one call;
+        ``rank_fields`` names its rows).
 
         All but the ZeRO-3 parts depend on the partition and the pp group's shape, not on dp or
         the framework (beyond the send divisor), so they are computed once per such key."""
@@ -291,23 +305,23 @@ class Evaluator:
         if hit is None or hit[0] is not table:
             hit = (table, self._rank_base_table(table, parts, mode, b, pp, vs, tp, send_div, shapes))
             self._rank_base[key] = hit  # holding the table keeps its id unique
-        out = dict(hit[1])
+        if not z3:
+            return hit[1]
+        out = hit[1].copy()
         starts = np.array([a for a, _ in parts])
         ends = np.array([e for _, e in parts])
-        for name in ("z3_gather", "z3_reduce"):
-            out[name] = (z3[name][ends] - z3[name][starts]).reshape(vs, pp).sum(axis=0) if z3 else np.zeros(pp)
+        for row, name in ((-2, "z3_gather"), (-1, "z3_reduce")):
+            out[row] = (z3[name][ends] - z3[name][starts]).reshape(vs, pp).sum(axis=0)
         return out
 
     def _rank_base_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                         tp: int, send_div: int, shapes: Shapes) -> dict[str, np.ndarray]:
-        bi = table.b_index(b)
+                         tp: int, send_div: int, shapes: Shapes) -> np.ndarray:
+        """The rank table of RANK_FIELDS, ZeRO-3 rows left at zero."""
         starts = np.array([a for a, _ in parts])
         ends = np.array([e for _, e in parts])
-        pre = self._prefixes(table, mode, bi)
-
-        def chunk_sum(name: str) -> np.ndarray:
-            p = pre[name]
-            return (p[ends] - p[starts]).reshape(vs, pp).sum(axis=0)
+        pre = self._prefixes(table, mode, table.b_index(b))
+        # Per chunk, then the chunks of each rank (chunk k runs on rank k % pp) added up.
+        sums = (pre[:, ends] - pre[:, starts]).reshape(len(pre), vs, pp).sum(axis=1)
 
         def chunk_max(x: np.ndarray) -> np.ndarray:
             return np.maximum.reduceat(x, starts).reshape(vs, pp).max(axis=0)
@@ -316,18 +330,17 @@ class Evaluator:
         # and receives from the chunk before it (unless it starts the model).
         sends = np.where(ends < self.nblocks, table.pp_bytes[np.maximum(ends - 1, 0)] * b / send_div, 0.0)
         recvs = np.where(starts > 0, table.pp_bytes[np.maximum(starts - 1, 0)] * b / send_div, 0.0)
-        pp_shape = shapes.pp
-        if pp_shape.size > 1:
-            send_t, recv_t = collective_time_array(self.cluster, "p2p", pp_shape, np.stack((sends, recvs)))
-            pp_time = send_t + recv_t
-        else:
-            pp_time = np.zeros(len(parts))
-        out = {name: chunk_sum(name) for name in ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert")}
-        out["pp"] = pp_time.reshape(vs, pp).sum(axis=0)
-        out["largest"] = chunk_max(table.params + table.expert)
-        out["stored"] = chunk_sum("act") * b
-        out["live"] = chunk_max(table.act_live) * b if RECOMPUTES[mode] == "full" else np.zeros(pp)
-        out["ppbuf"] = 2.0 * chunk_max(table.pp_bytes) * b if pp > 1 else np.zeros(pp)
+        out = np.zeros((len(RANK_FIELDS), pp))
+        out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert
+        if shapes.pp.size > 1:
+            send_t, recv_t = collective_time_array(self.cluster, "p2p", shapes.pp, np.stack((sends, recvs)))
+            out[7] = (send_t + recv_t).reshape(vs, pp).sum(axis=0)
+        out[8] = chunk_max(table.params + table.expert)  # largest
+        out[9] = sums[7] * b  # stored activations
+        if RECOMPUTES[mode] == "full":
+            out[10] = chunk_max(table.act_live) * b  # live
+        if pp > 1:
+            out[11] = 2.0 * chunk_max(table.pp_bytes) * b  # pipeline buffers
         if self._tied is not None:
             head, embed, size = self._tied
             owner = {}
@@ -336,8 +349,7 @@ class Evaluator:
                     if a <= i < e:
                         owner[i] = s % pp
             if owner[head] != owner[embed]:
-                out["dense"] = out["dense"].copy()
-                out["dense"][owner[head]] += size / tp
+                out[5, owner[head]] += size / tp  # the head's copy of the embedding, on the dense row
         return out
 
     # -- the whole space ------------------------------------------------------------------
@@ -372,7 +384,7 @@ class Evaluator:
         """Full evaluation of the candidates of ``key_ids`` (all when None): (rows, results)."""
         c = prep.space.columns
         key_ids = np.arange(len(prep.keys)) if key_ids is None else np.asarray(key_ids)
-        by_pp: dict[int, list[tuple[int, dict]]] = {}
+        by_pp: dict[int, list[tuple[int, np.ndarray, tuple]]] = {}
         for g in key_ids:
             tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[g])
             table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
@@ -397,7 +409,7 @@ class Evaluator:
                 local_list.append(np.full(len(members), i))
             sel = np.concatenate(rows_list)
             local = np.concatenate(local_list)
-            stacked = {name: np.stack([r[name] for _, r, _ in groups])[local] for name in groups[0][1]}
+            stacked = rank_fields(np.stack([r for _, r, _ in groups])[local])
             step, peak, cpu = assemble(self, {k: v[sel] for k, v in c.items()}, stacked, pp)
             meta = np.array([mt for _, _, mt in groups])[local]
             all_rows.append(sel)
@@ -418,8 +430,7 @@ class Evaluator:
     def candidate(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], dict[str, np.ndarray], dict, tuple]:
         """Candidate ``i`` in detail: its partition, per-rank table, assembled parts, bottlenecks."""
         parts, ranks, col, pp, bottlenecks = self._one(prep, i)
-        one = {k: v[None, :] for k, v in ranks.items()}
-        return parts, ranks, assemble(self, col, one, pp, detail=True), bottlenecks
+        return parts, rank_fields(ranks), assemble(self, col, rank_fields(ranks[None]), pp, detail=True), bottlenecks
 
     def evaluate_one(self, prep: "Prepared", i: int) -> tuple[float, float, float]:
         """Candidate ``i``'s (step time, peak bytes, CPU bytes per node), with its override if any."""
@@ -427,14 +438,14 @@ class Evaluator:
 
     def evaluate_rows(self, prep: "Prepared", rows: list[int]) -> dict[int, tuple[float, float, float]]:
         """``evaluate_one`` of many candidates, assembled together per pipeline depth."""
-        by_pp: dict[int, list[tuple[int, dict[str, np.ndarray]]]] = {}
+        by_pp: dict[int, list[tuple[int, np.ndarray]]] = {}
         for i in rows:
             _, ranks, _, pp, _ = self._one(prep, i)
             by_pp.setdefault(pp, []).append((i, ranks))
         out = {}
         for pp, items in by_pp.items():
             idx = np.array([i for i, _ in items])
-            stacked = {k: np.stack([r[k] for _, r in items]) for k in items[0][1]}
+            stacked = rank_fields(np.stack([r for _, r in items]))
             step, peak, cpu = assemble(self, {k: v[idx] for k, v in prep.space.columns.items()}, stacked, pp)
             out.update({i: (float(step[j]), float(peak[j]), float(cpu[j])) for j, (i, _) in enumerate(items)})
         return out
