@@ -179,3 +179,18 @@ def test_tables_built_in_one_pass_equal_one_at_a_time(name: str) -> None:
                 assert np.array_equal(getattr(wide, f)[:, i], getattr(alone, f)[:, j]), (tp, sp, ep, b, f)
         for f in ("params", "expert", "act", "act_live", "pp_bytes"):
             assert np.array_equal(getattr(wide, f), getattr(alone, f)), (tp, sp, ep, f)
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_flops_per_step_per_run_of_identical_blocks_equals_model_flops(name: str) -> None:
+    from planner.cost.estimate import model_flops
+    from planner.cost.parallel import Workload
+    from planner.hardware.cluster import Cluster
+    from planner.hardware.load import load_profile
+    from planner.search.evaluate import Evaluator
+
+    model = load_preset(name)
+    vlm = model.vision is not None
+    wl = Workload(global_batch=32, seq_len=4096, images_per_sample=2 if vlm else 0, tiles_per_image=3 if vlm else 0)
+    ev = Evaluator(model, Cluster.build(load_profile("dgx-h100"), 4), wl)
+    assert ev.flops_per_step() == model_flops(model, wl)  # bitwise: same numbers, same order

@@ -136,7 +136,7 @@ class Evaluator:
         self.partitions: list[list[tuple[int, int]]] = []  # every partition any result refers to
         self._part_index: dict[tuple, int] = {}
         self._prefix: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
-        self.model_flops: float | None = None  # filled by planner/search/plans.py
+        self.model_flops: float | None = None  # flops_per_step, once asked
         self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
         self._rank_base: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
         # Candidates whose time-balanced split ran out of memory and that were rebalanced under
@@ -210,14 +210,28 @@ class Evaluator:
         27 SigLIP blocks or 126 Llama layers are priced once, not once per layer, and the
         per-block arrays are expanded afterwards. Equal to the direct call
         (tests/test_search_space.py)."""
+        short, pos = self._run_model()
+        groups = [(layer_costs(short, self.workload, tp, sp, ep), shapes.tp, shapes.ep) for tp, sp, ep, shapes in specs]
+        return block_tables(groups, mbs, self.dev, self.cluster, expand=pos)
+
+    def _run_model(self) -> tuple[ModelSpec, np.ndarray]:
+        """The model with each run of identical consecutive blocks cut to its first block, and
+        for every block the index of the one standing for it."""
         if self._runs is None:
             blocks = self.model.blocks
             keep = [i for i in range(len(blocks)) if i == 0 or blocks[i] != blocks[i - 1]]
             pos = np.searchsorted(keep, np.arange(len(blocks)), side="right") - 1
             self._runs = (self.model.model_copy(update={"blocks": [blocks[i] for i in keep]}), pos)
-        short, pos = self._runs
-        groups = [(layer_costs(short, self.workload, tp, sp, ep), shapes.tp, shapes.ep) for tp, sp, ep, shapes in specs]
-        return block_tables(groups, mbs, self.dev, self.cluster, expand=pos)
+        return self._runs
+
+    def flops_per_step(self) -> float:
+        """``estimate.model_flops`` with each run of identical blocks priced once (the same
+        per-block numbers, summed in the same order)."""
+        if self.model_flops is None:
+            short, pos = self._run_model()
+            fwd = [c.fwd_flops for c in layer_costs(short, self.workload)]
+            self.model_flops = 3.0 * sum(fwd[j] for j in pos.tolist()) * self.workload.global_batch
+        return self.model_flops
 
     def unit_costs(self, table: BlockTable, mode: int, b: int) -> list[float]:
         """Seconds per micro-batch of each pipeline unit: what the balancers split (the same

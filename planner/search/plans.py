@@ -11,20 +11,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from planner.cost.estimate import model_flops
 from planner.cost import memory as mem
 from planner.cost.memory import MemoryBreakdown
 from planner.cost.plan import Plan, StagePlan
 from planner.cost.step_time import MicroBatchTime, StepTime
 from planner.model.spec import DecoderBlock
 from planner.search.evaluate import Evaluator, Prepared
-
-
-def _flops(ev: Evaluator) -> float:
-    """Model FLOPs per step, once per evaluator (it walks the whole layer profile)."""
-    if ev.model_flops is None:
-        ev.model_flops = model_flops(ev.model, ev.workload)
-    return ev.model_flops
 
 
 def build_plan(ev: Evaluator, prep: Prepared, i: int) -> tuple[Plan, tuple[float, float]]:
@@ -52,5 +44,5 @@ def build_plan(ev: Evaluator, prep: Prepared, i: int) -> tuple[Plan, tuple[float
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=ev.workload, partition=list(parts),
                 stages=stages, time=time, capacity_bytes=cluster.profile.gpu.memory_bytes,
                 host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB),
-                model_flops_per_step=_flops(ev), peak_flops=ev.dev.peak_flops)
+                model_flops_per_step=ev.flops_per_step(), peak_flops=ev.dev.peak_flops)
     return plan, bottlenecks
