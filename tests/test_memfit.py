@@ -144,3 +144,26 @@ def _table_args(prep, i: int) -> tuple:
 def _mode_b(prep, i: int) -> tuple[int, int]:
     _, _, _, b, mode, *_ = (int(x) for x in prep.keys[prep.inverse[i]])
     return mode, b
+
+
+@pytest.mark.parametrize(("name", "nodes", "top"), [("deepseek-v3", 128, 5), ("deepseek-v2", 32, 5), ("vl2", 1, 3)])
+def test_skipping_pipelines_no_split_in_memory_can_bring_into_the_top_k_changes_no_plan(monkeypatch, name, nodes,
+                                                                                      top) -> None:
+    """rebalance skips a candidate when one pack proves no split within memory is fast enough
+    to reach the K-th plan (partition.fits_within); with that test turned off (every candidate
+    rebalanced in full), the same plans come back, and the test did skip some."""
+    calls = {"full": 0}
+    real = memfit.optimal_partition
+
+    def counted(*args, **kwargs):
+        calls["full"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memfit, "optimal_partition", counted)
+    fast = suggest(name, nodes=nodes, top=top)
+    pruned_calls = calls["full"]
+    monkeypatch.setattr(memfit, "fits_within", lambda *args: True)
+    calls["full"] = 0
+    full = suggest(name, nodes=nodes, top=top)
+    assert calls["full"] > pruned_calls
+    assert [p.to_json() for p in fast.plans] == [p.to_json() for p in full.plans]
