@@ -116,6 +116,7 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
     """Valid (dp, tp, pp, ep, vs) combinations and how many were rejected as indivisible."""
     valid: list[Degrees] = []
     rejected = 0
+    vss = sorted({v for v in cons.virtual_stages or DEFAULT_VIRTUAL_STAGES if 1 <= v <= facts.units})
     for tp in _allowed(divisors(world), cons.tp):
         for pp in _allowed(divisors(world // tp), cons.pp):
             dp = world // (tp * pp)
@@ -126,7 +127,6 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
             base_ok = tp_ok and pp <= facts.units and global_batch % dp == 0
             # A dense model has no experts to shard: ep is 1, not a rejected candidate.
             eps = _allowed(divisors(dp), cons.ep) if facts.routed_experts else [1]
-            vss = _allowed(range(1, facts.units + 1), cons.virtual_stages or DEFAULT_VIRTUAL_STAGES)
             even = {ep: base_ok and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp) for ep in eps}
             for ep, vs in itertools.product(eps, vss):
                 ok = even[ep]
