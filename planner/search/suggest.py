@@ -7,7 +7,8 @@ what is left cannot reach the top K (branch and bound: exact, since the bounds a
 tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rebalance
 pipelines whose time-balanced split runs out of memory under a memory limit
 (planner/search/memfit.py), best split-independent bound first, until that bound cannot
-reach the top K (bounds.split_time_bound) -> collapse identical predictions (the same
+reach the top K (bounds.split_time_bound), skipping those where one pack proves no split
+within memory is fast enough (partition.fits_within) -> collapse identical predictions (the same
 layout under two runtimes) -> rank ->
 build the winners' ``Plan`` objects from the twin's per-rank parts (planner/search/plans.py;
 tests/test_suggest.py checks they equal ``estimate`` for the same configuration and partition).
