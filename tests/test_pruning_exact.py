@@ -3,6 +3,7 @@ exhaustive scalar search ranks first: ``estimate`` called on every candidate of 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from planner.cost.estimate import estimate
@@ -59,3 +60,29 @@ def test_pruning_actually_prunes() -> None:
     res = suggest("llama-3.1-8b", nodes=2, global_batch=64, seq_len=4096, top=1)
     assert res.pruned > 0
     assert res.fully_evaluated + res.pruned < res.evaluated or res.rejected["out_of_memory"] > 0
+
+
+@pytest.mark.parametrize(("name", "nodes", "cons"), [
+    ("llama-3.1-8b", 2, Constraints(micro_batch=(1, 2), virtual_stages=(1, 2))),
+    ("deepseek-vl2-tiny", 1, Constraints(micro_batch=(1,), virtual_stages=(1,))),
+    ("mixtral-8x7b", 2, Constraints(micro_batch=(1,), recompute=("full",), virtual_stages=(1,))),
+])
+def test_lower_bounds_never_exceed_any_candidates_evaluation(name, nodes, cons) -> None:
+    """Every candidate's time and memory bounds (compute, pipeline, optimizer step) are at or
+    below its full evaluation: ZeRO 0-3, offloads, pipelines, interleaving, experts."""
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    images, tiles = (1, 2) if model.is_vlm else (0, 0)
+    workload = Workload(global_batch=64, seq_len=4096, images_per_sample=images, tiles_per_image=tiles)
+    space = _space(model, cluster, 64, cons)
+    ev = Evaluator(model, cluster, workload)
+    prep = ev.prepare(space)
+    time_lb, mem_lb = ev.lower_bounds(prep)
+    rows, res = ev.evaluate(prep)
+    assert len(rows) == len(space) > 300
+    c = space.columns
+    assert set(c["zero"][rows].tolist()) == {0, 1, 2, 3} and (c["offload"][rows] > 0).any() and (c["pp"] > 1).any()
+    assert np.all(time_lb[rows] <= res.step_time * (1 + 1e-12))
+    assert np.all(mem_lb[rows] <= res.peak_bytes * (1 + 1e-12))
+    # The optimizer term makes the bound bite: within 10% of the step somewhere.
+    assert np.any(time_lb[rows] >= 0.9 * res.step_time)

@@ -222,3 +222,10 @@ def test_layouts_with_uneven_groups_are_left_out() -> None:
     assert any(dp == 6 and tp == 4 for tp, _, dp, _ in layouts)  # ranks 0, 4, ..., 20: two on each of 3 nodes
     result = suggest(model, nodes=48)
     assert result.plans and result.rejected["indivisible"] > 0
+
+
+def test_progress_reports_rising_fractions_that_end_at_one() -> None:
+    seen: list[float] = []
+    suggest("deepseek-v3", nodes=16, progress=seen.append)
+    assert len(seen) >= 2 and seen[-1] == 1.0
+    assert all(0.0 < a <= b <= 1.0 for a, b in zip(seen, seen[1:]))

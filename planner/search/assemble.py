@@ -144,11 +144,18 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
 
 
 def _optimizer(ev: "Evaluator", col, r, pp: int, m) -> np.ndarray:
+    return optimizer_seconds(ev, col, r["dense"], r["expert"], m)
+
+
+def optimizer_seconds(ev: "Evaluator", col, dense: np.ndarray, expert: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The optimizer step of ranks holding ``dense`` and ``expert`` parameters ([candidate x
+    rank]): fused Adam over HBM, or DeepSpeedCPUAdam when offloading. Linear in the
+    parameters, so the mean rank's time bounds the slowest rank's (planner/search/bounds.py)."""
     w = ev.workload
     sharded = (col["zero"] >= 1)[:, None]
     dp = col["dp"][:, None].astype(float)
     edp = np.maximum(col["dp"] // col["ep"], 1)[:, None].astype(float)
-    local = r["dense"] / np.where(sharded, dp, 1.0) + r["expert"] / np.where(sharded, edp, 1.0)
+    local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)
     step_bytes = eff.SGD_STEP_BYTES if w.optimizer == "sgd" else eff.ADAM_STEP_BYTES
     gpu = eff.hbm_time(local * step_bytes, ev.dev)
     node = ev.cluster.profile.node

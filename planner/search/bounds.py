@@ -22,7 +22,8 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
 
     Time: with per-rank times T_r summing to S >= (sum of block times) and T_w = max T_r >=
     S / pp, the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at least
-    ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v).
+    ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v) plus
+    ``optimizer_bound``.
     Memory: the worst rank holds at least the mean over ranks; activations at least the
     in-flight count of the last rank (the smallest).
     """
@@ -55,8 +56,8 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     S = block_sum[prep.inverse]
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
-    time_lb = S / pp * (m - 1.0 / vs) + S / vs
     dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
+    time_lb = S / pp * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
     states = np.zeros(n)
     edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
     code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
@@ -76,6 +77,18 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     return time_lb, mem_lb
 
 
+def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
+    """The optimizer step no partition can beat: its time is linear in a rank's parameters,
+    so the slowest rank takes at least what the mean rank (the model's ``dense`` and
+    ``expert`` parameters per TP rank, over pp) takes. Without it, plans whose step is mostly
+    a ZeRO-0 optimizer over a whole model look as fast as their compute."""
+    from planner.search.assemble import optimizer_seconds
+
+    pp = col["pp"].astype(float)
+    m = col["grad_accum"].astype(float)
+    return optimizer_seconds(ev, col, (dense / pp)[:, None], (expert / pp)[:, None], m[:, None])[:, 0]
+
+
 def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.ndarray:
     """A step-time bound for plain 1F1B candidates (vs = 1) whose time-optimal split is known,
     valid for every other split too (the memory-limited ones of planner/search/memfit.py).
@@ -83,15 +96,19 @@ def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.
     Any split's slowest rank takes at least the optimal bottleneck B of its blocks' times
     (the optimum minimises exactly that maximum; pipeline sends only add), and the ranks
     together at least S, the sum over blocks; with the step ``m T_w + (S' - T_w) + ...``
-    growing in T_w and S', it is at least ``(m - 1) B + S``. Tighter than ``lower_bounds``'s
-    ``(m - 1) S / pp + S`` because B >= S / pp.
+    growing in T_w and S', it is at least ``(m - 1) B + S``, plus the optimizer bound
+    (whatever the split). Tighter than ``lower_bounds``'s ``(m - 1) S / pp + S`` because
+    B >= S / pp.
     """
     c = prep.space.columns
     out = np.empty(len(rows))
+    dense, expert = np.empty(len(rows)), np.empty(len(rows))
     for j, i in enumerate(rows):
         tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
         table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
         costs = ev.unit_costs(table, mode, b)
         bottleneck = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
         out[j] = (int(c["grad_accum"][i]) - 1) * bottleneck + float(sum(costs))
+        dense[j], expert[j] = float(table.params.sum()), float(table.expert.sum())
+    out += optimizer_bound(ev, {k: v[rows] for k, v in c.items()}, dense, expert)
     return out * (1 - 1e-9)  # rounding between the two sums must not lift the bound

@@ -36,6 +36,8 @@ from planner.search.plans import build_plan
 from planner.search.space import Constraints, ModelFacts, Space, default_global_batch, divisors, enumerate_space
 
 BALANCERS = ("greedy", "optimal")
+# Keys evaluated in full before the first look at the bar (then twice as many each round).
+FIRST_CHUNK = 8
 
 
 @dataclass
@@ -256,24 +258,30 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     cpu = np.zeros(n)
     done = np.zeros(n, dtype=bool)
     pid = np.full(n, -1, dtype=np.int64)
-    pos, batch = 0, 32
-    while pos < len(key_order):
-        chunk = key_order[pos:pos + batch]
+    # Keys in bound order, a chunk at a time (doubling: numpy's per-call cost wants chunks, the
+    # stop wants them small). Once K plans are known, only keys whose bound is within the K-th
+    # value can enter the top K: ``limit`` says how many of the sorted keys that is.
+    sorted_lb = key_lb[key_order]
+    pos, batch, limit = 0, FIRST_CHUNK, len(key_order)
+    while pos < limit:
+        chunk = key_order[pos:min(pos + batch, limit)]
         rows, res = ev.evaluate(prep, chunk)
         step[rows], peak[rows], cpu[rows], done[rows] = res.step_time, res.peak_bytes, res.cpu_bytes, True
         pid[rows] = res.partition_id
         pos += len(chunk)
         batch *= 2
         if progress is not None:
-            progress(min(pos / max(len(key_order), 1), 1.0))
+            progress(min(pos / max(limit, 1), 1.0))
         fits = done & (peak <= capacity) & (cpu <= host_capacity)
-        if pos < len(key_order) and fits.sum() >= top:
+        if pos < limit and fits.sum() >= top:
             # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
             # so the K-th distinct value is the bar (never lower than the true K-th plan's).
             vals = np.unique(peak[fits] if objective == "memory" else step[fits], return_counts=True)[0]
             # Ties (and the cost objective's 0.1% buckets) may reorder plans within a hair.
-            if len(vals) >= top and key_lb[key_order[pos]] > vals[top - 1] * (1 + 2e-3):
-                break
+            if len(vals) >= top:
+                limit = min(limit, int(np.searchsorted(sorted_lb, vals[top - 1] * (1 + 2e-3), side="right")))
+    if progress is not None:
+        progress(1.0)
 
     _rebalance_oom(ev, prep, space, step, peak, cpu, done, certain_oom, time_lb, capacity, host_capacity, objective, top)
     fits = done & (peak <= capacity) & (cpu <= host_capacity)
@@ -350,7 +358,7 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
     # found so far, no later one can enter the top K (the same test as the main loop).
     order = np.argsort(bound, kind="stable")[:MAX_REBALANCED]
     rows, bound = rows[order], bound[order]
-    pos, batch = 0, 8
+    pos, batch = 0, 32
     while pos < len(rows) and bound[pos] <= (limit := bar()):
         for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch], limit):
             step[i], peak[i], cpu[i] = s, p, u
