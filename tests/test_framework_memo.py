@@ -57,3 +57,35 @@ def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int) -> N
     assert space.rejected["framework"] == rejected
     # Interleaving is both allowed and refused somewhere, so the exact-pp part of the key is exercised.
     assert (space.columns["vs"] > 1).any() and rejected > 0
+
+
+def test_read_memo_runs_the_rule_once_per_path_and_agrees_with_it() -> None:
+    from planner.search.space import ConfigView, ReadMemo
+
+    calls = []
+
+    def rule(cfg):
+        calls.append(1)
+        if cfg.framework == "megatron":
+            return "no zero 2+" if cfg.zero_stage > 1 else None
+        return "no tp with pp" if cfg.tp > 1 and cfg.pp > 1 else None
+
+    memo = ReadMemo(rule)
+    configs = [ConfigView(dp=2, tp=tp, pp=pp, ep=1, zero_stage=z, offload="none", micro_batch=mb, grad_accum=1,
+                          recompute="none", sequence_parallel=False, virtual_stages=1, framework=f)
+               for f in ("megatron", "deepspeed") for tp in (1, 2) for pp in (1, 2) for z in (0, 1, 2, 3)
+               for mb in (1, 2, 4)]
+    for cfg in configs:
+        assert memo.ok(cfg) == (rule(cfg) is None)
+    direct = len(configs)
+    # megatron: one path per zero stage; deepspeed: tp 1 decides alone, tp 2 needs pp
+    assert len(calls) - direct == 4 + 1 + 2
+    flip = iter(range(10**6))
+
+    def fickle(cfg):  # reads a different field from one call to the next
+        return None if (cfg.tp if next(flip) % 2 else cfg.pp) else "no"
+
+    memo = ReadMemo(fickle)
+    memo.ok(configs[0])
+    with pytest.raises(RuntimeError, match="must depend only on the fields it reads"):
+        memo.ok(configs[-1])

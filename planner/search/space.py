@@ -36,7 +36,8 @@ COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "
 # A framework rule: None when the runtime can run the config, else the reason it cannot. It is
 # memoised on ``_rule_pattern``: it may read the settings and whether tp, pp and ep exceed 1,
 # and only when virtual stages > 1, whether the layers (ModelFacts.units) divide by pp x
-# virtual stages and whether the accumulation steps divide by pp.
+# virtual stages and whether the accumulation steps divide by pp; and on the fields it reads
+# (``ReadMemo``): it must depend on nothing else.
 FrameworkRule = Callable[[ParallelConfig], "str | None"]
 
 
@@ -186,21 +187,83 @@ def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
 
 def _signature_ok(rule: FrameworkRule, deg: Degrees, ga_ok: bool, setting: tuple[int, int, int, int, int]) -> bool:
     """Whether the framework runs ``setting`` on ``deg`` (a representative of its pattern)."""
-    if deg.vs == 1:  # the exact pp and accumulation are not read: normalise for the cache
-        return _cached_rule(rule, (*setting, min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True))
-    return _cached_rule(rule, (*setting, min(deg.tp, 2), deg.pp, min(deg.ep, 2), deg.vs, ga_ok))
-
-
-@functools.lru_cache(maxsize=65536)
-def _cached_rule(rule: FrameworkRule, key: tuple) -> bool:
-    zero, offload, recompute, sp, fw, tp, pp, ep, vs, ga_ok = key
+    zero, offload, recompute, sp, fw = setting
+    tp, ep = min(deg.tp, 2), min(deg.ep, 2)
+    pp, vs, ga_ok = (min(deg.pp, 2), 1, True) if deg.vs == 1 else (deg.pp, deg.vs, ga_ok)
     # A representative config with the same facts; dp = 2 * ep keeps ep | dp.
     cfg = ConfigView(
         dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=zero, offload=OFFLOADS[offload], micro_batch=1,
         grad_accum=pp if ga_ok else 1, recompute=RECOMPUTES[recompute], sequence_parallel=bool(sp),
         virtual_stages=vs, framework=FRAMEWORKS[fw],
     )
-    return rule(cfg) is None  # type: ignore[arg-type]
+    return _memo(rule).ok(cfg)
+
+
+class _Reads:
+    """A config that records the fields read from it, in order."""
+
+    __slots__ = ("_cfg", "reads")
+
+    def __init__(self, cfg: "ConfigView") -> None:
+        self._cfg = cfg
+        self.reads: list[tuple[str, object]] = []
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(self._cfg, name)
+        self.reads.append((name, value))
+        return value
+
+
+class ReadMemo:
+    """A rule's verdicts memoised on the fields it reads: a decision tree grown as it is asked.
+
+    A rule that read framework, then tp, then zero_stage before deciding has decided every
+    config that agrees on those three fields; later configs walk the tree field by field, and
+    only one that leaves it runs the rule (whose reads then add a branch). Exact for a rule
+    that depends on nothing but the fields it reads, as ``check_framework`` does. A search
+    asks ~1,700 (pattern, setting) questions; the rule runs for a few dozen distinct paths,
+    and a walk costs less than the rule's raise and catch."""
+
+    def __init__(self, rule: FrameworkRule) -> None:
+        self._rule = rule
+        self._root: tuple[str, dict] | bool | None = None
+
+    def ok(self, cfg: "ConfigView") -> bool:
+        node = self._root
+        while node is not None:
+            if node.__class__ is bool:
+                return node  # type: ignore[return-value]
+            field_name, branches = node  # type: ignore[misc]
+            node = branches.get(getattr(cfg, field_name))
+        return self._learn(cfg)
+
+    def _learn(self, cfg: "ConfigView") -> bool:
+        view = _Reads(cfg)
+        verdict = self._rule(view) is None  # type: ignore[arg-type]
+        path = view.reads
+        if not path:
+            self._root = verdict
+            return verdict
+        if self._root is None:
+            self._root = (path[0][0], {})
+        node = self._root
+        for k, (field_name, value) in enumerate(path):
+            asked, branches = node  # type: ignore[misc]
+            if asked != field_name:
+                raise RuntimeError(f"framework rule read {field_name!r} where it read {asked!r} before: "
+                                   "it must depend only on the fields it reads")
+            if k + 1 == len(path):
+                branches[value] = verdict
+            else:
+                node = branches.get(value)
+                if node is None:
+                    node = branches[value] = (path[k + 1][0], {})
+        return verdict
+
+
+@functools.lru_cache(maxsize=16)
+def _memo(rule: FrameworkRule) -> ReadMemo:
+    return ReadMemo(rule)
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ sets each field through object.__setattr__
