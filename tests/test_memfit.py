@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from planner.cost.estimate import estimate
-from planner.cost.parallel import Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
@@ -14,6 +13,7 @@ from planner.search import memfit
 from planner.search.evaluate import Evaluator
 from planner.search.space import Constraints
 from planner.search.suggest import NoPlanFits, _space, suggest
+from tests.search_cases import prepared
 
 # DeepSeek-VL2 on one node, two pipeline stages, ZeRO-1 under Megatron-DeepSpeed: the split
 # that balances time leaves one stage ~6 GiB over 80 GiB; moving layers fits both.
@@ -63,13 +63,8 @@ def test_time_balanced_split_runs_out_of_memory_but_a_rebalanced_one_fits(monkey
 ])
 def test_stage_memory_bounds_the_real_stage_peak_from_above(name: str, cons: Constraints) -> None:
     """Any split that fits StageMemory fits for real: the bound holds on many random splits."""
-    model = load_model(name)
-    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
-    images, tiles = (1, 2) if model.is_vlm else (0, 0)
-    wl = Workload(global_batch=64, seq_len=4096, images_per_sample=images, tiles_per_image=tiles)
-    space = _space(model, cluster, 64, cons)
-    ev = Evaluator(model, cluster, wl)
-    prep = ev.prepare(space)
+    case = prepared(name, 1, cons)
+    model, cluster, wl, space, ev, prep = case.model, case.cluster, case.workload, case.space, case.ev, case.prep
     rng = np.random.default_rng(0)
     units = len(ev.units)
     checked = 0
@@ -101,13 +96,8 @@ def test_split_time_bound_holds_for_every_split(name: str, nodes: int, cons: Con
     the step time of the time-optimal split, of the memory-limited one, or of random splits."""
     from planner.search.bounds import lower_bounds, split_time_bound
 
-    model = load_model(name)
-    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
-    images, tiles = (1, 2) if model.is_vlm else (0, 0)
-    wl = Workload(global_batch=64, seq_len=4096, images_per_sample=images, tiles_per_image=tiles)
-    space = _space(model, cluster, 64, cons)
-    ev = Evaluator(model, cluster, wl)
-    prep = ev.prepare(space)
+    case = prepared(name, nodes, cons)
+    space, ev, prep = case.space, case.ev, case.prep
     rows, out = ev.evaluate(prep)
     pipelined = rows[space.columns["pp"][rows] > 1]
     bound = split_time_bound(ev, prep, pipelined)

@@ -14,6 +14,7 @@ from planner.model.catalog import load_model
 from planner.search.evaluate import Evaluator
 from planner.search.space import Constraints
 from planner.search.suggest import _scalar_key, _space, suggest
+from tests.search_cases import prepared
 
 CASES = [
     # (model, nodes, global batch, seq, constraints, objective)
@@ -70,13 +71,8 @@ def test_pruning_actually_prunes() -> None:
 def test_lower_bounds_never_exceed_any_candidates_evaluation(name, nodes, cons) -> None:
     """Every candidate's time and memory bounds (compute, pipeline, optimizer step) are at or
     below its full evaluation: ZeRO 0-3, offloads, pipelines, interleaving, experts."""
-    model = load_model(name)
-    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
-    images, tiles = (1, 2) if model.is_vlm else (0, 0)
-    workload = Workload(global_batch=64, seq_len=4096, images_per_sample=images, tiles_per_image=tiles)
-    space = _space(model, cluster, 64, cons)
-    ev = Evaluator(model, cluster, workload)
-    prep = ev.prepare(space)
+    case = prepared(name, nodes, cons)
+    space, ev, prep = case.space, case.ev, case.prep
     time_lb, mem_lb = ev.lower_bounds(prep)
     rows, res = ev.evaluate(prep)
     assert len(rows) == len(space) > 300
