@@ -258,3 +258,26 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert report["status"] == "interrupted" and report["attempts"][-1]["outcome"] == "interrupted"
     assert report["steps"]["last"] >= 2
     assert not any(line.startswith("Traceback") for line in run.log().splitlines())  # dsplan's own output
+
+
+def test_a_signal_is_acted_on_at_the_next_check_not_where_it_lands(tmp_path):
+    """The handler only records SIGINT; the supervisor's loop raises JobInterrupted at its next
+    check. Raised from the handler, the exception could land inside MetricsTail.poll after it
+    had consumed lines, losing the steps they record (a Ctrl-C once left report.json with no
+    last step although both ranks had logged two)."""
+    from planner.run.supervisor import JobInterrupted, MetricsTail, Supervisor
+
+    sup = Supervisor(job=None)  # type: ignore[arg-type]
+    previous = sup._install_signals()
+    try:
+        metrics = tmp_path / "metrics.rank0.jsonl"
+        metrics.write_text("")
+        tail = MetricsTail(tmp_path / "metrics.jsonl")
+        metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n')
+        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode boundary, here
+        assert [r["step"] for r in tail.poll()] == [1, 2]
+        assert sup.interrupted == "SIGINT"
+        with pytest.raises(JobInterrupted, match="SIGINT"):
+            sup._check_interrupted()
+    finally:
+        sup._restore_signals(previous)

@@ -156,6 +156,7 @@ class Supervisor:
         self.stopping = False  # a signal while stopping shortens the grace period instead of raising
         self.ports: list[int] = []  # master port of each local attempt
         self.hurry = False
+        self.interrupted: str | None = None  # the signal received, acted on at the loop's next safe point
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class Supervisor:
         status = "failed"
         try:
             for index in range(self.max_restarts + 1):
+                self._check_interrupted()
                 attempt = Attempt(index=index, started=time.time())
                 self.attempts.append(attempt)
                 outcome = self._run_attempt(attempt, tail)
@@ -181,6 +183,8 @@ class Supervisor:
                                              resumed_from_step=resumed))
                 where = f"checkpoint step {resumed}" if resumed is not None else "the start (no checkpoint yet)"
                 self._say(f"restart {index + 1}/{self.max_restarts}: {attempt.reason}; resuming from {where}")
+            if status != "completed":
+                self._check_interrupted()  # a signal during the last attempt's stop: say so
         except JobInterrupted as err:
             self.stopping = True  # from here on a further Ctrl-C only hurries the stop
             status = "interrupted"
@@ -220,6 +224,7 @@ class Supervisor:
             threading.Thread(target=self._read, args=(cmd.name, proc), daemon=True).start()
         last_progress = time.monotonic()
         while True:
+            self._check_interrupted()
             if self._drain():
                 last_progress = time.monotonic()
             new = tail.poll()
@@ -369,12 +374,19 @@ class Supervisor:
             if self.stopping:
                 self.hurry = True  # a second Ctrl-C: SIGKILL now
                 return
-            raise JobInterrupted(signal.Signals(signum).name)
+            # Not raised here: an exception at an arbitrary point could land inside
+            # MetricsTail.poll after it has consumed lines (losing the steps they record).
+            self.interrupted = signal.Signals(signum).name
 
         previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, interrupt)
         return previous
+
+    def _check_interrupted(self) -> None:
+        """Raise JobInterrupted if a signal arrived: called where stopping loses nothing."""
+        if self.interrupted is not None:
+            raise JobInterrupted(self.interrupted)
 
     def _restore_signals(self, previous: dict[int, Any]) -> None:
         for sig, handler in previous.items():
