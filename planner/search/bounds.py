@@ -12,6 +12,7 @@ import numpy as np
 
 from planner.cost import memory as mem
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
+from planner.search.assemble import optimizer_seconds
 
 if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator, Prepared
@@ -82,8 +83,6 @@ def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarr
     so the slowest rank takes at least what the mean rank (the model's ``dense`` and
     ``expert`` parameters per TP rank, over pp) takes. Without it, plans whose step is mostly
     a ZeRO-0 optimizer over a whole model look as fast as their compute."""
-    from planner.search.assemble import optimizer_seconds
-
     pp = col["pp"].astype(float)
     m = col["grad_accum"].astype(float)
     return optimizer_seconds(ev, col, (dense / pp)[:, None], (expert / pp)[:, None], m[:, None])[:, 0]
