@@ -407,11 +407,7 @@ class Evaluator:
             if pkey not in self._part_index:
                 self._part_index[pkey] = len(self.partitions)
                 self.partitions.append(parts)
-            send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
-            shapes = self.shapes(tp, ep, dp, pp)
-            z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
-                  if prep.zero3[g] else None)
-            ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
+            ranks = self._key_ranks(table, parts, (tp, sp, ep, b, mode, pp, vs, dp, fwi), bool(prep.zero3[g]))
             meta = (self._part_index[pkey], gbot, obot)
             by_pp.setdefault(pp, []).append((int(g), ranks, meta))
         all_rows, outs = [], []
@@ -464,16 +460,23 @@ class Evaluator:
             out.update({i: (float(step[j]), float(peak[j]), float(cpu[j])) for j, (i, _) in enumerate(items)})
         return out
 
+    def _key_ranks(self, table: BlockTable, parts: list[tuple[int, int]], key: tuple, zero3: bool) -> np.ndarray:
+        """The rank table of one key (tp, sp, ep, b, mode, pp, vs, dp, framework) split as
+        ``parts``; the ZeRO-3 rows only when ``zero3`` (some candidate of it uses ZeRO-3)."""
+        tp, sp, ep, b, mode, pp, vs, dp, fwi = key
+        send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
+        shapes = self.shapes(tp, ep, dp, pp)
+        z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+              if zero3 else None)
+        return self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
+
     def _one(self, prep: "Prepared", i: int):
         tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[prep.inverse[i]])
         table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
         parts, gbot, obot = self.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)
         if i in self.overrides:
             parts = self.overrides[i][0]
-        send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
-        shapes = self.shapes(tp, ep, dp, pp)
-        z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
-              if prep.space.columns["zero"][i] == 3 else None)
-        ranks = self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
+        ranks = self._key_ranks(table, parts, (tp, sp, ep, b, mode, pp, vs, dp, fwi),
+                                prep.space.columns["zero"][i] == 3)
         col = {k: v[i:i + 1] for k, v in prep.space.columns.items()}
         return parts, ranks, col, pp, (gbot, obot)
