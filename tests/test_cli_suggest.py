@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,26 @@ def test_json_output() -> None:
         assert p["balancer_bottleneck_s"]["optimal"] <= p["balancer_bottleneck_s"]["greedy"]
         assert p["micro_batch"] * p["grad_accum"] * p["dp"] == data["inputs"]["global_batch"]
     assert data["evaluated"] > 0 and set(data["rejected"]) == {"out_of_memory", "indivisible", "framework"}
+
+
+def test_every_pipelined_row_shows_what_greedy_costs() -> None:
+    """Issue 5: both balancers' bottlenecks for every pipelined plan, not only the best one."""
+    from planner.cli.output import human_time
+
+    args = ("--model", "llama-3.1-70b", "--nodes", "2", "--pp", "1,2", "--top", "6")
+    human, data = run(*args), json.loads(run(*args, "--json").output)
+    assert human.exit_code == 0, human.output
+    rows = [line for line in human.output.splitlines() if re.match(r"\d+ +(deepspeed|meg-ds|megatron)", line)]
+    assert len(rows) == len(data["plans"]) == 6
+    assert any(p["pp"] == 1 for p in data["plans"]) and any(p["pp"] > 1 for p in data["plans"])
+    for row, p in zip(rows, data["plans"]):
+        b = p["balancer_bottleneck_s"]
+        if p["pp"] == 1:
+            assert row.rstrip().endswith(" -")
+        else:
+            extra = (b["greedy"] / b["optimal"] - 1) * 100
+            assert extra >= 0
+            assert row.rstrip().endswith(f"{human_time(b['optimal'])} +{extra:.1f}%"), row
 
 
 def test_images_and_tiles_override() -> None:

@@ -36,7 +36,8 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
 
     \b
     Prunes by memory, ranks by the objective, shows the best plan's stage partition and
-    breakdowns. Exit status 2 when the input is wrong or no plan fits (with the closest plan
+    breakdowns. Column "stage, greedy": a pipelined plan's slowest stage per micro-batch
+    (optimal balancer) and how much slower the greedy balancer's would be. Exit status 2 when the input is wrong or no plan fits (with the closest plan
     and what would make it fit).
 
     \b
@@ -126,7 +127,7 @@ def render(result) -> None:
     from planner.cli.output import console, human_bytes, human_count, human_time
 
     if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
-        console = Console(highlight=False, width=140)
+        console = Console(highlight=False, width=170)
     i = result.inputs
     console.print(
         f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
@@ -136,7 +137,7 @@ def render(result) -> None:
         + f" | balancer {i['balancer']}, objective {i['objective']}")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for col in ("#", "framework", "dp", "tp", "pp", "ep", "zero", "offload", "mb x acc", "recompute", "peak / cap",
-                "step", "tokens/s", "MFU"):
+                "step", "tokens/s", "MFU", "stage, greedy"):
         table.add_column(col, justify="left" if col in ("framework", "offload", "recompute") else "right", no_wrap=True)
     for rp in result.plans:
         p = rp.plan.to_json()
@@ -148,7 +149,8 @@ def render(result) -> None:
         table.add_row(str(rp.id), runtimes, str(p["dp"]), tp, pp, str(p["ep"]), str(p["zero_stage"]),
                       _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
                       f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB",
-                      human_time(p["step_time_s"]), human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}")
+                      human_time(p["step_time_s"]), human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}",
+                      _bottlenecks(rp.balancer_bottleneck_s))
     console.print(table)
     _render_best(result, console, human_bytes, human_time)
     r = result.rejected
@@ -157,6 +159,18 @@ def render(result) -> None:
         f"bound that proves they cannot reach the top {i['top']}) in {result.elapsed_s:.2f} s; rejected before "
         f"ranking: {r['out_of_memory']} out of memory, {r['indivisible']} indivisible degree combinations, "
         f"{r['framework']} the framework cannot run.")
+
+
+def _bottlenecks(b: dict) -> str:
+    """The slowest stage per micro-batch under the optimal balancer and how much slower the
+    greedy one's is ("1.26 s +2.1%"), so every pipelined row shows what greedy costs; "-"
+    without a pipeline."""
+    if b.get("optimal") is None or b.get("greedy") is None:
+        return "-"
+    from planner.cli.output import human_time
+
+    o, g = b["optimal"], b["greedy"]
+    return f"{human_time(o)} +{(g / o - 1) * 100 if o > 0 else 0.0:.1f}%"
 
 
 def _render_best(result, console, human_bytes, human_time) -> None:
