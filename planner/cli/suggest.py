@@ -37,8 +37,9 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
     \b
     Prunes by memory, ranks by the objective, shows the best plan's stage partition and
     breakdowns. Column "stage, greedy": a pipelined plan's slowest stage per micro-batch
-    (optimal balancer) and how much slower the greedy balancer's would be. Exit status 2 when the input is wrong or no plan fits (with the closest plan
-    and what would make it fit).
+    (optimal balancer) and how much slower the greedy balancer's would be. Exit status 2
+    when the input is wrong or no plan fits (with the closest plan and what would make it
+    fit).
 
     \b
     Examples:
