@@ -157,3 +157,25 @@ def test_skipping_pipelines_no_split_in_memory_can_bring_into_the_top_k_changes_
     full = suggest(name, nodes=nodes, top=top)
     assert calls["full"] > pruned_calls
     assert [p.to_json() for p in fast.plans] == [p.to_json() for p in full.plans]
+
+
+@pytest.mark.parametrize(("name", "nodes"), [("vl2", 1), ("qwen2-vl-72b", 16)])
+def test_memory_objective_rebalances_only_what_can_enter_the_top_k(monkeypatch, name, nodes) -> None:
+    """Ranked by peak memory, a pipeline rebalanced under the memory limit still holds at
+    least its memory bound, so only those whose bound is within the K-th plan's peak are
+    rebalanced (it used to be every out-of-memory pipeline, up to the cap). The top 5 equal
+    the first 5 of a search whose bar never closes (top = everything: all evaluated in full,
+    every out-of-memory pipeline rebalanced up to the cap)."""
+    calls = {"rows": 0}
+    real = memfit.rebalance
+
+    def counted(ev, prep, rows, bar=float("inf")):
+        calls["rows"] += len(rows)
+        return real(ev, prep, rows, bar)
+
+    monkeypatch.setattr(memfit, "rebalance", counted)
+    fast = suggest(name, nodes=nodes, objective="memory", top=5)
+    fast_rows, calls["rows"] = calls["rows"], 0
+    full = suggest(name, nodes=nodes, objective="memory", top=100_000)
+    assert calls["rows"] > fast_rows
+    assert [p.to_json() for p in fast.plans] == [p.to_json() for p in full.plans[:5]]

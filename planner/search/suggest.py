@@ -283,7 +283,8 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     if progress is not None:
         progress(1.0)
 
-    _rebalance_oom(ev, prep, space, step, peak, cpu, done, certain_oom, time_lb, capacity, host_capacity, objective, top)
+    _rebalance_oom(ev, prep, space, step, peak, cpu, done, certain_oom, time_lb, mem_lb, capacity, host_capacity,
+                   objective, top)
     fits = done & (peak <= capacity) & (cpu <= host_capacity)
     oom = int(certain_oom.sum() + (done & ~certain_oom & ~fits).sum())
     pruned = int((~done & ~certain_oom).sum())
@@ -327,40 +328,47 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     return result
 
 
-def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, certain_oom, time_lb, capacity: float,
-                   host_capacity: float, objective: str, top: int) -> None:
+def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, certain_oom, time_lb, mem_lb,
+                   capacity: float, host_capacity: float, objective: str, top: int) -> None:
     """Pipelines that ran out of memory with the time-balanced split but whose memory bound fits
-    and whose time bound could still reach the top K: rebalance under the memory limit
-    (planner/search/memfit.py) and take the exact re-evaluation (arrays updated in place)."""
+    and whose bound on the objective could still reach the top K: rebalance under the memory
+    limit (planner/search/memfit.py) and take the exact re-evaluation (arrays updated in place).
+
+    The bound is the one no split can beat: step time (bounds.split_time_bound) for throughput
+    and cost, which rank by step time on a fixed GPU count; the memory bound for memory."""
     c = space.columns
+    by_memory = objective == "memory"
+    value = peak if by_memory else step
 
     def bar() -> float:
         """The K-th best distinct value so far (as in the main loop), or inf."""
-        if objective == "memory":
-            return np.inf
         fits = done & (peak <= capacity) & (cpu <= host_capacity)
-        vals = np.unique(step[fits], return_counts=True)[0]
+        vals = np.unique(value[fits], return_counts=True)[0]
         return vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
 
-    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1) & (c["vs"] == 1)
-                      & (time_lb <= bar()))[0]
+    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1) & (c["vs"] == 1))[0]
+    if by_memory:
+        bound = mem_lb[rows]
+    else:
+        rows = rows[time_lb[rows] <= bar()]
+        from planner.search.bounds import split_time_bound
+
+        # Their time-optimal split is known now, which bounds every other split more tightly.
+        bound = np.maximum(time_lb[rows], split_time_bound(ev, prep, rows))
+    keep = bound <= bar()
+    rows, bound = rows[keep], bound[keep]
     if not rows.size:
         return
-    from planner.search.bounds import split_time_bound
     from planner.search.memfit import MAX_REBALANCED, rebalance
 
-    # Their time-optimal split is known now, which bounds every other split more tightly.
-    bound = np.maximum(time_lb[rows], split_time_bound(ev, prep, rows))
-    if objective != "memory":
-        keep = bound <= bar()
-        rows, bound = rows[keep], bound[keep]
     # Best bound first, a few at a time: once the bound of the next one passes the K-th plan
     # found so far, no later one can enter the top K (the same test as the main loop).
     order = np.argsort(bound, kind="stable")[:MAX_REBALANCED]
     rows, bound = rows[order], bound[order]
     pos, batch = 0, 32
     while pos < len(rows) and bound[pos] <= (limit := bar()):
-        for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch], limit):
+        # A time bar lets memfit skip candidates no split within memory makes fast enough.
+        for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch], np.inf if by_memory else limit):
             step[i], peak[i], cpu[i] = s, p, u
         pos += batch
 
