@@ -27,6 +27,7 @@ def test_human_output_has_defaults_table_breakdown_and_summary() -> None:
         assert header in out
     assert "best plan #1" in out and "beats" in out
     assert "stage partition" in out and "rank 0: blocks" in out and "greedy" in out
+    assert "why the others rank below #1" in out and "\n  #2 " in out and "\n  #3 " in out
     assert "time per step" in out and "memory on the fullest GPU" in out
     assert "candidates evaluated" in out and "out of memory" in out and "framework cannot run" in out
 

@@ -229,3 +229,50 @@ def test_progress_reports_rising_fractions_that_end_at_one() -> None:
     suggest("deepseek-v3", nodes=16, progress=seen.append)
     assert len(seen) >= 2 and seen[-1] == 1.0
     assert all(0.0 < a <= b <= 1.0 for a, b in zip(seen, seen[1:]))
+
+
+@pytest.mark.parametrize("objective", ["throughput", "memory"])
+def test_every_plan_says_why_it_ranks_below_the_best(objective) -> None:
+    """Each plan after #1 carries one line: how its configuration differs from #1's, what it
+    gives up in the ranked quantity (the figure recomputed here from the plans' own numbers)
+    and the other quantity; #1 carries the winner's line."""
+    res = suggest("llama-3.1-70b", nodes=8, top=5, objective=objective)
+    best = res.plans[0]
+    assert best.why == res.why and best.to_json()["why"] == res.why
+    b = best.plan.to_json()
+    for rp in res.plans[1:]:
+        p = rp.plan.to_json()
+        diff = [k for k in ("dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", "grad_accum", "recompute",
+                            "sequence_parallel", "virtual_stages", "framework") if p[k] != b[k]]
+        assert rp.to_json()["why"] == rp.why
+        for k in diff:  # each difference named, this plan's value first
+            assert f"{k} {p[k]} vs {b[k]}" in rp.why, (k, rp.why)
+        if objective == "throughput":
+            lost = 1 - p["tokens_per_s"] / b["tokens_per_s"]
+            assert lost >= 0
+            if lost >= 5e-4:
+                assert f"{lost:.1%} fewer tokens/s (" in rp.why, rp.why
+        else:
+            extra = (p["memory"]["peak_bytes"] - b["memory"]["peak_bytes"]) / 2**30
+            assert extra >= 0
+            if extra > 1e-6:
+                assert f"{extra:.2f} GiB more peak memory (" in rp.why, rp.why
+                assert "tokens/s" in rp.why
+
+
+def test_why_behind_names_what_settles_a_tie() -> None:
+    """Equal tokens/s: the order comes from peak memory, then the tie-break; the line says so."""
+    from planner.search.rank import why_behind
+
+    gib = 2**30
+    base = {"dp": 8, "tp": 1, "pp": 1, "ep": 1, "zero_stage": 3, "offload": "none", "micro_batch": 1, "grad_accum": 8,
+            "recompute": "none", "sequence_parallel": False, "virtual_stages": 1, "framework": "deepspeed",
+            "tokens_per_s": 1000.0, "time": {"compute_s": 1.0}, "memory": {"peak_bytes": 60 * gib}}
+    more_memory = {**base, "zero_stage": 2, "memory": {"peak_bytes": 70 * gib}}
+    line = why_behind(base, more_memory, "throughput")
+    assert line.startswith("zero_stage 2 vs 3: equal tokens/s; ranks lower on more peak memory")
+    assert "70.0 vs 60.0 GiB" in line
+    same = {**base, "framework": "megatron"}
+    assert "tie-break" in why_behind(base, same, "throughput")
+    slower = {**base, "tokens_per_s": 999.9, "time": {"compute_s": 1.0001}}
+    assert "0.01% fewer tokens/s (" in why_behind(base, slower, "throughput")  # never rounds to 0.0%

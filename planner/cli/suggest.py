@@ -37,9 +37,9 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
     \b
     Prunes by memory, ranks by the objective, shows the best plan's stage partition and
     breakdowns. Column "stage, greedy": a pipelined plan's slowest stage per micro-batch
-    (optimal balancer) and how much slower the greedy balancer's would be. Exit status 2
-    when the input is wrong or no plan fits (with the closest plan and what would make it
-    fit).
+    (optimal balancer) and how much slower the greedy balancer's would be. Then one line
+    per plan on why it ranks below #1. Exit status 2 when the input is wrong or no plan
+    fits (with the closest plan and what would make it fit).
 
     \b
     Examples:
@@ -154,6 +154,10 @@ def render(result) -> None:
                       _bottlenecks(rp.balancer_bottleneck_s))
     console.print(table)
     _render_best(result, console, human_bytes, human_time)
+    if len(result.plans) > 1:
+        console.print("[bold]why the others rank below #1[/]:")
+        for rp in result.plans[1:]:
+            console.print(f"  #{rp.id} {rp.why}")
     r = result.rejected
     console.print(
         f"{result.evaluated} candidates evaluated ({result.fully_evaluated} in full, {result.pruned} ruled out by a "

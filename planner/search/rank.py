@@ -1,4 +1,4 @@
-"""Ranking: prune by memory, order by the objective, explain the winner.
+"""Ranking: prune by memory, order by the objective, explain the winner and the others.
 
 Objectives (lower key is better):
 
@@ -91,6 +91,42 @@ def why_better(best: dict, runner: dict, objective: str, describe) -> str:
     if not time_parts:
         return f"{head} by {speedup:.1%} tokens/s at equal time parts; it wins the tie-break (simpler plan){mem}"
     return f"{head} by {speedup:.1%} tokens/s: {time_parts}{mem}"
+
+
+def why_behind(best: dict, other: dict, objective: str) -> str:
+    """One line on why ``other`` ranks below ``best``: how its configuration differs, what it
+    gives up in the ranked quantity (and which parts of it), and the other quantity's
+    difference, so every row of the table says what choosing it would cost. When the ranked
+    quantity ties, it names what settled the order (see ``order``)."""
+    diff = _config_difference(other, best)
+    gib = 2**30
+    peak_b, peak_o = best["memory"]["peak_bytes"], other["memory"]["peak_bytes"]
+    tps_b, tps_o = best["tokens_per_s"], other["tokens_per_s"]
+    speed = tps_o / tps_b - 1 if tps_b else 0.0
+    same_peak = abs(peak_o - peak_b) <= 1e-9 * max(peak_b, 1.0)
+    same_speed = abs(speed) <= 1e-12
+    if objective == "memory":
+        other_q = "equal tokens/s" if same_speed else f"{_percent(abs(speed))} {'more' if speed > 0 else 'fewer'} tokens/s"
+        if same_peak:
+            tail = other_q if not same_speed else "equal tokens/s; the tie-break puts simpler plans first"
+            return f"{diff}: equal peak memory, {tail}"
+        parts = _largest({k: best["memory"].get(k, 0.0) - other["memory"].get(k, 0.0) for k in _MEMORY_PARTS},
+                         lambda k: k.removesuffix("_bytes"), lambda b: f"{b / gib:.2f} GiB")
+        return f"{diff}: {(peak_o - peak_b) / gib:.2f} GiB more peak memory ({parts}); {other_q}"
+    mem = "equal peak memory" if same_peak else f"peak memory {peak_o / gib:.1f} vs {peak_b / gib:.1f} GiB"
+    if objective == "cost" and -speed < 1e-3:  # the same 0.1% bucket of GPU-hours per token
+        return f"{diff}: GPU-hours per token within 0.1%; host memory for offload, then peak memory, decide; {mem}"
+    if same_speed:
+        tie = "more peak memory" if not same_peak else "the tie-break (simpler plans first)"
+        return f"{diff}: equal tokens/s; ranks lower on {tie}; {mem}"
+    parts = _largest({k: best["time"].get(k, 0.0) - other["time"].get(k, 0.0) for k in _TIME_NAMES},
+                     lambda k: _TIME_NAMES[k], _seconds)
+    return f"{diff}: {_percent(-speed)} fewer tokens/s ({parts}); {mem}"
+
+
+def _percent(x: float) -> str:
+    """A positive fraction as a percentage that never rounds to 0.0%."""
+    return f"{x:.1%}" if x >= 5e-4 else f"{x * 100:.2g}%"
 
 
 def _largest(deltas: dict[str, float], name, fmt, count: int = 2) -> str:

@@ -49,12 +49,14 @@ class RankedPlan:
     balancer_bottleneck_s: dict[str, float | None]
     objective_value: float
     also_runs_on: list[str] = field(default_factory=list)  # runtimes that predict this plan identically
+    why: str = ""  # #1: why it beat the runner-up; the others: why they rank below #1
 
     def to_json(self) -> dict[str, Any]:
         data = {"id": self.id, **self.plan.to_json()}
         data["balancer_bottleneck_s"] = dict(self.balancer_bottleneck_s)
         data["objective_value"] = self.objective_value
         data["also_runs_on"] = list(self.also_runs_on)
+        data["why"] = self.why
         return data
 
 
@@ -314,9 +316,13 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
                            if abs(rp.plan.step_time_s - best.step_time_s) > 1e-9 * best.step_time_s
                            or abs(rp.plan.memory.peak - best.memory.peak) > 1e-9 * best.memory.peak),
                           result.plans[1].plan)
-            result.why = rk.why_better(best.to_json(), runner.to_json(), objective, describe)
+            best_json = best.to_json()
+            result.why = rk.why_better(best_json, runner.to_json(), objective, describe)
+            for rp in result.plans[1:]:
+                rp.why = rk.why_behind(best_json, rp.plan.to_json(), objective)
         elif result.plans:
             result.why = "the only plan that fits"
+        result.plans[0].why = result.why
     else:
         if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
             near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]], return_counts=True)[0]
