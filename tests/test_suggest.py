@@ -276,3 +276,23 @@ def test_why_behind_names_what_settles_a_tie() -> None:
     assert "tie-break" in why_behind(base, same, "throughput")
     slower = {**base, "tokens_per_s": 999.9, "time": {"compute_s": 1.0001}}
     assert "0.01% fewer tokens/s (" in why_behind(base, slower, "throughput")  # never rounds to 0.0%
+
+
+def test_cost_objective_breaks_equal_costs_by_host_memory_then_gpu_memory() -> None:
+    """--objective cost: GPU-hours per token first (1 / tokens/s on a fixed cluster); equal
+    costs go to the plan that keeps fewer bytes in host memory (offload), then less GPU memory.
+    On one DGX, llama-3.1-8b has two optimizer-offload plans at identical tokens/s whose host
+    and GPU memory disagree: host memory decides."""
+    from planner.search.rank import why_behind
+
+    res = suggest("llama-3.1-8b", nodes=1, top=5, objective="cost")
+    keys = [(round(1 / p.plan.tokens_per_s, 15), p.plan.cpu_bytes_per_node, p.plan.memory.peak) for p in res.plans]
+    assert keys == sorted(keys)
+    tied = [(a, b) for a, b in zip(res.plans, res.plans[1:]) if a.plan.tokens_per_s == b.plan.tokens_per_s]
+    assert tied, "the case must hold a tie on cost"
+    for a, b in tied:
+        assert a.plan.cpu_bytes_per_node < b.plan.cpu_bytes_per_node and a.plan.memory.peak > b.plan.memory.peak
+        # compared with each other (each row's own line compares it with #1), the tie is named
+        line = why_behind(a.plan.to_json(), b.plan.to_json(), "cost")
+        assert "equal tokens/s; ranks lower on host memory for offload, then" in line
+    assert any("more GPU-hours per token (" in p.why for p in res.plans[1:])

@@ -6,8 +6,8 @@ Objectives (lower key is better):
 - ``memory``: lowest peak memory per GPU first (then throughput): the plan with the most
   head-room, for people who expect longer sequences or bigger batches later.
 - ``cost``: fewest GPU-hours per million tokens. The search runs on a fixed cluster, so this
-  orders like throughput, except that ties (equal tokens/s to 0.1%) go to the plan that keeps
-  fewer bytes on CPU (offload needs host memory that is billed too) and then less memory.
+  orders like throughput; equal costs go to the plan that keeps fewer bytes in host memory
+  (offload) and then less GPU memory.
 
 Ties are broken by a fixed order of the columns (fewer pipeline stages, lower ZeRO stage,
 no offload, less recomputation, ...) so the same inputs always give the same ranking.
@@ -42,9 +42,7 @@ def order(objective: str, columns: dict[str, np.ndarray], tokens_per_s: np.ndarr
     elif objective == "memory":
         keys = [*ties, -tps, peak_bytes]
     else:
-        cost = gpu_hours_per_mtok(tps, gpus)
-        bucket = np.round(np.log(np.maximum(cost, 1e-300)) / np.log1p(1e-3))  # 0.1% buckets
-        keys = [*ties, peak_bytes, cpu_bytes, cost, bucket]
+        keys = [*ties, peak_bytes, cpu_bytes, gpu_hours_per_mtok(tps, gpus)]
     return np.lexsort(keys)
 
 
@@ -114,13 +112,15 @@ def why_behind(best: dict, other: dict, objective: str) -> str:
                          lambda k: k.removesuffix("_bytes"), lambda b: f"{b / gib:.2f} GiB")
         return f"{diff}: {(peak_o - peak_b) / gib:.2f} GiB more peak memory ({parts}); {other_q}"
     mem = "equal peak memory" if same_peak else f"peak memory {peak_o / gib:.1f} vs {peak_b / gib:.1f} GiB"
-    if objective == "cost" and -speed < 1e-3:  # the same 0.1% bucket of GPU-hours per token
-        return f"{diff}: GPU-hours per token within 0.1%; host memory for offload, then peak memory, decide; {mem}"
     if same_speed:
         tie = "more peak memory" if not same_peak else "the tie-break (simpler plans first)"
+        if objective == "cost":
+            tie = f"host memory for offload, then {tie}"
         return f"{diff}: equal tokens/s; ranks lower on {tie}; {mem}"
     parts = _largest({k: best["time"].get(k, 0.0) - other["time"].get(k, 0.0) for k in _TIME_NAMES},
                      lambda k: _TIME_NAMES[k], _seconds)
+    if objective == "cost":  # GPU-hours per token go as 1 / tokens/s on a fixed cluster
+        return f"{diff}: {_percent(tps_b / tps_o - 1)} more GPU-hours per token ({parts}); {mem}"
     return f"{diff}: {_percent(-speed)} fewer tokens/s ({parts}); {mem}"
 
 

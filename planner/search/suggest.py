@@ -279,7 +279,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
             # so the K-th distinct value is the bar (never lower than the true K-th plan's).
             vals = np.unique(peak[fits] if objective == "memory" else step[fits], return_counts=True)[0]
-            # Ties (and the cost objective's 0.1% buckets) may reorder plans within a hair.
+            # Ties may reorder plans within a hair.
             if len(vals) >= top:
                 limit = min(limit, int(np.searchsorted(sorted_lb, vals[top - 1] * (1 + 2e-3), side="right")))
     if progress is not None:
@@ -383,7 +383,8 @@ def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:
     if objective == "memory":
         return (plan.memory.peak, -plan.tokens_per_s)
     if objective == "cost":
-        return (round(float(rk.gpu_hours_per_mtok(plan.tokens_per_s, gpus)), 9), plan.memory.peak)
+        return (round(float(rk.gpu_hours_per_mtok(plan.tokens_per_s, gpus)), 9), plan.cpu_bytes_per_node,
+                plan.memory.peak)
     return (-plan.tokens_per_s, plan.memory.peak)
 
 
