@@ -136,3 +136,11 @@ def test_human_output_lists_alternative_runtimes_and_memory_rebalanced_split() -
     assert same.exit_code == 0, same.output
     data = json.loads(same.output)
     assert any(p["also_runs_on"] == ["megatron-deepspeed"] and p["framework"] == "deepspeed" for p in data["plans"])
+
+
+def test_a_bubble_bound_plan_prints_a_note() -> None:
+    human = run("--model", "llama-3.1-405b", "--nodes", "2048", "--top", "2")
+    assert human.exit_code == 0, human.output
+    assert "note: the pipeline bubble is" in human.output and "--global-batch 6144" in human.output
+    data = json.loads(run("--model", "llama-3.1-405b", "--nodes", "2048", "--top", "2", "--json").output)
+    assert len(data["notes"]) == 1 and "--global-batch 6144" in data["notes"][0]

@@ -182,6 +182,8 @@ def _render_best(result, console, human_bytes, human_time) -> None:
     best = result.plans[0]
     p = best.plan.to_json()
     console.print(f"[bold]best plan #1[/]: {result.why}")
+    for line in result.notes:
+        console.print(f"[bold]note[/]: {line}")
     if p["pp"] > 1:
         b = best.balancer_bottleneck_s
         console.print(f"stage partition ({result.inputs['balancer']} balancer; slowest stage per micro-batch: optimal "

@@ -15,6 +15,8 @@ no offload, less recomputation, ...) so the same inputs always give the same ran
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 OBJECTIVES = ("throughput", "memory", "cost")
@@ -127,6 +129,37 @@ def why_behind(best: dict, other: dict, objective: str) -> str:
 def _percent(x: float) -> str:
     """A positive fraction as a percentage that never rounds to 0.0%."""
     return f"{x:.1%}" if x >= 5e-4 else f"{x * 100:.2g}%"
+
+
+# The bubble share past which the best plan gets a note: beyond it the batch, not the layout,
+# is what holds the step back.
+BUBBLE_NOTE_SHARE = 0.25
+
+
+def notes(best: dict, tokens_per_sample: int) -> list[str]:
+    """What limits the best plan that no layout of this batch can fix, and what would.
+
+    A pipeline runs ``grad_accum`` micro-batches per step; with too few of them, most of the
+    step is bubble (1F1B: (pp - 1) idle slots against m + pp - 1; interleaving v chunks per
+    rank divides the idle part by v). At 4 (pp - 1) / v micro-batches the bubble is under a
+    fifth of the step, which takes a global batch of micro_batch x dp x that many (rounded up
+    to a whole multiple of today's batch)."""
+    out = []
+    step, bubble = best["step_time_s"], best["time"].get("pp_bubble_s", 0.0)
+    pp, vs, m = best["pp"], best.get("virtual_stages", 1), best["grad_accum"]
+    if pp > 1 and step > 0 and bubble / step > BUBBLE_NOTE_SHARE:
+        # A whole multiple of today's m (so every layout that divides today's batch divides
+        # the new one), and of pp for the interleaved schedule.
+        step_m = math.lcm(m, pp) if vs > 1 else m
+        need = -(-(-(-4 * (pp - 1) // vs)) // step_m) * step_m
+        line = (f"the pipeline bubble is {bubble / step:.0%} of the step: each pipeline runs {m} micro-batch"
+                f"{'es' if m != 1 else ''} per step over {pp} stages, so the batch, not the layout, holds it back")
+        if need > m:
+            gb = best["micro_batch"] * best["dp"] * need
+            line += (f"; --global-batch {gb} ({gb * tokens_per_sample / 1e6:.1f}M tokens) gives this layout {need} "
+                     "and a bubble under 20% (with more activations in flight: re-run suggest with it)")
+        out.append(line)
+    return out
 
 
 def _largest(deltas: dict[str, float], name, fmt, count: int = 2) -> str:

@@ -74,6 +74,7 @@ class SuggestResult:
     cpu_s: float = 0.0  # CPU seconds of the search proper: space, bounds, evaluation, ranking
     setup_cpu_s: float = 0.0  # CPU seconds before it: loading the model and hardware, building the cluster
     closest: Plan | None = None  # nothing fits: the plan nearest to fitting
+    notes: list[str] = field(default_factory=list)  # what limits the best plan beyond the layout (rank.notes)
     advice: list[str] = field(default_factory=list)
 
     @property
@@ -87,7 +88,7 @@ class SuggestResult:
             "evaluated": self.evaluated, "rejected": dict(self.rejected),
             "search": {"fully_evaluated": self.fully_evaluated, "pruned_by_bound": self.pruned,
                        "elapsed_s": self.elapsed_s, "cpu_s": self.cpu_s, "setup_cpu_s": self.setup_cpu_s},
-            "why": self.why,
+            "why": self.why, "notes": list(self.notes),
         }
 
 
@@ -323,6 +324,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         elif result.plans:
             result.why = "the only plan that fits"
         result.plans[0].why = result.why
+        result.notes = rk.notes(result.plans[0].plan.to_json(), workload.seq_len)
     else:
         if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
             near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]], return_counts=True)[0]
