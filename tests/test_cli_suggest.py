@@ -46,24 +46,33 @@ def test_json_output() -> None:
     assert data["evaluated"] > 0 and set(data["rejected"]) == {"out_of_memory", "indivisible", "framework"}
 
 
-def test_every_pipelined_row_shows_what_greedy_costs() -> None:
-    """Issue 5: both balancers' bottlenecks for every pipelined plan, not only the best one."""
+@pytest.mark.parametrize(("model", "nodes", "pp", "top", "rebalanced"),
+                         [("llama-3.1-8b", "1", "1,2", "8", False), ("llama-3.1-70b", "8", "4", "5", True)])
+def test_every_pipelined_row_shows_what_greedy_costs(model, nodes, pp, top, rebalanced) -> None:
+    """Issue 5: both balancers' bottlenecks for every pipelined plan, not only the best one;
+    a star (explained under the table) on rows whose split was rebalanced within memory."""
     from planner.cli.output import human_time
 
-    args = ("--model", "llama-3.1-70b", "--nodes", "2", "--pp", "1,2", "--top", "6")
+    args = ("--model", model, "--nodes", nodes, "--pp", pp, "--top", top)
     human, data = run(*args), json.loads(run(*args, "--json").output)
     assert human.exit_code == 0, human.output
     rows = [line for line in human.output.splitlines() if re.match(r"\d+ +(deepspeed|meg-ds|megatron)", line)]
-    assert len(rows) == len(data["plans"]) == 6
-    assert any(p["pp"] == 1 for p in data["plans"]) and any(p["pp"] > 1 for p in data["plans"])
+    assert len(rows) == len(data["plans"]) == int(top)
+    assert any(p["pp"] > 1 for p in data["plans"])
+    assert any(p["pp"] == 1 for p in data["plans"]) == ("1" in pp.split(","))
+    stars = 0
     for row, p in zip(rows, data["plans"]):
         b = p["balancer_bottleneck_s"]
         if p["pp"] == 1:
             assert row.rstrip().endswith(" -")
-        else:
-            extra = (b["greedy"] / b["optimal"] - 1) * 100
-            assert extra >= 0
-            assert row.rstrip().endswith(f"{human_time(b['optimal'])} +{extra:.1f}%"), row
+            continue
+        extra = (b["greedy"] / b["optimal"] - 1) * 100
+        assert extra >= 0
+        star = "*" if "memory_constrained" in b else ""
+        stars += bool(star)
+        assert row.rstrip().endswith(f"{human_time(b['optimal'])} +{extra:.1f}%{star}"), row
+    assert (stars > 0) == rebalanced
+    assert ("*: the time-balanced split runs out of memory" in human.output) == rebalanced
 
 
 def test_images_and_tiles_override() -> None:

@@ -153,6 +153,9 @@ def render(result) -> None:
                       human_time(p["step_time_s"]), human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}",
                       _bottlenecks(rp.balancer_bottleneck_s))
     console.print(table)
+    if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
+        console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
+                      "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
     _render_best(result, console, human_bytes, human_time)
     if len(result.plans) > 1:
         console.print("[bold]why the others rank below #1[/]:")
@@ -175,7 +178,8 @@ def _bottlenecks(b: dict) -> str:
     from planner.cli.output import human_time
 
     o, g = b["optimal"], b["greedy"]
-    return f"{human_time(o)} +{(g / o - 1) * 100 if o > 0 else 0.0:.1f}%"
+    star = "*" if "memory_constrained" in b else ""  # the plan uses a split balanced within memory
+    return f"{human_time(o)} +{(g / o - 1) * 100 if o > 0 else 0.0:.1f}%{star}"
 
 
 def _render_best(result, console, human_bytes, human_time) -> None:
