@@ -151,7 +151,7 @@ def notes(best: dict, tokens_per_sample: int) -> list[str]:
         # A whole multiple of today's m (so every layout that divides today's batch divides
         # the new one), and of pp for the interleaved schedule.
         step_m = math.lcm(m, pp) if vs > 1 else m
-        need = -(-(-(-4 * (pp - 1) // vs)) // step_m) * step_m
+        need = math.ceil(math.ceil(4 * (pp - 1) / vs) / step_m) * step_m
         line = (f"the pipeline bubble is {bubble / step:.0%} of the step: each pipeline runs {m} micro-batch"
                 f"{'es' if m != 1 else ''} per step over {pp} stages, so the batch, not the layout, holds it back")
         if need > m:
