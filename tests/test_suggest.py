@@ -298,31 +298,35 @@ def test_cost_objective_breaks_equal_costs_by_host_memory_then_gpu_memory() -> N
     assert any("more GPU-hours per token (" in p.why for p in res.plans[1:])
 
 
-@pytest.mark.parametrize(("name", "nodes", "kwargs"), [
-    ("llama-3.1-405b", 2048, {}),  # 512 samples on 16,384 GPUs: one micro-batch per pipeline
-    ("llama-3.1-70b", 64, {"constraints": Constraints(pp=(8,), virtual_stages=(2,)), "global_batch": 64}),
+@pytest.mark.parametrize(("name", "nodes", "kwargs", "part"), [
+    ("llama-3.1-405b", 2048, {}, "pp_bubble"),  # 512 samples on 16,384 GPUs: one micro-batch per pipeline
+    ("llama-3.1-70b", 64, {"constraints": Constraints(pp=(8,), virtual_stages=(2,)), "global_batch": 64}, "pp_bubble"),
+    ("gpt3-13b", 1024, {}, "dp_comm"),  # dp 2048, one micro-batch: the all-reduce hides behind one backward
 ])
-def test_a_bubble_bound_best_plan_gets_a_note_with_a_batch_that_fixes_it(name, nodes, kwargs) -> None:
-    """When most of the best plan's step is pipeline bubble, a note says so and names a global
-    batch (a whole multiple of today's) that gives the same layout enough micro-batches; the
-    cost model agrees: re-estimated with that batch, the bubble is under 20% of the step."""
+def test_a_batch_bound_best_plan_gets_a_note_with_a_batch_that_fixes_it(name, nodes, kwargs, part) -> None:
+    """When the pipeline bubble or the exposed DP traffic is most of the best plan's step, a
+    note says so and names a global batch (a whole multiple of today's) that gives the same
+    layout enough micro-batches; the cost model agrees: re-estimated with that batch, that
+    part is under 20% of the step."""
     import re
 
     res = suggest(name, nodes=nodes, **kwargs)
     best = res.plans[0].plan
-    assert best.time.pp_bubble / best.step_time_s > 0.25
+    assert getattr(best.time, part) / best.step_time_s > 0.25
     assert len(res.notes) == 1 and res.to_json()["notes"] == res.notes
+    assert res.notes[0].startswith({"pp_bubble": "the pipeline bubble", "dp_comm": "exposed data-parallel"}[part])
     gb = int(re.search(r"--global-batch (\d+)", res.notes[0]).group(1))
     assert gb % best.workload.global_batch == 0 and gb > best.workload.global_batch
     m = gb // (best.cfg.micro_batch * best.cfg.dp)
     cfg = best.cfg.model_copy(update={"grad_accum": m})
     again = estimate(load_model(name), Cluster.build(load_profile("dgx-a100-80g"), nodes),
                      best.workload.model_copy(update={"global_batch": gb}), cfg, partition=best.partition)
-    assert again.time.pp_bubble / again.step_time_s < 0.2
-    assert f"gives this layout {m} and a bubble under 20%" in res.notes[0]
+    assert getattr(again.time, part) / again.step_time_s < 0.2
+    assert f"gives this layout {m} micro-batches and" in res.notes[0]
 
 
-def test_no_note_when_the_bubble_is_small() -> None:
+def test_no_note_when_the_batch_keeps_the_pipelines_and_reductions_busy() -> None:
     res = suggest("llama-3.1-70b", nodes=8)
+    assert res.plans[0].plan.time.dp_comm / res.plans[0].plan.step_time_s < 0.25
     assert res.plans[0].plan.cfg.pp > 1 and res.plans[0].plan.time.pp_bubble / res.plans[0].plan.step_time_s < 0.25
     assert res.notes == []
