@@ -73,6 +73,16 @@ def test_human_output_tables():
         assert text in r.output
 
 
+def test_a_batch_bound_plan_gets_the_same_note_as_in_suggest():
+    r = run("--tp", "2", "--pp", "4", "--nodes", "2", "--global-batch", "4", "--framework", "megatron", "--zero", "1")
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "note: the pipeline bubble is" in out and "runs 2 micro-batches per step over 4 stages" in out
+    assert "--global-batch 24 " in out and "12 micro-batches" in out
+    quiet = run("--tp", "2", "--micro-batch", "1", "--global-batch", "64")
+    assert quiet.exit_code == 0 and "note:" not in quiet.output
+
+
 def test_vlm_defaults():
     r = CliRunner().invoke(main, ["estimate", "--model", "deepseek-vl2-tiny", "--nodes", "1", "--micro-batch", "1",
                                   "--global-batch", "8", "--ep", "2", "--json"])

@@ -180,6 +180,10 @@ def render(plan) -> None:
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
+    from planner.search.rank import notes
+
+    for line in notes(plan.to_json(), w.seq_len):  # the same notes as suggest's best plan
+        console.print(f"[bold]note[/bold]: {line}")
 
 
 def _gib(n: float) -> str:

@@ -169,7 +169,7 @@ def notes(best: dict, tokens_per_sample: int) -> list[str]:
         line = (f"the pipeline bubble is {bubble / step:.0%} of the step: each pipeline runs {runs} over {pp} "
                 "stages, so the batch, not the layout, holds it back")
         if need > m:
-            line += f"; {batch(need)} and a bubble under 20% (with more activations in flight: re-run suggest with it)"
+            line += f"; {batch(need)} and a bubble under 20% (re-run with it: more activations stay in flight)"
         out.append(line)
     dp = t.get("dp_comm_s", 0.0)
     if dp / step > NOTE_SHARE:
@@ -181,7 +181,7 @@ def notes(best: dict, tokens_per_sample: int) -> list[str]:
         line = (f"exposed data-parallel communication is {dp / step:.0%} of the step: each rank runs {runs}, "
                 "so the gradient reduction hides behind too little backward")
         if k:
-            line += f"; {batch(k * m)} and brings it under 20% of the step (re-run suggest with it)"
+            line += f"; {batch(k * m)} and brings it under 20% of the step (re-run with it)"
         out.append(line)
     return out
 
