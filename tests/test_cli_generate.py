@@ -96,6 +96,29 @@ def test_generate_rank_k_is_the_kth_plan_of_suggest(tmp_path: Path):
     assert plan["step_time_s"] == pytest.approx(second["step_time_s"])
 
 
+def test_readme_carries_the_searchs_why_and_the_batch_notes(tmp_path: Path):
+    """The run directory's README says why the search picked the plan (or where it ranks) and
+    repeats the planner's batch notes, so whoever launches the job sees them."""
+    flags = ["--model", "llama-3.1-8b", "--nodes", "1024", "--global-batch", "512"]
+    best = invoke("suggest", *flags, "--top", "2", "--json")
+    assert best.exit_code == 0, best.output
+    data = json.loads(best.output)
+    out = tmp_path / "run"
+    result = invoke("generate", *flags, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    readme = (out / "README.md").read_text()
+    assert "## Notes from the planner" in readme
+    assert f"- Why this plan: {data['plans'][0]['why']}" in readme and " beats " in data["plans"][0]["why"]
+    assert len(data["notes"]) == 1 and f"- {data['notes'][0]}" in readme
+    second = tmp_path / "second"
+    assert invoke("generate", *flags, "--rank", "2", "--out", str(second)).exit_code == 0
+    assert f"- Ranked #2 by the search, below #1: {data['plans'][1]['why']}" in (second / "README.md").read_text()
+    # A plan file without predictions (hand-written) gets no notes section at all.
+    plain = tmp_path / "plain"
+    assert invoke("generate", "--plan", str(write_plan(tmp_path, "llama-3.1-8b", 1)), "--out", str(plain)).exit_code == 0
+    assert "Notes from the planner" not in (plain / "README.md").read_text()
+
+
 def test_regeneration_protects_user_edits_and_force_replaces_them(tmp_path: Path):
     plan_path = write_plan(tmp_path, "llama-3.1-8b", 1, zero_stage=1)
     out = tmp_path / "run"

@@ -330,3 +330,13 @@ def test_no_note_when_the_batch_keeps_the_pipelines_and_reductions_busy() -> Non
     assert res.plans[0].plan.time.dp_comm / res.plans[0].plan.step_time_s < 0.25
     assert res.plans[0].plan.cfg.pp > 1 and res.plans[0].plan.time.pp_bubble / res.plans[0].plan.step_time_s < 0.25
     assert res.notes == []
+
+
+def test_top_1_does_not_claim_to_be_the_only_plan() -> None:
+    """With --top 1 there is no runner-up to compare with; the line says so instead of calling
+    the plan the only one that fits, which only a single-candidate space earns."""
+    assert suggest("vl2", nodes=1, top=1).why.startswith("ranked first (--top 2 or more")
+    one = Constraints(dp=(8,), tp=(1,), pp=(1,), zero=(3,), offload=("none",), micro_batch=(1,), recompute=("none",),
+                      framework=("deepspeed",), sequence_parallel=(False,))
+    res = suggest("llama-3.1-8b", nodes=1, top=1, constraints=one)
+    assert res.evaluated == 1 and res.why == "the only plan that fits"

@@ -180,9 +180,9 @@ def render(plan) -> None:
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
-    from planner.search.rank import notes
+    from planner.cost.notes import batch_notes
 
-    for line in notes(plan.to_json(), w.seq_len):  # the same notes as suggest's best plan
+    for line in batch_notes(plan.to_json(), w.seq_len):  # the same notes as suggest's best plan
         console.print(f"[bold]note[/bold]: {line}")
 
 

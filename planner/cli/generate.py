@@ -182,7 +182,7 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
     search_opts["model"] = model
     search_opts["hardware"] = opts["hardware"] or "dgx-a100-80g"
     search_opts["nodes"] = opts["nodes"] or 1
-    search_opts["top"] = opts["rank"]
+    search_opts["top"] = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
     search_opts["precision"] = opts["precision"] or "bf16"
     search_opts["optimizer"] = opts["optimizer"] or "adamw"
     result = suggest(**request_from_options(search_opts), progress=None)

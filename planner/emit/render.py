@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
 from planner.cost.frameworks import check_framework
+from planner.cost.notes import batch_notes
 from planner.cost.parallel import check_against_model
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
@@ -114,6 +115,23 @@ def _predictions(plan: PlanFile) -> list[tuple[str, str]]:
     return rows
 
 
+def _notes(plan: PlanFile) -> list[str]:
+    """The search's line on why this plan ranks where it does, then the batch notes
+    (planner/cost/notes.py), when the plan file carries the predictions they read."""
+    extra = plan.model_extra or {}
+    out = []
+    if isinstance(extra.get("why"), str) and extra["why"]:
+        rank = extra.get("id")
+        out.append(f"Ranked #{rank} by the search, below #1: {extra['why']}" if isinstance(rank, int) and rank > 1
+                   else f"Why this plan: {extra['why']}")
+    if isinstance(extra.get("time"), dict) and isinstance(extra.get("step_time_s"), (int, float)):
+        try:
+            out += batch_notes({**extra, **plan.model_dump()}, plan.seq_len)
+        except (TypeError, ValueError):  # a hand-edited plan.json with odd predictions: no notes
+            pass
+    return out
+
+
 def _hosts(plan: PlanFile, options: LaunchOptions) -> list[Host]:
     if options.hosts is not None:
         return options.hosts
@@ -166,6 +184,7 @@ def render_run_dir(
         "version": __version__,
         "params": _count(model.total_params()),
         "predictions": _predictions(plan),
+        "notes": _notes(plan),
         "builtin": builtin,
         "entry": options.entry,
         "entry_args": options.entry_args,

@@ -15,8 +15,6 @@ no offload, less recomputation, ...) so the same inputs always give the same ran
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 OBJECTIVES = ("throughput", "memory", "cost")
@@ -129,61 +127,6 @@ def why_behind(best: dict, other: dict, objective: str) -> str:
 def _percent(x: float) -> str:
     """A positive fraction as a percentage that never rounds to 0.0%."""
     return f"{x:.1%}" if x >= 5e-4 else f"{x * 100:.2g}%"
-
-
-# The share of the step past which the best plan gets a note: beyond it the batch, not the
-# layout, is what holds the step back.
-NOTE_SHARE = 0.25
-# The share the note's batch brings it under.
-NOTE_TARGET = 0.2
-
-
-def notes(best: dict, tokens_per_sample: int) -> list[str]:
-    """What limits the best plan that no layout of this batch can fix, and what would.
-
-    Two parts of a step do not grow with the micro-batches per step (m): the pipeline bubble
-    (1F1B: pp - 1 idle slots against m + pp - 1; v interleaved chunks divide it by v) and the
-    data-parallel traffic left exposed after the last micro-batch's backward. With few
-    micro-batches they dominate. Each note names a global batch (micro_batch x dp x m', m' a
-    whole multiple of today's m, so every layout that divides today's batch divides it) that
-    brings its part under a fifth of the step for this layout."""
-    out = []
-    t, step = best["time"], best["step_time_s"]
-    pp, vs, m = best["pp"], best.get("virtual_stages", 1), best["grad_accum"]
-    if step <= 0:
-        return out
-    per_sample = best["micro_batch"] * best["dp"]
-
-    def batch(need: int) -> str:
-        gb = per_sample * need
-        return (f"--global-batch {gb} ({gb * tokens_per_sample / 1e6:.1f}M tokens) gives this layout {need} "
-                "micro-batches")
-
-    runs = f"{m} micro-batch{'es' if m != 1 else ''} per step"
-    bubble = t.get("pp_bubble_s", 0.0)
-    if pp > 1 and bubble / step > NOTE_SHARE:
-        # (pp - 1) / (v m' + pp - 1) <= 1/5 at m' = 4 (pp - 1) / v; the interleaved schedule
-        # also wants m' divisible by pp.
-        unit = math.lcm(m, pp) if vs > 1 else m
-        need = math.ceil(math.ceil(4 * (pp - 1) / vs) / unit) * unit
-        line = (f"the pipeline bubble is {bubble / step:.0%} of the step: each pipeline runs {runs} over {pp} "
-                "stages, so the batch, not the layout, holds it back")
-        if need > m:
-            line += f"; {batch(need)} and a bubble under 20% (re-run with it: more activations stay in flight)"
-        out.append(line)
-    dp = t.get("dp_comm_s", 0.0)
-    if dp / step > NOTE_SHARE:
-        # What grows with m: every per-micro-batch part; what does not: the bubble, the
-        # optimizer step and the exposed DP traffic itself. dp / (fixed + k grows) <= 1/5.
-        grows = sum(t.get(k, 0.0) for k in ("compute_s", "recompute_s", "tp_comm_s", "ep_comm_s", "pp_comm_s"))
-        fixed = step - grows
-        k = max(2, math.ceil((dp / NOTE_TARGET - fixed) / grows)) if grows > 0 else 0
-        line = (f"exposed data-parallel communication is {dp / step:.0%} of the step: each rank runs {runs}, "
-                "so the gradient reduction hides behind too little backward")
-        if k:
-            line += f"; {batch(k * m)} and brings it under 20% of the step (re-run with it)"
-        out.append(line)
-    return out
 
 
 def _largest(deltas: dict[str, float], name, fmt, count: int = 2) -> str:

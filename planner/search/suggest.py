@@ -24,6 +24,7 @@ import numpy as np
 
 from planner.cost.frameworks import check_framework
 from planner.cost.memory import host_capacity_bytes
+from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.errors import UserError
@@ -74,7 +75,7 @@ class SuggestResult:
     cpu_s: float = 0.0  # CPU seconds of the search proper: space, bounds, evaluation, ranking
     setup_cpu_s: float = 0.0  # CPU seconds before it: loading the model and hardware, building the cluster
     closest: Plan | None = None  # nothing fits: the plan nearest to fitting
-    notes: list[str] = field(default_factory=list)  # what limits the best plan beyond the layout (rank.notes)
+    notes: list[str] = field(default_factory=list)  # what limits the best plan beyond the layout (cost/notes.py)
     advice: list[str] = field(default_factory=list)
 
     @property
@@ -321,10 +322,12 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             result.why = rk.why_better(best_json, runner.to_json(), objective, describe)
             for rp in result.plans[1:]:
                 rp.why = rk.why_behind(best_json, rp.plan.to_json(), objective)
-        elif result.plans:
+        elif idx.size > 1 or pruned:  # --top 1: others fit (or may: pruned ones were not evaluated)
+            result.why = "ranked first (--top 2 or more names the runner-up and why it lost)"
+        else:
             result.why = "the only plan that fits"
         result.plans[0].why = result.why
-        result.notes = rk.notes(result.plans[0].plan.to_json(), workload.seq_len)
+        result.notes = batch_notes(result.plans[0].plan.to_json(), workload.seq_len)
     else:
         if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
             near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]], return_counts=True)[0]
