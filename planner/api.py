@@ -381,8 +381,10 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
     ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``.
     Returns the search's ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the
-    estimate's Plan, and ``.to_json()``), ``.evaluated``, ``.rejected`` (counts by reason),
-    ``.why``. Raises ``UserError`` (``NoPlanFits``) when nothing fits.
+    estimate's Plan, ``.why`` (why #1 won, or why this one ranks below it) and
+    ``.to_json()``), ``.evaluated``, ``.rejected`` (counts by reason), ``.why`` and ``.notes``
+    (when the batch, not the layout, limits the best plan). Raises ``UserError``
+    (``NoPlanFits``) when nothing fits.
 
     >>> result = suggest("vl2", load_cluster(nodes=8), top=3, framework="deepspeed")
     >>> [p.plan.cfg.zero_stage for p in result.plans]     # doctest: +SKIP
