@@ -153,3 +153,28 @@ def test_a_bubble_bound_plan_prints_a_note() -> None:
     assert "note: the pipeline bubble is" in human.output and "--global-batch 6144" in human.output
     data = json.loads(run("--model", "llama-3.1-405b", "--nodes", "2048", "--top", "2", "--json").output)
     assert len(data["notes"]) == 1 and "--global-batch 6144" in data["notes"][0]
+
+
+@pytest.mark.parametrize("width", [80, 100, 200])
+def test_terminal_output_never_cuts_numbers_short(monkeypatch, width) -> None:
+    """On a terminal too narrow for the table, each plan is printed as two lines instead, so no
+    cell is truncated ("…"); a wide one gets the table."""
+    from rich.console import Console
+
+    import planner.cli.output as output
+    from planner.cli.suggest import render
+    from planner.search.suggest import suggest
+
+    term = Console(width=width, force_terminal=True, color_system=None, record=True)
+    monkeypatch.setattr(output, "console", term)
+    result = suggest("llama-3.1-70b", nodes=8, top=3)
+    render(result)
+    text = term.export_text()
+    assert "…" not in text
+    table = "peak / cap" in text
+    assert table == (width >= 140)
+    for rp in result.plans:
+        p = rp.plan.to_json()
+        assert output.human_time(p["step_time_s"]) in text and output.human_count(p["tokens_per_s"]) in text
+        if not table:
+            assert f"#{rp.id} " in text and f"dp {p['dp']} x tp {p['tp']}" in text

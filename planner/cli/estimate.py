@@ -153,14 +153,18 @@ def render(plan) -> None:
                   + f", recompute {c.recompute}")
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
 
-    mem = Table(title="Memory per GPU in GiB (peak, by pipeline rank)", title_justify="left")
+    from rich import box
+
+    # Light borders and wrapping block ranges: the ten columns fit an 80-column terminal.
+    mem = Table(title="Memory per GPU in GiB (peak, by pipeline rank)", title_justify="left", box=box.SIMPLE_HEAD,
+                pad_edge=False, show_edge=False, collapse_padding=True)
     for col in ("rank", "blocks", "layers", "weights", "grads", "optim", "activ", "buffers", "overhead", "peak"):
         mem.add_column(col, justify="right")
     cap = plan.capacity_bytes
     for s in plan.stages:
         m = s.memory
         peak = _gib(m.peak)
-        mem.add_row(str(s.rank), ",".join(f"{a}-{b}" for a, b in s.chunks), str(s.decoder_layers), _gib(m.weights),
+        mem.add_row(str(s.rank), ", ".join(f"{a}-{b}" for a, b in s.chunks), str(s.decoder_layers), _gib(m.weights),
                     _gib(m.grads), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.overhead),
                     peak if m.peak <= cap else f"[red]{peak}[/red]")
     console.print(mem)

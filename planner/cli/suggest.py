@@ -121,9 +121,9 @@ _SHORT_OFFLOAD = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+para
 
 def render(result) -> None:
     from rich import box
-    from rich.table import Table
-
     from rich.console import Console
+    from rich.measure import Measurement
+    from rich.table import Table
 
     from planner.cli.output import console, human_bytes, human_count, human_time
 
@@ -136,23 +136,24 @@ def render(result) -> None:
         f"{i['precision']}, {i['optimizer']}"
         + (f" | {i['images_per_sample']} image(s) x {i['tiles_per_image']} tiles" if i["images_per_sample"] else "")
         + f" | balancer {i['balancer']}, objective {i['objective']}")
+    rows = [_row(rp, human_count, human_time) for rp in result.plans]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for col in ("#", "framework", "dp", "tp", "pp", "ep", "zero", "offload", "mb x acc", "recompute", "peak / cap",
-                "step", "tokens/s", "MFU", "stage, greedy"):
+    for col in _COLUMNS:
         table.add_column(col, justify="left" if col in ("framework", "offload", "recompute") else "right", no_wrap=True)
-    for rp in result.plans:
-        p = rp.plan.to_json()
-        tp = f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}"
-        pp = f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}"
-        mem = p["memory"]
-        gib = 2**30
-        runtimes = "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on))  # identical predictions
-        table.add_row(str(rp.id), runtimes, str(p["dp"]), tp, pp, str(p["ep"]), str(p["zero_stage"]),
-                      _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
-                      f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB",
-                      human_time(p["step_time_s"]), human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}",
-                      _bottlenecks(rp.balancer_bottleneck_s))
-    console.print(table)
+    for row in rows:
+        table.add_row(*row)
+    if Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width:
+        console.print(table)
+    else:  # a narrow terminal would cut the table's numbers short: two lines per plan instead
+        for row in rows:
+            cell = dict(zip(_COLUMNS, row))
+            console.print(f"#{cell['#']} {cell['framework']}: dp {cell['dp']} x tp {cell['tp']} x pp {cell['pp']}"
+                          + (f" (ep {cell['ep']})" if cell["ep"] != "1" else "") + f", ZeRO-{cell['zero']}"
+                          + (f", offload {cell['offload']}" if cell["offload"] != "-" else "")
+                          + f", mb x acc {cell['mb x acc']}, recompute {cell['recompute']}")
+            console.print(f"    peak {cell['peak / cap']}, step {cell['step']}, {cell['tokens/s']} tokens/s, "
+                          f"MFU {cell['MFU']}" + ("" if cell["stage, greedy"] == "-" else
+                                                  f"; stage, greedy {cell['stage, greedy']}"))
     if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
         console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
                       "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
@@ -167,6 +168,24 @@ def render(result) -> None:
         f"bound that proves they cannot reach the top {i['top']}) in {result.elapsed_s:.2f} s; rejected before "
         f"ranking: {r['out_of_memory']} out of memory, {r['indivisible']} indivisible degree combinations, "
         f"{r['framework']} the framework cannot run.")
+
+
+_COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "zero", "offload", "mb x acc", "recompute", "peak / cap",
+            "step", "tokens/s", "MFU", "stage, greedy")
+
+
+def _row(rp, human_count, human_time) -> tuple[str, ...]:
+    """One plan's cells, in _COLUMNS order."""
+    p = rp.plan.to_json()
+    gib = 2**30
+    mem = p["memory"]
+    return (
+        str(rp.id), "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on)),  # identical predictions
+        str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
+        f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}", str(p["ep"]),
+        str(p["zero_stage"]), _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
+        f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB", human_time(p["step_time_s"]),
+        human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", _bottlenecks(rp.balancer_bottleneck_s))
 
 
 def _bottlenecks(b: dict) -> str:
