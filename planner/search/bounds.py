@@ -72,10 +72,84 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     last = pp - 1
     inflight_last = np.where(pp == 1, 1.0, np.where(vs == 1, np.minimum(pp - last, m),
                                                     np.minimum((pp - last - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs))
+    held = (states + stored * inflight_last) / pp
+    deep = np.nonzero((c["pp"] > 1) & (c["vs"] == 1))[0]
+    if deep.size:
+        held[deep] = np.maximum(held[deep], _pipeline_held(ev, prep, deep, states[deep], stored[deep]))
     groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
-    allocated = (states + stored * inflight_last) / pp + mem.NCCL_BYTES_PER_GROUP * groups
+    allocated = held + mem.NCCL_BYTES_PER_GROUP * groups
     mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
     return time_lb, mem_lb
+
+
+def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, states: np.ndarray,
+                   stored: np.ndarray) -> np.ndarray:
+    """For 1F1B pipelines: model states plus in-flight activations on the fullest rank, bounded
+    over every split of the pipeline units (rank r keeps k_r = min(pp - r, m) micro-batches).
+
+    The fullest rank holds at least any weighted mean of the ranks, sum_r w_r f_r, and with
+    f_r = sum over its units u of (s_u + a_u k_r), that is at least sum_u min_r w_r (s_u + a_u k_r)
+    whichever rank each unit lands on. With w_r proportional to 1 / (sigma + k_r), sigma the
+    candidate's states-to-activation ratio, each term (s_u + a_u k) / (sigma + k) is monotone in
+    k, so its minimum is at k = 1 or k = min(pp, m): a few array operations per candidate. For
+    uniform layers it is the balanced split's value; the mean-rank bound is pp / H(pp) lower when
+    activations dominate (13x at pp 64), which is what made deep pipelines look like they fit."""
+    c = prep.space.columns
+    pp = c["pp"][rows].astype(float)
+    m = c["grad_accum"][rows].astype(float)
+    top = np.minimum(pp, m)
+    sigma = states / np.maximum(stored, 1e-30)
+    # Z = sum_r 1 / (sigma + k_r): pp - top + 1 ranks keep `top`, then one rank each keeps top-1 .. 1.
+    k = np.arange(1, int(top.max()) + 1, dtype=float)[None, :]
+    z = (pp - top + 1) / (sigma + top) + np.where(k < top[:, None], 1.0 / (sigma[:, None] + k), 0.0).sum(axis=1)
+    # Units priced alike (the 126 decoder layers of a dense model) collapse into one type with
+    # a count: [row x type] arrays stay small.
+    key = prep.keys[prep.inverse[rows]]  # (tp, sp, ep, micro_batch, recompute, pp, vs, dp, framework)
+    group = key[:, [0, 1, 2, 4]]
+    radix = group.max(axis=0) + 1
+    _, first, gi, _ = np.unique(((group[:, 0] * radix[1] + group[:, 1]) * radix[2] + group[:, 2]) * radix[3]
+                                + group[:, 3], return_index=True, return_inverse=True, return_counts=True)
+    types = [_unit_types(ev, prep, key[j]) for j in first.tolist()]
+    width = max(len(t[0]) for t in types)
+    dense_t, expert_t, act_t, count_t = (np.zeros((len(types), width)) for _ in range(4))
+    for j, (d, e, a, n) in enumerate(types):
+        dense_t[j, :len(d)], expert_t[j, :len(d)], act_t[j, :len(d)], count_t[j, :len(d)] = d, e, a, n
+    gi = gi.reshape(-1)
+    b = key[:, 3].astype(float)
+    w = ev.workload
+    out = np.zeros(len(rows))
+    code = (c["zero"][rows] * 8 + c["offload"][rows]) * 8 + c["framework"][rows]
+    dp = c["dp"][rows].astype(float)
+    edp = np.maximum(c["dp"][rows] // c["ep"][rows], 1).astype(float)
+    for value in np.unique(code, return_counts=True)[0]:
+        z_, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
+        sel = np.nonzero(code == value)[0]
+        wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z_, OFFLOADS[o], dp[sel], w.precision, w.optimizer_moments)
+        we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[f], z_, OFFLOADS[o], edp[sel], w.precision, w.optimizer_moments)
+        per_dense = np.broadcast_to(np.asarray(wd + gd + od, dtype=float), sel.shape)[:, None]
+        per_expert = np.broadcast_to(np.asarray(we + ge + oe, dtype=float), sel.shape)[:, None]
+        g_sel = gi[sel]
+        s_u = per_dense * dense_t[g_sel] + per_expert * expert_t[g_sel]
+        a_u = act_t[g_sel] * b[sel][:, None]
+        sg, t = sigma[sel][:, None], top[sel][:, None]
+        g = np.minimum((s_u + a_u) / (sg + 1.0), (s_u + a_u * t) / (sg + t))
+        out[sel] = (g * count_t[g_sel]).sum(axis=1) / z[sel]
+    return out * (1 - 1e-9)  # summation order must not lift the bound
+
+
+def _unit_types(ev: "Evaluator", prep: "Prepared", key: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The pipeline units of a key's (tp, sp, ep, recompute) group, as distinct types: dense and
+    expert parameters, stored activation bytes per sample, and how many units are of each."""
+    tp, sp, ep, _, mode, pp, _, dp, _ = (int(x) for x in key)
+    table = ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep])
+    starts = np.array([a for a, _ in ev.units])
+    feats = np.stack((np.add.reduceat(table.params, starts), np.add.reduceat(table.expert, starts),
+                      np.add.reduceat(table.act[mode], starts)))
+    order = np.lexsort(feats)
+    ordered = feats[:, order]
+    first = np.concatenate(([True], np.any(np.diff(ordered, axis=1) != 0, axis=0)))
+    counts = np.diff(np.concatenate((np.flatnonzero(first), [ordered.shape[1]])))
+    return (*ordered[:, first], counts.astype(float))
 
 
 def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
