@@ -92,16 +92,17 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, states: 
     whichever rank each unit lands on. With w_r proportional to 1 / (sigma + k_r), sigma the
     candidate's states-to-activation ratio, each term (s_u + a_u k) / (sigma + k) is monotone in
     k, so its minimum is at k = 1 or k = min(pp, m): a few array operations per candidate. For
-    uniform layers it is the balanced split's value; the mean-rank bound is pp / H(pp) lower when
+    uniform layers it is about the balanced split's value; the mean-rank bound is pp / H(pp) lower when
     activations dominate (13x at pp 64), which is what made deep pipelines look like they fit."""
     c = prep.space.columns
     pp = c["pp"][rows].astype(float)
     m = c["grad_accum"][rows].astype(float)
     top = np.minimum(pp, m)
     sigma = states / np.maximum(stored, 1e-30)
-    # Z = sum_r 1 / (sigma + k_r): pp - top + 1 ranks keep `top`, then one rank each keeps top-1 .. 1.
-    k = np.arange(1, int(top.max()) + 1, dtype=float)[None, :]
-    z = (pp - top + 1) / (sigma + top) + np.where(k < top[:, None], 1.0 / (sigma[:, None] + k), 0.0).sum(axis=1)
+    # Z = sum_r 1 / (sigma + k_r): pp - top + 1 ranks keep `top`, then one rank each keeps
+    # top-1 .. 1. A larger Z only lowers the bound, so the sum over k may be replaced by the
+    # integral of the convex 1 / (sigma + x) from 1/2 to top - 1/2, which is at least it.
+    z = (pp - top + 1) / (sigma + top) + np.log((sigma + top - 0.5) / (sigma + 0.5))
     # Units priced alike (the 126 decoder layers of a dense model) collapse into one type with
     # a count: [row x type] arrays stay small.
     key = prep.keys[prep.inverse[rows]]  # (tp, sp, ep, micro_batch, recompute, pp, vs, dp, framework)
@@ -109,11 +110,7 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, states: 
     radix = group.max(axis=0) + 1
     _, first, gi, _ = np.unique(((group[:, 0] * radix[1] + group[:, 1]) * radix[2] + group[:, 2]) * radix[3]
                                 + group[:, 3], return_index=True, return_inverse=True, return_counts=True)
-    types = [_unit_types(ev, prep, key[j]) for j in first.tolist()]
-    width = max(len(t[0]) for t in types)
-    dense_t, expert_t, act_t, count_t = (np.zeros((len(types), width)) for _ in range(4))
-    for j, (d, e, a, n) in enumerate(types):
-        dense_t[j, :len(d)], expert_t[j, :len(d)], act_t[j, :len(d)], count_t[j, :len(d)] = d, e, a, n
+    dense_t, expert_t, act_t, count_t = _unit_types(ev, prep, key[first])
     gi = gi.reshape(-1)
     b = key[:, 3].astype(float)
     w = ev.workload
@@ -133,23 +130,28 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, states: 
         a_u = act_t[g_sel] * b[sel][:, None]
         sg, t = sigma[sel][:, None], top[sel][:, None]
         g = np.minimum((s_u + a_u) / (sg + 1.0), (s_u + a_u * t) / (sg + t))
-        out[sel] = (g * count_t[g_sel]).sum(axis=1) / z[sel]
+        out[sel] = (g @ count_t) / z[sel]
     return out * (1 - 1e-9)  # summation order must not lift the bound
 
 
-def _unit_types(ev: "Evaluator", prep: "Prepared", key: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The pipeline units of a key's (tp, sp, ep, recompute) group, as distinct types: dense and
-    expert parameters, stored activation bytes per sample, and how many units are of each."""
-    tp, sp, ep, _, mode, pp, _, dp, _ = (int(x) for x in key)
-    table = ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep])
+def _unit_types(ev: "Evaluator", prep: "Prepared", keys: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per (tp, sp, ep, recompute) group of ``keys`` and type of pipeline unit: dense and expert
+    parameters and stored activation bytes per sample ([group x type] each), and how many
+    units are of each type ([type]). Units equal in every group share a type: the 126 decoder
+    layers of a dense model are one type, priced once."""
     starts = np.array([a for a, _ in ev.units])
-    feats = np.stack((np.add.reduceat(table.params, starts), np.add.reduceat(table.expert, starts),
-                      np.add.reduceat(table.act[mode], starts)))
+    per_block = []
+    for tp, sp, ep, _, mode, pp, _, dp, _ in keys.tolist():
+        table = ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep])
+        per_block.append((table.params, table.expert, table.act[mode]))
+    parts = [np.add.reduceat(np.stack([blocks[j] for blocks in per_block]), starts, axis=1) for j in range(3)]
+    feats = np.concatenate(parts)  # [3 groups x unit]
     order = np.lexsort(feats)
     ordered = feats[:, order]
     first = np.concatenate(([True], np.any(np.diff(ordered, axis=1) != 0, axis=0)))
-    counts = np.diff(np.concatenate((np.flatnonzero(first), [ordered.shape[1]])))
-    return (*ordered[:, first], counts.astype(float))
+    counts = np.diff(np.concatenate((np.flatnonzero(first), [ordered.shape[1]]))).astype(float)
+    rep = order[first]
+    return parts[0][:, rep], parts[1][:, rep], parts[2][:, rep], counts
 
 
 def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
