@@ -146,14 +146,8 @@ def render(result) -> None:
         console.print(table)
     else:  # a narrow terminal would cut the table's numbers short: two lines per plan instead
         for row in rows:
-            cell = dict(zip(_COLUMNS, row))
-            console.print(f"#{cell['#']} {cell['framework']}: dp {cell['dp']} x tp {cell['tp']} x pp {cell['pp']}"
-                          + (f" (ep {cell['ep']})" if cell["ep"] != "1" else "") + f", ZeRO-{cell['zero']}"
-                          + (f", offload {cell['offload']}" if cell["offload"] != "-" else "")
-                          + f", mb x acc {cell['mb x acc']}, recompute {cell['recompute']}")
-            console.print(f"    peak {cell['peak / cap']}, step {cell['step']}, {cell['tokens/s']} tokens/s, "
-                          f"MFU {cell['MFU']}" + ("" if cell["stage, greedy"] == "-" else
-                                                  f"; stage, greedy {cell['stage, greedy']}"))
+            for line in _plan_lines(dict(zip(_COLUMNS, row))):
+                console.print(line)
     if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
         console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
                       "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
@@ -172,6 +166,17 @@ def render(result) -> None:
 
 _COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "zero", "offload", "mb x acc", "recompute", "peak / cap",
             "step", "tokens/s", "MFU", "stage, greedy")
+
+
+def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
+    """A table row as two lines of text, for terminals too narrow for the table."""
+    layout = (f"#{cell['#']} {cell['framework']}: dp {cell['dp']} x tp {cell['tp']} x pp {cell['pp']}"
+              + (f" (ep {cell['ep']})" if cell["ep"] != "1" else "") + f", ZeRO-{cell['zero']}"
+              + (f", offload {cell['offload']}" if cell["offload"] != "-" else "")
+              + f", mb x acc {cell['mb x acc']}, recompute {cell['recompute']}")
+    figures = (f"    peak {cell['peak / cap']}, step {cell['step']}, {cell['tokens/s']} tokens/s, MFU {cell['MFU']}"
+               + ("" if cell["stage, greedy"] == "-" else f"; stage, greedy {cell['stage, greedy']}"))
+    return layout, figures
 
 
 def _row(rp, human_count, human_time) -> tuple[str, ...]:
