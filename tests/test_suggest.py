@@ -340,3 +340,17 @@ def test_top_1_does_not_claim_to_be_the_only_plan() -> None:
                       framework=("deepspeed",), sequence_parallel=(False,))
     res = suggest("llama-3.1-8b", nodes=1, top=1, constraints=one)
     assert res.evaluated == 1 and res.why == "the only plan that fits"
+
+
+def test_no_batch_note_for_zero3_traffic_which_grows_with_the_batch() -> None:
+    """ZeRO-3 gathers every layer's weights for each micro-batch: its exposed DP traffic grows
+    with the micro-batches like compute does, so a bigger batch would not hide it."""
+    from planner.cost.notes import batch_notes
+
+    plan = {"step_time_s": 10.0, "pp": 1, "virtual_stages": 1, "grad_accum": 1, "micro_batch": 1, "dp": 64,
+            "zero_stage": 1, "time": {"compute_s": 6.0, "dp_comm_s": 4.0}}
+    note = batch_notes(plan, 4096)
+    assert len(note) == 1 and note[0].startswith("exposed data-parallel communication is 40% of the step")
+    # dp / (fixed + k grows) <= 1/5 with fixed 4 s and grows 6 s: k = 3 -> 192 samples
+    assert "--global-batch 192 " in note[0]
+    assert batch_notes({**plan, "zero_stage": 3}, 4096) == []

@@ -20,10 +20,11 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
 
     Two parts of a step do not grow with the micro-batches per step (m): the pipeline bubble
     (1F1B: pp - 1 idle slots against m + pp - 1; v interleaved chunks divide it by v) and the
-    data-parallel traffic left exposed after the last micro-batch's backward. With few
-    micro-batches they dominate. Each note names a global batch (micro_batch x dp x m', m' a
-    whole multiple of today's m, so every layout that divides today's batch divides it) that
-    brings its part under a fifth of the step for this layout."""
+    data-parallel traffic left exposed after the last micro-batch's backward (not ZeRO-3's,
+    which gathers every layer for each micro-batch). With few micro-batches they dominate.
+    Each note names a global batch (micro_batch x dp x m', m' a whole multiple of today's m,
+    so every layout that divides today's batch divides it) that brings its part under a fifth
+    of the step for this layout."""
     out = []
     t, step = plan["time"], plan["step_time_s"]
     pp, vs, m = plan["pp"], plan.get("virtual_stages", 1), plan["grad_accum"]
@@ -49,7 +50,9 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
             line += f"; {batch(need)} and a bubble under 20% (re-run with it: more activations stay in flight)"
         out.append(line)
     dp = t.get("dp_comm_s", 0.0)
-    if dp / step > NOTE_SHARE:
+    # Under ZeRO-3 the exposed traffic is per micro-batch (every layer's weights are gathered
+    # for each one), so it grows with m like compute and no batch hides it.
+    if dp / step > NOTE_SHARE and plan.get("zero_stage") != 3:
         # What grows with m: every per-micro-batch part; what does not: the bubble, the
         # optimizer step and the exposed DP traffic itself. dp / (fixed + k grows) <= 1/5.
         grows = sum(t.get(k, 0.0) for k in ("compute_s", "recompute_s", "tp_comm_s", "ep_comm_s", "pp_comm_s"))
