@@ -213,7 +213,7 @@ def test_pipeline_memory_bound_holds_for_every_split_and_is_tighter(name: str, n
 
     monkey = bounds._pipeline_held
     try:
-        bounds._pipeline_held = lambda ev, prep, rows, states, stored: np.zeros(len(rows))
+        bounds._pipeline_held = lambda ev, prep, rows, *rest: np.zeros(len(rows))
         _, mean_rank = ev.lower_bounds(prep)
     finally:
         bounds._pipeline_held = monkey

@@ -59,7 +59,7 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     m = c["grad_accum"].astype(float)
     dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
     time_lb = S / pp * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
-    states = np.zeros(n)
+    per_dense, per_expert = np.zeros(n), np.zeros(n)  # model-state bytes per dense / expert parameter
     edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
     code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
     for value in np.unique(code, return_counts=True)[0]:
@@ -68,22 +68,24 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
         wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], c["dp"][s].astype(float), w.precision,
                                             w.optimizer_moments)
         we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp[s], w.precision, w.optimizer_moments)
-        states[s] = (wd + gd + od) * dense[s] + (we + ge + oe) * expert[s]
+        per_dense[s], per_expert[s] = wd + gd + od, we + ge + oe
+    states = per_dense * dense + per_expert * expert
     last = pp - 1
     inflight_last = np.where(pp == 1, 1.0, np.where(vs == 1, np.minimum(pp - last, m),
                                                     np.minimum((pp - last - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs))
     held = (states + stored * inflight_last) / pp
     deep = np.nonzero((c["pp"] > 1) & (c["vs"] == 1))[0]
     if deep.size:
-        held[deep] = np.maximum(held[deep], _pipeline_held(ev, prep, deep, states[deep], stored[deep]))
+        held[deep] = np.maximum(held[deep], _pipeline_held(ev, prep, deep, per_dense[deep], per_expert[deep],
+                                                           states[deep], stored[deep]))
     groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
     allocated = held + mem.NCCL_BYTES_PER_GROUP * groups
     mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
     return time_lb, mem_lb
 
 
-def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, states: np.ndarray,
-                   stored: np.ndarray) -> np.ndarray:
+def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dense: np.ndarray,
+                   per_expert: np.ndarray, states: np.ndarray, stored: np.ndarray) -> np.ndarray:
     """For 1F1B pipelines: model states plus in-flight activations on the fullest rank, bounded
     over every split of the pipeline units (rank r keeps k_r = min(pp - r, m) micro-batches).
 
@@ -92,8 +94,9 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, states: 
     whichever rank each unit lands on. With w_r proportional to 1 / (sigma + k_r), sigma the
     candidate's states-to-activation ratio, each term (s_u + a_u k) / (sigma + k) is monotone in
     k, so its minimum is at k = 1 or k = min(pp, m): a few array operations per candidate. For
-    uniform layers it is about the balanced split's value; the mean-rank bound is pp / H(pp) lower when
-    activations dominate (13x at pp 64), which is what made deep pipelines look like they fit."""
+    uniform layers it is about the balanced split's value; the mean-rank bound is pp / H(pp)
+    lower when activations dominate (13x at pp 64), which made deep pipelines look like they fit.
+    ``per_dense`` / ``per_expert``: model-state bytes per parameter of each row."""
     c = prep.space.columns
     pp = c["pp"][rows].astype(float)
     m = c["grad_accum"][rows].astype(float)
@@ -112,25 +115,11 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, states: 
                                 + group[:, 3], return_index=True, return_inverse=True, return_counts=True)
     dense_t, expert_t, act_t, count_t = _unit_types(ev, prep, key[first])
     gi = gi.reshape(-1)
-    b = key[:, 3].astype(float)
-    w = ev.workload
-    out = np.zeros(len(rows))
-    code = (c["zero"][rows] * 8 + c["offload"][rows]) * 8 + c["framework"][rows]
-    dp = c["dp"][rows].astype(float)
-    edp = np.maximum(c["dp"][rows] // c["ep"][rows], 1).astype(float)
-    for value in np.unique(code, return_counts=True)[0]:
-        z_, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
-        sel = np.nonzero(code == value)[0]
-        wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z_, OFFLOADS[o], dp[sel], w.precision, w.optimizer_moments)
-        we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[f], z_, OFFLOADS[o], edp[sel], w.precision, w.optimizer_moments)
-        per_dense = np.broadcast_to(np.asarray(wd + gd + od, dtype=float), sel.shape)[:, None]
-        per_expert = np.broadcast_to(np.asarray(we + ge + oe, dtype=float), sel.shape)[:, None]
-        g_sel = gi[sel]
-        s_u = per_dense * dense_t[g_sel] + per_expert * expert_t[g_sel]
-        a_u = act_t[g_sel] * b[sel][:, None]
-        sg, t = sigma[sel][:, None], top[sel][:, None]
-        g = np.minimum((s_u + a_u) / (sg + 1.0), (s_u + a_u * t) / (sg + t))
-        out[sel] = (g @ count_t) / z[sel]
+    s_u = per_dense[:, None] * dense_t[gi] + per_expert[:, None] * expert_t[gi]  # [row x type]
+    a_u = act_t[gi] * key[:, 3].astype(float)[:, None]
+    sg, t = sigma[:, None], top[:, None]
+    g = np.minimum((s_u + a_u) / (sg + 1.0), (s_u + a_u * t) / (sg + t))
+    out = (g @ count_t) / z
     return out * (1 - 1e-9)  # summation order must not lift the bound
 
 
