@@ -142,6 +142,7 @@ def _parse_stage_blocks(text: str) -> list[tuple[int, int]]:
 
 
 def render(plan) -> None:
+    from rich import box
     from rich.table import Table
 
     c, w = plan.cfg, plan.workload
@@ -152,8 +153,6 @@ def render(plan) -> None:
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}")
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
-
-    from rich import box
 
     # Light borders and wrapping block ranges: the ten columns fit an 80-column terminal.
     mem = Table(title="Memory per GPU in GiB (peak, by pipeline rank)", title_justify="left", box=box.SIMPLE_HEAD,

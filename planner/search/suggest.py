@@ -310,6 +310,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
                 bottlenecks["memory_constrained"] = float(ev.overrides[i][1])
             value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
             result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value, [FRAMEWORKS[f] for f in alts]))
+        best_json = result.plans[0].plan.to_json()
         if len(result.plans) > 1:
             # The runner-up worth explaining: the first plan that predicts differently (plans that
             # tie on every number, e.g. the same layout under two runtimes, say nothing).
@@ -318,7 +319,6 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
                            if abs(rp.plan.step_time_s - best.step_time_s) > 1e-9 * best.step_time_s
                            or abs(rp.plan.memory.peak - best.memory.peak) > 1e-9 * best.memory.peak),
                           result.plans[1].plan)
-            best_json = best.to_json()
             result.why = rk.why_better(best_json, runner.to_json(), objective, describe)
             for rp in result.plans[1:]:
                 rp.why = rk.why_behind(best_json, rp.plan.to_json(), objective)
@@ -327,7 +327,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         else:
             result.why = "the only plan that fits"
         result.plans[0].why = result.why
-        result.notes = batch_notes(result.plans[0].plan.to_json(), workload.seq_len)
+        result.notes = batch_notes(best_json, workload.seq_len)
     else:
         if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
             near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]], return_counts=True)[0]
