@@ -40,7 +40,7 @@ def make_plan(model_name: str, nodes: int, gpus_per_node: int = 8, **overrides) 
     data.update(overrides)
     data["dp"] = nodes * gpus_per_node // (data["tp"] * data["pp"])
     data["global_batch"] = data["micro_batch"] * data["grad_accum"] * data["dp"]
-    if data["pp"] > 1:
+    if data["pp"] > 1 and "stage_blocks" not in overrides:
         data["stage_blocks"] = even_stages(model, data["pp"] * data.get("virtual_stages", 1))
     return plan_from_dict(data), model
 

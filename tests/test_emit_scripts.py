@@ -102,6 +102,12 @@ PLANS = {
     "megatron-ds-moe": ("mixtral-8x7b", 2, dict(framework="megatron-deepspeed", zero_stage=1, tp=2, ep=4, recompute="selective")),
     "vl2-pipeline": ("deepseek-vl2-tiny", 2, dict(zero_stage=1, pp=2, ep=4)),
     "megatron-uneven": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=4)),
+    # 35 blocks in 12 chunks (pp 4 x 3 virtual stages): 1 to 3 decoders each.
+    "megatron-interleaved": ("llama-3.1-8b", 2, dict(framework="megatron", zero_stage=1, pp=4, virtual_stages=3,
+                                                     grad_accum=4)),
+    # Megatron's own even split: 8 decoders in each of pp 2 x 2 virtual stages.
+    "megatron-interleaved-even": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=2, virtual_stages=2,
+                                                          grad_accum=2, stage_blocks=[[0, 9], [9, 17], [17, 25], [25, 35]])),
 }
 
 
@@ -201,6 +207,25 @@ def test_megatron_flags_carry_the_plan(run_dirs):
     assert sum(per_stage) == 32 and len(set(per_stage)) > 1
     stages = ["t" * n for n in per_stage]
     assert uneven["--pipeline-model-parallel-layout"] == "E" + "|".join(stages) + "L"
+
+
+def test_megatron_interleaving_carries_the_planners_chunks(run_dirs):
+    """Interleaved, the layout lists every chunk in model order (chunk k on rank k mod pp, as
+    Megatron flattens it) and sets the virtual stages itself: Megatron refuses it together with
+    --num-virtual-stages-per-pipeline-rank. An even split needs only the virtual-stage count."""
+    flags = flag_values(run_dirs["megatron-interleaved"])
+    plan = json.loads((run_dirs["megatron-interleaved"] / "plan.json").read_text())
+    per_chunk = [sum(1 for i in range(1, 33) if a <= i < b) for a, b in plan["stage_blocks"]]
+    assert len(per_chunk) == 12 and sum(per_chunk) == 32 and len(set(per_chunk)) > 1
+    layout = flags["--pipeline-model-parallel-layout"].split("|")
+    assert len(layout) == plan["pp"] * plan["virtual_stages"] == 12
+    assert layout[0].startswith("E") and layout[-1].endswith("L")
+    assert [chunk.count("t") for chunk in layout] == per_chunk
+    assert "--num-virtual-stages-per-pipeline-rank" not in flags and "--decoder-first-pipeline-num-layers" not in flags
+
+    even = flag_values(run_dirs["megatron-interleaved-even"])
+    assert even["--num-virtual-stages-per-pipeline-rank"] == "2" and even["--pipeline-model-parallel-size"] == "2"
+    assert "--pipeline-model-parallel-layout" not in even
 
 
 @pytest.fixture()

@@ -33,7 +33,7 @@ def _direct(model, world: int, gpn: int, gb: int, cons: Constraints) -> tuple[se
                                      micro_batch=mb, grad_accum=ga, recompute=RECOMPUTES[r],
                                      sequence_parallel=bool(sp), virtual_stages=deg.vs, framework=FRAMEWORKS[f])
                 try:
-                    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers)
+                    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm)
                 except UserError:
                     rejected += 1
                     continue

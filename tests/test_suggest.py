@@ -301,7 +301,9 @@ def test_cost_objective_breaks_equal_costs_by_host_memory_then_gpu_memory() -> N
 @pytest.mark.parametrize(("name", "nodes", "kwargs", "part"), [
     ("llama-3.1-405b", 2048, {}, "pp_bubble"),  # 512 samples on 16,384 GPUs: one micro-batch per pipeline
     ("llama-3.1-70b", 64, {"constraints": Constraints(pp=(8,), virtual_stages=(2,)), "global_batch": 64}, "pp_bubble"),
-    ("gpt3-13b", 1024, {}, "dp_comm"),  # dp 2048, one micro-batch: the all-reduce hides behind one backward
+    # dp 2048, one micro-batch: the all-reduce hides behind one backward (without interleaving,
+    # which gives the same GPUs a faster layout that is not DP-bound)
+    ("gpt3-13b", 1024, {"constraints": Constraints(virtual_stages=(1,))}, "dp_comm"),
 ])
 def test_a_batch_bound_best_plan_gets_a_note_with_a_batch_that_fixes_it(name, nodes, kwargs, part) -> None:
     """When the pipeline bubble or the exposed DP traffic is most of the best plan's step, a
@@ -354,3 +356,35 @@ def test_no_batch_note_for_zero3_traffic_which_grows_with_the_batch() -> None:
     # dp / (fixed + k grows) <= 1/5 with fixed 4 s and grows 6 s: k = 3 -> 192 samples
     assert "--global-batch 192 " in note[0]
     assert batch_notes({**plan, "zero_stage": 3}, 4096) == []
+
+
+def test_megatron_interleaves_layers_that_do_not_divide_into_the_chunks() -> None:
+    """32 Llama layers over pp 4 x 3 virtual stages: 12 chunks of unequal size, which Megatron
+    runs through its custom pipeline layout. The search plans them, and they are estimate's."""
+    cons = Constraints(pp=(4,), virtual_stages=(3,), framework=("megatron",))
+    res = suggest("llama-3.1-8b", nodes=2, top=2, constraints=cons)
+    model = load_model("llama-3.1-8b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 2)
+    decoders = [i for i, b in enumerate(model.blocks) if b.kind == "decoder"]
+    for rp in res.plans:
+        assert rp.plan.cfg.virtual_stages == 3 and rp.plan.cfg.pp == 4
+        per_chunk = [sum(1 for i in decoders if a <= i < e) for a, e in rp.plan.partition]
+        assert len(per_chunk) == 12 and sum(per_chunk) == 32 and len(set(per_chunk)) > 1
+        again = estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
+        _same_plan(again.to_json(), rp.plan.to_json())
+
+
+def test_vision_language_models_interleave_only_an_even_split() -> None:
+    """Megatron's custom layout has no vision-encoder layers: DeepSeek-VL2-Tiny's 12 decoder
+    layers interleave over pp 2 x 3 chunks, not pp 2 x 4."""
+    cons = Constraints(pp=(2,), framework=("megatron",), micro_batch=(1,))
+    ok = suggest("deepseek-vl2-tiny", nodes=1, top=1, global_batch=64,
+                 constraints=Constraints(**{**cons.__dict__, "virtual_stages": (3,)}))
+    assert ok.plans[0].plan.cfg.virtual_stages == 3
+    with pytest.raises(UserError, match="their framework cannot run"):
+        suggest("deepseek-vl2-tiny", nodes=1, top=1, global_batch=64,
+                constraints=Constraints(**{**cons.__dict__, "virtual_stages": (4,)}))
+    cfg = ok.plans[0].plan.cfg.model_copy(update={"virtual_stages": 4})
+    model = load_model("deepseek-vl2-tiny")
+    with pytest.raises(UserError, match="vision-language model needs its 12 decoder layers divisible"):
+        estimate(model, Cluster.build(load_profile("dgx-a100-80g"), 1), ok.plans[0].plan.workload, cfg)

@@ -13,7 +13,11 @@ and its own behaviour the cost model reads (``Traits``):
 - ``megatron`` (Megatron-LM / Megatron-Core): 3D parallelism, sequence parallelism, the
   interleaved 1F1B schedule, the distributed optimizer (``zero_stage=1`` here: optimizer
   states sharded over DP, ~ZeRO-1), expert parallelism, selective recompute; no ZeRO-2/3 and
-  no CPU offload.
+  no CPU offload. Any split of the decoder layers over pp x v chunks, interleaved or not, runs
+  through ``--pipeline-model-parallel-layout`` (Megatron-Core's custom pipeline layout,
+  docs/source/api-guide/pipeline_parallel_layout.md), so 126 Llama-3.1-405B layers interleave
+  on 16 ranks; the layout has no vision-encoder layers, so a vision-language model keeps
+  Megatron's even split and interleaves only when its layers divide by pp x v.
 
 Batch divisibility uses the data-parallel world size: global batch = micro-batch x
 gradient accumulation x dp.
@@ -66,7 +70,7 @@ def traits(framework: str) -> Traits:
     return TRAITS[framework]
 
 
-def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int) -> None:
+def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks."""
     f = cfg.framework
     if f == "deepspeed":
@@ -99,8 +103,10 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int) -
         if cfg.offload != "none":
             raise UserError("framework megatron does not offload to CPU; use --offload none or --framework deepspeed")
         if cfg.virtual_stages > 1:
-            if decoder_layers % (cfg.pp * cfg.virtual_stages):
-                raise UserError(f"framework megatron: interleaving needs the {decoder_layers} decoder layers divisible by --pp {cfg.pp} x --virtual-stages {cfg.virtual_stages}")
+            if is_vlm and decoder_layers % (cfg.pp * cfg.virtual_stages):
+                raise UserError(f"framework megatron: interleaving a vision-language model needs its {decoder_layers} decoder "
+                                f"layers divisible by --pp {cfg.pp} x --virtual-stages {cfg.virtual_stages} (Megatron's "
+                                "custom pipeline layout has no vision-encoder layers)")
             if cfg.grad_accum % cfg.pp:
                 raise UserError(f"framework megatron: the interleaved schedule needs the micro-batches per step ({cfg.grad_accum}) divisible by --pp {cfg.pp}")
     if cfg.ep > 1 and not is_moe:

@@ -81,28 +81,33 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
 
 
 def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
-    """Virtual stages and the planner's uneven split of decoder layers over pipeline stages."""
-    args: list[Arg] = []
-    if plan.virtual_stages > 1:
-        args.append(_a("--num-virtual-stages-per-pipeline-rank", plan.virtual_stages))
-        return args
-    if plan.pp == 1 or not plan.stage_blocks or len(plan.stage_blocks) != plan.pp or plan.framework == "megatron-deepspeed":
-        return args
+    """The planner's split of the decoder layers over pipeline stages and virtual stages.
+
+    Megatron's default splits the layers evenly over pp x v chunks. Any other split goes as
+    ``--pipeline-model-parallel-layout`` (one ``|``-separated entry per chunk in model order,
+    which is Megatron's order too: chunk k runs on rank k mod pp; ``E`` the embedding on the
+    first, ``L`` the loss on the last), which also sets the virtual stages, so it never comes
+    with ``--num-virtual-stages-per-pipeline-rank`` (Megatron accepts one of the two). A
+    plain pipeline that only moves layers off the first and last stage uses the shorter
+    ``--decoder-first/last-pipeline-num-layers``. Vision-language models keep the even split:
+    the layout has no vision-encoder layers and the entry places the towers.
+    """
+    chunks = plan.pp * plan.virtual_stages
+    interleave = [_a("--num-virtual-stages-per-pipeline-rank", plan.virtual_stages)] if plan.virtual_stages > 1 else []
+    if (plan.pp == 1 or not plan.stage_blocks or len(plan.stage_blocks) != chunks
+            or plan.framework == "megatron-deepspeed" or model.is_vlm):
+        return interleave
     decoder_at = [i for i, b in enumerate(model.blocks) if isinstance(b, DecoderBlock)]
-    per_stage = [sum(1 for i in decoder_at if first <= i < last) for first, last in plan.stage_blocks]
-    if len(set(per_stage)) == 1 or model.is_vlm:
-        return args  # even split: Megatron's default; VLM towers are placed by the entry
-    middle = per_stage[1:-1]
-    if plan.pp > 2 and len(set(middle)) == 1:
-        args += [
-            _a("--decoder-first-pipeline-num-layers", per_stage[0]),
-            _a("--decoder-last-pipeline-num-layers", per_stage[-1]),
-        ]
-    else:
-        stages = ["t" * n for n in per_stage]
-        stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
-        args.append(_a("--pipeline-model-parallel-layout", "|".join(stages)))
-    return args
+    per_chunk = [sum(1 for i in decoder_at if first <= i < last) for first, last in plan.stage_blocks]
+    if len(set(per_chunk)) == 1:
+        return interleave  # Megatron's own even split
+    middle = per_chunk[1:-1]
+    if plan.virtual_stages == 1 and plan.pp > 2 and len(set(middle)) == 1:
+        return [_a("--decoder-first-pipeline-num-layers", per_chunk[0]),
+                _a("--decoder-last-pipeline-num-layers", per_chunk[-1])]
+    stages = ["t" * n for n in per_chunk]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return [_a("--pipeline-model-parallel-layout", "|".join(stages))]
 
 
 def _moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

@@ -215,11 +215,11 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
 
 
 def _space(model: ModelSpec, cluster: Cluster, gb: int, cons: Constraints) -> Space:
-    is_moe, layers = model.is_moe, model.num_layers
+    is_moe, layers, is_vlm = model.is_moe, model.num_layers, model.is_vlm
 
     def rule(cfg):
         try:
-            check_framework(cfg, is_moe=is_moe, decoder_layers=layers)
+            check_framework(cfg, is_moe=is_moe, decoder_layers=layers, is_vlm=is_vlm)
         except UserError as err:
             return str(err)
         return None
