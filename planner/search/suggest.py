@@ -232,13 +232,14 @@ def _space(model: ModelSpec, cluster: Cluster, gb: int, cons: Constraints) -> Sp
     if not any(gb % d == 0 for d in dps):
         raise UserError(f"--global-batch {gb} is not divisible by any data-parallel size possible on "
                         f"{cluster.num_gpus} GPUs ({', '.join(map(str, dps))}); pick a multiple of one of them")
+    bad, refused = space.rejected["indivisible"], space.rejected["framework"]
     raise UserError(
         "the constraints exclude every plan "
-        f"({space.rejected['indivisible']} degree combinations break a divisibility rule: TP must divide the "
+        f"({bad} degree combination{' breaks' if bad == 1 else 's break'} a divisibility rule: TP must divide the "
         f"{'/'.join(map(str, facts.heads))} heads and {facts.kv_heads} KV heads and stay in a node, PP x virtual stages "
         f"<= {facts.units} layers, DP must divide the global batch {gb}, every process group must hold equal shares "
-        f"of the nodes it spans; {space.rejected['framework']} candidates "
-        "need something their framework cannot run); relax --tp/--pp/--zero/--framework or the batch")
+        f"of the nodes it spans; {refused} candidate{' needs' if refused == 1 else 's need'} something their "
+        "framework cannot run); relax --tp/--pp/--zero/--framework or the batch")
 
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
