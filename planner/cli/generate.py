@@ -99,8 +99,9 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
                   + (f", {len(report.removed)} stale removed" if report.removed else ""), soft_wrap=True)
     if report.replaced_edits:
         console.print(f"  replaced your edits (--force): {', '.join(report.replaced_edits)}")
-    console.print(f"  plan: DP {plan.dp} x TP {plan.tp} x PP {plan.pp}" + (f", EP {plan.ep}" if plan.ep > 1 else "")
-                  + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
+    console.print(f"  plan: {plan.framework}, DP {plan.dp} x TP {plan.tp} x PP {plan.pp}"
+                  + (f" ({plan.virtual_stages} virtual stages per rank)" if plan.virtual_stages > 1 else "")
+                  + (f", EP {plan.ep}" if plan.ep > 1 else "") + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
     launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
     console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)", soft_wrap=True)
 
