@@ -261,3 +261,13 @@ def test_help_has_an_example():
     result = invoke("generate", "--help")
     assert result.exit_code == 0
     assert "dsplan generate --model vl2 --nodes 8" in result.output and "--plan" in result.output
+
+
+def test_generate_summary_names_the_framework_and_virtual_stages(tmp_path: Path):
+    plan = write_plan(tmp_path, "llama-3.1-8b", 2, framework="megatron", zero_stage=1, pp=4, virtual_stages=3,
+                      grad_accum=4)
+    out = tmp_path / "run"
+    result = invoke("generate", "--plan", str(plan), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "plan: megatron, DP 4 x TP 1 x PP 4 (3 virtual stages per rank), ZeRO-1, micro-batch 1 x 4 = 16" in result.output
+    assert "--pipeline-model-parallel-layout" in (out / "megatron_args.sh").read_text()
