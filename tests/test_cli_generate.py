@@ -56,6 +56,7 @@ def test_generate_from_a_plan_file_writes_the_run_directory(tmp_path: Path):
     report = json.loads(result.output)
     assert set(report["files"]) == RUN_FILES | {"moe.json"}
     assert set(report["written"]) == set(report["files"]) and report["unchanged"] == []
+    assert report["warnings"] == []  # the reference trainer runs this plan
     assert {p.name for p in out.iterdir()} == RUN_FILES | {"moe.json", MANIFEST}
     plan = json.loads(plan_path.read_text())
     assert json.loads((out / "plan.json").read_text()) == plan  # predictions included

@@ -117,6 +117,31 @@ def test_options_the_entry_cannot_take(tmp_path):
     assert_user_error(run_cli(str(own), "--local", "--dry-run"), "--local", "your own script")
 
 
+def test_plans_the_reference_trainer_cannot_run_are_refused_before_any_rank_starts(tmp_path):
+    """Interleaved pipelines and Megatron's tensor parallelism are beyond the reference trainer
+    (the default entry): generate notes it, and `dsplan run` refuses with what to run instead
+    (exit 2) before it writes or starts anything, where every rank used to fail after start-up.
+    With the user's own entry the same plan is theirs to run."""
+    runner = CliRunner()
+    flags = ["--model", MODEL, "--nodes", "1", "--framework", "megatron", "--global-batch", "64"]
+    vpp = tmp_path / "vpp"
+    gen = runner.invoke(main, ["generate", *flags, "--tp", "1", "--pp", "4", "--virtual-stages", "2", "--out", str(vpp)])
+    assert gen.exit_code == 0, gen.output
+    assert "note: the default entry cannot run this plan" in gen.output
+    for extra in (("--dry-run",), ()):
+        assert_user_error(run_cli(str(vpp), *extra), "virtual_stages=2", "Megatron-LM's own training script", "--entry")
+    assert not (vpp / ".dsplan-run").exists() and not (vpp / "report.json").exists()
+    tp = tmp_path / "tp"
+    assert runner.invoke(main, ["generate", *flags, "--tp", "2", "--pp", "1", "--out", str(tp)]).exit_code == 0
+    assert_user_error(run_cli(str(tp), "--dry-run"), "a megatron plan with tp=2", "AutoTP", "megatron_args.sh")
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("print('hello')\n")
+    own = runner.invoke(main, ["generate", *flags, "--tp", "2", "--pp", "1", "--entry", str(script),
+                               "--out", str(tmp_path / "own"), "--json"])
+    assert own.exit_code == 0 and json.loads(own.stdout)["warnings"] == []
+    assert run_cli(str(tmp_path / "own"), "--dry-run").exit_code == 0
+
+
 def test_launcher_rules(run_dirs):
     assert_user_error(run_cli(str(run_dirs["two"]), "--launcher", "torchrun"), "torchrun", "2 nodes")
     assert_user_error(run_cli(str(run_dirs["one"]), "--launcher", "slurm", "--local"), "--local", "slurm")

@@ -7,15 +7,19 @@ directory written, atomically, without touching files the user edited (``--force
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from planner.cli.options import balancer_option, constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.errors import UserError
+
+if TYPE_CHECKING:
+    from planner.model.spec import ModelSpec
 
 # Flags that shape the search; with --plan they would be silently ignored, so they are refused.
 _SEARCH_FLAGS = (
@@ -91,8 +95,10 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
     )
     files = render_run_dir(plan, model, profile, options, opts["out_dir"])
     report = write_run_dir(opts["out_dir"], files, force=opts["force"])
+    note = _trainer_note(files, model) if entry == "builtin" else None
     if as_json:
-        print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json()})
+        print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(),
+                    "warnings": [note] if note else []})
         return
     out = report.out_dir
     console.print(f"[bold]{out}[/bold]: {len(report.written)} file(s) written, {len(report.unchanged)} unchanged"
@@ -102,8 +108,23 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
     console.print(f"  plan: {plan.framework}, DP {plan.dp} x TP {plan.tp} x PP {plan.pp}"
                   + (f" ({plan.virtual_stages} virtual stages per rank)" if plan.virtual_stages > 1 else "")
                   + (f", EP {plan.ep}" if plan.ep > 1 else "") + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
+    if note:
+        console.print(f"  [yellow]note:[/yellow] {note}", soft_wrap=True)
     launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
     console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)", soft_wrap=True)
+
+
+def _trainer_note(files: dict, model: "ModelSpec") -> str | None:
+    """Why the reference trainer (the default entry) would refuse this plan, if it would: the
+    run directory is still worth having (configs, Megatron flags), so this is a note, not an error."""
+    from planner.run.rundir import PlanFile as TrainerPlan, check_reference_trainer
+
+    try:
+        check_reference_trainer(TrainerPlan.model_validate(json.loads(files["plan.json"].content)),
+                                json.loads(files["ds_config.json"].content), model.is_moe)
+    except (UserError, ValueError) as err:  # ValueError: pydantic's, for a plan.json the trainer cannot read
+        return f"the default entry cannot run this plan: {err}"
+    return None
 
 
 def resolve_entry(text: str) -> str:

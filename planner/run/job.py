@@ -238,7 +238,9 @@ def build_job(
     if launcher not in LAUNCHERS:
         raise UserError(f"--launcher {launcher}: use one of {', '.join(LAUNCHERS)}")
     info = inspect_run_dir(run_dir, launcher)
-    if not info.builtin:
+    if info.builtin:
+        _check_trainer_runs(info)
+    else:
         given = [flag for flag, value in (("--steps", steps), ("--checkpoint-every", checkpoint_every),
                                           ("--scale", scale)) if value is not None]
         if given:
@@ -275,6 +277,15 @@ def build_job(
         entry_args=tuple(entry_args), target_steps=steps if steps is not None else info.steps, local=local_plan,
         resume_first=resume, files=files,
     )
+
+
+def _check_trainer_runs(info: RunDirInfo) -> None:
+    """What every rank of the reference trainer would refuse, refused before any rank starts."""
+    from planner.run.rundir import check_reference_trainer, read_ds_config, read_plan
+    from planner.run.trainer import resolve_model
+
+    plan = read_plan(info.path)
+    check_reference_trainer(plan, read_ds_config(info.path / "ds_config.json"), resolve_model(plan.model, info.path).is_moe)
 
 
 def _default_python() -> str:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from planner.errors import UserError, describe_validation_error
 
@@ -43,9 +43,16 @@ class PlanFile(BaseModel):
     seq_len: PositiveInt = 64
     recompute: Literal["none", "selective", "full"] = "none"
     virtual_stages: PositiveInt = 1
+    framework: str = "deepspeed"
     stage_blocks: list[tuple[int, int]] = Field(default_factory=list)
     images_per_sample: int = Field(0, ge=0)
     tiles_per_image: int = Field(0, ge=0)
+
+    @field_validator("stage_blocks", mode="before")
+    @classmethod
+    def _none_is_no_partition(cls, value: Any) -> Any:
+        """generate's plan.json may say ``null`` (no pipeline partition given), as its PlanFile allows."""
+        return [] if value is None else value
 
     @model_validator(mode="after")
     def _check(self) -> "PlanFile":
@@ -79,6 +86,36 @@ def read_plan(run_dir: Path) -> PlanFile:
         return PlanFile.model_validate(data)
     except ValidationError as err:
         raise UserError(describe_validation_error(str(path), err))
+
+
+MEGATRON_ENTRY_HINT = ("run it with Megatron-LM's own training script instead (`dsplan generate ... --entry "
+                       "pretrain_gpt.py -- ARGS`; megatron_args.sh holds the plan's flags)")
+
+
+def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: bool) -> None:
+    """A UserError naming what of ``plan`` the reference trainer cannot run, else nothing.
+
+    It runs plans on DeepSpeed's engine: AutoTP for tensor parallelism (and only without
+    pipeline stages or MoE layers), PipelineModule with one contiguous chunk per stage. Every
+    rank checks this before it trains, and ``dsplan run`` before it starts any rank.
+    """
+    if plan.tp > 1 and plan.framework != "deepspeed":
+        raise UserError(f"plan.json: a {plan.framework} plan with tp={plan.tp}, which the reference trainer shards only "
+                        f"with DeepSpeed's AutoTP (framework deepspeed); {MEGATRON_ENTRY_HINT}")
+    if plan.tp > 1 and (plan.pp > 1 or is_moe):
+        raise UserError("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
+                        "and MoE layers; use tp=1 for this plan")
+    if plan.virtual_stages > 1:
+        raise UserError(f"plan.json: virtual_stages={plan.virtual_stages}; DeepSpeed's PipelineModule runs one "
+                        f"contiguous chunk per stage, so the reference trainer needs virtual_stages=1; {MEGATRON_ENTRY_HINT}")
+    if plan.pp > 1 and not plan.stage_blocks:
+        raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
+    tp_cfg = int(ds_config.get("tensor_parallel", {}).get("autotp_size", 1) or 1)
+    if tp_cfg != plan.tp:
+        raise UserError(f"ds_config.json: tensor_parallel.autotp_size is {tp_cfg} but plan.json has tp={plan.tp}; "
+                        "regenerate the run directory")
+    if plan.ep > 1 and plan.dp % plan.ep:
+        raise UserError(f"plan.json: ep={plan.ep} must divide the data-parallel degree")
 
 
 def read_ds_config(path: Path) -> dict[str, Any]:

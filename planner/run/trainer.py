@@ -33,6 +33,7 @@ from planner.run.rundir import (
     DEFAULT_LOG,
     DS_CONFIG_FILE,
     PlanFile,
+    check_reference_trainer,
     metrics_path,
     read_ds_config,
     read_plan,
@@ -105,23 +106,10 @@ class MetricsLog:
 
 
 def _check_degrees(plan: PlanFile, cfg: dict[str, Any], world: int, spec: ModelSpec) -> None:
-    tp_cfg = int(cfg.get("tensor_parallel", {}).get("autotp_size", 1) or 1)
-    if tp_cfg != plan.tp:
-        raise UserError(f"ds_config.json: tensor_parallel.autotp_size is {tp_cfg} but plan.json has tp={plan.tp}; "
-                        "regenerate the run directory")
     if plan.world_size != world:
         raise UserError(f"plan.json: dp*tp*pp = {plan.world_size} ranks but the launcher started {world}; "
                         "launch with as many processes as the plan needs")
-    if plan.tp > 1 and (plan.pp > 1 or spec.is_moe):
-        raise UserError("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
-                        "and MoE layers; use tp=1 for this plan")
-    if plan.virtual_stages > 1:
-        raise UserError(f"plan.json: virtual_stages={plan.virtual_stages}; DeepSpeed's PipelineModule runs one "
-                        "contiguous chunk per stage, so the reference trainer needs virtual_stages=1")
-    if plan.pp > 1 and not plan.stage_blocks:
-        raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
-    if plan.ep > 1 and (world // plan.pp // plan.tp) % plan.ep:
-        raise UserError(f"plan.json: ep={plan.ep} must divide the data-parallel degree")
+    check_reference_trainer(plan, cfg, spec.is_moe)
 
 
 def _coordinates(engine: Any, plan: PlanFile, rank: int) -> tuple[int, int]:
