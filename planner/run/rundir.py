@@ -88,8 +88,10 @@ def read_plan(run_dir: Path) -> PlanFile:
         raise UserError(describe_validation_error(str(path), err))
 
 
-MEGATRON_ENTRY_HINT = ("run it with Megatron-LM's own training script instead (`dsplan generate ... --entry "
-                       "pretrain_gpt.py -- ARGS`; megatron_args.sh holds the plan's flags)")
+def _megatron_hint(framework: str) -> str:
+    owner = "Megatron-DeepSpeed" if framework == "megatron-deepspeed" else "Megatron-LM"
+    return (f"run it with {owner}'s own training script instead (`dsplan generate ... --entry pretrain_gpt.py "
+            "-- ARGS`; megatron_args.sh holds the plan's flags)")
 
 
 def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: bool) -> None:
@@ -101,13 +103,13 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
     """
     if plan.tp > 1 and plan.framework != "deepspeed":
         raise UserError(f"plan.json: a {plan.framework} plan with tp={plan.tp}, which the reference trainer shards only "
-                        f"with DeepSpeed's AutoTP (framework deepspeed); {MEGATRON_ENTRY_HINT}")
+                        f"with DeepSpeed's AutoTP (framework deepspeed); {_megatron_hint(plan.framework)}")
     if plan.tp > 1 and (plan.pp > 1 or is_moe):
         raise UserError("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
                         "and MoE layers; use tp=1 for this plan")
     if plan.virtual_stages > 1:
         raise UserError(f"plan.json: virtual_stages={plan.virtual_stages}; DeepSpeed's PipelineModule runs one "
-                        f"contiguous chunk per stage, so the reference trainer needs virtual_stages=1; {MEGATRON_ENTRY_HINT}")
+                        f"contiguous chunk per stage, so the reference trainer needs virtual_stages=1; {_megatron_hint('megatron')}")
     if plan.pp > 1 and not plan.stage_blocks:
         raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
     tp_cfg = int(ds_config.get("tensor_parallel", {}).get("autotp_size", 1) or 1)
