@@ -65,7 +65,8 @@ class RunDirInfo:
 
 
 def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo:
-    """Read a run directory written by ``dsplan generate``; anything else is a UserError."""
+    """Read a run directory written by ``dsplan generate``; anything else, or a plan its
+    reference-trainer entry cannot run, is a UserError."""
     from planner.emit.plan_file import plan_from_dict
 
     run_dir = Path(path).expanduser()
@@ -81,6 +82,12 @@ def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo
     ds_config = _read_json(run_dir / "ds_config.json")
     entry = (run_dir / "entry.sh").read_text(encoding="utf-8", errors="replace")
     builtin = "-m planner.run.trainer" in entry
+    if builtin:  # what every rank of the trainer would refuse, refused before any rank starts
+        from planner.run.rundir import check_reference_trainer, parse_plan
+        from planner.run.trainer import resolve_model
+
+        trainer_plan = parse_plan(data, run_dir / "plan.json")
+        check_reference_trainer(trainer_plan, ds_config, resolve_model(trainer_plan.model, run_dir).is_moe)
     steps = _entry_int(entry, "--steps") if builtin else None
     return RunDirInfo(
         path=run_dir, plan=data, nodes=plan.nodes, gpus_per_node=plan.gpus_per_node, builtin=builtin,
@@ -238,9 +245,7 @@ def build_job(
     if launcher not in LAUNCHERS:
         raise UserError(f"--launcher {launcher}: use one of {', '.join(LAUNCHERS)}")
     info = inspect_run_dir(run_dir, launcher)
-    if info.builtin:
-        _check_trainer_runs(info)
-    else:
+    if not info.builtin:
         given = [flag for flag, value in (("--steps", steps), ("--checkpoint-every", checkpoint_every),
                                           ("--scale", scale)) if value is not None]
         if given:
@@ -277,15 +282,6 @@ def build_job(
         entry_args=tuple(entry_args), target_steps=steps if steps is not None else info.steps, local=local_plan,
         resume_first=resume, files=files,
     )
-
-
-def _check_trainer_runs(info: RunDirInfo) -> None:
-    """What every rank of the reference trainer would refuse, refused before any rank starts."""
-    from planner.run.rundir import check_reference_trainer, read_ds_config, read_plan
-    from planner.run.trainer import resolve_model
-
-    plan = read_plan(info.path)
-    check_reference_trainer(plan, read_ds_config(info.path / "ds_config.json"), resolve_model(plan.model, info.path).is_moe)
 
 
 def _default_python() -> str:

@@ -82,6 +82,11 @@ def read_plan(run_dir: Path) -> PlanFile:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); regenerate it with `dsplan generate`")
+    return parse_plan(data, path)
+
+
+def parse_plan(data: Any, path: Path) -> PlanFile:
+    """``plan.json``'s parsed contents as the trainer reads them; a UserError naming ``path`` if invalid."""
     try:
         return PlanFile.model_validate(data)
     except ValidationError as err:
