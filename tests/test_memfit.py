@@ -90,6 +90,9 @@ def test_stage_memory_bounds_the_real_stage_peak_from_above(name: str, cons: Con
     ("llama-3.1-8b", 1, Constraints(pp=(2, 4), micro_batch=(1, 2), recompute=("none", "selective"),
                                     virtual_stages=(1,), framework=("megatron", "deepspeed"))),
     ("deepseek-vl2-tiny", 1, Constraints(pp=(2, 4), virtual_stages=(1,), recompute=("none",))),
+    # interleaved too (there B <= S / pp: the bound is the generic one, the 1F1B rows tighten it)
+    ("llama-3.1-8b", 2, Constraints(pp=(2, 4), micro_batch=(1, 2), recompute=("none", "full"),
+                                    virtual_stages=(1, 2, 3), framework=("megatron",))),
 ])
 def test_split_time_bound_holds_for_every_split(name: str, nodes: int, cons: Constraints) -> None:
     """The bound that orders and stops the rebalancing (bounds.split_time_bound) is never above
@@ -110,7 +113,7 @@ def test_split_time_bound_holds_for_every_split(name: str, nodes: int, cons: Con
     units = len(ev.units)
     for j, i in enumerate(pipelined.tolist()):
         assert bound[j] <= step[i]
-        pp = int(space.columns["pp"][i])
+        pp = int(space.columns["pp"][i]) * int(space.columns["vs"][i])  # chunks
         for _ in range(3):  # any other contiguous split is slower than the bound as well
             cuts = np.sort(rng.choice(np.arange(1, units), pp - 1, replace=False))
             counts = np.diff(np.concatenate(([0], cuts, [units])))
@@ -223,3 +226,59 @@ def test_pipeline_memory_bound_holds_for_every_split_and_is_tighter(name: str, n
     peak = dict(zip(rows.tolist(), out.peak_bytes.tolist()))
     deep_peak = np.array([peak[i] for i in deep.tolist()])
     assert np.median(deep_peak / mean_rank[deep]) > 1.05 * np.median(deep_peak / mem_lb[deep])
+
+
+def test_interleaved_stage_memory_bounds_each_rank_from_above() -> None:
+    """Interleaved, StageMemory has one stage per chunk; 1/v of the sum over a rank's chunks
+    bounds that rank's real peak, on random splits, so chunks that each fit make a rank fit."""
+    cons = Constraints(pp=(2, 4), virtual_stages=(2, 3), framework=("megatron",), micro_batch=(1, 2),
+                       recompute=("none", "selective", "full"))
+    case = prepared("llama-3.1-8b", 2, cons)
+    model, cluster, wl, space, ev, prep = case.model, case.cluster, case.workload, case.space, case.ev, case.prep
+    rng = np.random.default_rng(2)
+    units = len(ev.units)
+    checked = 0
+    for i in rng.choice(len(space), 40, replace=False).tolist():
+        cfg = space.config(i)
+        pp, vs = cfg.pp, cfg.virtual_stages
+        sm = memfit.stage_memory(ev, prep, i)
+        assert len(sm.inflight) == len(sm.base) == pp * vs
+        cuts = np.sort(rng.choice(np.arange(1, units), pp * vs - 1, replace=False))
+        bounds = np.concatenate(([0], cuts, [units]))
+        plan = estimate(model, cluster, wl, cfg, partition=ev._blocks(tuple(int(c) for c in np.diff(bounds))))
+        for r in range(pp):
+            rank_bound = sum(sm.stage_bytes(k, int(bounds[k]), int(bounds[k + 1])) for k in range(r, pp * vs, pp)) / vs
+            assert rank_bound >= plan.stages[r].memory.peak * (1 - 1e-12), (cfg, r)
+        checked += 1
+    assert checked == 40
+
+
+def test_interleaved_pipeline_rebalanced_within_memory() -> None:
+    """Llama-3.1-70B on 4 nodes, Megatron with 2 virtual stages and no recomputation: the
+    time-balanced split of the fastest layout runs out of memory; a split that keeps every
+    chunk within its share fits, ranks first, and is estimate's own answer for that split."""
+    cons = Constraints(framework=("megatron",), virtual_stages=(2,), recompute=("none",))
+    res = suggest("llama-3.1-70b", nodes=4, constraints=cons, top=2)
+    rp = res.plans[0]
+    plan = rp.plan
+    assert plan.fits and plan.cfg.virtual_stages == 2 and "memory_constrained" in rp.balancer_bottleneck_s
+    model = load_model("llama-3.1-70b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 4)
+    again = estimate(model, cluster, plan.workload, plan.cfg, partition=plan.partition)
+    assert again.fits and again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert again.memory.peak == pytest.approx(plan.memory.peak, rel=1e-9)
+    ev = Evaluator(model, cluster, plan.workload)
+    space = _space(model, cluster, plan.workload.global_batch, cons)
+    rows, out = ev.evaluate(ev.prepare(space))
+    same = [j for j, i in enumerate(rows) if space.config(int(i)) == plan.cfg]
+    assert same and not out.fits[same[0]]
+    assert rp.balancer_bottleneck_s["memory_constrained"] > rp.balancer_bottleneck_s["optimal"]
+    # Without rebalancing, the best plan left is slower.
+    import planner.search.memfit as mf
+
+    saved, mf.MAX_REBALANCED = mf.MAX_REBALANCED, 0
+    try:
+        plain = suggest("llama-3.1-70b", nodes=4, constraints=cons, top=1)
+    finally:
+        mf.MAX_REBALANCED = saved
+    assert plain.plans[0].plan.tokens_per_s < plan.tokens_per_s

@@ -154,15 +154,16 @@ def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarr
 
 
 def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.ndarray:
-    """A step-time bound for plain 1F1B candidates (vs = 1) whose time-optimal split is known,
-    valid for every other split too (the memory-limited ones of planner/search/memfit.py).
+    """A step-time bound for pipelined candidates whose time-optimal split is known, valid for
+    every other split too (the memory-limited ones of planner/search/memfit.py).
 
-    Any split's slowest rank takes at least the optimal bottleneck B of its blocks' times
-    (the optimum minimises exactly that maximum; pipeline sends only add), and the ranks
-    together at least S, the sum over blocks; with the step ``m T_w + (S' - T_w) + ...``
-    growing in T_w and S', it is at least ``(m - 1) B + S``, plus the optimizer bound
-    (whatever the split). Tighter than ``lower_bounds``'s ``(m - 1) S / pp + S`` because
-    B >= S / pp.
+    Any split's slowest chunk takes at least the optimal bottleneck B of its blocks' times
+    (the optimum over pp x v chunks minimises exactly that maximum; pipeline sends only add),
+    so the slowest rank, which holds it, takes T_w >= B; the ranks together take S' >= S, the
+    sum over blocks, so T_w >= S / pp too. With the step ``m T_w + (S' - T_w) / v + ...``
+    growing in T_w (m >= 1/v) and S', it is at least ``(m - 1/v) max(B, S / pp) + S / v``,
+    plus the optimizer bound (whatever the split): never looser than ``lower_bounds``'s
+    ``(m - 1/v) S / pp + S / v``, and for 1F1B (v = 1, where B >= S / pp) ``(m - 1) B + S``.
     """
     c = prep.space.columns
     out = np.empty(len(rows))
@@ -172,7 +173,8 @@ def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.
         table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
         costs = ev.unit_costs(table, mode, b)
         bottleneck = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
-        out[j] = (int(c["grad_accum"][i]) - 1) * bottleneck + float(sum(costs))
+        total = float(sum(costs))
+        out[j] = (int(c["grad_accum"][i]) - 1 / vs) * max(bottleneck, total / pp) + total / vs
         dense[j], expert[j] = float(table.params.sum()), float(table.expert.sum())
     out += optimizer_bound(ev, {k: v[rows] for k, v in c.items()}, dense, expert)
     return out * (1 - 1e-9)  # rounding between the two sums must not lift the bound

@@ -9,8 +9,11 @@ bound of what ``assemble`` computes, so a split that fits it fits for real), ask
 optimal balancer for the fastest split within that limit, and re-evaluates the candidate
 exactly with it (planner/search/assemble.py).
 
-Only plain 1F1B pipelines (one chunk per rank) are rebalanced: with interleaving a rank
-holds several chunks, which a per-stage limit cannot express.
+With interleaving a rank holds v chunks (k, k + pp, ...), which a limit per contiguous stage
+cannot express exactly; each chunk is held instead to an equal share of its rank's room (a
+sufficient condition: v chunks within 1/v of the room each fit together), so a split found
+that way fits for real, though a split that fits only by giving a rank unequal chunks is
+not found.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
     the terms that depend on the split through a maximum or a minimum (ZeRO-3's live
     weights, a fully recomputed layer's live activations, pipeline buffers, ZeRO buckets,
     a tied head's copy of the embedding) take their largest value in ``base``.
+
+    Interleaved (v > 1): one stage per chunk (pp x v of them), chunk k on rank k mod pp with
+    that rank's in-flight count and fixed bytes, and its per-unit bytes counted v times, so
+    a chunk within capacity uses at most 1/v of its rank's room: the v chunks of a rank then
+    hold at most ``capacity``, and 1/v of the sum of their ``stage_bytes`` bounds the rank.
     """
     c = prep.space.columns
     tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[prep.inverse[i]])
@@ -57,7 +65,10 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
     state = (grow * np.add.reduceat(per_block_state, starts)).tolist()  # units tile the blocks in order
     act = (grow * np.add.reduceat(per_block_act, starts)).tolist()
     rank = np.arange(pp)
-    inflight = np.minimum(pp - rank, m).astype(float)
+    if vs == 1:
+        inflight = np.minimum(pp - rank, m).astype(float)
+    else:  # assemble's interleaved count, per rank
+        inflight = np.minimum((pp - rank - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs
     groups = sum(int(x > 1) for x in (tp, pp, dp, ep))
     fixed = mem.NCCL_BYTES_PER_GROUP * groups + 2.0 * float(table.pp_bytes.max()) * b
     if zero == 3:
@@ -72,20 +83,24 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
     base = np.full(pp, grow * fixed + mem.CUDA_CONTEXT_BYTES)
     if ev._tied is not None:
         base[-1] += grow * (wd + gd + od) * ev._tied[2] / tp
+    if vs > 1:
+        state, act = [vs * x for x in state], [vs * x for x in act]
+        inflight, base = np.tile(inflight, vs), np.tile(base, vs)
     return StageMemory(state=state, act=act, inflight=list(inflight), base=list(base),
                        capacity=float(ev.cluster.profile.gpu.memory_bytes))
 
 
 def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray,
               bar: float = float("inf")) -> list[tuple[int, float, float, float]]:
-    """Rebalance candidates ``rows`` (1F1B, pp > 1) under their memory limit.
+    """Rebalance candidates ``rows`` (pp > 1) under their memory limit.
 
     Returns (candidate, step time, peak bytes, CPU bytes per node) for each that now fits;
     its split is recorded in ``ev.overrides`` so the Plan built later uses it. ``bar``: a step
-    time a candidate must reach to matter. A split whose slowest stage takes B seconds per
-    micro-batch gives a step of at least (m - 1) B + S (bounds.split_time_bound), so only
-    splits with B <= (bar - S) / (m - 1) can; one pack (partition.fits_within) tells whether
-    any such split fits in memory, and the candidate is skipped, with proof, when none does.
+    time a candidate must reach to matter. A split whose slowest chunk takes B seconds per
+    micro-batch gives a step of at least (m - 1/v) B + S/v (bounds.split_time_bound), so only
+    splits with B <= (bar - S/v) / (m - 1/v) can; one pack (partition.fits_within) tells
+    whether any such split fits in memory, and the candidate is skipped, with proof, when
+    none does.
     """
     fitted = []
     for i in rows[:MAX_REBALANCED]:
@@ -97,12 +112,12 @@ def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray,
         costs = ev.unit_costs(table, mode, b)
         memory = stage_memory(ev, prep, i)
         m = int(prep.space.columns["grad_accum"][i])
-        if m > 1 and np.isfinite(bar):
+        if m * vs > 1 and np.isfinite(bar):
             # generous by a hair: rounding must not prune a split that reaches the bar
-            limit = (bar - float(sum(costs))) / (m - 1) * (1 + 1e-9)
-            if limit < fastest or not fits_within(costs, pp, memory, limit):
+            limit = (bar - float(sum(costs)) / vs) / (m - 1 / vs) * (1 + 1e-9)
+            if limit < fastest or not fits_within(costs, pp * vs, memory, limit):
                 continue
-        part = optimal_partition(costs, pp, memory=memory, lower=fastest)
+        part = optimal_partition(costs, pp * vs, memory=memory, lower=fastest)
         if part.fits:
             ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)
             fitted.append(i)

@@ -358,7 +358,7 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
         vals = np.unique(value[fits], return_counts=True)[0]
         return vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
 
-    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1) & (c["vs"] == 1))[0]
+    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1))[0]
     if by_memory:
         bound = mem_lb[rows]
     else:
