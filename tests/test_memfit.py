@@ -21,30 +21,37 @@ CONS = Constraints(pp=(2,), micro_batch=(1,), recompute=("none",), zero=(1,), vi
                    framework=("megatron-deepspeed",), offload=("none",))
 
 
-def test_time_balanced_split_runs_out_of_memory_but_a_rebalanced_one_fits(monkeypatch) -> None:
-    res = suggest("vl2", nodes=1, constraints=CONS, top=1)
-    rp = res.plans[0]
-    plan = rp.plan
-    assert plan.fits and plan.cfg.pp == 2
-    # It is the estimate's own answer for that split: fits, same numbers.
-    model = load_model("vl2")
-    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+def _rebalanced_is_estimates_and_its_time_split_does_not_fit(name: str, nodes: int, cons: Constraints, plan):
+    """The rebalanced plan is estimate's own answer for its split (fits, same numbers), and the
+    time-balanced split of the same configuration does not fit. Returns the full evaluation
+    of the space and the plan's row in it."""
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     again = estimate(model, cluster, plan.workload, plan.cfg, partition=plan.partition)
     assert again.fits
     assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
     assert again.memory.peak == pytest.approx(plan.memory.peak, rel=1e-9)
-    # The time-balanced split of the same configuration does not fit.
     ev = Evaluator(model, cluster, plan.workload)
-    space = _space(model, cluster, plan.workload.global_batch, CONS)
+    space = _space(model, cluster, plan.workload.global_batch, cons)
     rows, out = ev.evaluate(ev.prepare(space))
     same = [j for j, i in enumerate(rows) if space.config(int(i)) == plan.cfg]
     assert same and not out.fits[same[0]]
     time_split = out.partitions[out.partition_id[same[0]]]
     assert time_split != plan.partition
     assert not estimate(model, cluster, plan.workload, plan.cfg, partition=time_split).fits
+    return out, same[0]
+
+
+def test_time_balanced_split_runs_out_of_memory_but_a_rebalanced_one_fits(monkeypatch) -> None:
+    res = suggest("vl2", nodes=1, constraints=CONS, top=1)
+    rp = res.plans[0]
+    plan = rp.plan
+    assert plan.fits and plan.cfg.pp == 2
+    # It is the estimate's own answer for that split: fits, same numbers.
+    out, j = _rebalanced_is_estimates_and_its_time_split_does_not_fit("vl2", 1, CONS, plan)
     # The split it uses is slower per micro-batch than the time-optimal one: memory bought with time.
     b = rp.balancer_bottleneck_s
-    assert b["optimal"] == pytest.approx(out.optimal_bottleneck[same[0]], rel=1e-12)
+    assert b["optimal"] == pytest.approx(out.optimal_bottleneck[j], rel=1e-12)
     assert b["memory_constrained"] > b["optimal"]
     stage_times = [s.microbatch.total - s.microbatch.pp for s in plan.stages]  # what the balancer balances
     assert b["memory_constrained"] == pytest.approx(max(stage_times), rel=1e-6)
@@ -253,7 +260,7 @@ def test_interleaved_stage_memory_bounds_each_rank_from_above() -> None:
     assert checked == 40
 
 
-def test_interleaved_pipeline_rebalanced_within_memory() -> None:
+def test_interleaved_pipeline_rebalanced_within_memory(monkeypatch) -> None:
     """Llama-3.1-70B on 4 nodes, Megatron with 2 virtual stages and no recomputation: the
     time-balanced split of the fastest layout runs out of memory; a split that keeps every
     chunk within its share fits, ranks first, and is estimate's own answer for that split."""
@@ -262,23 +269,7 @@ def test_interleaved_pipeline_rebalanced_within_memory() -> None:
     rp = res.plans[0]
     plan = rp.plan
     assert plan.fits and plan.cfg.virtual_stages == 2 and "memory_constrained" in rp.balancer_bottleneck_s
-    model = load_model("llama-3.1-70b")
-    cluster = Cluster.build(load_profile("dgx-a100-80g"), 4)
-    again = estimate(model, cluster, plan.workload, plan.cfg, partition=plan.partition)
-    assert again.fits and again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
-    assert again.memory.peak == pytest.approx(plan.memory.peak, rel=1e-9)
-    ev = Evaluator(model, cluster, plan.workload)
-    space = _space(model, cluster, plan.workload.global_batch, cons)
-    rows, out = ev.evaluate(ev.prepare(space))
-    same = [j for j, i in enumerate(rows) if space.config(int(i)) == plan.cfg]
-    assert same and not out.fits[same[0]]
+    _rebalanced_is_estimates_and_its_time_split_does_not_fit("llama-3.1-70b", 4, cons, plan)
     assert rp.balancer_bottleneck_s["memory_constrained"] > rp.balancer_bottleneck_s["optimal"]
-    # Without rebalancing, the best plan left is slower.
-    import planner.search.memfit as mf
-
-    saved, mf.MAX_REBALANCED = mf.MAX_REBALANCED, 0
-    try:
-        plain = suggest("llama-3.1-70b", nodes=4, constraints=cons, top=1)
-    finally:
-        mf.MAX_REBALANCED = saved
-    assert plain.plans[0].plan.tokens_per_s < plan.tokens_per_s
+    monkeypatch.setattr(memfit, "MAX_REBALANCED", 0)  # without rebalancing, the best plan left is slower
+    assert suggest("llama-3.1-70b", nodes=4, constraints=cons, top=1).plans[0].plan.tokens_per_s < plan.tokens_per_s
