@@ -117,12 +117,12 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
 def _trainer_note(files: dict, model: "ModelSpec") -> str | None:
     """Why the reference trainer (the default entry) would refuse this plan, if it would: the
     run directory is still worth having (configs, Megatron flags), so this is a note, not an error."""
-    from planner.run.rundir import PlanFile as TrainerPlan, check_reference_trainer
+    from planner.run.rundir import check_reference_trainer, parse_plan
 
     try:
-        check_reference_trainer(TrainerPlan.model_validate(json.loads(files["plan.json"].content)),
+        check_reference_trainer(parse_plan(json.loads(files["plan.json"].content), Path("plan.json")),
                                 json.loads(files["ds_config.json"].content), model.is_moe)
-    except (UserError, ValueError) as err:  # ValueError: pydantic's, for a plan.json the trainer cannot read
+    except UserError as err:
         return f"the default entry cannot run this plan: {err}"
     return None
 
