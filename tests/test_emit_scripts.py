@@ -42,7 +42,8 @@ MEGATRON_LM_FLAGS = {
     "--min-lr", "--save", "--save-interval", "--load", "--fp16", "--bf16", "--loss-scale",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout", "--num-layers-per-virtual-pipeline-stage",
-    "--num-virtual-stages-per-pipeline-rank", "--distributed-backend", "--overlap-grad-reduce",
+    "--num-virtual-stages-per-pipeline-rank", "--microbatch-group-size-per-virtual-pipeline-stage",
+    "--distributed-backend", "--overlap-grad-reduce",
     "--overlap-param-gather", "--use-distributed-optimizer", "--context-parallel-size", "--seq-length",
     "--data-path", "--split", "--vocab-size", "--tokenizer-type", "--tokenizer-model",
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-experts", "--moe-layer-freq",
@@ -108,6 +109,9 @@ PLANS = {
     # Megatron's own even split: 8 decoders in each of pp 2 x 2 virtual stages.
     "megatron-interleaved-even": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=2, virtual_stages=2,
                                                           grad_accum=2, stage_blocks=[[0, 9], [9, 17], [17, 25], [25, 35]])),
+    # 6 micro-batches per step on pp 4 x 2: Megatron's default group of 4 refuses them, a group of 6 runs them.
+    "megatron-interleaved-group": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=4, virtual_stages=2,
+                                                           grad_accum=6)),
 }
 
 
@@ -226,6 +230,19 @@ def test_megatron_interleaving_carries_the_planners_chunks(run_dirs):
     even = flag_values(run_dirs["megatron-interleaved-even"])
     assert even["--num-virtual-stages-per-pipeline-rank"] == "2" and even["--pipeline-model-parallel-size"] == "2"
     assert "--pipeline-model-parallel-layout" not in even
+    # pp divides their micro-batches per step: Megatron's default micro-batch group.
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in flags
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in even
+
+
+def test_an_interleaved_plan_pp_does_not_divide_names_its_micro_batch_group(run_dirs):
+    """6 micro-batches on pp 4: schedules.py accepts a group G in [pp, M] with M mod G 0 or >= pp,
+    so the plan (and its memory) is made with G = 6, and the flag says so."""
+    flags = flag_values(run_dirs["megatron-interleaved-group"])
+    plan = json.loads((run_dirs["megatron-interleaved-group"] / "plan.json").read_text())
+    assert (plan["pp"], plan["virtual_stages"], plan["grad_accum"]) == (4, 2, 6)
+    assert flags["--microbatch-group-size-per-virtual-pipeline-stage"] == "6"
+    assert int(flags["--global-batch-size"]) == 6 * plan["dp"] * plan["micro_batch"]
 
 
 @pytest.fixture()

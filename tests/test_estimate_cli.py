@@ -83,6 +83,17 @@ def test_a_batch_bound_plan_gets_the_same_note_as_in_suggest():
     assert quiet.exit_code == 0 and "note:" not in quiet.output
 
 
+def test_an_interleaved_plan_names_its_micro_batch_group_when_pp_does_not_divide_the_micro_batches():
+    args = ("--framework", "megatron", "--tp", "2", "--pp", "4", "--virtual-stages", "2", "--micro-batch", "1")
+    r = run(*args, "--global-batch", "6")
+    assert r.exit_code == 0, r.output
+    assert "pp 4 (v 2, micro-batch group 6)" in " ".join(r.output.split())
+    even = run(*args, "--global-batch", "8")
+    assert even.exit_code == 0 and "pp 4 (v 2)," in " ".join(even.output.split())
+    few = run(*args, "--global-batch", "3")
+    assert few.exit_code == 2 and "needs at least --pp 4 micro-batches per step, not 3" in " ".join(few.output.split())
+
+
 def test_vlm_defaults():
     r = CliRunner().invoke(main, ["estimate", "--model", "deepseek-vl2-tiny", "--nodes", "1", "--micro-batch", "1",
                                   "--global-batch", "8", "--ep", "2", "--json"])

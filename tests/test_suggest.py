@@ -388,3 +388,28 @@ def test_vision_language_models_interleave_only_an_even_split() -> None:
     model = load_model("deepseek-vl2-tiny")
     with pytest.raises(UserError, match="vision-language model needs its 12 decoder layers divisible"):
         estimate(model, Cluster.build(load_profile("dgx-a100-80g"), 1), ok.plans[0].plan.workload, cfg)
+
+
+def test_megatron_interleaves_micro_batch_counts_pp_does_not_divide() -> None:
+    """6 micro-batches per step on pp 4 x 2 virtual stages: Megatron-Core runs them with a
+    micro-batch group of 6 (tests/test_interleaved_schedule.py), which holds more chunk
+    activations in the warm-up than the default group of 4. The search plans them with that
+    count, equal to estimate's; fewer micro-batches than pp cannot interleave at all."""
+    cons = Constraints(pp=(4,), virtual_stages=(2,), framework=("megatron",), micro_batch=(1,), tp=(2,))
+    res = suggest("llama-3.1-8b", nodes=1, top=3, global_batch=6, constraints=cons)
+    model = load_model("llama-3.1-8b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+    for rp in res.plans:
+        cfg = rp.plan.cfg
+        assert (cfg.pp, cfg.virtual_stages, cfg.grad_accum, cfg.dp) == (4, 2, 6, 1)
+        # rank r holds min(2 (3 - r) + (2 - 1) x 6 + 1, 6 x 2) / 2 stages' worth of micro-batches
+        # (the default group of 4 would give 5.5, 4.5, 3.5, 2.5)
+        assert [s.inflight for s in rp.plan.stages] == [6.0, 5.5, 4.5, 3.5]
+        again = estimate(model, cluster, rp.plan.workload, cfg, partition=rp.plan.partition)
+        _same_plan(again.to_json(), rp.plan.to_json())
+    with pytest.raises(UserError, match="their framework cannot run"):
+        suggest("llama-3.1-8b", nodes=1, top=1, global_batch=3, constraints=cons)
+    cfg = res.plans[0].plan.cfg.model_copy(update={"grad_accum": 3})
+    workload = res.plans[0].plan.workload.model_copy(update={"global_batch": 3})
+    with pytest.raises(UserError, match="needs at least --pp 4 micro-batches per step, not 3"):
+        estimate(model, cluster, workload, cfg)

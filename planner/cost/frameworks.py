@@ -17,7 +17,9 @@ and its own behaviour the cost model reads (``Traits``):
   through ``--pipeline-model-parallel-layout`` (Megatron-Core's custom pipeline layout,
   docs/source/api-guide/pipeline_parallel_layout.md), so 126 Llama-3.1-405B layers interleave
   on 16 ranks; the layout has no vision-encoder layers, so a vision-language model keeps
-  Megatron's even split and interleaves only when its layers divide by pp x v.
+  Megatron's even split and interleaves only when its layers divide by pp x v. The
+  interleaved schedule needs at least pp micro-batches per step; a count that pp does not
+  divide runs with a larger micro-batch group (memory.microbatch_group).
 
 Batch divisibility uses the data-parallel world size: global batch = micro-batch x
 gradient accumulation x dp.
@@ -107,8 +109,10 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
                 raise UserError(f"framework megatron: interleaving a vision-language model needs its {decoder_layers} decoder "
                                 f"layers divisible by --pp {cfg.pp} x --virtual-stages {cfg.virtual_stages} (Megatron's "
                                 "custom pipeline layout has no vision-encoder layers)")
-            if cfg.grad_accum % cfg.pp:
-                raise UserError(f"framework megatron: the interleaved schedule needs the micro-batches per step ({cfg.grad_accum}) divisible by --pp {cfg.pp}")
+            if cfg.grad_accum < cfg.pp:
+                raise UserError(f"framework megatron: the interleaved schedule needs at least --pp {cfg.pp} micro-batches "
+                                f"per step, not {cfg.grad_accum}; use a smaller --micro-batch or --dp, a larger "
+                                "--global-batch, or --virtual-stages 1")
     if cfg.ep > 1 and not is_moe:
         raise UserError(f"--ep {cfg.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)")
 

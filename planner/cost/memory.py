@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.cost import frameworks as fw
 
 GiB = 2**30
@@ -200,20 +202,56 @@ def buffer_bytes(framework: str, zero: int, stage_params: float, groups: int, pp
     return out
 
 
+def microbatch_group(pp: int, microbatches: int) -> int:
+    """Micro-batches an interleaved schedule runs on one virtual stage before moving to the next
+    (Megatron-Core's ``microbatch_group_size_per_vp_stage``, flag
+    ``--microbatch-group-size-per-virtual-pipeline-stage``; default pp).
+
+    Megatron-Core's interleaved schedule (``pipeline_parallel/schedules.py``) accepts a group
+    G with pp <= G <= M whose last group is empty or at least pp long (M mod G = 0 or >= pp);
+    a shorter last group would leave dependency bubbles and is refused. So M divisible by pp
+    runs with the default, and any other M >= pp with the smallest such G (G = M always
+    qualifies): the step time is the same, and each extra micro-batch in the group is one
+    more chunk-forward held in the warm-up, so the smallest G holds the least memory.
+    """
+    if microbatches < pp:
+        raise ValueError(f"an interleaved schedule needs at least pp = {pp} micro-batches, got {microbatches}")
+    for group in range(pp, microbatches + 1):
+        rest = microbatches % group
+        if rest == 0 or rest >= pp:
+            return group
+    raise AssertionError("unreachable: G = M always qualifies")
+
+
+def microbatch_groups(pp: np.ndarray, microbatches: np.ndarray) -> np.ndarray:
+    """``microbatch_group`` over arrays (pp where the schedule is not interleaved or has too few
+    micro-batches to interleave: the group is then never read)."""
+    pp, microbatches = np.asarray(pp, dtype=np.int64), np.asarray(microbatches, dtype=np.int64)
+    out = pp.copy()
+    odd = np.nonzero((microbatches % pp != 0) & (microbatches >= pp))[0]
+    if odd.size:
+        pairs, inverse = np.unique(np.stack([pp[odd], microbatches[odd]], axis=1), axis=0, return_inverse=True)
+        groups = np.array([microbatch_group(int(p), int(m)) for p, m in pairs])
+        out[odd] = groups[inverse.reshape(-1)]
+    return out
+
+
 def inflight_microbatches(rank: int, pp: int, virtual: int, microbatches: int) -> float:
     """Micro-batches of activations a pipeline rank holds at its peak, in units of its whole
     stage (all its chunks).
 
     1F1B: rank r runs p - r forwards before its first backward (Narayanan et al. 2021).
-    Interleaved: Megatron's warm-up runs (p - r - 1) x 2 + (v - 1) x p chunk-forwards, plus the
-    one in steady state, each 1/v of the stage: rank 0 holds L(1 + (p-1)/(p v)) layers'
-    worth, Korthikanti et al. Sec 4.2.3.
+    Interleaved: Megatron's warm-up runs (p - r - 1) x 2 + (v - 1) x G chunk-forwards (G the
+    ``microbatch_group``, p unless M is not a multiple of p), plus the one in steady state,
+    each 1/v of the stage: with G = p rank 0 holds L(1 + (p-1)/(p v)) layers' worth,
+    Korthikanti et al. Sec 4.2.3. tests/test_interleaved_schedule.py replays the schedule.
     """
     if pp == 1:
         return 1.0
     if virtual == 1:
         return float(min(pp - rank, microbatches))
-    chunks = min((pp - rank - 1) * 2 + (virtual - 1) * pp + 1, microbatches * virtual)
+    group = microbatch_group(pp, microbatches)
+    chunks = min((pp - rank - 1) * 2 + (virtual - 1) * group + 1, microbatches * virtual)
     return chunks / virtual
 
 

@@ -40,8 +40,9 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
     runs = f"{m} micro-batch{'es' if m != 1 else ''} per step"
     bubble = t.get("pp_bubble_s", 0.0)
     if pp > 1 and bubble / step > NOTE_SHARE:
-        # (pp - 1) / (v m' + pp - 1) <= 1/5 at m' = 4 (pp - 1) / v; the interleaved schedule
-        # also wants m' divisible by pp.
+        # (pp - 1) / (v m' + pp - 1) <= 1/5 at m' = 4 (pp - 1) / v; interleaved, m' divisible
+        # by pp keeps Megatron's default micro-batch group, which holds the fewest activations
+        # (memory.microbatch_group).
         unit = math.lcm(m, pp) if vs > 1 else m
         need = math.ceil(math.ceil(4 * (pp - 1) / vs) / unit) * unit
         line = (f"the pipeline bubble is {bubble / step:.0%} of the step: each pipeline runs {runs} over {pp} "

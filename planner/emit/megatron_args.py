@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from planner.cost.memory import microbatch_group
 from planner.emit.ds_config import TrainSettings, moe_layer_indices
 from planner.emit.plan_file import PlanFile
 from planner.model.spec import DecoderBlock, DenseMLP, EmbeddingBlock, LMHeadBlock, ModelSpec, MoEMLP
@@ -91,23 +92,30 @@ def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     plain pipeline that only moves layers off the first and last stage uses the shorter
     ``--decoder-first/last-pipeline-num-layers``. Vision-language models keep the even split:
     the layout has no vision-encoder layers and the entry places the towers.
+
+    An interleaved plan whose micro-batches per step pp does not divide also names the
+    micro-batch group it was planned with (memory.microbatch_group): Megatron's default group
+    of pp refuses such a count.
     """
     chunks = plan.pp * plan.virtual_stages
     interleave = [_a("--num-virtual-stages-per-pipeline-rank", plan.virtual_stages)] if plan.virtual_stages > 1 else []
+    group = []
+    if plan.virtual_stages > 1 and plan.grad_accum % plan.pp:
+        group = [_a("--microbatch-group-size-per-virtual-pipeline-stage", microbatch_group(plan.pp, plan.grad_accum))]
     if (plan.pp == 1 or not plan.stage_blocks or len(plan.stage_blocks) != chunks
             or plan.framework == "megatron-deepspeed" or model.is_vlm):
-        return interleave
+        return interleave + group
     decoder_at = [i for i, b in enumerate(model.blocks) if isinstance(b, DecoderBlock)]
     per_chunk = [sum(1 for i in decoder_at if first <= i < last) for first, last in plan.stage_blocks]
     if len(set(per_chunk)) == 1:
-        return interleave  # Megatron's own even split
+        return interleave + group  # Megatron's own even split
     middle = per_chunk[1:-1]
     if plan.virtual_stages == 1 and plan.pp > 2 and len(set(middle)) == 1:
         return [_a("--decoder-first-pipeline-num-layers", per_chunk[0]),
                 _a("--decoder-last-pipeline-num-layers", per_chunk[-1])]
     stages = ["t" * n for n in per_chunk]
     stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
-    return [_a("--pipeline-model-parallel-layout", "|".join(stages))]
+    return [_a("--pipeline-model-parallel-layout", "|".join(stages)), *group]
 
 
 def _moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

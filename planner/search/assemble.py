@@ -50,7 +50,8 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
         inflight = np.ones((n, 1))
     else:
         one_f1b = np.minimum(pp - rank, m)
-        inter = np.minimum((pp - rank - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs
+        group = mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None]
+        inter = np.minimum((pp - rank - 1) * 2 + (vs - 1) * group + 1, m * vs) / vs
         inflight = np.where(vs == 1, one_f1b, inter)
     acts = r["stored"] * inflight + r["live"]
     groups = sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))[:, None]

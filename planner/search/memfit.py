@@ -68,7 +68,7 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
     if vs == 1:
         inflight = np.minimum(pp - rank, m).astype(float)
     else:  # assemble's interleaved count, per rank
-        inflight = np.minimum((pp - rank - 1) * 2 + (vs - 1) * pp + 1, m * vs) / vs
+        inflight = np.minimum((pp - rank - 1) * 2 + (vs - 1) * mem.microbatch_group(pp, m) + 1, m * vs) / vs
     groups = sum(int(x > 1) for x in (tp, pp, dp, ep))
     fixed = mem.NCCL_BYTES_PER_GROUP * groups + 2.0 * float(table.pp_bytes.max()) * b
     if zero == 3:

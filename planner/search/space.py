@@ -36,7 +36,7 @@ COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "
 # A framework rule: None when the runtime can run the config, else the reason it cannot. It is
 # memoised on ``_rule_pattern``: it may read the settings and whether tp, pp and ep exceed 1,
 # and only when virtual stages > 1, whether the layers (ModelFacts.units) divide by pp x
-# virtual stages and whether the accumulation steps divide by pp; and on the fields it reads
+# virtual stages and whether there are at least pp accumulation steps; and on the fields it reads
 # (``ReadMemo``): it must depend on nothing else.
 FrameworkRule = Callable[[ParallelConfig], "str | None"]
 
@@ -177,7 +177,8 @@ def _structurally_valid(deg: Degrees, setting: tuple[int, int, int, int, int]) -
 def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
     """What of a degree combination the framework rules can see (planner/cost/frameworks.py
     ``check_framework``): whether tp, pp and ep exceed 1, and, only for an interleaved
-    schedule (vs > 1), whether the layers divide by pp x v and the accumulation steps by pp.
+    schedule (vs > 1), whether the layers divide by pp x v and there are at least pp
+    accumulation steps.
     So all plain pipelines share one pattern and interleaved ones a few: ~100x fewer rule
     calls. tests/test_framework_memo.py checks the memo against direct calls over whole spaces."""
     if deg.vs == 1:
@@ -293,20 +294,20 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     settings = _settings(cons)
     allowed: dict[tuple, tuple[int, int, int]] = {}  # per rule pattern: (first ok row, ok count, valid count)
     ok_rows: list[tuple[int, int, int, int, int]] = []
-    # One block per (degrees, accumulation-divides-pp flag): the block's ok settings x its
+    # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
     # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
     heads: list[tuple[int, int, int, int, int]] = []
     block_rows: list[tuple[int, int]] = []  # (first ok row, ok count)
     block_mbs: list[np.ndarray] = []
     framework_rejected = 0
-    # Micro-batches split by whether the accumulation divides by pp: per (dp, pp), which many
+    # Micro-batches split by whether the accumulation reaches pp: per (dp, pp), which many
     # degree combinations share.
     splits: dict[tuple[int, int], list[tuple[bool, np.ndarray]]] = {}
     for deg in degrees:
         split = splits.get((deg.dp, deg.pp))
         if split is None:
             micro = np.array(_allowed(divisors(global_batch // deg.dp), cons.micro_batch), dtype=np.int64)
-            ga_ok_all = (global_batch // (deg.dp * micro)) % deg.pp == 0
+            ga_ok_all = (global_batch // (deg.dp * micro)) >= deg.pp
             split = splits[deg.dp, deg.pp] = [(flag, micro[ga_ok_all == flag]) for flag in (True, False)
                                                if (ga_ok_all == flag).any()]
         if not split:
