@@ -67,7 +67,7 @@ _CONSTRAINT_FLAGS = (
     ("--offload", "none, optimizer, optimizer+params (one or a comma list)."),
     ("--micro-batch", f"Micro-batch size: {_LIST_HELP}."),
     ("--recompute", "none, selective, full (one or a comma list)."),
-    ("--virtual-stages", "Interleaved pipeline chunks per rank (one or a comma list) [default: 1,2,4]."),
+    ("--virtual-stages", "Interleaved pipeline chunks per rank (one or a comma list) [default: 1-8]."),
     ("--framework", "deepspeed, megatron-deepspeed, megatron (one or a comma list)."),
 )
 
