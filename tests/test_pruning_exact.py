@@ -27,6 +27,10 @@ CASES = [
     ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("full",), zero=(0, 1, 3)),
      "memory"),
     ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("selective",)), "cost"),
+    # 36 samples: micro-batch counts pp does not divide (9 on pp 2, 18 on pp 4, 36 on pp 8), which
+    # interleave with a larger micro-batch group, over 1 to 6 virtual stages of 24 layers.
+    ("gpt3-350m", 1, 36, 2048, Constraints(micro_batch=(1,), virtual_stages=(1, 2, 3, 4, 6), framework=("megatron",),
+                                           recompute=("none", "selective")), "throughput"),
 ]
 
 
