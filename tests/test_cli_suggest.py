@@ -155,6 +155,19 @@ def test_a_bubble_bound_plan_prints_a_note() -> None:
     assert len(data["notes"]) == 1 and "--global-batch 6144" in data["notes"][0]
 
 
+def test_an_interleaved_best_plan_names_the_micro_batch_group_it_needs() -> None:
+    """9 micro-batches per step on pp 2 x 2: the best plan says they run 3 at a time, and the flag."""
+    args = ("--model", "gpt3-350m", "--nodes", "1", "--global-batch", "36", "--seq-len", "2048", "--micro-batch", "1",
+            "--virtual-stages", "2", "--pp", "2", "--framework", "megatron", "--top", "1")
+    human = run(*args)
+    assert human.exit_code == 0, human.output
+    out = " ".join(human.output.split())
+    assert ("interleaved schedule: 9 micro-batches per step over pp 2 run 3 at a time on each virtual stage "
+            "(--microbatch-group-size-per-virtual-pipeline-stage 3:") in out
+    even = run(*args[:5], "48", *args[6:])
+    assert even.exit_code == 0 and "interleaved schedule:" not in even.output
+
+
 @pytest.mark.parametrize("width", [80, 100, 200])
 def test_terminal_output_never_cuts_numbers_short(monkeypatch, width) -> None:
     """On a terminal too narrow for the table, each plan is printed as two lines instead, so no

@@ -219,6 +219,14 @@ def _render_best(result, console, human_bytes, human_time) -> None:
         console.print(f"[bold]note[/]: {line}")
     if p["pp"] > 1:
         b = best.balancer_bottleneck_s
+        v, m = p.get("virtual_stages", 1), p["grad_accum"]
+        if v > 1 and m % p["pp"]:
+            from planner.cost.memory import microbatch_group
+
+            g = microbatch_group(p["pp"], m)
+            console.print(f"interleaved schedule: {m} micro-batches per step over pp {p['pp']} run {g} at a time on "
+                          f"each virtual stage (--microbatch-group-size-per-virtual-pipeline-stage {g}: Megatron's "
+                          f"default of pp needs a multiple of {p['pp']}), which keeps more of them in flight")
         console.print(f"stage partition ({result.inputs['balancer']} balancer; slowest stage per micro-batch: optimal "
                       f"{human_time(b['optimal'])}, greedy {human_time(b['greedy'])}"
                       + (f"; the time-balanced split runs out of memory, so this one balances within memory: "
