@@ -11,7 +11,8 @@ It checks what the planner assumes when pp does not divide the micro-batches per
 with memory.microbatch_group's G the step takes exactly the interleaved bubble of
 step_time.pipeline (no dependency stalls) and each rank's peak of stored chunk activations
 is memory.inflight_microbatches x v; with Megatron's default G = pp the same M stalls or
-deadlocks, which is why Megatron refuses it and why the group has to be emitted.
+deadlocks, which is why Megatron refuses it and why the group has to be emitted. The plain
+1F1B schedule (v = 1, warm-up pp - r - 1) is checked the same way.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def schedule_table(m: int, v: int, g: int) -> list[tuple[int, int]]:
 
 
 def rank_ops(rank: int, pp: int, v: int, m: int, g: int) -> list[tuple[str, int, int]]:
+    """Rank ``rank``'s ops in order; v = 1 is the plain 1F1B schedule (warm-up pp - r - 1)."""
     table = schedule_table(m, v, g)
     total = m * v
-    warm = min((pp - rank - 1) * 2 + (v - 1) * g, total)
+    warm = min(pp - rank - 1 if v == 1 else (pp - rank - 1) * 2 + (v - 1) * g, total)
     fwd = [("F", c, mb) for mb, c in table]
     bwd = [("B", v - 1 - c, mb) for mb, c in table]
     ops = fwd[:warm]
@@ -101,6 +103,16 @@ def test_the_planned_group_runs_without_stalls_and_holds_what_memory_counts(fwd:
         step, peak = replay(pp, v, m, g, fwd, bwd)
         assert step == pytest.approx(planned_step(pp, v, m, fwd, bwd), abs=1e-9), (pp, v, m, g)
         assert peak == [inflight_microbatches(r, pp, v, m) * v for r in range(pp)], (pp, v, m, g)
+
+
+@pytest.mark.parametrize("fwd,bwd", [(1.0, 1.0), (1.0, 2.0)])
+def test_plain_1f1b_matches_the_same_bubble_and_in_flight_count(fwd: float, bwd: float):
+    """The v = 1 case of both formulas (Narayanan et al. 2021): m + pp - 1 slots, p - r in flight."""
+    for pp in (2, 3, 4, 5, 8):
+        for m in range(1, 3 * pp + 2):
+            step, peak = replay(pp, 1, m, pp, fwd, bwd)
+            assert step == pytest.approx(planned_step(pp, 1, m, fwd, bwd), abs=1e-9), (pp, m)
+            assert peak == [inflight_microbatches(r, pp, 1, m) for r in range(pp)], (pp, m)
 
 
 def test_the_group_is_megatrons_smallest_valid_one():
