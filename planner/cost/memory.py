@@ -248,11 +248,17 @@ def inflight_microbatches(rank: int, pp: int, virtual: int, microbatches: int) -
     """
     if pp == 1:
         return 1.0
-    if virtual == 1:
-        return float(min(pp - rank, microbatches))
-    group = microbatch_group(pp, microbatches)
-    chunks = min((pp - rank - 1) * 2 + (virtual - 1) * group + 1, microbatches * virtual)
-    return chunks / virtual
+    group = microbatch_group(pp, microbatches) if virtual > 1 else pp
+    return float(inflight_array(rank, pp, virtual, microbatches, group))
+
+
+def inflight_array(rank, pp, virtual, microbatches, group):
+    """``inflight_microbatches`` (pp > 1) over numpy arrays that broadcast together, ``group``
+    from ``microbatch_groups``: the one formula the search's vectorised twin, its bounds and
+    memfit share with ``estimate``."""
+    one_f1b = np.minimum(pp - rank, microbatches)
+    chunks = np.minimum((pp - rank - 1) * 2 + (virtual - 1) * group + 1, microbatches * virtual)
+    return np.where(virtual == 1, one_f1b, chunks / virtual)
 
 
 def activation_bytes(stored_per_mb: float, live_extra_per_mb: float, inflight: float) -> float:

@@ -49,10 +49,7 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
     if pp == 1:
         inflight = np.ones((n, 1))
     else:
-        one_f1b = np.minimum(pp - rank, m)
-        group = mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None]
-        inter = np.minimum((pp - rank - 1) * 2 + (vs - 1) * group + 1, m * vs) / vs
-        inflight = np.where(vs == 1, one_f1b, inter)
+        inflight = mem.inflight_array(rank, pp, vs, m, mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None])
     acts = r["stored"] * inflight + r["live"]
     groups = sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))[:, None]
     stage_params = r["dense"] + r["expert"]

@@ -71,9 +71,7 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
         per_dense[s], per_expert[s] = wd + gd + od, we + ge + oe
     states = per_dense * dense + per_expert * expert
     last = pp - 1
-    group = mem.microbatch_groups(c["pp"], c["grad_accum"])
-    inflight_last = np.where(pp == 1, 1.0, np.where(vs == 1, np.minimum(pp - last, m),
-                                                    np.minimum((pp - last - 1) * 2 + (vs - 1) * group + 1, m * vs) / vs))
+    inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(last, pp, vs, m, mem.microbatch_groups(c["pp"], c["grad_accum"])))
     held = (states + stored * inflight_last) / pp
     deep = np.nonzero((c["pp"] > 1) & (c["vs"] == 1))[0]
     if deep.size:

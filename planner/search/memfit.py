@@ -65,10 +65,7 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
     state = (grow * np.add.reduceat(per_block_state, starts)).tolist()  # units tile the blocks in order
     act = (grow * np.add.reduceat(per_block_act, starts)).tolist()
     rank = np.arange(pp)
-    if vs == 1:
-        inflight = np.minimum(pp - rank, m).astype(float)
-    else:  # assemble's interleaved count, per rank
-        inflight = np.minimum((pp - rank - 1) * 2 + (vs - 1) * mem.microbatch_group(pp, m) + 1, m * vs) / vs
+    inflight = mem.inflight_array(rank, pp, vs, m, mem.microbatch_group(pp, m) if vs > 1 else pp).astype(float)
     groups = sum(int(x > 1) for x in (tp, pp, dp, ep))
     fixed = mem.NCCL_BYTES_PER_GROUP * groups + 2.0 * float(table.pp_bytes.max()) * b
     if zero == 3:
