@@ -439,8 +439,25 @@ class Evaluator:
 
     def candidate(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], dict[str, np.ndarray], dict, tuple]:
         """Candidate ``i`` in detail: its partition, per-rank table, assembled parts, bottlenecks."""
-        parts, ranks, col, pp, bottlenecks = self._one(prep, i)
-        return parts, rank_fields(ranks), assemble(self, col, rank_fields(ranks[None]), pp, detail=True), bottlenecks
+        return self.candidates(prep, [i])[0]
+
+    def candidates(self, prep: "Prepared", rows: list[int]) -> list[tuple[list[tuple[int, int]], dict[str, np.ndarray],
+                                                                          dict, tuple]]:
+        """``candidate`` of many, assembled together per pipeline depth: one numpy pass per
+        depth rather than per plan (``--top 1000`` builds a thousand)."""
+        ones = [self._one(prep, i) for i in rows]
+        out: list = [None] * len(rows)
+        by_pp: dict[int, list[int]] = {}
+        for j, one in enumerate(ones):
+            by_pp.setdefault(one[3], []).append(j)
+        for pp, js in by_pp.items():
+            idx = np.array([rows[j] for j in js])
+            stacked = rank_fields(np.stack([ones[j][1] for j in js]))
+            d = assemble(self, {k: v[idx] for k, v in prep.space.columns.items()}, stacked, pp, detail=True)
+            for n, j in enumerate(js):
+                parts, ranks, _, _, bottlenecks = ones[j]
+                out[j] = (parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
+        return out
 
     def evaluate_one(self, prep: "Prepared", i: int) -> tuple[float, float, float]:
         """Candidate ``i``'s (step time, peak bytes, CPU bytes per node), with its override if any."""

@@ -21,8 +21,16 @@ from planner.search.evaluate import Evaluator, Prepared
 
 def build_plan(ev: Evaluator, prep: Prepared, i: int) -> tuple[Plan, tuple[float, float]]:
     """Candidate ``i`` as a Plan, plus its (greedy, optimal) balancer bottlenecks."""
+    return build_plans(ev, prep, [i])[0]
+
+
+def build_plans(ev: Evaluator, prep: Prepared, rows: list[int]) -> list[tuple[Plan, tuple[float, float]]]:
+    """``build_plan`` of many candidates, their parts assembled together (Evaluator.candidates)."""
+    return [_plan(ev, prep, i, *detail) for i, detail in zip(rows, ev.candidates(prep, rows))]
+
+
+def _plan(ev: Evaluator, prep: Prepared, i: int, parts, ranks, d, bottlenecks) -> tuple[Plan, tuple[float, float]]:
     cfg = prep.space.config(i)
-    parts, ranks, d, bottlenecks = ev.candidate(prep, i)
     model, pp, m = ev.model, cfg.pp, cfg.grad_accum
     stages = []
     for r in range(pp):

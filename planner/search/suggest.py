@@ -33,7 +33,7 @@ from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec, VisionBlock
 from planner.search import rank as rk
 from planner.search.evaluate import Evaluator
-from planner.search.plans import build_plan
+from planner.search.plans import build_plan, build_plans
 from planner.search.space import Constraints, ModelFacts, Space, default_global_batch, divisors, enumerate_space
 
 BALANCERS = ("greedy", "optimal")
@@ -302,7 +302,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         cols = {k: v[idx] for k, v in space.columns.items()}
         ranked = idx[rk.order(objective, cols, tps, peak[idx], cpu[idx], gpus)]
         chosen = rk.distinct_top(ranked, space.columns, step, peak, top)
-        plans = [((i, alts), *build_plan(ev, prep, i)) for i, alts in chosen]
+        plans = [((i, alts), *built) for (i, alts), built in zip(chosen, build_plans(ev, prep, [i for i, _ in chosen]))]
         plans.sort(key=lambda ip: _scalar_key(objective, ip[1], gpus))
         for k, ((i, alts), plan, (g, o)) in enumerate(plans):
             bottlenecks = ({"greedy": float(g), "optimal": float(o)} if plan.cfg.pp > 1
