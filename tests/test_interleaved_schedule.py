@@ -1,11 +1,5 @@
-"""Megatron-Core's interleaved 1F1B schedule, replayed op by op, against the planner's model of it.
-
-The replay follows the schedule as Megatron-Core builds it (``pipeline_parallel/schedules.py``):
-a table of (micro-batch, chunk) pairs in groups of G micro-batches per chunk, a warm-up of
-(pp - r - 1) x 2 + (v - 1) x G chunk-forwards on rank r, then one forward and one backward
-at a time, then the remaining backwards, backwards visiting the chunks in reverse. Every op
-starts when its rank is free and its inputs exist (the previous chunk of the model for a
-forward, the next chunk's backward for a backward); sends cost nothing.
+"""Megatron's pipeline schedules, replayed op by op (planner/cost/schedule_replay.py), against
+the planner's closed-form model of them.
 
 It checks what the planner assumes when pp does not divide the micro-batches per step M:
 with memory.microbatch_group's G the step takes exactly the interleaved bubble of
@@ -19,68 +13,14 @@ from __future__ import annotations
 
 import pytest
 
+from planner.cost import schedule_replay
 from planner.cost.memory import inflight_microbatches, microbatch_group, microbatch_groups
 from planner.cost.step_time import MicroBatchTime, pipeline
 
 
-def schedule_table(m: int, v: int, g: int) -> list[tuple[int, int]]:
-    """Forward order of (micro-batch, chunk): g micro-batches on each chunk in turn; a last
-    group shorter than g runs whole on each chunk."""
-    out: list[tuple[int, int]] = []
-    for lo in range(0, m, g):
-        hi = m if lo + g >= m else lo + g
-        out += [(mb, c) for c in range(v) for mb in range(lo, hi)]
-    return out
-
-
-def rank_ops(rank: int, pp: int, v: int, m: int, g: int) -> list[tuple[str, int, int]]:
-    """Rank ``rank``'s ops in order; v = 1 is the plain 1F1B schedule (warm-up pp - r - 1)."""
-    table = schedule_table(m, v, g)
-    total = m * v
-    warm = min(pp - rank - 1 if v == 1 else (pp - rank - 1) * 2 + (v - 1) * g, total)
-    fwd = [("F", c, mb) for mb, c in table]
-    bwd = [("B", v - 1 - c, mb) for mb, c in table]
-    ops = fwd[:warm]
-    for i in range(total - warm):
-        ops += [fwd[warm + i], bwd[i]]
-    return ops + bwd[total - warm:]
-
-
-def inputs(kind: str, rank: int, chunk: int, mb: int, pp: int, v: int) -> list[tuple[str, int, int, int]]:
-    """Ops whose results this op needs; chunk c of rank r is model chunk c x pp + r."""
-    if kind == "F":
-        if rank > 0:
-            return [("F", rank - 1, chunk, mb)]
-        return [("F", pp - 1, chunk - 1, mb)] if chunk > 0 else []
-    own = [("F", rank, chunk, mb)]
-    if rank < pp - 1:
-        return own + [("B", rank + 1, chunk, mb)]
-    return own + ([("B", 0, chunk + 1, mb)] if chunk < v - 1 else [])
-
-
 def replay(pp: int, v: int, m: int, g: int, fwd: float = 1.0, bwd: float = 1.0) -> tuple[float, list[int]]:
-    """(step seconds, per rank the peak of chunk-forwards awaiting their backward)."""
-    ops = [rank_ops(r, pp, v, m, g) for r in range(pp)]
-    finish: dict[tuple[str, int, int, int], float] = {}
-    at, free = [0] * pp, [0.0] * pp
-    live, peak = [0] * pp, [0] * pp
-    while any(at[r] < len(ops[r]) for r in range(pp)):
-        moved = False
-        for r in range(pp):
-            while at[r] < len(ops[r]):
-                kind, chunk, mb = ops[r][at[r]]
-                need = inputs(kind, r, chunk, mb, pp, v)
-                if any(n not in finish for n in need):
-                    break
-                start = max([free[r], *(finish[n] for n in need)])
-                free[r] = finish[kind, r, chunk, mb] = start + (fwd if kind == "F" else bwd)
-                live[r] += 1 if kind == "F" else -1
-                peak[r] = max(peak[r], live[r])
-                at[r] += 1
-                moved = True
-        if not moved:
-            raise RuntimeError("deadlock")
-    return max(free), peak
+    """Equal chunks: every chunk's forward takes ``fwd`` and its backward ``bwd``."""
+    return schedule_replay.replay(pp, v, m, g, [[fwd] * v] * pp, [[bwd] * v] * pp)
 
 
 def planned_step(pp: int, v: int, m: int, fwd: float, bwd: float) -> float:
@@ -139,7 +79,8 @@ def test_the_default_group_stalls_where_pp_does_not_divide_the_micro_batches():
             continue
         try:
             step, _ = replay(pp, v, m, pp)
-        except RuntimeError:
+        except RuntimeError as err:
+            assert "deadlocks" in str(err)
             deadlocked += 1
             continue
         assert step > planned_step(pp, v, m, 1.0, 1.0) + 0.5, (pp, v, m)
