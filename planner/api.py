@@ -90,10 +90,8 @@ def load_cluster(hardware: "str | HardwareProfile" = DEFAULT_HARDWARE, nodes: in
     from planner.hardware.cluster import Cluster
 
     profile = load_hardware(hardware)
-    if gpus_per_node is not None and gpus_per_node != profile.gpus_per_node:
-        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-            raise UserError(f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
-        profile = profile.model_copy(update={"node": profile.node.model_copy(update={"gpus": gpus_per_node})})
+    if gpus_per_node is not None:
+        profile = profile.with_gpus_per_node(gpus_per_node, "gpus_per_node")
     return Cluster.build(profile, nodes)
 
 

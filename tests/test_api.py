@@ -60,6 +60,8 @@ def test_load_model_cluster_and_hardware():
         api.load_cluster(nodes=0)
     with pytest.raises(UserError, match="gpus_per_node"):
         api.load_cluster(nodes=1, gpus_per_node=0)
+    with pytest.raises(UserError, match="gpus_per_node: need a whole number from 1 to 576"):
+        api.load_cluster(nodes=1, gpus_per_node=100_000)
 
 
 def test_make_workload_defaults_follow_the_model_and_the_cli():

@@ -110,6 +110,7 @@ def _h100_with(tmp_path: Path, section: str, field: str, value) -> Path:
         (lambda t: _h100_with(t, "gpu", "hbm_GBps", "lots"), ["gpu.hbm_GBps", "valid number"]),
         (lambda t: _h100_with(t, "gpu", "memory_GiB", -80), ["gpu.memory_GiB", "greater than 0"]),
         (lambda t: _h100_with(t, "node", "gpus", 0), ["node.gpus", "greater than 0"]),
+        (lambda t: _h100_with(t, "node", "gpus", 1000), ["node.gpus", "less than or equal to 576"]),
         (lambda t: _h100_with(t, "node.nics", "speed_gbps", 400), ["node.nics.speed_gbps", "did you mean 'speed_gbit'"]),
         (lambda t: _h100_with(t, "fabric", "levels", 7), ["fabric.levels"]),
     ],

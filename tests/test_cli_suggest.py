@@ -88,6 +88,7 @@ def test_images_and_tiles_override() -> None:
     [
         (["--nodes", "0"], "--nodes"),
         (["--nodes", "-1"], "--nodes"),
+        (["--gpus-per-node", "100000"], "--gpus-per-node: need a whole number from 1 to 576"),
         (["--tp", "3"], "--tp 3 cannot divide"),
         (["--tp", "two"], "--tp"),
         (["--zero", "5"], "--zero"),

@@ -103,6 +103,8 @@ def test_vlm_defaults():
 
 
 @pytest.mark.parametrize("args,needle", [
+    (["--gpus-per-node", "100000"], "--gpus-per-node: need a whole number from 1 to 576"),
+    (["--gpus-per-node", "0"], "--gpus-per-node: need a whole number from 1 to 576"),
     (["--tp", "3"], "does not divide the 8 GPUs"),
     (["--dp", "3", "--tp", "2"], "multiply"),
     (["--tp", "8", "--dp", "1", "--micro-batch", "3", "--global-batch", "8"], "not divisible"),

@@ -22,7 +22,7 @@ TARGET_TOKENS_PER_STEP = 4 * 2**20  # default global batch: ~4M tokens (Llama 2/
 @click.option("--model", "model_name", required=True, metavar="NAME|PATH", help="Model preset (see `dsplan models`) or a config.json.")
 @hardware_option
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node [default: from the hardware profile].")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, 1-576 [default: from the hardware profile].")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
 @click.option("--dp", type=int, default=None, help="Data-parallel degree [default: GPUs / (tp x pp)].")
@@ -79,10 +79,8 @@ def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int 
 
     model = load_model(model_name)
     profile = load_profile(hardware)
-    if gpus_per_node is not None and gpus_per_node != profile.gpus_per_node:
-        if gpus_per_node < 1:
-            raise UserError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
-        profile = profile.model_copy(update={"node": profile.node.model_copy(update={"gpus": gpus_per_node})})
+    if gpus_per_node is not None:
+        profile = profile.with_gpus_per_node(gpus_per_node)
     cluster = Cluster.build(profile, nodes)
     world = cluster.num_gpus
     for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--micro-batch", micro_batch), ("--virtual-stages", virtual_stages)):

@@ -32,7 +32,7 @@ _SEARCH_FLAGS = (
 @click.option("--model", "model", default=None, metavar="NAME|PATH", help="Model preset or config.json [default with --plan: the plan's model].")
 @click.option("--hardware", default=None, metavar="NAME|PATH", help="Hardware profile [default: the plan's, else dgx-a100-80g].")
 @click.option("--nodes", type=int, default=None, help="Number of nodes [default: the plan's, else 1].")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node [default: from the hardware profile].")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, 1-576 [default: from the hardware profile].")
 @click.option("--plan", "plan_path", default=None, metavar="FILE", help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
 @click.option("--rank", type=int, default=1, show_default=True, help="Without --plan: use the K-th best plan of the search.")
 @click.option("--global-batch", type=int, default=None, help="Samples per optimizer step.")

@@ -23,7 +23,7 @@ from planner.errors import UserError
 @click.option("--hardware", "hardware", default="dgx-a100-80g", show_default=True, metavar="NAME|PATH",
               help="Hardware profile: a built-in name (see `dsplan hardware`) or a YAML file.")
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node [default: from the hardware profile].")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, 1-576 [default: from the hardware profile].")
 @workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
 @constraint_options
 @balancer_option

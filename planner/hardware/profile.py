@@ -74,8 +74,14 @@ class NIC(_Strict):
         return self.speed_gbit * 1e9 / 8
 
 
+# The most GPUs one node (one NVLink or xGMI domain) may hold: NVIDIA's largest announced NVLink
+# domain, Rubin Ultra NVL576. The intra-node router prices every pair of a node's GPUs, so an
+# absurd count (100000 for 1000) would run for hours and tens of GB instead of failing.
+MAX_GPUS_PER_NODE = 576
+
+
 class Node(_Strict):
-    gpus: PositiveInt
+    gpus: int = Field(gt=0, le=MAX_GPUS_PER_NODE)
     intra: IntraNode
     nics: NIC
     pcie_gen: Literal[3, 4, 5, 6] = 4
@@ -116,6 +122,21 @@ class HardwareProfile(_Strict):
     @property
     def gpus_per_node(self) -> int:
         return self.node.gpus
+
+    def with_gpus_per_node(self, gpus: int, name: str = "--gpus-per-node") -> "HardwareProfile":
+        """This profile with ``gpus`` GPUs per node (``name``: the input to blame). The NICs stay
+        when the counts divide one another, else one per GPU."""
+        from planner.errors import UserError
+
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_NODE:
+            raise UserError(f"{name}: need a whole number from 1 to {MAX_GPUS_PER_NODE} (the largest NVLink "
+                            f"domain), got {gpus!r}")
+        if gpus == self.node.gpus:
+            return self
+        nics = self.node.nics
+        count = nics.count if (gpus % nics.count == 0 or nics.count % gpus == 0) else gpus
+        node = self.node.model_copy(update={"gpus": gpus, "nics": nics.model_copy(update={"count": count})})
+        return self.model_copy(update={"node": node})
 
     @property
     def nic_bw_per_gpu(self) -> float:

@@ -118,14 +118,7 @@ def _profile(hardware: str | HardwareProfile, gpus_per_node: int | None) -> Hard
     from planner.hardware.load import load_profile
 
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    if gpus_per_node is None or gpus_per_node == profile.node.gpus:
-        return profile
-    if gpus_per_node < 1:
-        raise UserError(f"--gpus-per-node: need a whole number >= 1, got {gpus_per_node}")
-    nics = profile.node.nics
-    count = nics.count if (gpus_per_node % nics.count == 0 or nics.count % gpus_per_node == 0) else gpus_per_node
-    node = profile.node.model_copy(update={"gpus": gpus_per_node, "nics": nics.model_copy(update={"count": count})})
-    return profile.model_copy(update={"node": node})
+    return profile if gpus_per_node is None else profile.with_gpus_per_node(gpus_per_node)
 
 
 def _facts(model: ModelSpec) -> ModelFacts:
