@@ -143,14 +143,14 @@ def render(plan) -> None:
     from rich import box
     from rich.table import Table
 
-    from planner.cost.memory import microbatch_group
+    from planner.cost.memory import group_to_set
 
     c, w = plan.cfg, plan.workload
     verdict = "[green]fits[/green]" if plan.fits else f"[red]does not fit[/red]: {plan.why_not()}"
     virtual = ""
     if c.virtual_stages > 1:  # a micro-batch count pp does not divide runs with a larger group (cost/memory.py)
-        group = f", micro-batch group {microbatch_group(c.pp, c.grad_accum)}" if c.grad_accum % c.pp else ""
-        virtual = f" (v {c.virtual_stages}{group})"
+        g = group_to_set(c.pp, c.virtual_stages, c.grad_accum)
+        virtual = f" (v {c.virtual_stages}" + (f", micro-batch group {g}" if g else "") + ")"
     console.print(f"[bold]{plan.model}[/bold] on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} ({plan.gpus} GPUs), "
                   f"{c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
                   + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"

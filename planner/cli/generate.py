@@ -71,7 +71,7 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
 
     Arguments after `--` are passed, quoted, to the entry on every rank.
     """
-    from planner.cost.memory import microbatch_group
+    from planner.cost.memory import group_to_set
     from planner.emit.ds_config import TrainSettings
     from planner.emit.render import DEFAULT_IMAGE, LaunchOptions, render_run_dir
     from planner.emit.write import write_run_dir
@@ -108,7 +108,7 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         console.print(f"  replaced your edits (--force): {', '.join(report.replaced_edits)}")
     console.print(f"  plan: {plan.framework}, DP {plan.dp} x TP {plan.tp} x PP {plan.pp}"
                   + (f" ({plan.virtual_stages} virtual stages per rank"
-                     + (f", micro-batch group {microbatch_group(plan.pp, plan.grad_accum)}" if plan.grad_accum % plan.pp else "")
+                     + (f", micro-batch group {g}" if (g := group_to_set(plan.pp, plan.virtual_stages, plan.grad_accum)) else "")
                      + ")" if plan.virtual_stages > 1 else "")
                   + (f", EP {plan.ep}" if plan.ep > 1 else "") + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
     if note:

@@ -218,12 +218,12 @@ def _render_best(result, console, human_bytes, human_time) -> None:
     for line in result.notes:
         console.print(f"[bold]note[/]: {line}")
     if p["pp"] > 1:
-        b = best.balancer_bottleneck_s
-        v, m = p.get("virtual_stages", 1), p["grad_accum"]
-        if v > 1 and m % p["pp"]:
-            from planner.cost.memory import microbatch_group
+        from planner.cost.memory import group_to_set
 
-            g = microbatch_group(p["pp"], m)
+        b = best.balancer_bottleneck_s
+        m = p["grad_accum"]
+        g = group_to_set(p["pp"], p.get("virtual_stages", 1), m)
+        if g:
             console.print(f"interleaved schedule: {m} micro-batches per step over pp {p['pp']} run {g} at a time on "
                           f"each virtual stage (--microbatch-group-size-per-virtual-pipeline-stage {g}: Megatron's "
                           f"default of pp needs a multiple of {p['pp']}), which keeps more of them in flight")

@@ -223,6 +223,12 @@ def microbatch_group(pp: int, microbatches: int) -> int:
     raise AssertionError("unreachable: G = M always qualifies")
 
 
+def group_to_set(pp: int, virtual: int, microbatches: int) -> int | None:
+    """The micro-batch group a launch must name (``--microbatch-group-size-per-virtual-pipeline-stage``),
+    or None where Megatron's default of pp runs the schedule (not interleaved, or pp divides M)."""
+    return microbatch_group(pp, microbatches) if virtual > 1 and microbatches % pp else None
+
+
 def microbatch_groups(pp: np.ndarray, microbatches: np.ndarray) -> np.ndarray:
     """``microbatch_group`` over arrays (pp where the schedule is not interleaved or has too few
     micro-batches to interleave: the group is then never read)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from planner.cost.memory import microbatch_group
+from planner.cost.memory import group_to_set
 from planner.emit.ds_config import TrainSettings, moe_layer_indices
 from planner.emit.plan_file import PlanFile
 from planner.model.spec import DecoderBlock, DenseMLP, EmbeddingBlock, LMHeadBlock, ModelSpec, MoEMLP
@@ -99,9 +99,8 @@ def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     """
     chunks = plan.pp * plan.virtual_stages
     interleave = [_a("--num-virtual-stages-per-pipeline-rank", plan.virtual_stages)] if plan.virtual_stages > 1 else []
-    group = []
-    if plan.virtual_stages > 1 and plan.grad_accum % plan.pp:
-        group = [_a("--microbatch-group-size-per-virtual-pipeline-stage", microbatch_group(plan.pp, plan.grad_accum))]
+    g = group_to_set(plan.pp, plan.virtual_stages, plan.grad_accum)
+    group = [_a("--microbatch-group-size-per-virtual-pipeline-stage", g)] if g else []
     if (plan.pp == 1 or not plan.stage_blocks or len(plan.stage_blocks) != chunks
             or plan.framework == "megatron-deepspeed" or model.is_vlm):
         return interleave + group

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
+from planner.errors import UserError
+
 GiB = 2**30
 
 
@@ -126,8 +128,6 @@ class HardwareProfile(_Strict):
     def with_gpus_per_node(self, gpus: int, name: str = "--gpus-per-node") -> "HardwareProfile":
         """This profile with ``gpus`` GPUs per node (``name``: the input to blame). The NICs stay
         when the counts divide one another, else one per GPU."""
-        from planner.errors import UserError
-
         if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_NODE:
             raise UserError(f"{name}: need a whole number from 1 to {MAX_GPUS_PER_NODE} (the largest NVLink "
                             f"domain), got {gpus!r}")

@@ -445,17 +445,10 @@ class Evaluator:
                                                                           dict, tuple]]:
         """``candidate`` of many, assembled together per pipeline depth: one numpy pass per
         depth rather than per plan (``--top 1000`` builds a thousand)."""
-        ones = [self._one(prep, i) for i in rows]
         out: list = [None] * len(rows)
-        by_pp: dict[int, list[int]] = {}
-        for j, one in enumerate(ones):
-            by_pp.setdefault(one[3], []).append(j)
-        for pp, js in by_pp.items():
-            idx = np.array([rows[j] for j in js])
-            stacked = rank_fields(np.stack([ones[j][1] for j in js]))
-            d = assemble(self, {k: v[idx] for k, v in prep.space.columns.items()}, stacked, pp, detail=True)
+        for js, ones, d in self._by_depth(prep, rows, detail=True):
             for n, j in enumerate(js):
-                parts, ranks, _, _, bottlenecks = ones[j]
+                parts, ranks, _, bottlenecks = ones[j]
                 out[j] = (parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
         return out
 
@@ -465,17 +458,22 @@ class Evaluator:
 
     def evaluate_rows(self, prep: "Prepared", rows: list[int]) -> dict[int, tuple[float, float, float]]:
         """``evaluate_one`` of many candidates, assembled together per pipeline depth."""
-        by_pp: dict[int, list[tuple[int, np.ndarray]]] = {}
-        for i in rows:
-            _, ranks, _, pp, _ = self._one(prep, i)
-            by_pp.setdefault(pp, []).append((i, ranks))
         out = {}
-        for pp, items in by_pp.items():
-            idx = np.array([i for i, _ in items])
-            stacked = rank_fields(np.stack([r for _, r in items]))
-            step, peak, cpu = assemble(self, {k: v[idx] for k, v in prep.space.columns.items()}, stacked, pp)
-            out.update({i: (float(step[j]), float(peak[j]), float(cpu[j])) for j, (i, _) in enumerate(items)})
+        for js, _, (step, peak, cpu) in self._by_depth(prep, rows, detail=False):
+            out.update({rows[j]: (float(step[n]), float(peak[n]), float(cpu[n])) for n, j in enumerate(js)})
         return out
+
+    def _by_depth(self, prep: "Prepared", rows: list[int], detail: bool):
+        """Per pipeline depth among ``rows``: (positions in ``rows``, every row's ``_one``, their
+        ``assemble`` output, in the order of the positions)."""
+        ones = [self._one(prep, i) for i in rows]
+        by_pp: dict[int, list[int]] = {}
+        for j, one in enumerate(ones):
+            by_pp.setdefault(one[2], []).append(j)
+        for pp, js in by_pp.items():
+            idx = np.array([rows[j] for j in js])
+            stacked = rank_fields(np.stack([ones[j][1] for j in js]))
+            yield js, ones, assemble(self, {k: v[idx] for k, v in prep.space.columns.items()}, stacked, pp, detail=detail)
 
     def _key_ranks(self, table: BlockTable, parts: list[tuple[int, int]], key: tuple, zero3: bool) -> np.ndarray:
         """The rank table of one key (tp, sp, ep, b, mode, pp, vs, dp, framework) split as
@@ -487,7 +485,8 @@ class Evaluator:
               if zero3 else None)
         return self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
 
-    def _one(self, prep: "Prepared", i: int):
+    def _one(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], np.ndarray, int, tuple[float, float]]:
+        """Candidate ``i``'s (partition, rank table, pp, (greedy, optimal) bottlenecks)."""
         tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[prep.inverse[i]])
         table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
         parts, gbot, obot = self.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)
@@ -495,5 +494,4 @@ class Evaluator:
             parts = self.overrides[i][0]
         ranks = self._key_ranks(table, parts, (tp, sp, ep, b, mode, pp, vs, dp, fwi),
                                 prep.space.columns["zero"][i] == 3)
-        col = {k: v[i:i + 1] for k, v in prep.space.columns.items()}
-        return parts, ranks, col, pp, (gbot, obot)
+        return parts, ranks, pp, (gbot, obot)
