@@ -16,19 +16,19 @@ sends free). Positive: the model is slower (pessimistic) than the replay.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from planner.cost.memory import microbatch_group  # noqa: E402
-from planner.cost.parallel import RECOMPUTES  # noqa: E402
-from planner.cost.schedule_replay import replay  # noqa: E402
-from planner.cost.step_time import MicroBatchTime, pipeline  # noqa: E402
-from planner.search.evaluate import Evaluator  # noqa: E402
-from planner.search.space import Constraints  # noqa: E402
-from planner.search.suggest import suggest  # noqa: E402
+from planner.cost.memory import microbatch_group
+from planner.cost.parallel import RECOMPUTES
+from planner.cost.schedule_replay import replay
+from planner.cost.step_time import MicroBatchTime, pipeline
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.model.catalog import load_model
+from planner.search.evaluate import Evaluator
+from planner.search.space import Constraints
+from planner.search.suggest import suggest
 
 # (model, nodes, global batch or None for the default, constraints)
 CASES = [
@@ -50,10 +50,6 @@ CASES = [
 def chunk_times(plan) -> tuple[list[list[float]], list[list[float]]]:
     """Per rank and chunk on it, one micro-batch's forward and backward seconds."""
     c = plan.cfg
-    from planner.hardware.cluster import Cluster
-    from planner.hardware.load import load_profile
-    from planner.model.catalog import load_model
-
     model = load_model(plan.model)
     ev = Evaluator(model, Cluster.build(load_profile(plan.hardware), plan.nodes), plan.workload)
     table = ev.table(c.tp, int(c.sequence_parallel), c.ep, c.dp, c.pp, (c.micro_batch,))
