@@ -69,7 +69,7 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
                         f"{cfg.grad_accum} x dp {cfg.dp} = {cfg.samples_per_step}")
     check_against_model(cfg, heads=model.attention_heads, kv_heads=model.kv_heads, routed_experts=model.routed_experts,
                         blocks=model.num_layers)
-    fw.check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm)
+    fw.check_framework_for(cfg, model)
     if workload.seq_len > model.max_seq_len:
         raise UserError(f"--seq-len {workload.seq_len} exceeds {model.name}'s maximum context of {model.max_seq_len}")
 

@@ -28,9 +28,13 @@ gradient accumulation x dp.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planner.cost.parallel import ParallelConfig
 from planner.errors import UserError
+
+if TYPE_CHECKING:
+    from planner.model.spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,12 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
                                 "--global-batch, or --virtual-stages 1")
     if cfg.ep > 1 and not is_moe:
         raise UserError(f"--ep {cfg.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)")
+
+
+def check_framework_for(cfg: ParallelConfig, model: "ModelSpec") -> None:
+    """``check_framework`` with the facts of ``model`` its rules read (the one place that
+    picks them; the search passes them hoisted, since it asks thousands of times)."""
+    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm)
 
 
 def grad_accum_for(global_batch: int, micro_batch: int, dp: int) -> int:

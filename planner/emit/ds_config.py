@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from planner.cost import frameworks as fw
-from planner.cost.frameworks import check_framework
+from planner.cost.frameworks import check_framework_for
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.model.spec import DecoderBlock, ModelSpec, MoEMLP
@@ -131,7 +131,7 @@ def build_ds_config(plan: PlanFile, model: ModelSpec, settings: TrainSettings | 
     """The ds_config.json dict for ``plan`` (batch sizes use the plan's data-parallel world size)."""
     settings = settings or TrainSettings()
     # The runtime rules a ds_config cannot express (PipelineModule with ZeRO-2/3, AutoTP with ZeRO-3, ...).
-    check_framework(plan.parallel_config(), is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm)
+    check_framework_for(plan.parallel_config(), model)
     config: dict[str, Any] = {
         "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
