@@ -110,7 +110,7 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     images, tiles = _vision_defaults(model, None, None)
     workload = Workload(global_batch=gb, seq_len=model.train_seq_len, images_per_sample=images, tiles_per_image=tiles)
     start = time.process_time()
-    space = _space(model, cluster, gb, Constraints())
+    space = _space(model, cluster, workload, Constraints())
     ev = Evaluator(model, cluster, workload)
     rows, _ = ev.evaluate(ev.prepare(space))
     return len(rows), time.process_time() - start

@@ -103,7 +103,7 @@ def candidates(model: Any, cluster: Any, *, workload: Any = None, balancer: str 
 
     spec = api.load_model(model)
     wl = workload if workload is not None else api.make_workload(spec, gpus=cluster.num_gpus)
-    space = _space(spec, cluster, wl.global_batch, api.constraints(**axes))
+    space = _space(spec, cluster, wl, api.constraints(**axes))
     evaluator = Evaluator(spec, cluster, wl, balancer)
     idx, res = evaluator.evaluate(evaluator.prepare(space))
     col = {k: v[idx] for k, v in space.columns.items()}

@@ -30,6 +30,6 @@ def prepared(name: str, nodes: int, cons: Constraints, global_batch: int = 64, s
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     images, tiles = (1, 2) if model.is_vlm else (0, 0)
     workload = Workload(global_batch=global_batch, seq_len=seq_len, images_per_sample=images, tiles_per_image=tiles)
-    space = _space(model, cluster, global_batch, cons)
+    space = _space(model, cluster, workload, cons)
     ev = Evaluator(model, cluster, workload)
     return Case(model, cluster, workload, space, ev, ev.prepare(space))

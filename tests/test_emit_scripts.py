@@ -36,7 +36,8 @@ MEGATRON_LM_FLAGS = {
     "--multi-latent-attention", "--make-vocab-size-divisible-by",
     "--micro-batch-size", "--global-batch-size", "--recompute-activations", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--train-iters", "--log-interval", "--disable-bias-linear",
-    "--add-qkv-bias", "--optimizer", "--optimizer-cpu-offload", "--sequence-parallel", "--use-flash-attn",
+    "--add-qkv-bias", "--optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+    "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d", "--sequence-parallel", "--use-flash-attn",
     "--attention-dropout", "--hidden-dropout", "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2",
     "--adam-eps", "--lr", "--lr-decay-style", "--lr-decay-iters", "--lr-warmup-iters", "--lr-warmup-fraction",
     "--min-lr", "--save", "--save-interval", "--load", "--fp16", "--bf16", "--loss-scale",
@@ -60,7 +61,8 @@ MEGATRON_DEEPSPEED_FLAGS = {
 }
 
 STUB_ENTRY = """import json, os, sys
-keys = ("NCCL_DEBUG", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LOCAL_RANK")
+keys = ("NCCL_DEBUG", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LOCAL_RANK",
+        "OMP_NUM_THREADS")
 record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}
 with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps(record) + "\\n")
@@ -72,7 +74,7 @@ FAKE_LAUNCHER = """#!{python}
 import json, os, subprocess, sys
 name = os.path.basename(sys.argv[0])
 with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID")}}}}) + "\\n")
+    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID", "OMP_NUM_THREADS")}}}}) + "\\n")
 if name == "scontrol":
     print("gpu-a01\\ngpu-a02")
     sys.exit(0)
@@ -112,6 +114,8 @@ PLANS = {
     # 6 micro-batches per step on pp 4 x 2: Megatron's default group of 4 refuses them, a group of 6 runs them.
     "megatron-interleaved-group": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=4, virtual_stages=2,
                                                            grad_accum=6)),
+    # Megatron-Core's optimizer CPU offload (HybridDeviceOptimizer).
+    "megatron-offload": ("llama-3.1-8b", 2, dict(framework="megatron", zero_stage=1, tp=2, offload="optimizer")),
 }
 
 
@@ -263,6 +267,8 @@ def run_with_stub(tmp_path: Path, plan_args: tuple, command: list[str], *, env=N
     stub_log, fake_log = tmp_path / "stub.jsonl", tmp_path / "fake.jsonl"
     full_env = {**os.environ, "DSPLAN_PYTHON": sys.executable, "STUB_LOG": str(stub_log), "FAKE_LOG": str(fake_log), **(env or {})}
     full_env.pop("NCCL_DEBUG", None)
+    if "OMP_NUM_THREADS" not in (env or {}):
+        full_env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.run(command, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     read = lambda p: [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []  # noqa: E731
@@ -282,6 +288,7 @@ def test_entry_sh_passes_every_argument_through_unchanged(tmp_path: Path):
     assert record["env"]["NCCL_DEBUG"] == "WARN"  # from nccl.env
     assert record["env"]["NCCL_IB_HCA"] == "mlx5_4"  # the site's setting wins
     assert record["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert record["env"]["OMP_NUM_THREADS"] is None  # no host optimizer: the runtime's own default
 
 
 def test_launch_deepspeed_per_node_mode_composes_no_ssh_command(tmp_path: Path, fake_bin: Path):
@@ -324,6 +331,8 @@ def test_launch_torchrun_rendezvous(tmp_path: Path, fake_bin: Path):
     assert argv[argv.index("--nproc-per-node") + 1] == "8"
     assert records[0]["argv"] == expected_argv(run_dir, "--extra")
     assert records[0]["env"]["LOCAL_RANK"] == "0"
+    # An offload plan: torchrun must see each rank's share of the 128 cores, not set its own 1.
+    assert launches[0]["env"]["OMP_NUM_THREADS"] == records[0]["env"]["OMP_NUM_THREADS"] == "16"
 
 
 def test_slurm_sbatch_starts_one_launcher_per_node_with_rendezvous_from_slurm(tmp_path: Path, fake_bin: Path):
@@ -371,3 +380,39 @@ def test_real_deepspeed_launcher_runs_the_entry_on_every_local_rank(tmp_path: Pa
     assert sorted(r["env"]["LOCAL_RANK"] for r in records) == ["0", "1"]
     for record in records:
         assert record["argv"] == expected_argv(run_dir, f"--local_rank={record['env']['LOCAL_RANK']}", "--extra")
+
+
+def test_megatron_offload_flags_and_host_threads(run_dirs):
+    """Megatron-Core offloads the optimizer through the HybridDeviceOptimizer, which rides on
+    the precision-aware optimizer (megatron/training/arguments.py asserts the pair) and the
+    distributed optimizer; the overlap flag is the schedule the cost model prices. The host
+    step gets each rank's share of the node's cores (nccl.env and the torchrun launch)."""
+    flags = flag_values(run_dirs["megatron-offload"])
+    assert "--optimizer-cpu-offload" in flags and "--use-precision-aware-optimizer" in flags
+    assert "--use-distributed-optimizer" in flags and "--overlap-cpu-optimizer-d2h-h2d" in flags
+    assert float(flags["--optimizer-offload-fraction"]) == 1.0
+    assert "--optimizer-cpu-offload" not in flag_values(run_dirs["megatron-moe"])
+    env = (run_dirs["megatron-offload"] / "nccl.env").read_text()
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-16}"' in env
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-16}"' in (run_dirs["megatron-offload"] / "launch_torchrun.sh").read_text()
+    for name in ("single", "megatron-moe"):
+        assert "OMP_NUM_THREADS" not in (run_dirs[name] / "nccl.env").read_text()
+        assert "OMP_NUM_THREADS" not in (run_dirs[name] / "launch_torchrun.sh").read_text()
+
+
+def test_real_torchrun_keeps_the_host_threads_of_an_offload_plan(tmp_path: Path):
+    """torchrun sets OMP_NUM_THREADS=1 on every rank unless it is already set: the launch script
+    sets it first, so the real torchrun hands each rank the planned share; a site's own value wins."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torch installs torchrun next to the interpreter"
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "GPUS_PER_NODE": "2",
+           "MASTER_PORT": str(29900 + os.getpid() % 90)}
+    plan = ("gpt3-125m", 1, dict(zero_stage=2, offload="optimizer"))
+    _, records, _ = run_with_stub(tmp_path, plan, [str(run_dir / "launch_torchrun.sh")], env=env)
+    assert sorted(r["env"]["LOCAL_RANK"] for r in records) == ["0", "1"]
+    assert {r["env"]["OMP_NUM_THREADS"] for r in records} == {"16"}
+    (tmp_path / "stub.jsonl").unlink()
+    _, records, _ = run_with_stub(tmp_path, plan, [str(tmp_path / "site" / "launch_torchrun.sh")],
+                                  env={**env, "OMP_NUM_THREADS": "6"}, name="site")
+    assert {r["env"]["OMP_NUM_THREADS"] for r in records} == {"6"}

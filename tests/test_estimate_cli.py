@@ -115,6 +115,12 @@ def test_vlm_defaults():
     (["--framework", "megatron", "--zero", "3", "--global-batch", "64"], "distributed optimizer"),
     (["--sequence-parallel", "--global-batch", "64"], "tp > 1"),
     (["--offload", "optimizer", "--zero", "0", "--global-batch", "64"], "ZeRO"),
+    (["--offload", "optimizer", "--zero", "2", "--optimizer", "sgd", "--global-batch", "64"],
+     "optimizer offload steps Adam on the CPU, not sgd"),
+    (["--framework", "megatron", "--zero", "1", "--offload", "optimizer", "--precision", "fp16", "--global-batch", "64"],
+     "built for bf16 training, not fp16"),
+    (["--framework", "megatron", "--zero", "1", "--offload", "optimizer+params", "--global-batch", "64"],
+     "parameter offload needs ZeRO-3"),
     (["--seq-len", "999999", "--global-batch", "64"], "maximum context"),
     (["--pp", "2", "--stage-blocks", "0-10", "--global-batch", "64"], "partition"),
 ])

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from planner.cost.frameworks import check_framework
-from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
@@ -18,7 +18,8 @@ from planner.search.space import Constraints, _settings, _structurally_valid, de
 from planner.search.suggest import _facts, _space
 
 
-def _direct(model, world: int, gpn: int, gb: int, cons: Constraints) -> tuple[set[tuple], int]:
+def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: str,
+            precision: str) -> tuple[set[tuple], int]:
     """Every candidate checked with a real ParallelConfig and check_framework, no memo."""
     degrees, _ = degree_combinations(world, gpn, gb, _facts(model), cons)
     kept, rejected = set(), 0
@@ -33,7 +34,8 @@ def _direct(model, world: int, gpn: int, gb: int, cons: Constraints) -> tuple[se
                                      micro_batch=mb, grad_accum=ga, recompute=RECOMPUTES[r],
                                      sequence_parallel=bool(sp), virtual_stages=deg.vs, framework=FRAMEWORKS[f])
                 try:
-                    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm)
+                    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm,
+                                    optimizer=optimizer, precision=precision)
                 except UserError:
                     rejected += 1
                     continue
@@ -41,18 +43,20 @@ def _direct(model, world: int, gpn: int, gb: int, cons: Constraints) -> tuple[se
     return kept, rejected
 
 
-@pytest.mark.parametrize("name, nodes, gb", [("vl2", 1, 256), ("vl2", 2, 96), ("llama-3.1-8b", 2, 512),
-                                              ("llama-3.1-8b", 1, 60)])
-def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int) -> None:
+@pytest.mark.parametrize("name, nodes, gb, optimizer, precision", [
+    ("vl2", 1, 256, "adamw", "bf16"), ("vl2", 2, 96, "adamw", "bf16"), ("llama-3.1-8b", 2, 512, "sgd", "bf16"),
+    ("llama-3.1-8b", 1, 60, "adam", "fp16")])
+def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, optimizer: str, precision: str) -> None:
     model = load_model(name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     cons = Constraints(virtual_stages=(1, 2, 3, 4))
-    space = _space(model, cluster, gb, cons)
+    workload = Workload(global_batch=gb, seq_len=model.train_seq_len, optimizer=optimizer, precision=precision)
+    space = _space(model, cluster, workload, cons)
     cols = [space.columns[k] for k in ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework",
                                        "micro_batch", "grad_accum")]
     got = {tuple(int(v) for v in row) for row in zip(*cols)}
     assert len(got) == len(space)
-    kept, rejected = _direct(model, cluster.num_gpus, cluster.gpus_per_node, gb, cons)
+    kept, rejected = _direct(model, cluster.num_gpus, cluster.gpus_per_node, gb, cons, optimizer, precision)
     assert got == kept
     assert space.rejected["framework"] == rejected
     # Interleaving is both allowed and refused somewhere, so the exact-pp part of the key is exercised.

@@ -44,7 +44,7 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
                    tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1)
 
     # Exhaustive: every candidate through the scalar estimate, with the balancer's partition.
-    space = _space(model, cluster, gb, cons)
+    space = _space(model, cluster, workload, cons)
     ev = Evaluator(model, cluster, workload)
     rows, res = ev.evaluate(ev.prepare(space))
     plans = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner.cost import efficiency as eff
+from planner.cost import memory as mem
 from planner.cost import step_time as st
 from planner.cost.estimate import estimate
 from planner.cost.parallel import ParallelConfig, Workload
@@ -120,6 +121,28 @@ def test_zero3_and_offload_paths():
     j = off.to_json()
     assert "cpu_bytes_per_node" in j["memory"]
     assert "cpu_bytes_per_node" not in z2.to_json()["memory"]
+
+
+def test_megatron_offloads_the_optimizer_through_the_hybrid_device_optimizer():
+    """Megatron-Core's optimizer CPU offload: the GPU keeps bf16 weights and the fp32 main_grad
+    buffer, the host the DP shard's fp32 master weights, Adam moments and a pinned gradient copy
+    (16 B / dp per parameter); the step is the slowest of the pipelined gradient download and the
+    host Adam, not their sum as in DeepSpeed's ZeRO-Offload."""
+    kw = dict(model="llama-3-8b", nodes=2, dp=4, tp=4, micro_batch=1, grad_accum=16, zero_stage=1,
+              framework="megatron", global_batch=64)
+    gpu = _plan(**kw)
+    off = _plan(**kw, offload="optimizer")
+    assert off.memory.optimizer == 0 and gpu.memory.optimizer > 0
+    assert off.memory.weights == gpu.memory.weights and off.memory.grads == gpu.memory.grads  # bf16 + fp32 main_grad
+    n = load_model("llama-3-8b").total_params()
+    per_gpu = n / 4 / 4  # tp 4, then the distributed optimizer's DP shard
+    assert off.memory.cpu_per_node == pytest.approx(per_gpu * 16 * 8 * mem.CPU_BUFFER_FACTOR, rel=0.01)
+    node = load_profile("dgx-a100-80g").node
+    host = 4 * per_gpu * 8 / (node.cpu_adam_GBps * 1e9)  # eight ranks share the host's Adam rate
+    d2h = 4 * per_gpu / (node.pcie_GBps * 1e9)
+    assert off.time.optimizer == pytest.approx(max(host, d2h), rel=0.01)
+    ds = _plan(**{**kw, "framework": "megatron-deepspeed"}, offload="optimizer")
+    assert ds.time.optimizer == pytest.approx(host + 2 * per_gpu / (node.pcie_GBps * 1e9), rel=0.01)
 
 
 def test_moe_all_to_all():

@@ -22,7 +22,7 @@ def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0,
     model = load_model(name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles)
-    space = _space(model, cluster, gb, Constraints())
+    space = _space(model, cluster, workload, Constraints())
     ev = Evaluator(model, cluster, workload)
     rows, res = ev.evaluate(ev.prepare(space))
     c = {k: v[rows] for k, v in space.columns.items()}
@@ -157,8 +157,14 @@ def test_nothing_fits_gives_closest_and_advice() -> None:
     res = err.result
     assert res.closest is not None and not res.closest.fits
     assert "short" in str(err) and "closest" in str(err)
-    assert any("offload" in a for a in res.advice)
+    # Megatron offloads its optimizer itself (bf16): the advice keeps the framework.
+    assert "optimizer offload (--offload optimizer)" in res.advice
     assert any("nodes" in a for a in res.advice)
+    # In fp16 it cannot: the advice names the framework change that offloading then needs.
+    with pytest.raises(NoPlanFits) as info:
+        suggest("llama-3.1-70b", nodes=1, precision="fp16",
+                constraints=Constraints(tp=(8,), zero=(0,), framework=("megatron",)))
+    assert "optimizer offload on DeepSpeed (--offload optimizer --framework deepspeed)" in info.value.result.advice
 
 
 @pytest.mark.parametrize(
@@ -212,7 +218,7 @@ def test_layouts_with_uneven_groups_are_left_out() -> None:
 
     model = load_model("bloom-176b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 48)
-    space = _space(model, cluster, 1536, Constraints())
+    space = _space(model, cluster, Workload(global_batch=1536, seq_len=2048), Constraints())
     c = space.columns
     layouts = {(int(c["tp"][i]), int(c["ep"][i]), int(c["dp"][i]), int(c["pp"][i])) for i in range(len(space))}
     for tp, ep, dp, pp in layouts:  # every shape of every layout can be priced

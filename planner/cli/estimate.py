@@ -28,7 +28,9 @@ TARGET_TOKENS_PER_STEP = 4 * 2**20  # default global batch: ~4M tokens (Llama 2/
 @click.option("--dp", type=int, default=None, help="Data-parallel degree [default: GPUs / (tp x pp)].")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (ranks taken from the DP group).")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=None, help="ZeRO stage [default: 1 (distributed optimizer) when dp > 1, else 0].")
-@click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none", show_default=True)
+@click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none", show_default=True,
+              help="optimizer: DeepSpeed ZeRO-Offload or Megatron-Core's optimizer CPU offload (bf16, Adam); "
+                   "optimizer+params: ZeRO-3 only.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Samples per micro-batch per GPU.")
 @click.option("--global-batch", type=int, default=None, help="Samples per optimizer step [default: ~4M tokens, a multiple of micro-batch x dp].")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length].")

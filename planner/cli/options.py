@@ -64,7 +64,8 @@ _CONSTRAINT_FLAGS = (
     ("--pp", f"Pipeline-parallel degree: {_LIST_HELP}."),
     ("--ep", f"Expert-parallel degree: {_LIST_HELP}."),
     ("--zero", "ZeRO stage(s): 0,1,2,3."),
-    ("--offload", "none, optimizer, optimizer+params (one or a comma list)."),
+    ("--offload", "none, optimizer, optimizer+params (one or a comma list). optimizer: DeepSpeed ZeRO-Offload or "
+     "Megatron-Core's optimizer CPU offload (bf16, Adam); optimizer+params: ZeRO-3 only."),
     ("--micro-batch", f"Micro-batch size: {_LIST_HELP}."),
     ("--recompute", "none, selective, full (one or a comma list)."),
     ("--virtual-stages", "Interleaved pipeline chunks per rank (one or a comma list) [default: 1-8]."),

@@ -69,7 +69,7 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
                         f"{cfg.grad_accum} x dp {cfg.dp} = {cfg.samples_per_step}")
     check_against_model(cfg, heads=model.attention_heads, kv_heads=model.kv_heads, routed_experts=model.routed_experts,
                         blocks=model.num_layers)
-    fw.check_framework_for(cfg, model)
+    fw.check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision)
     if workload.seq_len > model.max_seq_len:
         raise UserError(f"--seq-len {workload.seq_len} exceeds {model.name}'s maximum context of {model.max_seq_len}")
 
@@ -161,6 +161,9 @@ def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workloa
     if cfg.offload == "none":
         return st.gpu_optimizer_time(local, dev, sgd=w.optimizer == "sgd")
     node = cluster.profile.node
+    if cfg.framework == "megatron":
+        return float(st.hybrid_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9,
+                                              node.pcie_GBps * 1e9))
     return st.cpu_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
                                  cfg.offload == "optimizer+params", cfg.grad_accum)
 

@@ -12,8 +12,11 @@ and its own behaviour the cost model reads (``Traits``):
   interleaving.
 - ``megatron`` (Megatron-LM / Megatron-Core): 3D parallelism, sequence parallelism, the
   interleaved 1F1B schedule, the distributed optimizer (``zero_stage=1`` here: optimizer
-  states sharded over DP, ~ZeRO-1), expert parallelism, selective recompute; no ZeRO-2/3 and
-  no CPU offload. Any split of the decoder layers over pp x v chunks, interleaved or not, runs
+  states sharded over DP, ~ZeRO-1), expert parallelism, selective recompute; no ZeRO-2/3.
+  Optimizer CPU offload (``--optimizer-cpu-offload``: Megatron-Core's HybridDeviceOptimizer
+  running torch's fused AdamW on the host) needs ``--use-precision-aware-optimizer``, which
+  needs the distributed optimizer and Adam (megatron/core/optimizer/optimizer_config.py),
+  and is built for bf16 training; there is no parameter offload. Any split of the decoder layers over pp x v chunks, interleaved or not, runs
   through ``--pipeline-model-parallel-layout`` (Megatron-Core's custom pipeline layout,
   docs/source/api-guide/pipeline_parallel_layout.md), so 126 Llama-3.1-405B layers interleave
   on 16 ranks; the layout has no vision-encoder layers, so a vision-language model keeps
@@ -76,9 +79,17 @@ def traits(framework: str) -> Traits:
     return TRAITS[framework]
 
 
-def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool) -> None:
-    """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks."""
+def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
+                    precision: str) -> None:
+    """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
+
+    ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step."""
     f = cfg.framework
+    if cfg.offload != "none" and optimizer == "sgd":
+        # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
+        # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
+        raise UserError(f"framework {f}: optimizer offload steps Adam on the CPU, not sgd; use --optimizer adamw/adam "
+                        "or --offload none")
     if f == "deepspeed":
         if cfg.tp > 1 and cfg.zero_stage > 2:
             raise UserError(f"framework deepspeed: AutoTP tensor parallelism (--tp {cfg.tp}) works with ZeRO <= 2, not ZeRO-{cfg.zero_stage}; use --zero 1/2 or --tp 1")
@@ -106,8 +117,10 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
     elif f == "megatron":
         if cfg.zero_stage > 1:
             raise UserError(f"framework megatron shards optimizer states only (distributed optimizer = --zero 1), not ZeRO-{cfg.zero_stage}; use --zero 0/1 or --framework deepspeed")
-        if cfg.offload != "none":
-            raise UserError("framework megatron does not offload to CPU; use --offload none or --framework deepspeed")
+        if cfg.offload == "optimizer" and precision != "bf16":
+            raise UserError(f"framework megatron: optimizer CPU offload (Megatron-Core's HybridDeviceOptimizer) is built "
+                            f"for bf16 training, not {precision}; use --precision bf16, --offload none or --framework "
+                            "deepspeed")
         if cfg.virtual_stages > 1:
             if is_vlm and decoder_layers % (cfg.pp * cfg.virtual_stages):
                 raise UserError(f"framework megatron: interleaving a vision-language model needs its {decoder_layers} decoder "
@@ -121,10 +134,11 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
         raise UserError(f"--ep {cfg.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)")
 
 
-def check_framework_for(cfg: ParallelConfig, model: "ModelSpec") -> None:
+def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str) -> None:
     """``check_framework`` with the facts of ``model`` its rules read (the one place that
     picks them; the search passes them hoisted, since it asks thousands of times)."""
-    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm)
+    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm,
+                    optimizer=optimizer, precision=precision)
 
 
 def grad_accum_for(global_batch: int, micro_batch: int, dp: int) -> int:

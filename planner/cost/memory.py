@@ -145,6 +145,11 @@ def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: 
             g, opt = 4.0, float(states)  # fp32 main_grad, reduced in fp32
         else:
             g, opt = float(work), float(states + (4 if precision == "fp16" else 0))
+        if offload == "optimizer":
+            # Megatron-Core's HybridDeviceOptimizer (bf16, distributed optimizer): the DP shard's
+            # fp32 master weights and Adam moments, and a pinned fp32 copy of its gradients, live
+            # on the host; the GPU keeps the bf16 weights and the fp32 main_grad buffer.
+            return float(work), g, 0.0, (states + 4.0) / n
         return float(work), g, opt / n if zero >= 1 else opt, 0.0
     # DeepSpeed engine (deepspeed, megatron-deepspeed)
     fp32_grad = 0 if precision == "fp32" else 4
@@ -287,5 +292,10 @@ def host_capacity_bytes(host_memory_GiB: float) -> float:
 
 
 def cpu_bytes_per_node(cpu_per_gpu: float, gpus_per_node: int) -> float:
-    """Host memory of a node's offloaded states, with DeepSpeed's pinned-buffer factor."""
+    """Host memory of a node's offloaded states, with DeepSpeed's pinned-buffer factor.
+
+    For Megatron's HybridDeviceOptimizer the same 1.5 is the worst case of torch's pinned host
+    allocator, which rounds each pinned tensor up to a power of two (pytorch/pytorch#95823,
+    vllm-project/vllm#56410): the pinned fp32 weight and gradient copies, 8 of its 16 bytes
+    per parameter, at most double; the Adam moments are plain host tensors."""
     return cpu_per_gpu * gpus_per_node * CPU_BUFFER_FACTOR

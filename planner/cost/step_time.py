@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from planner.cost import efficiency as eff
 from planner.cost.layers import AttnCore, LayerCost
 
@@ -192,3 +194,20 @@ def cpu_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes
     h2d = 2.0 * params_per_gpu / pcie_bytes_per_s
     fetch = microbatches * 2 * 2.0 * params_per_gpu / pcie_bytes_per_s if params_on_cpu else 0.0
     return cpu + (0.0 if params_on_cpu else h2d) + fetch
+
+
+def hybrid_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes_per_s: float,
+                          pcie_bytes_per_s: float) -> np.ndarray | float:
+    """Megatron-Core's HybridDeviceOptimizer with ``--overlap-cpu-optimizer-d2h-h2d``: one torch
+    fused AdamW per parameter tensor, so copying the fp32 gradients down (4 bytes), stepping on
+    the host and copying the updated weights up (converted to bf16 on the host first, as torch
+    does for a cross-device copy that changes dtype: 2 bytes) run as a pipeline, and the
+    slowest of the three sets the time (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py).
+
+    The host rate is the profile's ``cpu_adam_GBps``: both kernels stream ~28-30 bytes per
+    parameter, and on this project's 2-core host torch's fused AdamW stepped 1.3-1.45x faster
+    than DeepSpeedCPUAdam (benchmarks/bench_cpu_adam.py), so the rate errs slow for it.
+    Works elementwise on arrays."""
+    cpu = 4.0 * params_per_gpu * gpus_per_node / cpu_adam_bytes_per_s
+    d2h = 4.0 * params_per_gpu / pcie_bytes_per_s  # the 2-byte upload on the other direction takes less
+    return np.maximum(cpu, d2h)

@@ -168,7 +168,12 @@ def _training_args(plan: PlanFile, settings: TrainSettings) -> list[Arg]:
         # Megatron-DeepSpeed hands ZeRO to DeepSpeed instead (--zero-stage below).
         args += [_a("--use-distributed-optimizer"), _a("--overlap-grad-reduce"), _a("--overlap-param-gather")]
         if plan.offload != "none":
-            args.append(_a("--optimizer-cpu-offload"))
+            # Megatron-Core's HybridDeviceOptimizer, all of the optimizer on the host: it rides on the
+            # precision-aware optimizer (megatron/training/arguments.py asserts the pair), and the
+            # overlap flag pipelines the copies with the host step, as the cost model assumes
+            # (step_time.hybrid_optimizer_time). Parameters stay on the GPU.
+            args += [_a("--optimizer-cpu-offload"), _a("--optimizer-offload-fraction", 1.0),
+                     _a("--use-precision-aware-optimizer"), _a("--overlap-cpu-optimizer-d2h-h2d")]
     args.append(_a("--log-interval", settings.steps_per_print))
     if settings.checkpoint_every:
         args.append(_a("--save-interval", settings.checkpoint_every))

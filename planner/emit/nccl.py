@@ -79,6 +79,23 @@ def nccl_env(
     if plan.framework != "deepspeed" and plan.tp > 1:
         # Megatron-LM orders TP communication and compute on one stream queue; it asserts this.
         add("CUDA_DEVICE_MAX_CONNECTIONS", "1", "Megatron tensor/sequence parallel overlap needs one hardware queue")
+    threads = host_threads(profile, plan)
+    if threads:
+        add("OMP_NUM_THREADS", str(threads), f"the CPU optimizer's threads per rank: the node's {profile.node.cpu_cores} "
+            f"cores over its {plan.gpus_per_node} ranks (torchrun would give each rank 1)")
     add("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "a failed or timed-out collective aborts the job instead of hanging")
     add("NCCL_DEBUG", "WARN", "NCCL prints warnings and errors only (INFO when debugging)")
     return env
+
+
+def host_threads(profile: HardwareProfile, plan: PlanFile) -> int | None:
+    """OpenMP threads per rank for a plan that steps its optimizer on the host, else None.
+
+    DeepSpeedCPUAdam and torch's fused CPU AdamW are OpenMP loops, and the cost model prices
+    them at the whole node's rate (profile ``cpu_adam_GBps``), so each of a node's ranks gets
+    its share of the cores. torchrun sets OMP_NUM_THREADS=1 for every rank unless it is set
+    already (torch/distributed/run.py), which would leave the host step ~cores/GPUs slower
+    than planned; the DeepSpeed launcher sets it only with --bind_cores_to_rank."""
+    if plan.offload == "none":
+        return None
+    return max(1, profile.node.cpu_cores // plan.gpus_per_node)

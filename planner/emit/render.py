@@ -24,7 +24,7 @@ from planner.cost.parallel import check_against_model
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args
-from planner.emit.nccl import nccl_env
+from planner.emit.nccl import host_threads, nccl_env
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.hardware.profile import HardwareProfile
@@ -145,7 +145,7 @@ def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
     cfg = plan.parallel_config()
     check_against_model(cfg, heads=model.attention_heads, kv_heads=model.kv_heads,
                         routed_experts=model.routed_experts, blocks=len(model.blocks))
-    check_framework_for(cfg, model)
+    check_framework_for(cfg, model, optimizer=plan.optimizer, precision=plan.precision)
     if plan.stage_blocks is not None:
         first, last = plan.stage_blocks[0][0], plan.stage_blocks[-1][1]
         if (first, last) != (0, len(model.blocks)):
@@ -194,6 +194,7 @@ def render_run_dir(
         "first_host": hosts[0].name,
         "master_port": options.master_port,
         "env": nccl_env(profile, plan, ib_hca=options.ib_hca, socket_ifname=options.socket_ifname),
+        "omp_threads": host_threads(profile, plan),
         "lm_args": megatron_lm_args(model, plan, settings),
         "ds_args": megatron_deepspeed_args(model, plan),
         "k8s": {"roles": k8s_roles, "image": options.image, "pvc": options.k8s_pvc, "mount": "/workspace/runs"},

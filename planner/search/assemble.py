@@ -147,8 +147,10 @@ def _optimizer(ev: "Evaluator", col, r, pp: int, m) -> np.ndarray:
 
 def optimizer_seconds(ev: "Evaluator", col, dense: np.ndarray, expert: np.ndarray, m: np.ndarray) -> np.ndarray:
     """The optimizer step of ranks holding ``dense`` and ``expert`` parameters ([candidate x
-    rank]): fused Adam over HBM, or DeepSpeedCPUAdam when offloading. Linear in the
-    parameters, so the mean rank's time bounds the slowest rank's (planner/search/bounds.py)."""
+    rank]): fused Adam over HBM, or when offloading DeepSpeedCPUAdam (DeepSpeed engines) or
+    Megatron-Core's HybridDeviceOptimizer (megatron). Linear in the parameters (the hybrid
+    step is the larger of two terms proportional to them), so the mean rank's time bounds the
+    slowest rank's (planner/search/bounds.py)."""
     w = ev.workload
     sharded = (col["zero"] >= 1)[:, None]
     dp = col["dp"][:, None].astype(float)
@@ -162,4 +164,6 @@ def optimizer_seconds(ev: "Evaluator", col, dense: np.ndarray, expert: np.ndarra
                                     False, m)
     cpu_par = st.cpu_optimizer_time(local, ev.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
                                     True, m)
+    hybrid = st.hybrid_optimizer_time(local, ev.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9)
+    cpu_opt = np.where((col["framework"] == FRAMEWORKS.index("megatron"))[:, None], hybrid, cpu_opt)
     return np.where(off == "none", gpu, np.where(off == "optimizer", cpu_opt, cpu_par))

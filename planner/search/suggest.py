@@ -196,7 +196,7 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
               "optimizer": optimizer, "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer,
               "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
-    space = _space(model, cluster, gb, cons)
+    space = _space(model, cluster, workload, cons)
     result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress)
     result.elapsed_s = time.perf_counter() - started
     result.cpu_s = time.process_time() - search_cpu_started
@@ -207,12 +207,14 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     return result
 
 
-def _space(model: ModelSpec, cluster: Cluster, gb: int, cons: Constraints) -> Space:
+def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints) -> Space:
     is_moe, layers, is_vlm = model.is_moe, model.num_layers, model.is_vlm
+    gb, optimizer, precision = workload.global_batch, workload.optimizer, workload.precision
 
     def rule(cfg):
         try:
-            check_framework(cfg, is_moe=is_moe, decoder_layers=layers, is_vlm=is_vlm)
+            check_framework(cfg, is_moe=is_moe, decoder_layers=layers, is_vlm=is_vlm, optimizer=optimizer,
+                            precision=precision)
         except UserError as err:
             return str(err)
         return None
@@ -398,15 +400,24 @@ def _advice(model: ModelSpec, profile: HardwareProfile, nodes: int, workload: Wo
         tries.append(("full recomputation (--recompute full)", replace(cons, recompute=("full",))))
     if cons.micro_batch is not None and 1 not in cons.micro_batch:
         tries.append(("micro-batch 1 (--micro-batch 1)", replace(cons, micro_batch=(1,))))
+    # Offload steps Adam on the host (never sgd); Megatron-Core offloads only in bf16.
+    megatron_only = cons.framework == ("megatron",)
+    megatron_offloads = workload.precision == "bf16"
     no_offload = (cons.offload is not None and "optimizer" not in cons.offload) or cons.zero == (0,) or \
-        cons.framework == ("megatron",)
-    if no_offload:
-        tries.append(("optimizer offload (--offload optimizer)",
-                      replace(cons, offload=("optimizer",), zero=None, framework=None)))
-    if (cons.zero is not None and 3 not in cons.zero) or cons.framework == ("megatron",):
-        tries.append(("ZeRO-3 (--zero 3)", replace(cons, zero=(3,), framework=None)))
-        tries.append(("ZeRO-3 with optimizer offload (--zero 3 --offload optimizer)",
-                      replace(cons, zero=(3,), offload=("optimizer",), framework=None)))
+        (megatron_only and not megatron_offloads)
+    if no_offload and workload.optimizer != "sgd":
+        if megatron_only and not megatron_offloads:
+            tries.append(("optimizer offload on DeepSpeed (--offload optimizer --framework deepspeed)",
+                          replace(cons, offload=("optimizer",), zero=None, framework=None)))
+        else:
+            tries.append(("optimizer offload (--offload optimizer)", replace(cons, offload=("optimizer",), zero=None)))
+    if (cons.zero is not None and 3 not in cons.zero) or megatron_only:
+        # Megatron has no ZeRO-3: a megatron pin gives way to DeepSpeed, and the advice says so.
+        on_ds, fw_flag, fws = (" on DeepSpeed", " --framework deepspeed", ("deepspeed",)) if megatron_only else \
+            ("", "", cons.framework)
+        tries.append((f"ZeRO-3{on_ds} (--zero 3{fw_flag})", replace(cons, zero=(3,), framework=fws)))
+        tries.append((f"ZeRO-3 with optimizer offload{on_ds} (--zero 3 --offload optimizer{fw_flag})",
+                      replace(cons, zero=(3,), offload=("optimizer",), framework=fws)))
     if any(v is not None for v in (cons.dp, cons.tp, cons.pp, cons.ep, cons.framework, cons.virtual_stages)):
         tries.append(("letting dp/tp/pp/ep/framework vary (drop those pins)",
                       replace(cons, dp=None, tp=None, pp=None, ep=None, framework=None, virtual_stages=None)))
@@ -426,7 +437,7 @@ def _fits_somewhere(model: ModelSpec, profile: HardwareProfile, nodes: int, work
                     balancer: str) -> bool:
     try:
         cluster = Cluster.build(profile, nodes)
-        space = _space(model, cluster, workload.global_batch, cons)
+        space = _space(model, cluster, workload, cons)
     except UserError:
         return False
     res = _search(model, cluster, workload, space, balancer, "memory", 1, {}, None)
