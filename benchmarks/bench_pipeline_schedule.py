@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from planner.cost.memory import microbatch_group
-from planner.cost.parallel import RECOMPUTES
-from planner.cost.schedule_replay import replay
-from planner.cost.step_time import MicroBatchTime, pipeline
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search.evaluate import Evaluator
+from planner.search.schedule_check import chunk_times, formula_and_replay
 from planner.search.space import Constraints
 from planner.search.suggest import suggest
 
@@ -47,23 +43,6 @@ CASES = [
 ]
 
 
-def chunk_times(plan) -> tuple[list[list[float]], list[list[float]]]:
-    """Per rank and chunk on it, one micro-batch's forward and backward seconds."""
-    c = plan.cfg
-    model = load_model(plan.model)
-    ev = Evaluator(model, Cluster.build(load_profile(plan.hardware), plan.nodes), plan.workload)
-    table = ev.table(c.tp, int(c.sequence_parallel), c.ep, c.dp, c.pp, (c.micro_batch,))
-    bi, mode = table.b_index(c.micro_batch), RECOMPUTES.index(c.recompute)
-    comm = (table.tp[mode, bi] + table.ep[mode, bi]) / 2
-    f_block, b_block = table.fwd[bi] + comm, table.bwd[bi] + table.rc[mode, bi] + comm
-    fwd = [[0.0] * c.virtual_stages for _ in range(c.pp)]
-    bwd = [[0.0] * c.virtual_stages for _ in range(c.pp)]
-    for k, (a, e) in enumerate(plan.partition):  # model chunk k runs on rank k mod pp as its chunk k // pp
-        fwd[k % c.pp][k // c.pp] = float(np.sum(f_block[a:e]))
-        bwd[k % c.pp][k // c.pp] = float(np.sum(b_block[a:e]))
-    return fwd, bwd
-
-
 def main() -> int:
     print(f"{'case':<34} {'layout':<16} {'m':>4} {'G':>3} {'rank spread ms':>17} {'model s':>9} {'replay s':>9} {'model/replay':>13}")
     errors = []
@@ -74,14 +53,16 @@ def main() -> int:
         if c.pp == 1:
             print(f"{name + ' on ' + str(nodes):<34} no pipeline")
             continue
-        fwd, bwd = chunk_times(plan)
-        ranks = [MicroBatchTime(fwd=sum(f), bwd=sum(b), recompute=0.0, tp=0.0, ep=0.0, pp=0.0) for f, b in zip(fwd, bwd)]
+        ev = Evaluator(load_model(plan.model), Cluster.build(load_profile(plan.hardware), plan.nodes), plan.workload)
+        fwd, bwd = chunk_times(ev, c, plan.partition)
         m, v = c.grad_accum, c.virtual_stages
-        worst, bubble = pipeline(ranks, m, v)
-        model_s = m * ranks[worst].total + bubble
         g = microbatch_group(c.pp, m) if v > 1 else c.pp
-        replay_s, _ = replay(c.pp, v, m, g, fwd, bwd)
-        totals = [r.total * 1e3 for r in ranks]
+        times = formula_and_replay(ev, c, plan.partition)
+        if times is None:
+            print(f"{name + ' on ' + str(nodes):<34} schedule too long to replay")
+            continue
+        model_s, replay_s = times
+        totals = [(sum(f) + sum(b)) * 1e3 for f, b in zip(fwd, bwd)]
         err = model_s / replay_s - 1
         errors.append(err)
         label = f"{name} on {nodes}" + (f", batch {gb}" if gb else "")

@@ -7,6 +7,8 @@ Heavy modules are imported inside the command so ``dsplan --help`` stays fast.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import click
@@ -115,7 +117,16 @@ def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int 
     except ValidationError as err:
         raise UserError(_rule_message(err)) from None
     partition = _parse_stage_blocks(stage_blocks) if stage_blocks else None
-    return estimate(model, cluster, workload, cfg, partition)
+    plan = estimate(model, cluster, workload, cfg, partition)
+    # The same notes as suggest's best plan: what the batch holds back, and where Megatron's
+    # interleaved schedule replayed over these chunks disagrees with the pipeline formula.
+    from planner.cost.notes import batch_notes
+    from planner.search.evaluate import Evaluator
+    from planner.search.schedule_check import schedule_notes
+
+    notes = batch_notes(plan.to_json(), seq) + schedule_notes(Evaluator(model, cluster, workload), cfg, plan.partition,
+                                                              plan.step_time_s)
+    return dataclasses.replace(plan, notes=notes)
 
 
 def _rule_message(err: Exception) -> str:
@@ -189,9 +200,7 @@ def render(plan) -> None:
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
-    from planner.cost.notes import batch_notes
-
-    for line in batch_notes(plan.to_json(), w.seq_len):  # the same notes as suggest's best plan
+    for line in plan.notes:
         console.print(f"[bold]note[/bold]: {line}")
 
 

@@ -115,9 +115,11 @@ def _predictions(plan: PlanFile) -> list[tuple[str, str]]:
     return rows
 
 
-def _notes(plan: PlanFile) -> list[str]:
+def _notes(plan: PlanFile, model: ModelSpec, profile: HardwareProfile) -> list[str]:
     """The search's line on why this plan ranks where it does, then the batch notes
-    (planner/cost/notes.py), when the plan file carries the predictions they read."""
+    (planner/cost/notes.py), when the plan file carries the predictions they read, and the
+    schedule note of an interleaved plan (planner/search/schedule_check.py), as suggest and
+    estimate print them."""
     extra = plan.model_extra or {}
     out = []
     if isinstance(extra.get("why"), str) and extra["why"]:
@@ -129,6 +131,14 @@ def _notes(plan: PlanFile) -> list[str]:
             out += batch_notes({**extra, **plan.model_dump()}, plan.seq_len)
         except (TypeError, ValueError):  # a hand-edited plan.json with odd predictions: no notes
             pass
+        if plan.virtual_stages > 1 and plan.stage_blocks:
+            from planner.hardware.cluster import Cluster
+            from planner.search.evaluate import Evaluator
+            from planner.search.schedule_check import schedule_notes
+
+            cluster = Cluster.build(profile.with_gpus_per_node(plan.gpus_per_node), plan.nodes)
+            out += schedule_notes(Evaluator(model, cluster, plan.workload()), plan.parallel_config(),
+                                  [tuple(b) for b in plan.stage_blocks], float(extra["step_time_s"]))
     return out
 
 
@@ -184,7 +194,7 @@ def render_run_dir(
         "version": __version__,
         "params": _count(model.total_params()),
         "predictions": _predictions(plan),
-        "notes": _notes(plan),
+        "notes": _notes(plan, model, profile),
         "builtin": builtin,
         "entry": options.entry,
         "entry_args": options.entry_args,

@@ -34,6 +34,7 @@ from planner.model.spec import ModelSpec, VisionBlock
 from planner.search import rank as rk
 from planner.search.evaluate import Evaluator
 from planner.search.plans import build_plan, build_plans
+from planner.search.schedule_check import schedule_notes
 from planner.search.space import Constraints, ModelFacts, Space, default_global_batch, divisors, enumerate_space
 
 BALANCERS = ("greedy", "optimal")
@@ -323,7 +324,9 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         else:
             result.why = "the only plan that fits"
         result.plans[0].why = result.why
-        result.notes = batch_notes(best_json, workload.seq_len)
+        best = result.plans[0].plan
+        result.notes = batch_notes(best_json, workload.seq_len) + schedule_notes(ev, best.cfg, best.partition,
+                                                                                 best.step_time_s)
     else:
         if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
             near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]], return_counts=True)[0]
