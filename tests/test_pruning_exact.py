@@ -55,7 +55,9 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
     assert plans, "the case must have plans that fit"
     best = min(plans, key=lambda p: _scalar_key(objective, p, cluster.num_gpus))
     got = fast.plans[0].plan
-    assert _scalar_key(objective, got, cluster.num_gpus) == _scalar_key(objective, best, cluster.num_gpus)
+    # Equal up to summation order (the vectorised twin and estimate add the same terms differently).
+    assert _scalar_key(objective, got, cluster.num_gpus) == pytest.approx(_scalar_key(objective, best, cluster.num_gpus),
+                                                                          rel=1e-12)
     if objective != "cost":
         assert got.to_json()["step_time_s"] == pytest.approx(best.step_time_s, rel=1e-12)
     assert fast.evaluated == len(space)

@@ -2,9 +2,11 @@
 
 The cost model prices a pipeline as m x T_w + (S - T_w) / v (step_time.pipeline: T_w the
 slowest rank's micro-batch over all its chunks, S the sum over ranks). That is exact for equal
-chunks; interleaved plans whose chunks differ a lot stall in ways the formula cannot see
-(benchmarks/bench_pipeline_schedule.py: llama-3-70b's pp 4 x v 5 on 8 nodes, chunks of
-20-101 ms, replays 3.5% slower than predicted). Replaying Megatron's op order
+chunks. The balancer spreads chunks evenly (partition._even_ends), and on the benchmarked
+plans the replay is then within 1% (benchmarks/bench_pipeline_schedule.py), but uneven
+chunks (a user's --stage-blocks: llama-3-70b's pp 4 x v 5 with 1- to 5-layer chunks replays
+3.5% slower) and interleaved plans with few micro-batches (llama-3.1-70b, 8 on pp 8 x v 2:
+5.5% faster) still part from it. Replaying Megatron's op order
 (planner/cost/schedule_replay.py) costs O(pp x v x m) Python steps, too slow for every
 candidate of a search but cheap for the plan a user is shown, so ``suggest``'s best plan,
 ``estimate`` and the run directory's README say when the replay disagrees.
