@@ -8,7 +8,6 @@ Heavy modules are imported inside the command so ``dsplan --help`` stays fast.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 import click
@@ -124,8 +123,9 @@ def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int 
     from planner.search.evaluate import Evaluator
     from planner.search.schedule_check import schedule_notes
 
-    notes = batch_notes(plan.to_json(), seq) + schedule_notes(Evaluator(model, cluster, workload), cfg, plan.partition,
-                                                              plan.step_time_s)
+    notes = batch_notes(plan.to_json(), seq)
+    if cfg.virtual_stages > 1:
+        notes += schedule_notes(Evaluator(model, cluster, workload), cfg, plan.partition, plan.step_time_s)
     return dataclasses.replace(plan, notes=notes)
 
 

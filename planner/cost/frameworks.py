@@ -16,8 +16,9 @@ and its own behaviour the cost model reads (``Traits``):
   Optimizer CPU offload (``--optimizer-cpu-offload``: Megatron-Core's HybridDeviceOptimizer
   running torch's fused AdamW on the host) needs ``--use-precision-aware-optimizer``, which
   needs the distributed optimizer and Adam (megatron/core/optimizer/optimizer_config.py),
-  and is built for bf16 training; there is no parameter offload. Any split of the decoder layers over pp x v chunks, interleaved or not, runs
-  through ``--pipeline-model-parallel-layout`` (Megatron-Core's custom pipeline layout,
+  and is built for bf16 training; there is no parameter offload. Any split of the decoder
+  layers over pp x v chunks, interleaved or not, runs through
+  ``--pipeline-model-parallel-layout`` (Megatron-Core's custom pipeline layout,
   docs/source/api-guide/pipeline_parallel_layout.md), so 126 Llama-3.1-405B layers interleave
   on 16 ranks; the layout has no vision-encoder layers, so a vision-language model keeps
   Megatron's even split and interleaves only when its layers divide by pp x v. The
