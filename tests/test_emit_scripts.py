@@ -395,6 +395,10 @@ def test_megatron_offload_flags_and_host_threads(run_dirs):
     env = (run_dirs["megatron-offload"] / "nccl.env").read_text()
     assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-16}"' in env
     assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-16}"' in (run_dirs["megatron-offload"] / "launch_torchrun.sh").read_text()
+    readme = (run_dirs["megatron-offload"] / "README.md").read_text()
+    assert "| ZeRO | distributed optimizer (ZeRO-1), optimizer states and step on the CPU (Megatron-Core's " \
+           "HybridDeviceOptimizer) |" in readme
+    assert "| ZeRO | stage 3, offload optimizer to CPU |" in (run_dirs["multi"] / "README.md").read_text()
     for name in ("single", "megatron-moe"):
         assert "OMP_NUM_THREADS" not in (run_dirs[name] / "nccl.env").read_text()
         assert "OMP_NUM_THREADS" not in (run_dirs[name] / "launch_torchrun.sh").read_text()
