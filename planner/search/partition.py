@@ -205,12 +205,7 @@ def _even_ends(prefix: list[float], limit: float, stages: int) -> list[int]:
 
     n, total = len(prefix) - 1, prefix[-1]
     eps = 1e-12 * max(1.0, abs(limit))
-    earliest = [0] * stages  # earliest end of each stage over all splits within the limit
-    end = n
-    for k in range(stages - 1, 0, -1):
-        earliest[k] = end
-        end = max(bisect_left(prefix, prefix[end] - limit - eps), k)  # stage k starts as early as it may
-    earliest[0] = end
+    earliest = np.cumsum(_pack_back(prefix, limit, stages, None)).tolist()  # earliest end of each stage
     ends, start = [], 0
     for k in range(stages - 1):
         reach = min(bisect_right(prefix, prefix[start] + limit + eps) - 1, n - (stages - k - 1))

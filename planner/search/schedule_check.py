@@ -49,15 +49,22 @@ def formula_and_replay(ev: Evaluator, cfg: ParallelConfig,
                        partition: list[tuple[int, int]]) -> tuple[float, float] | None:
     """(closed-form, replayed) seconds of the pipeline's compute and bubble over the same chunk
     times, sends free; None without a pipeline or past MAX_REPLAY_OPS."""
+    out = _replayed(ev, cfg, partition)
+    return None if out is None else out[:2]
+
+
+def _replayed(ev: Evaluator, cfg: ParallelConfig,
+              partition: list[tuple[int, int]]) -> tuple[float, float, list[float]] | None:
+    """``formula_and_replay`` and every chunk's forward-plus-backward seconds."""
     pp, v, m = cfg.pp, cfg.virtual_stages, cfg.grad_accum
     if pp == 1 or 2 * pp * v * m > MAX_REPLAY_OPS or len(partition) != pp * v:
         return None
     fwd, bwd = chunk_times(ev, cfg, partition)
     ranks = [MicroBatchTime(fwd=sum(f), bwd=sum(b), recompute=0.0, tp=0.0, ep=0.0, pp=0.0) for f, b in zip(fwd, bwd)]
     worst, bubble = pipeline(ranks, m, v)  # the model's own formula
-    formula = m * ranks[worst].total + bubble
     replayed, _ = replay(pp, v, m, microbatch_group(pp, m) if v > 1 else pp, fwd, bwd)
-    return formula, replayed
+    chunks = [f + b for fr, br in zip(fwd, bwd) for f, b in zip(fr, br)]
+    return m * ranks[worst].total + bubble, replayed, chunks
 
 
 def schedule_notes(ev: Evaluator, cfg: ParallelConfig, partition: list[tuple[int, int]], step_s: float) -> list[str]:
@@ -66,21 +73,19 @@ def schedule_notes(ev: Evaluator, cfg: ParallelConfig, partition: list[tuple[int
     1F1B the formula is within 0.5% of the replay on every benchmarked plan."""
     if cfg.virtual_stages == 1 or step_s <= 0:
         return []
-    times = formula_and_replay(ev, cfg, partition)
-    if times is None:
+    out = _replayed(ev, cfg, partition)
+    if out is None:
         return []
-    formula, replayed = times
+    formula, replayed, chunks = out
     gap = replayed - formula
     if abs(gap) <= NOTE_GAP * step_s:
         return []
-    fwd, bwd = chunk_times(ev, cfg, partition)
-    chunk_ms = [(f + b) * 1e3 for fr, br in zip(fwd, bwd) for f, b in zip(fr, br)]
     if gap > 0:
         why = ("uneven chunks stall the schedule, which the formula does not see; an even split or fewer virtual "
                "stages may run faster")
     else:
         why = "unequal ranks overlap more with few micro-batches than the formula assumes"
-    return [f"Megatron's interleaved schedule, replayed op by op over this plan's {len(chunk_ms)} chunks "
-            f"({min(chunk_ms):.0f}-{max(chunk_ms):.0f} ms each per micro-batch), takes {abs(gap):.3g} s "
+    return [f"Megatron's interleaved schedule, replayed op by op over this plan's {len(chunks)} chunks "
+            f"({min(chunks) * 1e3:.0f}-{max(chunks) * 1e3:.0f} ms each per micro-batch), takes {abs(gap):.3g} s "
             f"{'more' if gap > 0 else 'less'} than the pipeline formula: {gap / step_s:+.1%} on the predicted "
             f"step ({why})"]
