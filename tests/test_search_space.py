@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from planner.cost.frameworks import ConfigColumns
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, ParallelConfig
 from planner.model.catalog import list_presets, load_preset
 from planner.search.space import (
@@ -20,12 +21,13 @@ DENSE = ModelFacts(heads=(32,), kv_heads=8, routed_experts=0, units=32)
 MOE = ModelFacts(heads=(32, 16), kv_heads=32, routed_experts=72, units=57)
 
 
-def anything_goes(cfg: ParallelConfig) -> str | None:
-    return None
+def anything_goes(cols: ConfigColumns) -> np.ndarray:
+    return np.ones(len(cols.tp), dtype=bool)
 
 
-def no_pipeline_zero3(cfg: ParallelConfig) -> str | None:
-    return "PipelineModule rejects ZeRO-2/3" if cfg.pp > 1 and cfg.zero_stage >= 2 else None
+def no_pipeline_zero3(cols: ConfigColumns) -> np.ndarray:
+    """PipelineModule rejects ZeRO-2/3."""
+    return (cols.pp == 1) | (cols.zero_stage < 2)
 
 
 def test_divisors() -> None:

@@ -32,7 +32,9 @@ gradient accumulation x dp.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
 
 from planner.cost.parallel import ParallelConfig
 from planner.errors import UserError
@@ -80,59 +82,129 @@ def traits(framework: str) -> Traits:
     return TRAITS[framework]
 
 
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What the rules read besides the config: the model's and the workload's facts."""
+
+    is_moe: bool
+    decoder_layers: int
+    is_vlm: bool
+    optimizer: str
+    precision: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One thing a runtime cannot run. ``broken`` is written with ``&``, ``|`` and comparisons
+    only, so it answers for one ParallelConfig (a bool) and for ``ConfigColumns`` (a mask over
+    thousands of candidates) alike: the messages and the search's filter are one table."""
+
+    framework: str | None  # None: every runtime
+    broken: Callable[[Any, RunFacts], Any]
+    message: Callable[[Any, RunFacts], str]
+
+
+def _interleave_rule(f: str) -> Rule:
+    return Rule(f, lambda c, x: c.virtual_stages > 1,
+                lambda c, x: f"framework {f} has no interleaved pipeline schedule; use --virtual-stages 1 or --framework megatron")
+
+
+# In the order they are checked: a config breaking several is told about the first.
+RULES: tuple[Rule, ...] = (
+    # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
+    # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
+    Rule(None, lambda c, x: (c.offload != "none") & (x.optimizer == "sgd"),
+         lambda c, x: f"framework {c.framework}: optimizer offload steps Adam on the CPU, not sgd; use --optimizer "
+                      "adamw/adam or --offload none"),
+    Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) works with ZeRO <= 2, not "
+                      f"ZeRO-{c.zero_stage}; use --zero 1/2 or --tp 1"),
+    Rule("deepspeed", lambda c, x: (c.pp > 1) & (c.zero_stage > 1),
+         lambda c, x: f"framework deepspeed: PipelineModule (--pp {c.pp}) rejects ZeRO-{c.zero_stage} (pipeline "
+                      "parallelism supports ZeRO 0/1); use --zero 1 or --pp 1"),
+    # AutoTP shards a plain module tree by layer names; it has no pipeline-stage or expert
+    # groups (DeepSpeed's AutoTP training tutorial: ZeRO 0-2, no PipelineModule, no MoE).
+    Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.pp > 1),
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) does not combine with "
+                      f"PipelineModule (--pp {c.pp}); use --framework megatron-deepspeed for 3D parallelism"),
+    Rule("deepspeed", lambda c, x: (c.tp > 1) & x.is_moe,
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) does not shard DeepSpeed MoE "
+                      "layers; use --tp 1 with --ep, or --framework megatron-deepspeed"),
+    Rule("deepspeed", lambda c, x: c.sequence_parallel == True,  # noqa: E712 (elementwise on columns)
+         lambda c, x: "framework deepspeed has no Megatron-style sequence parallelism; drop --sequence-parallel or "
+                      "use --framework megatron"),
+    _interleave_rule("deepspeed"),
+    Rule("deepspeed", lambda c, x: c.recompute == "selective",
+         lambda c, x: "framework deepspeed checkpoints whole layers only; use --recompute full/none or --framework "
+                      "megatron for selective recompute"),
+    Rule("megatron-deepspeed", lambda c, x: (c.pp > 1) & (c.zero_stage > 1),
+         lambda c, x: f"framework megatron-deepspeed: 3D parallelism (--pp {c.pp}) runs with ZeRO <= 1, not "
+                      f"ZeRO-{c.zero_stage}; use --zero 1"),
+    Rule("megatron-deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
+         lambda c, x: f"framework megatron-deepspeed: ZeRO-3 does not combine with tensor parallelism (--tp {c.tp}); "
+                      "use --zero 1/2"),
+    _interleave_rule("megatron-deepspeed"),
+    Rule("megatron", lambda c, x: c.zero_stage > 1,
+         lambda c, x: f"framework megatron shards optimizer states only (distributed optimizer = --zero 1), not "
+                      f"ZeRO-{c.zero_stage}; use --zero 0/1 or --framework deepspeed"),
+    Rule("megatron", lambda c, x: (c.offload == "optimizer") & (x.precision != "bf16"),
+         lambda c, x: f"framework megatron: optimizer CPU offload (Megatron-Core's HybridDeviceOptimizer) is built "
+                      f"for bf16 training, not {x.precision}; use --precision bf16, --offload none or --framework "
+                      "deepspeed"),
+    Rule("megatron", lambda c, x: (c.virtual_stages > 1) & x.is_vlm
+         & (x.decoder_layers % (c.pp * c.virtual_stages) != 0),
+         lambda c, x: f"framework megatron: interleaving a vision-language model needs its {x.decoder_layers} decoder "
+                      f"layers divisible by --pp {c.pp} x --virtual-stages {c.virtual_stages} (Megatron's custom "
+                      "pipeline layout has no vision-encoder layers)"),
+    Rule("megatron", lambda c, x: (c.virtual_stages > 1) & (c.grad_accum < c.pp),
+         lambda c, x: f"framework megatron: the interleaved schedule needs at least --pp {c.pp} micro-batches per "
+                      f"step, not {c.grad_accum}; use a smaller --micro-batch or --dp, a larger --global-batch, or "
+                      "--virtual-stages 1"),
+    Rule(None, lambda c, x: (c.ep > 1) & (not x.is_moe),
+         lambda c, x: f"--ep {c.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)"),
+)
+
+
+@dataclass(slots=True)
+class ConfigColumns:
+    """ParallelConfig's fields as equal-length arrays (strings as numpy string arrays): many
+    configs for ``runnable``."""
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    ep: np.ndarray
+    zero_stage: np.ndarray
+    offload: np.ndarray
+    micro_batch: np.ndarray
+    grad_accum: np.ndarray
+    recompute: np.ndarray
+    sequence_parallel: np.ndarray
+    virtual_stages: np.ndarray
+    framework: np.ndarray
+
+
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
                     precision: str) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step."""
-    f = cfg.framework
-    if cfg.offload != "none" and optimizer == "sgd":
-        # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
-        # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
-        raise UserError(f"framework {f}: optimizer offload steps Adam on the CPU, not sgd; use --optimizer adamw/adam "
-                        "or --offload none")
-    if f == "deepspeed":
-        if cfg.tp > 1 and cfg.zero_stage > 2:
-            raise UserError(f"framework deepspeed: AutoTP tensor parallelism (--tp {cfg.tp}) works with ZeRO <= 2, not ZeRO-{cfg.zero_stage}; use --zero 1/2 or --tp 1")
-        if cfg.pp > 1 and cfg.zero_stage > 1:
-            raise UserError(f"framework deepspeed: PipelineModule (--pp {cfg.pp}) rejects ZeRO-{cfg.zero_stage} (pipeline parallelism supports ZeRO 0/1); use --zero 1 or --pp 1")
-        # AutoTP shards a plain module tree by layer names; it has no pipeline-stage or expert
-        # groups (DeepSpeed's AutoTP training tutorial: ZeRO 0-2, no PipelineModule, no MoE).
-        if cfg.tp > 1 and cfg.pp > 1:
-            raise UserError(f"framework deepspeed: AutoTP tensor parallelism (--tp {cfg.tp}) does not combine with PipelineModule (--pp {cfg.pp}); use --framework megatron-deepspeed for 3D parallelism")
-        if cfg.tp > 1 and is_moe:
-            raise UserError(f"framework deepspeed: AutoTP tensor parallelism (--tp {cfg.tp}) does not shard DeepSpeed MoE layers; use --tp 1 with --ep, or --framework megatron-deepspeed")
-        if cfg.sequence_parallel:
-            raise UserError("framework deepspeed has no Megatron-style sequence parallelism; drop --sequence-parallel or use --framework megatron")
-        if cfg.virtual_stages > 1:
-            raise UserError("framework deepspeed has no interleaved pipeline schedule; use --virtual-stages 1 or --framework megatron")
-        if cfg.recompute == "selective":
-            raise UserError("framework deepspeed checkpoints whole layers only; use --recompute full/none or --framework megatron for selective recompute")
-    elif f == "megatron-deepspeed":
-        if cfg.pp > 1 and cfg.zero_stage > 1:
-            raise UserError(f"framework megatron-deepspeed: 3D parallelism (--pp {cfg.pp}) runs with ZeRO <= 1, not ZeRO-{cfg.zero_stage}; use --zero 1")
-        if cfg.tp > 1 and cfg.zero_stage > 2:
-            raise UserError(f"framework megatron-deepspeed: ZeRO-3 does not combine with tensor parallelism (--tp {cfg.tp}); use --zero 1/2")
-        if cfg.virtual_stages > 1:
-            raise UserError("framework megatron-deepspeed has no interleaved pipeline schedule; use --virtual-stages 1 or --framework megatron")
-    elif f == "megatron":
-        if cfg.zero_stage > 1:
-            raise UserError(f"framework megatron shards optimizer states only (distributed optimizer = --zero 1), not ZeRO-{cfg.zero_stage}; use --zero 0/1 or --framework deepspeed")
-        if cfg.offload == "optimizer" and precision != "bf16":
-            raise UserError(f"framework megatron: optimizer CPU offload (Megatron-Core's HybridDeviceOptimizer) is built "
-                            f"for bf16 training, not {precision}; use --precision bf16, --offload none or --framework "
-                            "deepspeed")
-        if cfg.virtual_stages > 1:
-            if is_vlm and decoder_layers % (cfg.pp * cfg.virtual_stages):
-                raise UserError(f"framework megatron: interleaving a vision-language model needs its {decoder_layers} decoder "
-                                f"layers divisible by --pp {cfg.pp} x --virtual-stages {cfg.virtual_stages} (Megatron's "
-                                "custom pipeline layout has no vision-encoder layers)")
-            if cfg.grad_accum < cfg.pp:
-                raise UserError(f"framework megatron: the interleaved schedule needs at least --pp {cfg.pp} micro-batches "
-                                f"per step, not {cfg.grad_accum}; use a smaller --micro-batch or --dp, a larger "
-                                "--global-batch, or --virtual-stages 1")
-    if cfg.ep > 1 and not is_moe:
-        raise UserError(f"--ep {cfg.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)")
+    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, precision)
+    for rule in RULES:
+        if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
+            raise UserError(rule.message(cfg, facts))
+
+
+def runnable(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
+    """Which of many configs ``check_framework`` lets through, as a mask (the search's filter:
+    one numpy pass per rule, not one call per config)."""
+    ok = np.ones(len(cols.tp), dtype=bool)
+    for rule in RULES:
+        hit = np.asarray(rule.broken(cols, facts), dtype=bool)
+        if rule.framework is not None:
+            hit = hit & (cols.framework == rule.framework)
+        ok &= ~hit
+    return ok
 
 
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str) -> None:

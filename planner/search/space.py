@@ -18,13 +18,14 @@ planner/cost/parallel.py) so evaluation can be vectorised over them.
 
 from __future__ import annotations
 
-import functools
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from planner.cost.frameworks import ConfigColumns
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
 from planner.hardware.placement import splits_evenly
 
@@ -38,12 +39,12 @@ DEFAULT_VIRTUAL_STAGES = tuple(range(1, 9))
 
 COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum")
 
-# A framework rule: None when the runtime can run the config, else the reason it cannot. It is
-# memoised on ``_rule_pattern``: it may read the settings and whether tp, pp and ep exceed 1,
-# and only when virtual stages > 1, whether the layers (ModelFacts.units) divide by pp x
-# virtual stages and whether there are at least pp accumulation steps; and on the fields it reads
-# (``ReadMemo``): it must depend on nothing else.
-FrameworkRule = Callable[[ParallelConfig], "str | None"]
+# A framework rule: which of many configs (ConfigColumns) the runtime can run, as a mask
+# (frameworks.runnable). It is asked once per ``_rule_pattern``, so it may read the settings and
+# whether tp, pp and ep exceed 1, and only when virtual stages > 1, whether the layers
+# (ModelFacts.units) divide by pp x virtual stages and whether there are at least pp
+# accumulation steps: nothing else.
+FrameworkRule = Callable[[ConfigColumns], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -181,115 +182,37 @@ def _structurally_valid(deg: Degrees, setting: tuple[int, int, int, int, int]) -
 
 def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
     """What of a degree combination the framework rules can see (planner/cost/frameworks.py
-    ``check_framework``): whether tp, pp and ep exceed 1, and, only for an interleaved
-    schedule (vs > 1), whether the layers divide by pp x v and there are at least pp
-    accumulation steps.
-    So all plain pipelines share one pattern and interleaved ones a few: ~100x fewer rule
-    calls. tests/test_framework_memo.py checks the memo against direct calls over whole spaces."""
+    ``RULES``): whether tp, pp and ep exceed 1, and, only for an interleaved schedule (vs > 1),
+    whether the layers divide by pp x v and there are at least pp accumulation steps.
+    So all plain pipelines share one pattern and interleaved ones a few, and the rules run over
+    (pattern x setting) rows, not every candidate. tests/test_framework_rules_in_search.py checks the
+    result against direct calls over whole spaces."""
     if deg.vs == 1:
         return (min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True)
     return (min(deg.tp, 2), units % (deg.pp * deg.vs) == 0, min(deg.ep, 2), 2, ga_ok)
 
 
-def _signature_ok(rule: FrameworkRule, deg: Degrees, ga_ok: bool, setting: tuple[int, int, int, int, int]) -> bool:
-    """Whether the framework runs ``setting`` on ``deg`` (a representative of its pattern)."""
-    zero, offload, recompute, sp, fw = setting
-    tp, ep = min(deg.tp, 2), min(deg.ep, 2)
-    pp, vs, ga_ok = (min(deg.pp, 2), 1, True) if deg.vs == 1 else (deg.pp, deg.vs, ga_ok)
-    # A representative config with the same facts; dp = 2 * ep keeps ep | dp.
-    cfg = ConfigView(
-        dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=zero, offload=OFFLOADS[offload], micro_batch=1,
-        grad_accum=pp if ga_ok else 1, recompute=RECOMPUTES[recompute], sequence_parallel=bool(sp),
-        virtual_stages=vs, framework=FRAMEWORKS[fw],
-    )
-    return _memo(rule).ok(cfg)
+def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
+                      rule: FrameworkRule) -> list[tuple[list[tuple[int, int, int, int, int]], int]]:
+    """Per pattern (given by a representative degree combination and its accumulation flag):
+    the settings its framework runs, and how many settings are structurally valid for it.
 
-
-class _Reads:
-    """A config that records the fields read from it, in order."""
-
-    __slots__ = ("_cfg", "reads")
-
-    def __init__(self, cfg: "ConfigView") -> None:
-        self._cfg = cfg
-        self.reads: list[tuple[str, object]] = []
-
-    def __getattr__(self, name: str) -> object:
-        value = getattr(self._cfg, name)
-        self.reads.append((name, value))
-        return value
-
-
-class ReadMemo:
-    """A rule's verdicts memoised on the fields it reads: a decision tree grown as it is asked.
-
-    A rule that read framework, then tp, then zero_stage before deciding has decided every
-    config that agrees on those three fields; later configs walk the tree field by field, and
-    only one that leaves it runs the rule (whose reads then add a branch). Exact for a rule
-    that depends on nothing but the fields it reads, as ``check_framework`` does. A search
-    asks ~1,700 (pattern, setting) questions; the rule runs for a few dozen distinct paths,
-    and a walk costs less than the rule's raise and catch."""
-
-    def __init__(self, rule: FrameworkRule) -> None:
-        self._rule = rule
-        self._root: tuple[str, dict] | bool | None = None
-
-    def ok(self, cfg: "ConfigView") -> bool:
-        node = self._root
-        while node is not None:
-            if node.__class__ is bool:
-                return node  # type: ignore[return-value]
-            field_name, branches = node  # type: ignore[misc]
-            node = branches.get(getattr(cfg, field_name))
-        return self._learn(cfg)
-
-    def _learn(self, cfg: "ConfigView") -> bool:
-        view = _Reads(cfg)
-        verdict = self._rule(view) is None  # type: ignore[arg-type]
-        path = view.reads
-        if not path:
-            self._root = verdict
-            return verdict
-        if self._root is None:
-            self._root = (path[0][0], {})
-        node = self._root
-        for k, (field_name, value) in enumerate(path):
-            asked, branches = node  # type: ignore[misc]
-            if asked != field_name:
-                raise RuntimeError(f"framework rule read {field_name!r} where it read {asked!r} before: "
-                                   "it must depend only on the fields it reads")
-            if k + 1 == len(path):
-                branches[value] = verdict
-            else:
-                node = branches.get(value)
-                if node is None:
-                    node = branches[value] = (path[k + 1][0], {})
-        return verdict
-
-
-@functools.lru_cache(maxsize=16)
-def _memo(rule: FrameworkRule) -> ReadMemo:
-    return ReadMemo(rule)
-
-
-@dataclass(slots=True)  # not frozen: a frozen __init__ sets each field through object.__setattr__
-class ConfigView:
-    """ParallelConfig's fields as a plain record, for the framework rules (which only read
-    fields): thousands of signatures are checked per search, and a pydantic model costs
-    ~20 us to build against ~1 us for this. ParallelConfig's own rules were applied above."""
-
-    dp: int
-    tp: int
-    pp: int
-    ep: int
-    zero_stage: int
-    offload: str
-    micro_batch: int
-    grad_accum: int
-    recompute: str
-    sequence_parallel: bool
-    virtual_stages: int
-    framework: str
+    One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
+    facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1."""
+    st = np.array(settings, dtype=np.int64).reshape(-1, 5)
+    deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2))
+                    for d, flag in reps], dtype=np.int64).reshape(-1, 5)
+    n, k = len(deg), len(st)
+    tp, pp, vs, ga_ok, ep = (np.repeat(deg[:, j], k) for j in range(5))
+    z, o, r, sp, f = (np.tile(st[:, j], n) for j in range(5))
+    valid = (sp == 0) | (tp > 1)  # sequence parallel only means something with tp > 1
+    cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=np.array(OFFLOADS)[o],
+                         micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
+                         recompute=np.array(RECOMPUTES)[r], sequence_parallel=sp == 1, virtual_stages=vs,
+                         framework=np.array(FRAMEWORKS)[f])
+    ok = (valid & rule(cols)).reshape(n, k)
+    valid = valid.reshape(n, k)
+    return [([settings[j] for j in np.flatnonzero(ok[i])], int(valid[i].sum())) for i in range(n)]
 
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
@@ -297,17 +220,12 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     """Every candidate, as columns; rejected counts by reason."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons)
     settings = _settings(cons)
-    allowed: dict[tuple, tuple[int, int, int]] = {}  # per rule pattern: (first ok row, ok count, valid count)
-    ok_rows: list[tuple[int, int, int, int, int]] = []
-    # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
-    # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
-    heads: list[tuple[int, int, int, int, int]] = []
-    block_rows: list[tuple[int, int]] = []  # (first ok row, ok count)
-    block_mbs: list[np.ndarray] = []
-    framework_rejected = 0
     # Micro-batches split by whether the accumulation reaches pp: per (dp, pp), which many
     # degree combinations share.
     splits: dict[tuple[int, int], list[tuple[bool, np.ndarray]]] = {}
+    patterns: dict[tuple, int] = {}
+    reps: list[tuple[Degrees, bool]] = []
+    blocks: list[tuple[Degrees, np.ndarray, int]] = []
     for deg in degrees:
         split = splits.get((deg.dp, deg.pp))
         if split is None:
@@ -320,18 +238,30 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
             continue
         for flag, mb in split:
             pattern = _rule_pattern(deg, flag, facts.units)
-            if pattern not in allowed:
-                valid = [st for st in settings if _structurally_valid(deg, st)]
-                ok = [st for st in valid if _signature_ok(framework_rule, deg, flag, st)]
-                allowed[pattern] = (len(ok_rows), len(ok), len(valid))
-                ok_rows.extend(ok)
-            first, k, n_valid = allowed[pattern]
-            framework_rejected += (n_valid - k) * mb.size
-            if not k:
-                continue
-            heads.append((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs))
-            block_rows.append((first, k))
-            block_mbs.append(mb)
+            if pattern not in patterns:
+                patterns[pattern] = len(reps)
+                reps.append((deg, flag))
+            blocks.append((deg, mb, patterns[pattern]))
+    verdicts = _pattern_verdicts(reps, settings, framework_rule) if reps else []
+    allowed: list[tuple[int, int, int]] = []  # per pattern: (first ok row, ok count, valid count)
+    ok_rows: list[tuple[int, int, int, int, int]] = []
+    for ok, n_valid in verdicts:
+        allowed.append((len(ok_rows), len(ok), n_valid))
+        ok_rows.extend(ok)
+    # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
+    # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
+    heads: list[tuple[int, int, int, int, int]] = []
+    block_rows: list[tuple[int, int]] = []  # (first ok row, ok count)
+    block_mbs: list[np.ndarray] = []
+    framework_rejected = 0
+    for deg, mb, pattern_id in blocks:
+        first, k, n_valid = allowed[pattern_id]
+        framework_rejected += (n_valid - k) * mb.size
+        if not k:
+            continue
+        heads.append((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs))
+        block_rows.append((first, k))
+        block_mbs.append(mb)
     columns = _layout(heads, block_rows, block_mbs, np.array(ok_rows, dtype=np.int64).reshape(-1, 5), global_batch)
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected})
 
@@ -367,6 +297,6 @@ def default_global_batch(seq_len: int, world: int, target_tokens: float = 4e6) -
 
     def key(b: int) -> tuple[int, int, int]:
         twos = (b & -b).bit_length() - 1
-        return (int(np.gcd(b, world)), twos, -abs(b - target))
+        return (math.gcd(b, world), twos, -abs(b - target))  # math.gcd: ~30x numpy's on scalars
 
     return int(max(range(lo, hi + 1), key=key))

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from planner.cost.frameworks import check_framework
+from planner.cost.frameworks import ConfigColumns, RunFacts, runnable
 from planner.cost.memory import host_capacity_bytes
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
@@ -209,16 +209,12 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
 
 
 def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints) -> Space:
-    is_moe, layers, is_vlm = model.is_moe, model.num_layers, model.is_vlm
-    gb, optimizer, precision = workload.global_batch, workload.optimizer, workload.precision
+    gb = workload.global_batch
+    run_facts = RunFacts(is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm,
+                         optimizer=workload.optimizer, precision=workload.precision)
 
-    def rule(cfg):
-        try:
-            check_framework(cfg, is_moe=is_moe, decoder_layers=layers, is_vlm=is_vlm, optimizer=optimizer,
-                            precision=precision)
-        except UserError as err:
-            return str(err)
-        return None
+    def rule(cols: ConfigColumns) -> np.ndarray:
+        return runnable(cols, run_facts)
 
     facts = _facts(model)
     space = enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, cons, rule)

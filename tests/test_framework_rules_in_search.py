@@ -1,13 +1,15 @@
-"""The search memoises the framework rules on what they read (space._rule_pattern): over whole
-spaces, the candidates it keeps and the count it rejects equal checking every config directly."""
+"""The search asks the framework rules once per pattern of what they read (space._rule_pattern),
+in their vector form (frameworks.runnable): over whole spaces, the candidates it keeps and the
+count it rejects equal checking every config directly with check_framework."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
-from planner.cost.frameworks import check_framework
+from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework, runnable
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
@@ -63,33 +65,30 @@ def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, opti
     assert (space.columns["vs"] > 1).any() and rejected > 0
 
 
-def test_read_memo_runs_the_rule_once_per_path_and_agrees_with_it() -> None:
-    from planner.search.space import ConfigView, ReadMemo
-
-    calls = []
-
-    def rule(cfg):
-        calls.append(1)
-        if cfg.framework == "megatron":
-            return "no zero 2+" if cfg.zero_stage > 1 else None
-        return "no tp with pp" if cfg.tp > 1 and cfg.pp > 1 else None
-
-    memo = ReadMemo(rule)
-    configs = [ConfigView(dp=2, tp=tp, pp=pp, ep=1, zero_stage=z, offload="none", micro_batch=mb, grad_accum=1,
-                          recompute="none", sequence_parallel=False, virtual_stages=1, framework=f)
-               for f in ("megatron", "deepspeed") for tp in (1, 2) for pp in (1, 2) for z in (0, 1, 2, 3)
-               for mb in (1, 2, 4)]
+@pytest.mark.parametrize("facts", [RunFacts(False, 24, False, "adamw", "bf16"), RunFacts(True, 30, False, "sgd", "bf16"),
+                                   RunFacts(False, 30, True, "adamw", "fp16"), RunFacts(True, 24, True, "adam", "fp32")])
+def test_runnable_mask_equals_check_framework_config_by_config(facts: RunFacts) -> None:
+    """The rule table's vector form (the search's filter) and its scalar form (the messages)."""
+    configs = []
+    for f, tp, pp, ep, z, o, r, sp, vs, ga in itertools.product(
+            FRAMEWORKS, (1, 2, 8), (1, 2, 4), (1, 2), (0, 1, 2, 3), OFFLOADS, RECOMPUTES, (False, True), (1, 2, 3),
+            (1, 4)):
+        try:
+            configs.append(ParallelConfig(dp=4, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=o, micro_batch=1,
+                                          grad_accum=ga, recompute=r, sequence_parallel=sp, virtual_stages=vs,
+                                          framework=f))
+        except Exception:  # combinations ParallelConfig itself forbids
+            continue
+    expected = []
     for cfg in configs:
-        assert memo.ok(cfg) == (rule(cfg) is None)
-    direct = len(configs)
-    # megatron: one path per zero stage; deepspeed: tp 1 decides alone, tp 2 needs pp
-    assert len(calls) - direct == 4 + 1 + 2
-    flip = iter(range(10**6))
-
-    def fickle(cfg):  # reads a different field from one call to the next
-        return None if (cfg.tp if next(flip) % 2 else cfg.pp) else "no"
-
-    memo = ReadMemo(fickle)
-    memo.ok(configs[0])
-    with pytest.raises(RuntimeError, match="must depend only on the fields it reads"):
-        memo.ok(configs[-1])
+        try:
+            check_framework(cfg, is_moe=facts.is_moe, decoder_layers=facts.decoder_layers, is_vlm=facts.is_vlm,
+                            optimizer=facts.optimizer, precision=facts.precision)
+            expected.append(True)
+        except UserError:
+            expected.append(False)
+    cols = ConfigColumns(**{name: np.array([getattr(c, name) for c in configs])
+                            for name in ConfigColumns.__slots__})
+    got = runnable(cols, facts)
+    assert got.tolist() == expected
+    assert 0 < sum(expected) < len(expected)
