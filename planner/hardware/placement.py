@@ -120,7 +120,13 @@ def strided_shape(cluster: Cluster, stride: int, size: int, what: str = "group")
     """The shape of every group of ``size`` ranks ``stride`` apart (one dimension of a layout).
 
     It depends on the stride and size alone, whatever the other degrees are, so a search that
-    lays out hundreds of (tp, ep, dp, pp) combinations computes each shape once."""
+    lays out hundreds of (tp, ep, dp, pp) combinations computes each shape once.
+
+    Groups that sit inside one node (a single rank, or a whole group in every node-sized
+    block) are read off directly: on 16,384 GPUs they would otherwise scan thousands of bases."""
+    g = cluster.gpus_per_node
+    if size == 1 or g % (stride * size) == 0:
+        return GroupShape(size, stride, size, 1, g // size)
     return shape_of(cluster, representative_bases(cluster, stride, size), size, stride, what)
 
 
