@@ -14,7 +14,8 @@ Every op starts when its rank is free and its inputs exist (the previous chunk o
 a forward, the next chunk's backward for a backward). Sends cost nothing and nothing overlaps
 on a rank: it is the schedule's own shape, without the interconnect. Pure Python, O(pp x v x m)
 ops: for tests and benchmarks (tests/test_interleaved_schedule.py,
-benchmarks/bench_pipeline_schedule.py), not for the search.
+benchmarks/bench_pipeline_schedule.py) and for the one plan a user is shown
+(planner/search/schedule_check.py), not for every candidate of a search.
 """
 
 from __future__ import annotations
@@ -46,43 +47,76 @@ def rank_ops(rank: int, pp: int, v: int, m: int, g: int) -> list[Op]:
     return ops + bwd[total - warm:]
 
 
-def inputs(kind: str, rank: int, chunk: int, mb: int, pp: int, v: int) -> list[tuple[str, int, int, int]]:
-    """Ops whose results this op needs; chunk c of rank r is model chunk c x pp + r."""
-    if kind == "F":
-        if rank > 0:
-            return [("F", rank - 1, chunk, mb)]
-        return [("F", pp - 1, chunk - 1, mb)] if chunk > 0 else []
-    own = [("F", rank, chunk, mb)]
-    if rank < pp - 1:
-        return own + [("B", rank + 1, chunk, mb)]
-    return own + ([("B", 0, chunk + 1, mb)] if chunk < v - 1 else [])
-
-
 def replay(pp: int, v: int, m: int, g: int, fwd: Sequence[Sequence[float]],
            bwd: Sequence[Sequence[float]]) -> tuple[float, list[int]]:
     """(step seconds, per rank the peak of chunk-forwards awaiting their backward).
 
     ``fwd[r][c]`` / ``bwd[r][c]``: seconds of one micro-batch's forward / backward of chunk c on
     rank r (model chunk c x pp + r). RuntimeError when the schedule deadlocks (a group G that
-    Megatron refuses can)."""
-    ops = [rank_ops(r, pp, v, m, g) for r in range(pp)]
-    finish: dict[tuple[str, int, int, int], float] = {}
+    Megatron refuses can).
+
+    Each op's finish is the later of its rank's previous op and its inputs, plus its own time,
+    whatever order the ops are visited in; a rank runs until an input is missing and waits on
+    that op, which wakes it when done. Ops are numbered, so a 405b plan's 4,096 ops replay in
+    a few ms (``schedule_check`` runs one per search)."""
+    size = pp * v * m  # op ids: forward (rank, chunk, mb) -> (rank * v + chunk) * m + mb, backward + size
+    rows = [_rank_row(r, pp, v, m, g, fwd[r], bwd[r]) for r in range(pp)]
+    finish = [-1.0] * (2 * size)
+    waiting: dict[int, list[int]] = {}
     at, free = [0] * pp, [0.0] * pp
     live, peak = [0] * pp, [0] * pp
-    while any(at[r] < len(ops[r]) for r in range(pp)):
-        moved = False
-        for r in range(pp):
-            while at[r] < len(ops[r]):
-                kind, chunk, mb = ops[r][at[r]]
-                need = inputs(kind, r, chunk, mb, pp, v)
-                if any(n not in finish for n in need):
+    ready = list(range(pp - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        row, i, t = rows[r], at[r], free[r]
+        while i < len(row):
+            own, deps, seconds, step = row[i]
+            start = t
+            blocked = -1
+            for d in deps:
+                done = finish[d]
+                if done < 0:
+                    blocked = d
                     break
-                start = max([free[r], *(finish[n] for n in need)])
-                free[r] = finish[kind, r, chunk, mb] = start + (fwd[r][chunk] if kind == "F" else bwd[r][chunk])
-                live[r] += 1 if kind == "F" else -1
-                peak[r] = max(peak[r], live[r])
-                at[r] += 1
-                moved = True
-        if not moved:
-            raise RuntimeError(f"the schedule deadlocks (pp {pp}, v {v}, {m} micro-batches, group {g})")
+                if done > start:
+                    start = done
+            if blocked >= 0:
+                waiting.setdefault(blocked, []).append(r)
+                break
+            t = finish[own] = start + seconds
+            live[r] += step
+            if live[r] > peak[r]:
+                peak[r] = live[r]
+            i += 1
+            woken = waiting.pop(own, None)
+            if woken:
+                ready.extend(woken)
+        at[r], free[r] = i, t
+    if any(at[r] < len(rows[r]) for r in range(pp)):
+        raise RuntimeError(f"the schedule deadlocks (pp {pp}, v {v}, {m} micro-batches, group {g})")
     return max(free), peak
+
+
+def _rank_row(r: int, pp: int, v: int, m: int, g: int, fwd: Sequence[float],
+              bwd: Sequence[float]) -> list[tuple[int, tuple[int, ...], float, int]]:
+    """Rank ``r``'s ops in Megatron's order as (op id, ids of its inputs, seconds, +1 forward /
+    -1 backward). A forward needs the previous chunk of the model (chunk c of rank r is model
+    chunk c x pp + r: the same chunk one rank back, or the chunk before on the last rank); a
+    backward needs its own forward and the next chunk of the model's backward."""
+    size = pp * v * m
+    row = []
+    for kind, c, mb in rank_ops(r, pp, v, m, g):
+        if kind == "F":
+            if r > 0:
+                deps: tuple[int, ...] = (((r - 1) * v + c) * m + mb,)
+            else:
+                deps = (((pp - 1) * v + c - 1) * m + mb,) if c > 0 else ()
+            row.append(((r * v + c) * m + mb, deps, fwd[c], 1))
+        else:
+            own = (r * v + c) * m + mb
+            if r < pp - 1:
+                deps = (own, size + ((r + 1) * v + c) * m + mb)
+            else:
+                deps = (own, size + c * m + mb + m) if c < v - 1 else (own,)
+            row.append((size + own, deps, bwd[c], -1))
+    return row
