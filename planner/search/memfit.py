@@ -107,13 +107,16 @@ def rebalance(ev: "Evaluator", prep: "Prepared", rows: np.ndarray,
         # The time-only optimum of the same split problem: no memory-limited split beats it.
         fastest = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
         costs = ev.unit_costs(table, mode, b)
-        memory = stage_memory(ev, prep, i)
         m = int(prep.space.columns["grad_accum"][i])
+        limit = None
         if m * vs > 1 and np.isfinite(bar):
             # generous by a hair: rounding must not prune a split that reaches the bar
             limit = (bar - float(sum(costs)) / vs) / (m - 1 / vs) * (1 + 1e-9)
-            if limit < fastest or not fits_within(costs, pp * vs, memory, limit):
+            if limit < fastest:  # no split is fast enough, within memory or not
                 continue
+        memory = stage_memory(ev, prep, i)
+        if limit is not None and not fits_within(costs, pp * vs, memory, limit):
+            continue
         part = optimal_partition(costs, pp * vs, memory=memory, lower=fastest)
         if part.fits:
             ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)

@@ -142,17 +142,35 @@ def fits_within(costs: Sequence[float], stages: int, memory: StageMemory, limit:
     return _pack_ends(prefix, limit, stages, _memory_rows(memory, stages, len(costs))) is not None
 
 
-def _memory_rows(memory: StageMemory, stages: int, n: int) -> list[tuple[list[float], float]]:
+def _memory_rows(memory: StageMemory, stages: int, n: int) -> "_MemoryRows":
     """Per stage: prefix sums of its bytes per layer, and the room left after its fixed bytes."""
     if len(memory.inflight) < stages:
         raise ValueError("memory.inflight needs one entry per stage")
-    state = np.asarray(memory.state, dtype=float)
-    act = np.asarray(memory.act, dtype=float)
-    inflight = np.asarray(memory.inflight[:stages], dtype=float)
-    # Row s: prefix sums of stage s's bytes per layer (one cumsum over [stage x layer]).
-    weights = np.zeros((stages, n + 1))
-    np.cumsum(state[None, :] + inflight[:, None] * act[None, :], axis=1, out=weights[:, 1:])
-    return [(row, memory.capacity - float(memory.base[s])) for s, row in enumerate(weights.tolist())]
+    return _MemoryRows(memory, n)
+
+
+class _MemoryRows:
+    """``rows[s]``: (prefix sums of stage s's bytes per layer as a list, its room), built when
+    first asked and shared by stages with the same in-flight count (an interleaved rank's v
+    chunks, 1F1B's ranks past the micro-batch count): a pack that fails early, as most of a
+    search's do, builds a few rows, not all of them."""
+
+    def __init__(self, memory: StageMemory, n: int) -> None:
+        self._memory = memory
+        self._state = np.asarray(memory.state, dtype=float)
+        self._act = np.asarray(memory.act, dtype=float)
+        self._n = n
+        self._rows: dict[float, list[float]] = {}
+
+    def __getitem__(self, s: int) -> tuple[list[float], float]:
+        memory = self._memory
+        k = float(memory.inflight[s])
+        row = self._rows.get(k)
+        if row is None:
+            weights = np.zeros(self._n + 1)
+            np.cumsum(self._state + k * self._act, out=weights[1:])
+            row = self._rows[k] = weights.tolist()
+        return row, memory.capacity - float(memory.base[s])
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,7 +239,7 @@ def _even_ends(prefix: list[float], limit: float, stages: int) -> list[int]:
 
 
 def _pack_ends(prefix: list[float], limit: float, stages: int,
-               mem: list[tuple[list[float], float]] | None) -> list[int] | None:
+               mem: "_MemoryRows | None") -> list[int] | None:
     """Stage ends of the greedy max-pack at ``limit`` (None when it fails): each stage as far
     as time (and its memory) allow, leaving one layer for each later stage.
 
@@ -255,7 +273,7 @@ def _pack_ends(prefix: list[float], limit: float, stages: int,
 
 
 def _search(prefix: list[float], values: list[float], stages: int,
-            mem: list[tuple[list[float], float]] | None) -> tuple[int, ...] | None:
+            mem: "_MemoryRows | None") -> tuple[int, ...] | None:
     """The split at the smallest feasible bottleneck among ``values`` (sorted), else None."""
     if _pack_ends(prefix, values[-1], stages, mem) is None:
         return None
@@ -263,7 +281,7 @@ def _search(prefix: list[float], values: list[float], stages: int,
 
 
 def _first_feasible(prefix: list[float], values: list[float], stages: int,
-                    mem: list[tuple[list[float], float]] | None) -> int:
+                    mem: "_MemoryRows | None") -> int:
     """Index of the smallest feasible limit in ``values`` (sorted; the last one feasible).
 
     Gallops up from the smallest (the optimum usually sits a few sums above the lower
@@ -285,7 +303,7 @@ def _first_feasible(prefix: list[float], values: list[float], stages: int,
 
 
 def _pack_back(prefix: list[float], limit: float, stages: int,
-               mem: list[tuple[list[float], float]] | None) -> tuple[int, ...]:
+               mem: "_MemoryRows | None") -> tuple[int, ...]:
     """The split at a feasible ``limit`` with the longest last stages: walking back from the
     last layer, each stage starts as early as time and its memory allow, leaving one layer
     for each earlier stage. Long last stages keep the early stages (which hold the most
@@ -300,15 +318,16 @@ def _pack_back(prefix: list[float], limit: float, stages: int,
     end, counts = len(prefix) - 1, []
     for s in range(stages - 1, 0, -1):
         if mem is None:
-            def fits(i: int) -> bool:
-                return prefix[end] <= prefix[i] + limit + eps
+            # prefix is non-decreasing, so the starts that fit are a suffix of [s, end): one
+            # bisect on the list itself, without a key function per probe.
+            start = max(bisect_left(prefix, prefix[end] - limit - eps, s, end), s)
         else:
             weights, cap = mem[s]
             meps = 1e-12 * max(1.0, abs(cap))
 
             def fits(i: int) -> bool:
                 return prefix[end] <= prefix[i] + limit + eps and weights[end] <= weights[i] + cap + meps
-        start = bisect_left(range(s, end), True, key=fits) + s  # the first start in [s, end) that fits
+            start = bisect_left(range(s, end), True, key=fits) + s  # the first start in [s, end) that fits
         assert start < end, "limit is not feasible"
         counts.append(end - start)
         end = start
