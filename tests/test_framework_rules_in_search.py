@@ -15,8 +15,7 @@ from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search.space import Constraints, _settings, _structurally_valid, degree_combinations, divisors, \
-    enumerate_space
+from planner.search.space import Constraints, _settings, degree_combinations, divisors
 from planner.search.suggest import _facts, _space
 
 
@@ -29,7 +28,7 @@ def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: 
         for mb in divisors(gb // deg.dp):
             ga = gb // (deg.dp * mb)
             for st in _settings(cons):
-                if not _structurally_valid(deg, st):
+                if st[3] and deg.tp == 1:  # sequence parallel means nothing without tp > 1: not a candidate
                     continue
                 z, o, r, sp, f = st
                 cfg = ParallelConfig(dp=deg.dp, tp=deg.tp, pp=deg.pp, ep=deg.ep, zero_stage=z, offload=OFFLOADS[o],

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from planner.cost.frameworks import ConfigColumns
-from planner.cost.parallel import FRAMEWORKS, OFFLOADS, ParallelConfig
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.model.catalog import list_presets, load_preset
 from planner.search.space import (
     Constraints,

@@ -175,11 +175,6 @@ def _settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-def _structurally_valid(deg: Degrees, setting: tuple[int, int, int, int, int]) -> bool:
-    """Sequence parallel only means something with tp > 1."""
-    return not (setting[3] and deg.tp == 1)
-
-
 def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
     """What of a degree combination the framework rules can see (planner/cost/frameworks.py
     ``RULES``): whether tp, pp and ep exceed 1, and, only for an interleaved schedule (vs > 1),
