@@ -110,6 +110,55 @@ def test_bad_input_exits_2_without_traceback(args: list[str], needle: str) -> No
     assert needle in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        # Pins that conflict: the message leads with the pins whose removal leaves candidates, and why.
+        (["--dp", "4", "--tp", "4"], ["dropping --dp 4 (", "or --tp 4 (", "multiplies to the 8 GPUs"]),
+        (["--zero", "0", "--offload", "optimizer"], ["dropping --zero 0 (", "--offload optimizer (",
+                                                     "--offload optimizer needs ZeRO 1-3"]),
+        (["--micro-batch", "3"], ["dropping --micro-batch 3 (", "DP and the micro-batch must divide the global batch 512"]),
+        # One runtime rule refused every candidate: it is named, with its own fix.
+        (["--optimizer", "sgd", "--offload", "optimizer"],
+         ["dropping --offload optimizer (", "optimizer offload steps Adam on the CPU, not sgd; use --optimizer adamw/adam"]),
+        (["--framework", "megatron", "--zero", "2,3"],
+         ["dropping --zero 2,3 (", "or --framework megatron (", "distributed optimizer = --zero 1), not ZeRO-2"]),
+        (["--framework", "deepspeed", "--sequence-parallel"],
+         ["dropping --framework deepspeed (", "or --sequence-parallel (", "their framework cannot run"]),
+    ],
+)
+def test_excluding_constraints_name_the_pins_to_drop(args: list[str], needles: list[str]) -> None:
+    result = run("--model", "llama-3.1-8b", *args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    text = " ".join(result.output.split())  # rich folds long lines
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+def test_pins_named_for_dropping_really_leave_candidates() -> None:
+    """Each pin the message names, dropped, leaves the count of candidates it says."""
+    import re
+
+    from planner.cost.parallel import Workload
+    from planner.errors import UserError
+    from planner.hardware.cluster import Cluster
+    from planner.hardware.load import load_profile
+    from planner.model.catalog import load_model
+    from planner.search.space import Constraints
+    from planner.search.suggest import _space
+
+    model = load_model("llama-3.1-8b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+    workload = Workload(global_batch=512, seq_len=model.train_seq_len)
+    cons = Constraints(dp=(4,), tp=(4,))
+    with pytest.raises(UserError) as err:
+        _space(model, cluster, workload, cons)
+    named = dict(re.findall(r"--(dp|tp) 4 \(([\d,]+) candidates\)", str(err.value)))
+    assert set(named) == {"dp", "tp"}
+    assert len(_space(model, cluster, workload, Constraints(tp=(4,)))) == int(named["dp"].replace(",", ""))
+    assert len(_space(model, cluster, workload, Constraints(dp=(4,)))) == int(named["tp"].replace(",", ""))
+
+
 def test_nothing_fits_names_closest_plan_and_what_would_fit() -> None:
     result = run("--model", "llama-3.1-70b", "--tp", "8", "--zero", "0", "--framework", "megatron")
     assert result.exit_code == 2

@@ -9,13 +9,13 @@ import itertools
 import numpy as np
 import pytest
 
-from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework, runnable
+from planner.cost.frameworks import RULES, ConfigColumns, RunFacts, check_framework, first_broken, runnable
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search.space import Constraints, _settings, degree_combinations, divisors
+from planner.search.space import Constraints, allowed_settings, degree_combinations, divisors
 from planner.search.suggest import _facts, _space
 
 
@@ -27,7 +27,7 @@ def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: 
     for deg in degrees:
         for mb in divisors(gb // deg.dp):
             ga = gb // (deg.dp * mb)
-            for st in _settings(cons):
+            for st in allowed_settings(cons):
                 if st[3] and deg.tp == 1:  # sequence parallel means nothing without tp > 1: not a candidate
                     continue
                 z, o, r, sp, f = st
@@ -78,16 +78,23 @@ def test_runnable_mask_equals_check_framework_config_by_config(facts: RunFacts) 
                                           framework=f))
         except Exception:  # combinations ParallelConfig itself forbids
             continue
-    expected = []
+    expected, messages = [], []
     for cfg in configs:
         try:
             check_framework(cfg, is_moe=facts.is_moe, decoder_layers=facts.decoder_layers, is_vlm=facts.is_vlm,
                             optimizer=facts.optimizer, precision=facts.precision)
             expected.append(True)
-        except UserError:
+            messages.append(None)
+        except UserError as err:
             expected.append(False)
+            messages.append(str(err))
     cols = ConfigColumns(**{name: np.array([getattr(c, name) for c in configs])
                             for name in ConfigColumns.__slots__})
     got = runnable(cols, facts)
     assert got.tolist() == expected
     assert 0 < sum(expected) < len(expected)
+    # The index first_broken gives is the rule whose message check_framework raises.
+    broken = first_broken(cols, facts)
+    named = [None if k < 0 else RULES[k].message(cfg, facts) for k, cfg in zip(broken.tolist(), configs)]
+    assert named == messages
+    assert len({m for m in messages if m}) > 10  # many different rules are exercised

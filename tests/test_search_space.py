@@ -22,12 +22,12 @@ MOE = ModelFacts(heads=(32, 16), kv_heads=32, routed_experts=72, units=57)
 
 
 def anything_goes(cols: ConfigColumns) -> np.ndarray:
-    return np.ones(len(cols.tp), dtype=bool)
+    return np.full(len(cols.tp), -1)  # no rule broken
 
 
 def no_pipeline_zero3(cols: ConfigColumns) -> np.ndarray:
-    """PipelineModule rejects ZeRO-2/3."""
-    return (cols.pp == 1) | (cols.zero_stage < 2)
+    """PipelineModule rejects ZeRO-2/3 (rule 0 of this one-rule table)."""
+    return np.where((cols.pp > 1) & (cols.zero_stage >= 2), 0, -1)
 
 
 def test_divisors() -> None:
@@ -102,6 +102,9 @@ def test_framework_rule_rejections_are_counted() -> None:
     space = enumerate_space(8, 8, 64, DENSE, cons, no_pipeline_zero3)
     assert set(space.columns["zero"]) == {0, 1}
     assert space.rejected["framework"] == 2  # ZeRO-2 and ZeRO-3 with pp = 2
+    # Per broken rule: how many it refused and the first of them, with its real degrees.
+    count, cfg = space.most_refused()
+    assert count == 2 and (cfg.pp, cfg.zero_stage, cfg.dp, cfg.framework) == (2, 2, 4, "deepspeed")
 
 
 def test_indivisible_degrees_are_counted() -> None:

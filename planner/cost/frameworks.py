@@ -195,16 +195,23 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
             raise UserError(rule.message(cfg, facts))
 
 
-def runnable(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
-    """Which of many configs ``check_framework`` lets through, as a mask (the search's filter:
-    one numpy pass per rule, not one call per config)."""
-    ok = np.ones(len(cols.tp), dtype=bool)
-    for rule in RULES:
+def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
+    """Per config of many, the index in ``RULES`` of the rule ``check_framework`` would name
+    (the first broken one), or -1 when the runtime runs it: the search's filter, one numpy
+    pass per rule rather than one call per config, and the tally behind "most often"."""
+    out = np.full(len(cols.tp), -1, dtype=np.int64)
+    for k in range(len(RULES) - 1, -1, -1):  # backwards, so the first broken rule writes last
+        rule = RULES[k]
         hit = np.asarray(rule.broken(cols, facts), dtype=bool)
         if rule.framework is not None:
             hit = hit & (cols.framework == rule.framework)
-        ok &= ~hit
-    return ok
+        out[hit] = k
+    return out
+
+
+def runnable(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
+    """Which of many configs ``check_framework`` lets through, as a mask."""
+    return first_broken(cols, facts) < 0
 
 
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str) -> None:

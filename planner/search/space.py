@@ -39,10 +39,10 @@ DEFAULT_VIRTUAL_STAGES = tuple(range(1, 9))
 
 COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum")
 
-# A framework rule: which of many configs (ConfigColumns) the runtime can run, as a mask
-# (frameworks.runnable). It is asked once per ``_rule_pattern``, so it may read the settings and
-# whether tp, pp and ep exceed 1, and only when virtual stages > 1, whether the layers
-# (ModelFacts.units) divide by pp x virtual stages and whether there are at least pp
+# A framework rule: for many configs (ConfigColumns), the index of the rule each breaks, -1 when
+# the runtime runs it (frameworks.first_broken). It is asked once per ``_rule_pattern``, so it may
+# read the settings and whether tp, pp and ep exceed 1, and only when virtual stages > 1, whether
+# the layers (ModelFacts.units) divide by pp x virtual stages and whether there are at least pp
 # accumulation steps: nothing else.
 FrameworkRule = Callable[[ConfigColumns], np.ndarray]
 
@@ -81,6 +81,8 @@ class Space:
 
     columns: dict[str, np.ndarray]
     rejected: dict[str, int] = field(default_factory=lambda: {"indivisible": 0, "framework": 0})
+    # Per broken rule (its index): candidates it refused, and the first of them as a row of COLUMNS.
+    refusals: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.columns["dp"].shape[0])
@@ -96,7 +98,20 @@ class Space:
         )
 
     def subset(self, mask: np.ndarray) -> "Space":
-        return Space({k: v[mask] for k, v in self.columns.items()}, dict(self.rejected))
+        return Space({k: v[mask] for k, v in self.columns.items()}, dict(self.rejected), dict(self.refusals))
+
+    def most_refused(self) -> tuple[int, ParallelConfig] | None:
+        """(how many candidates, one of them) for the rule that refused the most, or None."""
+        if not self.refusals:
+            return None
+        count, row = max(self.refusals.values(), key=lambda cr: cr[0])
+        c = dict(zip(COLUMNS, row))
+        return count, ParallelConfig(
+            dp=c["dp"], tp=c["tp"], pp=c["pp"], ep=c["ep"], zero_stage=c["zero"],  # type: ignore[arg-type]
+            offload=OFFLOADS[c["offload"]], micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],  # type: ignore[arg-type]
+            recompute=RECOMPUTES[c["recompute"]], sequence_parallel=bool(c["sp"]),  # type: ignore[arg-type]
+            virtual_stages=c["vs"], framework=FRAMEWORKS[c["framework"]],  # type: ignore[arg-type]
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -156,7 +171,7 @@ def _groups_split_evenly(gpus_per_node: int, tp: int, ep: int, dp: int, pp: int)
         (1, tp), (tp, ep), (tp * ep, dp // ep), (tp, dp), (tp * dp, pp)))
 
 
-def _settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
+def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
     """(zero, offload, recompute, sp, framework) index tuples allowed by the constraints.
 
     Combinations ParallelConfig itself forbids (offload without ZeRO, parameter offload
@@ -188,9 +203,11 @@ def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
 
 
 def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
-                      rule: FrameworkRule) -> list[tuple[list[tuple[int, int, int, int, int]], int]]:
+                      rule: FrameworkRule) -> list[tuple[list[tuple[int, int, int, int, int]], int,
+                                                        dict[int, tuple[int, tuple[int, int, int, int, int]]]]]:
     """Per pattern (given by a representative degree combination and its accumulation flag):
-    the settings its framework runs, and how many settings are structurally valid for it.
+    the settings its framework runs, how many settings are structurally valid for it, and per
+    broken rule the settings it refuses (how many, the first).
 
     One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
     facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1."""
@@ -205,16 +222,23 @@ def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int
                          micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
                          recompute=np.array(RECOMPUTES)[r], sequence_parallel=sp == 1, virtual_stages=vs,
                          framework=np.array(FRAMEWORKS)[f])
-    ok = (valid & rule(cols)).reshape(n, k)
+    broken = np.where(valid, rule(cols), -1).reshape(n, k)
+    ok = (valid.reshape(n, k)) & (broken < 0)
     valid = valid.reshape(n, k)
-    return [([settings[j] for j in np.flatnonzero(ok[i])], int(valid[i].sum())) for i in range(n)]
+    out = []
+    for i in range(n):
+        hit = np.flatnonzero(broken[i] >= 0)
+        ids, first, counts = np.unique(broken[i, hit], return_index=True, return_counts=True)
+        reasons = {r: (c, settings[j]) for r, c, j in zip(ids.tolist(), counts.tolist(), hit[first].tolist())}
+        out.append(([settings[j] for j in np.flatnonzero(ok[i])], int(valid[i].sum()), reasons))
+    return out
 
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
                     cons: Constraints, framework_rule: FrameworkRule) -> Space:
     """Every candidate, as columns; rejected counts by reason."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons)
-    settings = _settings(cons)
+    settings = allowed_settings(cons)
     # Micro-batches split by whether the accumulation reaches pp: per (dp, pp), which many
     # degree combinations share.
     splits: dict[tuple[int, int], list[tuple[bool, np.ndarray]]] = {}
@@ -240,9 +264,11 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     verdicts = _pattern_verdicts(reps, settings, framework_rule) if reps else []
     allowed: list[tuple[int, int, int]] = []  # per pattern: (first ok row, ok count, valid count)
     ok_rows: list[tuple[int, int, int, int, int]] = []
-    for ok, n_valid in verdicts:
+    for ok, n_valid, _ in verdicts:
         allowed.append((len(ok_rows), len(ok), n_valid))
         ok_rows.extend(ok)
+    pattern_mbs = [0] * len(verdicts)  # candidates per setting of each pattern (its blocks' micro-batches)
+    pattern_first: list[tuple[Degrees, int] | None] = [None] * len(verdicts)  # its first block
     # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
     # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
     heads: list[tuple[int, int, int, int, int]] = []
@@ -252,13 +278,23 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     for deg, mb, pattern_id in blocks:
         first, k, n_valid = allowed[pattern_id]
         framework_rejected += (n_valid - k) * mb.size
+        pattern_mbs[pattern_id] += mb.size
+        pattern_first[pattern_id] = pattern_first[pattern_id] or (deg, int(mb[0]))
         if not k:
             continue
         heads.append((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs))
         block_rows.append((first, k))
         block_mbs.append(mb)
+    refusals: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for (_, _, reasons), weight, head in zip(verdicts, pattern_mbs, pattern_first):
+        for reason, (count, setting) in reasons.items():
+            seen, example = refusals.get(reason, (0, ()))
+            if not example and head is not None:  # patterns are met in block order: the first example stands
+                deg, b = head
+                example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b))
+            refusals[reason] = (seen + count * weight, example)
     columns = _layout(heads, block_rows, block_mbs, np.array(ok_rows, dtype=np.int64).reshape(-1, 5), global_batch)
-    return Space(columns, {"indivisible": indivisible, "framework": framework_rejected})
+    return Space(columns, {"indivisible": indivisible, "framework": framework_rejected}, refusals)
 
 
 def _layout(heads: list[tuple[int, int, int, int, int]], block_rows: list[tuple[int, int]],

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from planner.cost.frameworks import ConfigColumns, RunFacts, runnable
+from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken
 from planner.cost.memory import host_capacity_bytes
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
@@ -35,7 +35,8 @@ from planner.search import rank as rk
 from planner.search.evaluate import Evaluator
 from planner.search.plans import build_plan, build_plans
 from planner.search.schedule_check import schedule_notes
-from planner.search.space import Constraints, ModelFacts, Space, default_global_batch, divisors, enumerate_space
+from planner.search.space import Constraints, ModelFacts, Space, allowed_settings, default_global_batch, divisors, \
+    enumerate_space
 
 BALANCERS = ("greedy", "optimal")
 # Keys evaluated in full before the first look at the bar (then twice as many each round).
@@ -208,30 +209,82 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     return result
 
 
-def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints) -> Space:
+# The pins a user can drop, as (flag, Constraints field), in the order an error names them.
+_PINS = (("--dp", "dp"), ("--tp", "tp"), ("--pp", "pp"), ("--ep", "ep"), ("--virtual-stages", "virtual_stages"),
+         ("--micro-batch", "micro_batch"), ("--zero", "zero"), ("--offload", "offload"), ("--recompute", "recompute"),
+         ("--framework", "framework"), ("--sequence-parallel", "sequence_parallel"))
+
+
+def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints, explain: bool = True) -> Space:
+    """The candidate space; UserError when it is empty, saying why (``explain``: and which
+    single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch
     run_facts = RunFacts(is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm,
                          optimizer=workload.optimizer, precision=workload.precision)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
-        return runnable(cols, run_facts)
+        return first_broken(cols, run_facts)
 
     facts = _facts(model)
-    space = enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, cons, rule)
+
+    def enumerate_with(c: Constraints) -> Space:
+        return enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, c, rule)
+
+    space = enumerate_with(cons)
     if len(space):
         return space
     dps = [d for d in divisors(cluster.num_gpus) if cons.dp is None or d in cons.dp]
     if not any(gb % d == 0 for d in dps):
         raise UserError(f"--global-batch {gb} is not divisible by any data-parallel size possible on "
                         f"{cluster.num_gpus} GPUs ({', '.join(map(str, dps))}); pick a multiple of one of them")
+    raise UserError(_empty_space_message(model, cluster, workload, cons, space, facts, enumerate_with, explain))
+
+
+def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints, space: Space,
+                         facts: ModelFacts, enumerate_with: Callable[[Constraints], Space], explain: bool) -> str:
+    """Why no candidate is left, leading with the fix: the pins that, dropped one at a time,
+    leave candidates (one enumeration each), then what ruled the candidates out."""
+    world, gb = cluster.num_gpus, workload.global_batch
+    freed = []
+    for flag, name in _PINS if explain else ():
+        values = getattr(cons, name)
+        if values is None:
+            continue
+        n = len(enumerate_with(replace(cons, **{name: None})))
+        if n:
+            if name == "sequence_parallel":
+                shown = "/".join("--sequence-parallel" if v else "--no-sequence-parallel" for v in values)
+            else:
+                shown = f"{flag} {','.join(map(str, values))}"
+            freed.append(f"{shown} ({n:,} candidates)")
+    why = []
+    pinned = [(tp, pp) for tp in cons.tp or divisors(world) for pp in cons.pp or divisors(world)
+              if world % (tp * pp) == 0 and (cons.dp is None or world // (tp * pp) in cons.dp)]
+    if not pinned:
+        why.append(f"no --dp/--tp/--pp combination multiplies to the {world} GPUs")
+    if not allowed_settings(cons):
+        why.append("--offload optimizer needs ZeRO 1-3 and --offload optimizer+params ZeRO-3")
     bad, refused = space.rejected["indivisible"], space.rejected["framework"]
-    raise UserError(
-        "the constraints exclude every plan "
-        f"({bad} degree combination{' breaks' if bad == 1 else 's break'} a divisibility rule: TP must divide the "
-        f"{'/'.join(map(str, facts.heads))} heads and {facts.kv_heads} KV heads and stay in a node, PP x virtual stages "
-        f"<= {facts.units} layers, DP must divide the global batch {gb}, every process group must hold equal shares "
-        f"of the nodes it spans; {refused} candidate{' needs' if refused == 1 else 's need'} something their "
-        "framework cannot run); relax --tp/--pp/--zero/--framework or the batch")
+    if pinned and bad:
+        text = f"{bad:,} degree combination{' breaks' if bad == 1 else 's break'} a divisibility rule"
+        if not why and not refused:  # the only cause: spell the rules out
+            text += (f": TP must divide the {'/'.join(map(str, facts.heads))} heads and {facts.kv_heads} KV heads and "
+                     f"stay in a node, PP x virtual stages <= {facts.units} layers, DP and the micro-batch must divide "
+                     f"the global batch {gb}, every process group must hold equal shares of the nodes it spans")
+        why.append(text)
+    if refused:
+        text = f"{refused:,} candidate{' needs' if refused == 1 else 's need'} something their framework cannot run"
+        most = space.most_refused()
+        if most is not None and most[0] == refused:  # one rule refused them all: name it, with its fix
+            try:
+                check_framework_for(most[1], model, optimizer=workload.optimizer, precision=workload.precision)
+            except UserError as err:
+                text += f" ({err})"
+        why.append(text)
+    lead = "the constraints exclude every plan"
+    if freed:
+        return f"{lead}: dropping {' or '.join(freed)} leaves plans to rank. Why: {'; '.join(why)}"
+    return f"{lead} ({'; '.join(why)}); relax --tp/--pp/--zero/--framework or the batch"
 
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
@@ -436,7 +489,7 @@ def _fits_somewhere(model: ModelSpec, profile: HardwareProfile, nodes: int, work
                     balancer: str) -> bool:
     try:
         cluster = Cluster.build(profile, nodes)
-        space = _space(model, cluster, workload, cons)
+        space = _space(model, cluster, workload, cons, explain=False)
     except UserError:
         return False
     res = _search(model, cluster, workload, space, balancer, "memory", 1, {}, None)
