@@ -89,13 +89,7 @@ class Space:
 
     def config(self, i: int) -> ParallelConfig:
         """Candidate i as the cost model's ParallelConfig."""
-        c = {k: int(v[i]) for k, v in self.columns.items()}
-        return ParallelConfig(
-            dp=c["dp"], tp=c["tp"], pp=c["pp"], ep=c["ep"], zero_stage=c["zero"],  # type: ignore[arg-type]
-            offload=OFFLOADS[c["offload"]], micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],  # type: ignore[arg-type]
-            recompute=RECOMPUTES[c["recompute"]], sequence_parallel=bool(c["sp"]),  # type: ignore[arg-type]
-            virtual_stages=c["vs"], framework=FRAMEWORKS[c["framework"]],  # type: ignore[arg-type]
-        )
+        return _row_config({k: int(v[i]) for k, v in self.columns.items()})
 
     def subset(self, mask: np.ndarray) -> "Space":
         return Space({k: v[mask] for k, v in self.columns.items()}, dict(self.rejected), dict(self.refusals))
@@ -105,13 +99,17 @@ class Space:
         if not self.refusals:
             return None
         count, row = max(self.refusals.values(), key=lambda cr: cr[0])
-        c = dict(zip(COLUMNS, row))
-        return count, ParallelConfig(
-            dp=c["dp"], tp=c["tp"], pp=c["pp"], ep=c["ep"], zero_stage=c["zero"],  # type: ignore[arg-type]
-            offload=OFFLOADS[c["offload"]], micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],  # type: ignore[arg-type]
-            recompute=RECOMPUTES[c["recompute"]], sequence_parallel=bool(c["sp"]),  # type: ignore[arg-type]
-            virtual_stages=c["vs"], framework=FRAMEWORKS[c["framework"]],  # type: ignore[arg-type]
-        )
+        return count, _row_config(dict(zip(COLUMNS, row)))
+
+
+def _row_config(c: dict[str, int]) -> ParallelConfig:
+    """A row of COLUMNS (index codes) as the cost model's ParallelConfig."""
+    return ParallelConfig(
+        dp=c["dp"], tp=c["tp"], pp=c["pp"], ep=c["ep"], zero_stage=c["zero"],  # type: ignore[arg-type]
+        offload=OFFLOADS[c["offload"]], micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],  # type: ignore[arg-type]
+        recompute=RECOMPUTES[c["recompute"]], sequence_parallel=bool(c["sp"]),  # type: ignore[arg-type]
+        virtual_stages=c["vs"], framework=FRAMEWORKS[c["framework"]],  # type: ignore[arg-type]
+    )
 
 
 def divisors(n: int) -> list[int]:
