@@ -127,7 +127,7 @@ def _unit_types(ev: "Evaluator", prep: "Prepared", keys: np.ndarray) -> tuple[np
     parameters and stored activation bytes per sample ([group x type] each), and how many
     units are of each type ([type]). Units equal in every group share a type: the 126 decoder
     layers of a dense model are one type, priced once."""
-    starts = np.array([a for a, _ in ev.units])
+    starts = ev.unit_starts
     per_block = []
     for tp, sp, ep, _, mode, pp, _, dp, _ in keys.tolist():
         table = ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep])

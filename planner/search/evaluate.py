@@ -128,6 +128,10 @@ class Evaluator:
         self.model, self.cluster, self.workload, self.balancer = model, cluster, workload, balancer
         self.dev = eff.device(cluster.profile, workload.precision)
         self.units = pipeline_units(model)
+        # First and one-past-last block of each unit, as index arrays (prefix sums over blocks
+        # become per-unit sums with one subtraction).
+        self.unit_starts = np.array([a for a, _ in self.units])
+        self.unit_ends = np.array([e for _, e in self.units])
         self.nblocks = len(model.blocks)
         self._shapes: dict[tuple[int, int, int, int], Shapes] = {}
         self._tables: dict[tuple, BlockTable] = {}
@@ -240,9 +244,7 @@ class Evaluator:
         hit = self._unit_costs.get(key)
         if hit is None or hit[0] is not table:
             prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b)))))
-            starts = np.array([s for s, _ in self.units])
-            ends = np.array([e for _, e in self.units])
-            hit = (table, (prefix[ends] - prefix[starts]).tolist())
+            hit = (table, (prefix[self.unit_ends] - prefix[self.unit_starts]).tolist())
             self._unit_costs[key] = hit  # holding the table keeps its id unique
         return hit[1]
 

@@ -61,7 +61,7 @@ def stage_memory(ev: "Evaluator", prep: "Prepared", i: int) -> StageMemory:
     grow = 1.0 + mem.FRAGMENTATION
     per_block_state = (wd + gd + od) * table.params + (we + ge + oe) * table.expert
     per_block_act = table.act[mode] * b
-    starts = np.array([s for s, _ in ev.units])
+    starts = ev.unit_starts
     state = (grow * np.add.reduceat(per_block_state, starts)).tolist()  # units tile the blocks in order
     act = (grow * np.add.reduceat(per_block_act, starts)).tolist()
     rank = np.arange(pp)
