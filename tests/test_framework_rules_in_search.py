@@ -1,5 +1,5 @@
 """The search asks the framework rules once per pattern of what they read (space._rule_pattern),
-in their vector form (frameworks.runnable): over whole spaces, the candidates it keeps and the
+in their vector form (frameworks.first_broken): over whole spaces, the candidates it keeps and the
 count it rejects equal checking every config directly with check_framework."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from planner.cost.frameworks import RULES, ConfigColumns, RunFacts, check_framework, first_broken, runnable
+from planner.cost.frameworks import RULES, ConfigColumns, RunFacts, check_framework, first_broken
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
@@ -90,11 +90,11 @@ def test_runnable_mask_equals_check_framework_config_by_config(facts: RunFacts) 
             messages.append(str(err))
     cols = ConfigColumns(**{name: np.array([getattr(c, name) for c in configs])
                             for name in ConfigColumns.__slots__})
-    got = runnable(cols, facts)
+    broken = first_broken(cols, facts)
+    got = broken < 0
     assert got.tolist() == expected
     assert 0 < sum(expected) < len(expected)
     # The index first_broken gives is the rule whose message check_framework raises.
-    broken = first_broken(cols, facts)
     named = [None if k < 0 else RULES[k].message(cfg, facts) for k, cfg in zip(broken.tolist(), configs)]
     assert named == messages
     assert len({m for m in messages if m}) > 10  # many different rules are exercised

@@ -168,7 +168,7 @@ RULES: tuple[Rule, ...] = (
 @dataclass(slots=True)
 class ConfigColumns:
     """ParallelConfig's fields as equal-length arrays (strings as numpy string arrays): many
-    configs for ``runnable``."""
+    configs for ``first_broken``."""
 
     dp: np.ndarray
     tp: np.ndarray
@@ -207,11 +207,6 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
             hit = hit & (cols.framework == rule.framework)
         out[hit] = k
     return out
-
-
-def runnable(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
-    """Which of many configs ``check_framework`` lets through, as a mask."""
-    return first_broken(cols, facts) < 0
 
 
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str) -> None:
