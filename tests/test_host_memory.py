@@ -31,8 +31,11 @@ def test_host_capacity_is_the_usable_share_of_the_nodes_memory():
 
 def test_offloading_405b_to_one_node_overflows_the_host_and_does_not_fit():
     plan, profile = _offload_plan("llama-3.1-405b", 1)
-    # fp32 master weights + two Adam moments alone are 12 bytes per parameter, on one node.
-    assert plan.cpu_bytes_per_node > 12 * 405e9
+    # ZeRO-3 offloading parameters too keeps 18 bytes per parameter on the host (fp32 master,
+    # fp32 gradient, two Adam moments, the 16-bit partition), x1.5 for pinned buffers: DeepSpeed's
+    # own estimator (estimate_zero3_model_states_mem_needs, 18 x gpus_factor x 1.5 per node).
+    P = load_model("llama-3.1-405b").total_params()
+    assert plan.cpu_bytes_per_node == pytest.approx(18 * P * 1.5, rel=1e-12)
     assert plan.memory.peak <= plan.capacity_bytes  # the GPU side would fit...
     assert not plan.fits  # ...but the host cannot hold the offloaded states
     assert "host memory per node" in plan.why_not()
@@ -62,3 +65,33 @@ def test_every_ranked_offload_plan_fits_in_host_memory(nodes):
     cap = host_capacity_bytes(load_profile("dgx-a100-80g").node.host_memory_GiB)
     plans = json.loads(result.output)["plans"]
     assert plans and all(0 < p["memory"]["cpu_bytes_per_node"] <= cap for p in plans)
+
+
+@pytest.mark.parametrize(("zero", "offload", "per_param", "gpu_grad_bytes"), [
+    # ZeRO-1/2 (DeepSpeed stage_1_and_2.py): fp32 master partition (4), fp32 gradient partition
+    # (4), Adam m and v (8), and the pinned 16-bit copy of the partition the updated weights go
+    # back through (2). ZeRO-1 keeps whole 16-bit gradients on the GPU; ZeRO-2 none.
+    (1, "optimizer", 18, 2.0),
+    (2, "optimizer", 18, 0.0),
+    # ZeRO-3 (stage3.py): master, gradient and moments (16); with parameter offload the 16-bit
+    # partition too (18).
+    (3, "optimizer", 16, None),
+    (3, "optimizer+params", 18, None),
+])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_host_bytes_of_deepspeed_offload_worked_by_hand(zero, offload, per_param, gpu_grad_bytes, nodes):
+    """Each node holds its GPUs' partitions: per_param x P / (8 x nodes) x 8, x1.5 for pinned
+    buffers. DeepSpeed's ZeRO-2 estimator says P x max(4 x GPUs, 16) x 1.5 instead: its 4 x GPUs
+    is the fp32 model every process builds at start-up, a transient that zero.Init or
+    meta-device loading avoids, not the steady state a plan must hold."""
+    model = load_model("llama-3-8b")
+    P = model.total_params()
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    dp = cluster.num_gpus
+    cfg = ParallelConfig(dp=dp, zero_stage=zero, offload=offload, micro_batch=1, grad_accum=1, recompute="full",
+                         framework="deepspeed")
+    plan = estimate(model, cluster, Workload(global_batch=dp, seq_len=2048), cfg)
+    assert plan.cpu_bytes_per_node == pytest.approx(per_param * P / nodes * 1.5, rel=1e-12)
+    assert plan.memory.optimizer == 0.0
+    if gpu_grad_bytes is not None:
+        assert plan.memory.grads == pytest.approx(gpu_grad_bytes * P, rel=1e-12)

@@ -160,9 +160,11 @@ def test_nothing_fits_gives_closest_and_advice() -> None:
     # Megatron offloads its optimizer itself (bf16): the advice keeps the framework.
     assert "optimizer offload (--offload optimizer)" in res.advice
     assert any("nodes" in a for a in res.advice)
-    # In fp16 it cannot: the advice names the framework change that offloading then needs.
+    # In fp16 it cannot: the advice names the framework change that offloading then needs (on two
+    # nodes: DeepSpeed's 18 host bytes per parameter, x1.5 pinned, need 1.73 TiB on one node's
+    # 1.70 usable, 0.87 TiB per node on two).
     with pytest.raises(NoPlanFits) as info:
-        suggest("llama-3.1-70b", nodes=1, precision="fp16",
+        suggest("llama-3.1-70b", nodes=2, precision="fp16",
                 constraints=Constraints(tp=(8,), zero=(0,), framework=("megatron",)))
     assert "optimizer offload on DeepSpeed (--offload optimizer --framework deepspeed)" in info.value.result.advice
 
@@ -286,22 +288,31 @@ def test_why_behind_names_what_settles_a_tie() -> None:
 
 def test_cost_objective_breaks_equal_costs_by_host_memory_then_gpu_memory() -> None:
     """--objective cost: GPU-hours per token first (1 / tokens/s on a fixed cluster); equal
-    costs go to the plan that keeps fewer bytes in host memory (offload), then less GPU memory.
-    On one DGX, llama-3.1-8b has two optimizer-offload plans at identical tokens/s whose host
-    and GPU memory disagree: host memory decides (with 1, 2 or 4 virtual stages: more let
-    interleaved plans push the tie out of the top 5)."""
-    from planner.search.rank import why_behind
+    costs go to the plan that keeps fewer bytes in host memory (offload), then less GPU memory."""
+    from planner.search.rank import _TIE_COLUMNS, order, why_behind
 
+    cols = {c: np.zeros(4, dtype=int) for c in _TIE_COLUMNS}
+    tps = np.array([100.0, 100.0, 100.0, 120.0])
+    host = np.array([2e11, 1e11, 1e11, 5e11])
+    peak = np.array([50e9, 70e9, 60e9, 79e9])
+    # 3 is cheapest; of the equal three, 1 and 2 hold less in host memory, and 2 less on the GPU.
+    assert list(order("cost", cols, tps, peak, host, 8)) == [3, 2, 1, 0]
+    plan = {"zero_stage": 2, "tokens_per_s": 100.0, "time": {}, "memory": {"peak_bytes": 70 * 2**30, "cpu_bytes_per_node": 100 * 2**30}}
+    heavier = {**plan, "zero_stage": 1, "memory": {"peak_bytes": 50 * 2**30, "cpu_bytes_per_node": 200 * 2**30}}
+    assert "equal tokens/s; ranks lower on more host memory for offload (200.0 vs 100.0 GiB per node); peak memory 50.0 vs 70.0 GiB" in why_behind(plan, heavier, "cost")
+
+    # On one DGX, llama-3.1-8b's ZeRO-1 and ZeRO-2 optimizer-offload plans run at identical
+    # tokens/s and pin the same 18 bytes per parameter on the host: GPU memory decides.
     res = suggest("llama-3.1-8b", nodes=1, top=5, objective="cost", constraints=Constraints(virtual_stages=(1, 2, 4)))
     keys = [(round(1 / p.plan.tokens_per_s, 15), p.plan.cpu_bytes_per_node, p.plan.memory.peak) for p in res.plans]
     assert keys == sorted(keys)
     tied = [(a, b) for a, b in zip(res.plans, res.plans[1:]) if a.plan.tokens_per_s == b.plan.tokens_per_s]
-    assert tied, "the case must hold a tie on cost"
+    assert [(a.plan.cfg.zero_stage, b.plan.cfg.zero_stage) for a, b in tied] == [(2, 1)]
     for a, b in tied:
-        assert a.plan.cpu_bytes_per_node < b.plan.cpu_bytes_per_node and a.plan.memory.peak > b.plan.memory.peak
+        assert a.plan.cpu_bytes_per_node == b.plan.cpu_bytes_per_node and a.plan.memory.peak < b.plan.memory.peak
         # compared with each other (each row's own line compares it with #1), the tie is named
         line = why_behind(a.plan.to_json(), b.plan.to_json(), "cost")
-        assert "equal tokens/s; ranks lower on host memory for offload, then" in line
+        assert "zero_stage 1 vs 2: equal tokens/s and host memory; ranks lower on more peak memory" in line
     assert any("more GPU-hours per token (" in p.why for p in res.plans[1:])
 
 

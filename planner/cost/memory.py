@@ -165,9 +165,14 @@ def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: 
         return w, g, opt, 0.0
     # Offload: the optimizer states and the fp32 gradient partition live on the CPU; the GPU
     # keeps the 16-bit weights (ZeRO-3: its partition) and streams reduced gradients out.
-    if zero == 1:
-        cpu = (fp32_grad + states) / n
-        g = float(work)
+    # ZeRO-1/2 (DeepSpeed 0.19 runtime/zero/stage_1_and_2.py) also pin a 16-bit copy of the
+    # partition on the host (param_buffer_of_bit16_for_cpu_offload_groups), through which the
+    # updated weights go back to the GPU: 16 + 2 bytes per parameter of the partition. (With
+    # gradient accumulation, accumulated_grads_in_cpu adds 16-bit gradients of the partition's
+    # parameters; not counted.)
+    if zero <= 2:
+        cpu = (work + fp32_grad + states) / n
+        g = float(work) if zero == 1 else 0.0  # ZeRO-1 keeps whole 16-bit gradients on the GPU
     else:
         cpu = g + opt
         g = 0.0

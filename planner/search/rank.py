@@ -114,9 +114,15 @@ def why_behind(best: dict, other: dict, objective: str) -> str:
     mem = "equal peak memory" if same_peak else f"peak memory {peak_o / gib:.1f} vs {peak_b / gib:.1f} GiB"
     if same_speed:
         tie = "more peak memory" if not same_peak else "the tie-break (simpler plans first)"
-        if objective == "cost":
-            tie = f"host memory for offload, then {tie}"
-        return f"{diff}: equal tokens/s; ranks lower on {tie}; {mem}"
+        equal = "equal tokens/s"
+        if objective == "cost":  # host memory for offload settles ties first (see ``order``)
+            host_b = best["memory"].get("cpu_bytes_per_node", 0.0)
+            host_o = other["memory"].get("cpu_bytes_per_node", 0.0)
+            if abs(host_o - host_b) > 1e-9 * max(host_b, 1.0):
+                tie = f"more host memory for offload ({host_o / gib:.1f} vs {host_b / gib:.1f} GiB per node)"
+            else:
+                equal = "equal tokens/s and host memory"
+        return f"{diff}: {equal}; ranks lower on {tie}; {mem}"
     parts = _largest({k: best["time"].get(k, 0.0) - other["time"].get(k, 0.0) for k in _TIME_NAMES},
                      lambda k: _TIME_NAMES[k], _seconds)
     if objective == "cost":  # GPU-hours per token go as 1 / tokens/s on a fixed cluster
