@@ -79,8 +79,15 @@ def test_generate_without_a_plan_takes_the_searchs_plan_for_the_pinned_degrees(t
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())
     assert (plan["dp"], plan["tp"], plan["pp"], plan["grad_accum"]) == (8, 2, 1, 4)
-    assert plan["step_time_s"] > 0 and "memory" in plan
     assert json.loads((out / "ds_config.json").read_text())["tensor_parallel"] == {"autotp_size": 2}
+    # and its predictions are estimate's for the same plan
+    est = invoke("estimate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--zero", "1", "--micro-batch", "2",
+                 "--global-batch", "64", "--framework", "deepspeed", "--json")
+    assert est.exit_code == 0, est.output
+    est = json.loads(est.output)
+    assert plan["step_time_s"] == pytest.approx(est["step_time_s"], rel=1e-9)
+    assert plan["memory"]["peak_bytes"] == pytest.approx(est["memory"]["peak_bytes"], rel=1e-9)
+    assert plan["tokens_per_s"] == pytest.approx(est["tokens_per_s"], rel=1e-9)
 
 
 def test_generate_rank_k_is_the_kth_plan_of_suggest(tmp_path: Path):
