@@ -116,6 +116,15 @@ PLANS = {
                                                            grad_accum=6)),
     # Megatron-Core's optimizer CPU offload (HybridDeviceOptimizer).
     "megatron-offload": ("llama-3.1-8b", 2, dict(framework="megatron", zero_stage=1, tp=2, offload="optimizer")),
+    # GQA with full recompute over a pipeline, fp16, no ZeRO (so no distributed optimizer).
+    "megatron-full-fp16": ("llama-3.1-70b", 2, dict(framework="megatron", zero_stage=0, tp=4, pp=2, recompute="full",
+                                                    precision="fp16", grad_accum=4, sequence_parallel=True)),
+    # Full recompute on an interleaved pipeline whose chunks hold 4 or 5 decoders.
+    "megatron-full-interleaved": ("llama-3.1-8b", 2, dict(framework="megatron", zero_stage=1, pp=4, virtual_stages=2,
+                                                          recompute="full", grad_accum=8)),
+    # MHA, learned positions, LayerNorm, tied embeddings, fp32, selective recompute, TP without SP.
+    "megatron-gpt3-fp32": ("gpt3-125m", 1, dict(framework="megatron", zero_stage=0, tp=2, precision="fp32",
+                                                recompute="selective", micro_batch=4, grad_accum=2)),
 }
 
 
@@ -247,6 +256,174 @@ def test_an_interleaved_plan_pp_does_not_divide_names_its_micro_batch_group(run_
     assert (plan["pp"], plan["virtual_stages"], plan["grad_accum"]) == (4, 2, 6)
     assert flags["--microbatch-group-size-per-virtual-pipeline-stage"] == "6"
     assert int(flags["--global-batch-size"]) == 6 * plan["dp"] * plan["micro_batch"]
+
+
+# What the value checks below hold every plan to. Expected numbers come from the published
+# architecture (../shared/reference/models/<model>.json) and from plan.json; what a flag means is
+# Megatron-LM's (megatron/training/arguments.py and megatron/core/transformer/transformer_block.py):
+# - without --group-query-attention Megatron ignores --num-query-groups and uses one KV head per
+#   query head; --kv-channels defaults to hidden / heads;
+# - experts use --moe-ffn-hidden-size, or --ffn-hidden-size when it is absent (Megatron-DeepSpeed's
+#   experts always use --ffn-hidden-size);
+# - --recompute-activations is shorthand for --recompute-granularity selective; validate_args refuses
+#   a --recompute-method with selective; full needs a method (_checkpointed_forward raises "Invalid
+#   activation recompute method." without one): uniform checkpoints chunks of --recompute-num-layers
+#   layers (custom(l, l + n) over each pipeline chunk, so n must divide every chunk), block
+#   checkpoints only the first n layers of each chunk;
+# - data-parallel size = world / (tp x pp); micro-batches per step = global / (micro x dp);
+# - the distributed optimizer is Megatron's ZeRO-1 (optimizer states sharded over data parallel).
+RECOMPUTE_FLAGS = ("--recompute-activations", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                   "--deepspeed-activation-checkpointing")
+
+
+def published(reference_dir: Path, run_dir: Path) -> tuple[dict, dict]:
+    """(plan.json, the model's published architecture facts) for one run directory."""
+    plan = json.loads((run_dir / "plan.json").read_text())
+    return plan, json.loads((reference_dir / "models" / f"{plan['model']}.json").read_text())
+
+
+def decoders_per_chunk(flags: dict[str, str | None], num_layers: int, pp: int) -> list[int]:
+    """Decoder layers in each pipeline chunk, as Megatron splits them given these flags."""
+    if "--pipeline-model-parallel-layout" in flags:
+        return [chunk.count("t") for chunk in flags["--pipeline-model-parallel-layout"].split("|")]
+    if "--decoder-first-pipeline-num-layers" in flags:
+        first, last = int(flags["--decoder-first-pipeline-num-layers"]), int(flags["--decoder-last-pipeline-num-layers"])
+        middle = (num_layers - first - last) // (pp - 2)
+        assert first + middle * (pp - 2) + last == num_layers
+        return [first, *[middle] * (pp - 2), last]
+    chunks = pp * int(flags.get("--num-virtual-stages-per-pipeline-rank") or 1)
+    assert num_layers % chunks == 0, "Megatron's even split needs the layers to divide over the chunks"
+    return [num_layers // chunks] * chunks
+
+
+def test_the_parametrised_plans_cover_gqa_mla_moe_every_recompute_mode_and_precision(run_dirs, reference_dir):
+    seen = {"attention": set(), "recompute": set(), "precision": set(), "moe": set(), "framework": set()}
+    for name in PLANS:
+        plan, arch = published(reference_dir, run_dirs[name])
+        seen["attention"].add(arch["attention_type"])
+        seen["recompute"].add(plan["recompute"])
+        seen["precision"].add(plan["precision"])
+        seen["moe"].add(arch["moe"] is not None)
+        seen["framework"].add(plan["framework"])
+    assert seen == {"attention": {"GQA", "MHA", "MLA"}, "recompute": {"none", "selective", "full"},
+                    "precision": {"bf16", "fp16", "fp32"}, "moe": {True, False},
+                    "framework": {"deepspeed", "megatron", "megatron-deepspeed"}}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_megatron_model_shape_flags_match_the_published_architecture(run_dirs, reference_dir, name):
+    flags = flag_values(run_dirs[name])
+    plan, arch = published(reference_dir, run_dirs[name])
+    heads = arch["num_attention_heads"]
+    assert int(flags["--num-layers"]) == arch["num_layers"]
+    assert int(flags["--hidden-size"]) == arch["hidden_size"]
+    assert int(flags["--num-attention-heads"]) == heads
+    assert int(flags["--vocab-size"]) == arch["vocab_size"]
+    assert int(flags["--seq-length"]) == plan["seq_len"]
+
+    if arch["attention_type"] == "MLA":
+        mla = arch["mla"]
+        assert "--multi-latent-attention" in flags and "--group-query-attention" not in flags
+        assert int(flags["--kv-lora-rank"]) == mla["kv_lora_rank"]
+        assert int(flags["--qk-head-dim"]) == mla["qk_nope_head_dim"]
+        assert int(flags["--qk-pos-emb-head-dim"]) == mla["qk_rope_head_dim"]
+        assert int(flags["--v-head-dim"]) == mla["v_head_dim"]
+        if mla["q_lora_rank"] is None:
+            assert "--q-lora-rank" not in flags
+        else:
+            assert int(flags["--q-lora-rank"]) == mla["q_lora_rank"]
+    else:
+        assert "--multi-latent-attention" not in flags
+        gqa = "--group-query-attention" in flags
+        kv_heads = int(flags["--num-query-groups"]) if gqa else heads
+        assert kv_heads == arch["num_kv_heads"], f"{name}: {kv_heads} KV heads, the model has {arch['num_kv_heads']}"
+        assert gqa == (arch["attention_type"] == "GQA")
+        kv_channels = int(flags["--kv-channels"]) if "--kv-channels" in flags else arch["hidden_size"] // heads
+        assert kv_channels == arch["head_dim"]
+
+    moe = arch["moe"]
+    if moe is None or moe["dense_layers"]:
+        assert int(flags["--ffn-hidden-size"]) == arch["ffn_intermediate_size"]
+    if moe is not None:
+        expert_ffn = flags.get("--moe-ffn-hidden-size") or flags["--ffn-hidden-size"]
+        assert int(expert_ffn) == moe["moe_intermediate_size"]
+        assert int(flags["--num-experts"]) == moe["n_routed_experts"]
+        if plan["framework"] == "megatron-deepspeed":
+            assert int(flags["--topk"]) == moe["experts_per_token"]
+        else:
+            assert int(flags["--moe-router-topk"]) == moe["experts_per_token"]
+            pattern = ["0" if i in moe["dense_layers"] else "1" for i in range(arch["num_layers"])]
+            assert flags["--moe-layer-freq"] == "[" + ",".join(pattern) + "]"
+            if moe["n_shared_experts"]:
+                assert int(flags["--moe-shared-expert-intermediate-size"]) == moe["shared_expert_intermediate_size"]
+    else:
+        assert "--num-experts" not in flags and "--moe-router-topk" not in flags
+
+    # Megatron needs the position table to cover the sequence; a learned table is the model's own size.
+    max_pos = int(flags["--max-position-embeddings"])
+    assert max_pos >= plan["seq_len"]
+    if arch["position_embedding"] == "learned":
+        assert flags["--position-embedding-type"] == "learned_absolute" and max_pos == arch["max_seq_len"]
+    else:
+        assert arch["position_embedding"].startswith("rope")
+        assert flags["--position-embedding-type"] == "rope"
+        assert max_pos in (arch["max_seq_len"], arch.get("hf_max_position_embeddings"))
+    assert flags["--normalization"] == {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[arch["norm"]]
+    assert ("--swiglu" in flags) == (arch["ffn_type"] == "swiglu")
+    assert ("--untie-embeddings-and-output-weights" in flags) == (not arch["tied_embeddings"])
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_megatron_recompute_flags_follow_the_plans_recompute_mode(run_dirs, reference_dir, name):
+    flags = flag_values(run_dirs[name])
+    plan, arch = published(reference_dir, run_dirs[name])
+    mode = plan["recompute"]
+    granularity = "selective" if "--recompute-activations" in flags else flags.get("--recompute-granularity")
+    if mode == "none":
+        assert not [f for f in RECOMPUTE_FLAGS if f in flags], f"{name}: recompute flags on a plan without recompute"
+        return
+    assert granularity == mode, f"{name}: plan recompute {mode}, Megatron granularity {granularity}"
+    if plan["framework"] == "megatron-deepspeed":
+        assert "--deepspeed-activation-checkpointing" in flags
+    else:
+        assert "--deepspeed-activation-checkpointing" not in flags
+    if mode == "selective":
+        assert "--recompute-method" not in flags and "--recompute-num-layers" not in flags
+        return
+    # full: every decoder layer of every chunk is recomputed.
+    n = int(flags["--recompute-num-layers"])
+    chunks = decoders_per_chunk(flags, arch["num_layers"], plan["pp"])
+    assert sum(chunks) == arch["num_layers"]
+    if flags["--recompute-method"] == "uniform":
+        assert n >= 1 and all(c % n == 0 for c in chunks), f"{name}: {n} layers per unit over chunks {chunks}"
+    else:
+        assert flags["--recompute-method"] == "block" and n >= max(chunks), f"{name}: block recomputes {n} of {chunks}"
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_megatron_batch_precision_and_optimizer_flags_follow_the_plan(run_dirs, reference_dir, name):
+    flags = flag_values(run_dirs[name])
+    plan, _ = published(reference_dir, run_dirs[name])
+    tp, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
+    assert (tp, pp) == (plan["tp"], plan["pp"])
+    micro, global_batch = int(flags["--micro-batch-size"]), int(flags["--global-batch-size"])
+    assert (micro, global_batch) == (plan["micro_batch"], plan["global_batch"])
+    dp = plan["nodes"] * plan["gpus_per_node"] // (tp * pp)
+    assert global_batch % (micro * dp) == 0 and global_batch // (micro * dp) == plan["grad_accum"]
+
+    precision = {"bf16": {"--bf16"}, "fp16": {"--fp16"}, "fp32": set()}[plan["precision"]]
+    assert {f for f in ("--bf16", "--fp16") if f in flags} == precision, name
+
+    assert ("--sequence-parallel" in flags) == plan["sequence_parallel"]
+    if plan["sequence_parallel"]:
+        assert tp > 1  # Megatron turns sequence parallelism off at tp 1
+
+    if plan["framework"] == "megatron-deepspeed":
+        # ZeRO goes to DeepSpeed; Megatron's own sharded optimizer would shard the states twice.
+        assert int(flags["--zero-stage"]) == plan["zero_stage"] and "--use-distributed-optimizer" not in flags
+    else:
+        assert "--zero-stage" not in flags and "--deepspeed" not in flags
+        assert ("--use-distributed-optimizer" in flags) == (plan["zero_stage"] >= 1), name
 
 
 @pytest.fixture()

@@ -1,0 +1,297 @@
+"""Worked cases: cost-model terms pinned by numbers derived by hand.
+
+Each test picks a small configuration, works the expected number out in its comments from
+first principles and published inputs (parameter counts of the presets, bytes moved per
+collective, Adam's traffic per parameter, Korthikanti et al. 2022's activation tensors, the
+1F1B schedule) and asserts that ``estimate`` (planner/cost) and its vectorised twin in the
+search (planner/search) both give that number. The only inputs read from the project are
+what is tested elsewhere against measurements: the time of a collective of given bytes over
+a given group (planner/cost/collectives.py, tests/test_collectives.py), the per-micro-batch
+compute times (tests/test_layer_costs.py, tests/test_step_time.py) and the HBM bandwidth of
+the hardware profile with the one documented HBM calibration factor.
+
+Layer parameter counts used below (GPT-3 block: QKV 3h^2 + 3h, projection h^2 + h, fc1
+4h^2 + 4h, fc2 4h^2 + h, two LayerNorms 4h -> 12h^2 + 13h):
+
+    gpt3-125m  h = 768:  12*768^2 + 13*768   =  7,087,872;  embedding 50257*768 = 38,597,376,
+                                                            positions 2048*768  =  1,572,864
+    gpt3-2.7b  h = 2560: 12*2560^2 + 13*2560 = 78,676,480;  embedding 50257*2560 = 128,657,920,
+                                                            positions 2048*2560 =   5,242,880
+(12 x 7,087,872 + 1,536 + 38,597,376 + 1,572,864 = 125,226,240 and 32 x 78,676,480 + 5,120 +
+133,900,800 = 2,651,553,280: the totals of shared/reference/models.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cost import efficiency as eff
+from planner.cost.collectives import collective_time_for_size
+from planner.cost.estimate import build_comms, estimate
+from planner.cost.layers import layer_costs
+from planner.cost.parallel import ParallelConfig, Workload
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.model.load import load_model
+from planner.search.evaluate import Evaluator
+from planner.search.space import Constraints
+from planner.search.suggest import _space
+
+PROFILE = "dgx-a100-80g"
+
+
+def _cluster(nodes: int) -> Cluster:
+    return Cluster.build(load_profile(PROFILE), nodes)
+
+
+def _twin(model_name: str, nodes: int, w: Workload, cfg: ParallelConfig):
+    """``cfg`` through the search's vectorised path, and ``estimate`` on the partition the
+    search chose: (plan, partition, per-rank table, assembled per-rank detail)."""
+    model, cluster = load_model(model_name), _cluster(nodes)
+    cons = Constraints(dp=(cfg.dp,), tp=(cfg.tp,), pp=(cfg.pp,), ep=(cfg.ep,), zero=(cfg.zero_stage,),
+                       offload=(cfg.offload,), micro_batch=(cfg.micro_batch,), recompute=(cfg.recompute,),
+                       virtual_stages=(cfg.virtual_stages,), framework=(cfg.framework,),
+                       sequence_parallel=(cfg.sequence_parallel,))
+    space = _space(model, cluster, w, cons)
+    rows = [i for i in range(len(space)) if space.config(i) == cfg]
+    assert len(rows) == 1
+    ev = Evaluator(model, cluster, w)
+    parts, ranks, detail, _ = ev.candidate(ev.prepare(space), rows[0])
+    plan = estimate(model, cluster, w, cfg, partition=parts)
+    return plan, parts, ranks, detail
+
+
+def _layers(chunk: tuple[int, int], first_decoder: int, decoders: int) -> int:
+    """Decoder layers inside a block range (decoder blocks are first_decoder .. +decoders-1)."""
+    a, e = chunk
+    return max(0, min(e, first_decoder + decoders) - max(a, first_decoder))
+
+
+# -- (a) MoE expert-parallel all-to-all ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("recompute", "all_to_alls"), [("none", 4), ("full", 6)])
+def test_moe_all_to_all_is_dispatch_and_combine_in_each_pass(recompute: str, all_to_alls: int) -> None:
+    """Mixtral-8x7B, one DGX A100, tp 1, ep 8 (= dp), seq 4096, micro-batch 1, 2 micro-batches.
+
+    Top-k routing with expert parallelism (GShard, Lepikhin et al. 2020; DeepSpeed-MoE,
+    Rajbhandari et al. 2022; Megatron-Core's all-to-all token dispatcher): each MoE layer's
+    forward runs a *dispatch* all-to-all (every token copied to its k experts' ranks) and a
+    *combine* all-to-all (the k expert outputs back to the token's rank). The backward of an
+    all-to-all is the inverse all-to-all, so backward runs two more (the gradient of the
+    combine, then of the dispatch): 4 per layer per micro-batch. Full recompute runs the
+    layer's forward again, dispatch and combine included: 6.
+
+    Bytes each GPU sends per all-to-all (dropless, balanced): its s*b tokens x k copies x h
+    bf16 values = 4096 * 1 * 2 * 4096 * 2 = 67,108,864 B (nccl-tests' send-buffer size; the
+    1/ep that stays local is in the collective model's (n-1)/n).
+    ep_comm = micro-batches x MoE layers x all-to-alls x t_alltoall(64 MiB over 8 GPUs)."""
+    s, b, k, h, layers, m = 4096, 1, 2, 4096, 32, 2
+    w = Workload(global_batch=8 * b * m, seq_len=s)
+    cfg = ParallelConfig(dp=8, ep=8, zero_stage=1, framework="megatron", micro_batch=b, grad_accum=m,
+                         recompute=recompute)
+    per_a2a = s * b * k * h * 2
+    assert per_a2a == 67_108_864
+    costs = layer_costs(load_model("mixtral-8x7b"), w, tp=1, sp=False, ep=8)
+    moe = [c for c in costs if c.ep_a2a_count]
+    assert len(moe) == layers and all(c.ep_a2a == per_a2a / b for c in moe)  # per sample
+    # The EP group is 8 consecutive GPUs of one node (tp = 1, EP innermost).
+    t_a2a = collective_time_for_size(_cluster(1), "alltoall", 8, per_a2a).time_s
+    expected = m * layers * all_to_alls * t_a2a
+    plan, _, ranks, _ = _twin("mixtral-8x7b", 1, w, cfg)
+    assert plan.time.ep_comm == pytest.approx(expected, rel=1e-9)
+    assert plan.stages[0].microbatch.ep == pytest.approx(layers * all_to_alls * t_a2a, rel=1e-9)
+    assert m * ranks["ep"][0] == pytest.approx(expected, rel=1e-9)  # the search's twin
+
+
+# -- (b) data-parallel reduction hidden behind the pipeline cool-down ----------------------
+
+GPT27_LAYER, GPT27_EMBED, GPT27_POS, GPT27_LN = 78_676_480, 128_657_920, 5_242_880, 2 * 2560
+
+
+def _gpt27_dense(chunk: tuple[int, int]) -> int:
+    """gpt3-2.7b parameters of a pipeline rank: blocks 0 embedding, 1..32 layers, 33 final
+    LayerNorm, 34 tied LM head (on another rank than the embedding: a copy of the word
+    embeddings, Megatron's shared embedding on the last stage)."""
+    a, e = chunk
+    n = _layers(chunk, 1, 32) * GPT27_LAYER
+    if a == 0:
+        n += GPT27_EMBED + GPT27_POS
+    if e == 35:
+        n += GPT27_LN + GPT27_EMBED
+    return n
+
+
+def test_dp_reduction_hides_behind_the_pipeline_cool_down() -> None:
+    """gpt3-2.7b on two DGX A100, dp 8 inside each node, pp 2 across them, Megatron without the
+    distributed optimizer (zero 0: one all-reduce of the fp32 main_grad, 4 B per parameter),
+    seq 768, micro-batch 1, 2 micro-batches.
+
+    1F1B, worked on the timeline (f_r, b_r: one micro-batch's forward/backward on rank r):
+    rank 1's last backward ends b_0 before rank 0's (rank 0 still runs the last micro-batch's
+    backward), so rank 1's bucketed all-reduce, started with its last backward, has
+    b_1 + b_0 to hide in before the pipeline drains; rank 0 has only its own b_0:
+
+        exposed_0 = max(0, AR(4 P_0) - b_0)        exposed_1 = max(0, AR(4 P_1) - b_1 - b_0)
+        dp_comm   = max over ranks
+
+    Stage 0 = embedding + 9 layers, stage 1 = 23 layers + final LN + the tied head's copy:
+        P_0 = 133,900,800 + 9 * 78,676,480              =   841,989,120
+        P_1 = 23 * 78,676,480 + 5,120 + 128,657,920     = 1,938,222,080
+    AR over the 8 GPUs of a node from the collective model; b_r from the plan's micro-batch
+    times. The case is chosen so rank 1's reduction is fully hidden (by b_1 + b_0, and equally
+    by the model's r * b_r cool-down), while without the cool-down it would be exposed longer
+    than rank 0's and set dp_comm."""
+    model, cluster = load_model("gpt3-2.7b"), _cluster(2)
+    w = Workload(global_batch=16, seq_len=768)
+    cfg = ParallelConfig(dp=8, pp=2, zero_stage=0, framework="megatron", micro_batch=1, grad_accum=2)
+    parts = [(0, 10), (10, 35)]
+    plan = estimate(model, cluster, w, cfg, partition=parts)
+    dense = [_gpt27_dense(c) for c in parts]
+    assert dense == [841_989_120, 1_938_222_080]
+    assert [s.memory.weights for s in plan.stages] == [2 * d for d in dense]  # bf16 weights
+    ar = [collective_time_for_size(cluster, "allreduce", 8, 4 * d).time_s for d in dense]
+    b0, b1 = (s.microbatch.bwd + s.microbatch.recompute for s in plan.stages)
+    assert ar[1] <= b1 + b0 and ar[1] <= 2 * b1  # rank 1 hidden by its backward + the cool-down
+    assert ar[1] - b1 > ar[0] - b0 > 0  # ... and would be the most exposed without it
+    assert plan.time.dp_comm == pytest.approx(ar[0] - b0, rel=1e-9)
+
+    # The search's twin, on its own (time-balanced) partition, per rank.
+    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, w, cfg)
+    dense = [_gpt27_dense(c) for c in parts]
+    assert list(ranks["dense"]) == dense
+    ar = [collective_time_for_size(cluster, "allreduce", 8, 4 * d).time_s for d in dense]
+    b0, b1 = ranks["bwd"] + ranks["rc"]
+    assert ar[1] <= b1 + b0 and ar[1] <= 2 * b1 and ar[1] > b1  # hidden only thanks to the cool-down
+    assert detail["dp"][0] == pytest.approx([ar[0] - b0, 0.0], rel=1e-9, abs=1e-12)
+    assert plan.time.dp_comm == pytest.approx(ar[0] - b0, rel=1e-9)
+
+
+# -- (c) Megatron's scatter-gather of pipeline sends ---------------------------------------
+
+
+def test_megatron_pipeline_sends_one_tp_th_of_the_boundary_activation() -> None:
+    """llama-3-8b on four DGX A100, tp 2, dp 4, pp 4 (one pipeline stage per node: every stage
+    boundary crosses InfiniBand), Megatron, seq 4096, micro-batch 1, 8 micro-batches.
+
+    A stage boundary carries the s x b x h bf16 activation forward and its gradient back.
+    Megatron's scatter-gather (Narayanan et al. 2021, Sec. 4.1) sends 1/t of it from each
+    TP rank (each over its own NIC) and re-gathers it over NVLink on the receiving stage:
+        bytes per send = s*b*h*2 / t = 4096 * 1 * 4096 * 2 / 2 = 16,777,216.
+    1F1B pairs the activation sent to the next stage with the gradient received from it
+    (send_forward_recv_backward) and the gradient sent to the previous stage with the next
+    activation from it: one transfer per neighbour per micro-batch on full-duplex links. So
+    stage 0 and the last stage make 1 transfer per micro-batch, the middle stages 2, and the
+    bottleneck stage (a middle one) costs pp_comm = 8 micro-batches x 2 x t_p2p(16 MiB).
+
+    (The NVLink all-gather of Sec. 4.1 is not part of the cost model: see the report.)"""
+    s, b, h, t, m = 4096, 1, 4096, 2, 8
+    w = Workload(global_batch=4 * b * m, seq_len=s)
+    cfg = ParallelConfig(dp=4, tp=t, pp=4, zero_stage=1, framework="megatron", micro_batch=b, grad_accum=m)
+    send = s * b * h * 2 / t
+    assert send == 16_777_216
+    t_p2p = build_comms(_cluster(4), cfg).pp(send)  # the pp group's point-to-point time
+    plan, _, ranks, _ = _twin("llama-3-8b", 4, w, cfg)
+    per_rank = [1, 2, 2, 1]
+    assert [s_.microbatch.pp for s_ in plan.stages] == pytest.approx([n * t_p2p for n in per_rank], rel=1e-9)
+    assert list(ranks["pp"]) == pytest.approx([n * t_p2p for n in per_rank], rel=1e-9)
+    worst = max(range(4), key=lambda r: plan.stages[r].microbatch.total)
+    assert worst in (1, 2)
+    assert plan.time.pp_comm == pytest.approx(m * 2 * t_p2p, rel=1e-9)
+
+
+# -- (d) fused GPU Adam ---------------------------------------------------------------------
+
+
+def test_gpu_adam_streams_34_bytes_per_local_parameter() -> None:
+    """gpt3-125m on one DGX A100, DeepSpeed ZeRO-1, dp 8: each GPU steps 1/8 of the
+    125,226,240 parameters = 15,653,280.
+
+    Fused multi-tensor Adam in mixed precision, bytes of HBM traffic per parameter:
+      read  fp32 master weight, gradient, momentum, variance        4 + 4 + 4 + 4 = 16
+      write fp32 master weight, momentum, variance                  4 + 4 + 4     = 12
+      write the bf16 working copy of the weight                                    2
+      gradient-norm / overflow pass over the fp32 gradient (read)                  4
+                                                                            total 34
+    t = 15,653,280 * 34 B / (2039 GB/s * 0.85), the profile's HBM bandwidth times the
+    model's one HBM calibration factor (efficiency.HBM_EFFICIENCY)."""
+    adam_bytes = (4 + 4 + 4 + 4) + (4 + 4 + 4) + 2 + 4
+    local = 125_226_240 / 8
+    hbm = load_profile(PROFILE).gpu.hbm_GBps * 1e9 * eff.HBM_EFFICIENCY
+    expected = local * adam_bytes / hbm
+    w = Workload(global_batch=64, seq_len=2048)
+    cfg = ParallelConfig(dp=8, zero_stage=1, micro_batch=1, grad_accum=8)
+    plan, _, _, detail = _twin("gpt3-125m", 1, w, cfg)
+    assert adam_bytes == 34
+    assert plan.time.optimizer == pytest.approx(expected, rel=1e-9)
+    assert float(detail["opt"][0, 0]) == pytest.approx(expected, rel=1e-9)
+
+
+# -- (e) the tied embedding's copy on the last stage ----------------------------------------
+
+
+def test_tied_head_on_the_last_stage_holds_a_copy_of_the_embedding() -> None:
+    """gpt3-125m (tied head) on one DGX A100, DeepSpeed ZeRO-0, pp 2, dp 4.
+
+    The last stage runs the LM head with the word embeddings as its weight; on another rank
+    than the embedding it keeps its own copy (DeepSpeed's TiedLayerSpec / Megatron's shared
+    embedding on the last stage, whose gradients are all-reduced with the first stage's), so
+    it holds 50257 * 768 = 38,597,376 parameters more than its layers:
+        P_first = 38,597,376 + 1,572,864 + L_0 * 7,087,872
+        P_last  = L_1 * 7,087,872 + 1,536 (final LayerNorm) + 38,597,376
+    DeepSpeed ZeRO-0 in bf16: 2 B weights, 2 B gradients, 12 B Adam states per parameter."""
+    w = Workload(global_batch=64, seq_len=2048)
+    cfg = ParallelConfig(dp=4, pp=2, zero_stage=0, micro_batch=1, grad_accum=16)
+    plan, parts, ranks, detail = _twin("gpt3-125m", 1, w, cfg)
+    layer, embed, pos, ln = 7_087_872, 50257 * 768, 2048 * 768, 2 * 768
+    (a0, e0), (a1, e1) = parts
+    assert a0 == 0 and e1 == 15  # blocks: embedding, 12 layers, final LN, tied head
+    dense = [embed + pos + _layers(parts[0], 1, 12) * layer, _layers(parts[1], 1, 12) * layer + ln + embed]
+    assert list(ranks["dense"]) == dense
+    for r, stage in enumerate(plan.stages):
+        assert (stage.memory.weights, stage.memory.grads, stage.memory.optimizer) == (
+            2 * dense[r], 2 * dense[r], 12 * dense[r])
+    assert detail["weights"][0] == pytest.approx([2 * d for d in dense], rel=1e-12)
+    assert detail["optimizer"][0] == pytest.approx([12 * d for d in dense], rel=1e-12)
+
+
+# -- (f) activations: Korthikanti's tensors x 1F1B in-flight micro-batches + the live layer --
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_activations_are_korthikanti_bytes_times_in_flight_micro_batches(recompute: str) -> None:
+    """gpt3-1.3b (h 2048, a 16 heads, vocab 50257) on one DGX A100, Megatron, tp 2, pp 2, dp 2,
+    seq 2048, micro-batch 1, 4 micro-batches, with dropout and without FlashAttention: the
+    setting of Korthikanti et al. 2022 Table 2 (shared/reference/korthikanti2022_activation_
+    memory_formulas.csv).
+
+    Per layer and micro-batch (s = 2048, b = 1, h = 2048, t = 2, sbh = 4,194,304):
+      no recompute:   sbh (10 + 24/t + 5 a s / (h t)) = sbh (10 + 12 + 40) = 62 sbh
+      full recompute: the layer input only, 2 sbh
+    Outside the layers (Sec. 4.3, without sequence parallelism): the embedding's dropout mask
+    sbh (first stage); the final LayerNorm's input 2 sbh, the output layer's input 2 sbh and
+    the fp32 logits 4 s b v / t = 205,852,672 B (last stage).
+    1F1B: stage r of p holds p - r micro-batches in flight at its peak (Narayanan et al.
+    2021), here 2 and 1. Full recompute adds one layer's activations while it is recomputed
+    for its backward (62 sbh, once, not per micro-batch)."""
+    s, b, h, a, v, t, p = 2048, 1, 2048, 16, 50257, 2, 2
+    sbh = s * b * h
+    w = Workload(global_batch=8, seq_len=s, flash_attention=False, dropout=True)
+    cfg = ParallelConfig(dp=2, tp=t, pp=p, zero_stage=1, framework="megatron", micro_batch=b, grad_accum=4,
+                         recompute=recompute)
+    layer_none = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert layer_none == 62 * sbh
+    per_layer = layer_none if recompute == "none" else 2 * sbh
+    live = layer_none if recompute == "full" else 0.0
+    plan, parts, ranks, detail = _twin("gpt3-1.3b", 1, w, cfg)
+    first = 1 * sbh  # embedding dropout mask, 1 byte per element
+    last = 2 * sbh + 2 * sbh + 4 * s * b * v / t
+    expected = []
+    for r, chunk in enumerate(parts):
+        stored = _layers(chunk, 1, 24) * per_layer + (first if r == 0 else 0) + (last if r == p - 1 else 0)
+        expected.append(stored * (p - r) + live)
+        assert plan.stages[r].inflight == p - r
+    assert [st.memory.activations for st in plan.stages] == pytest.approx(expected, rel=1e-12)
+    assert detail["activations"][0] == pytest.approx(expected, rel=1e-12)
+    assert np.all(detail["inflight"][0] == [2, 1])
