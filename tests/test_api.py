@@ -84,16 +84,16 @@ def test_make_workload_defaults_follow_the_model_and_the_cli():
 def test_estimate_matches_the_cost_model_and_the_cli():
     vl2 = api.load_model("vl2")
     cluster = api.load_cluster(nodes=8)
-    plan = api.estimate(vl2, cluster, zero=3, micro_batch=2)
+    plan = api.estimate(vl2, cluster, zero=2, micro_batch=2)
     # Defaults: dp fills the 64 GPUs, accumulation = batch / (micro-batch x dp).
     wl = api.make_workload(vl2, gpus=64)
-    cfg = ParallelConfig(dp=64, zero_stage=3, micro_batch=2, grad_accum=wl.global_batch // 128)
+    cfg = ParallelConfig(dp=64, zero_stage=2, micro_batch=2, grad_accum=wl.global_batch // 128)
     direct = cost_estimate(vl2, Cluster.build(load_profile("dgx-a100-80g"), 8), wl, cfg)
     assert plan.cfg == cfg
     assert plan.step_time_s == pytest.approx(direct.step_time_s, rel=1e-12)
     assert plan.memory.peak == pytest.approx(direct.memory.peak, rel=1e-12)
 
-    result = CliRunner().invoke(main, ["estimate", "--model", "vl2", "--nodes", "8", "--zero", "3", "--micro-batch", "2",
+    result = CliRunner().invoke(main, ["estimate", "--model", "vl2", "--nodes", "8", "--zero", "2", "--micro-batch", "2",
                                        "--global-batch", str(wl.global_batch), "--json"])
     assert result.exit_code == 0, result.output
     cli = json.loads(result.output)

@@ -59,7 +59,7 @@ MATRIX = [
     ("qwen2.5-7b", 2, dict(zero_stage=1, tp=2, precision="fp16")),
     ("mixtral-8x7b", 4, dict(zero_stage=2, ep=8, grad_accum=2)),
     ("deepseek-vl2-tiny", 2, dict(zero_stage=1, pp=2, ep=4, grad_accum=4, recompute="full")),
-    ("deepseek-v2-lite", 1, dict(zero_stage=3, ep=8, offload="optimizer")),
+    ("deepseek-v2-lite", 1, dict(zero_stage=2, ep=8, offload="optimizer")),
     ("gpt3-125m", 1, dict(zero_stage=3, precision="fp32", optimizer="sgd", micro_batch=8)),
     ("gpt3-125m", 1, dict(zero_stage=0, optimizer="adam")),
 ]

@@ -132,6 +132,20 @@ def test_bad_input_exits_2_with_the_rule(args, needle):
         assert needle in r.output
 
 
+@pytest.mark.parametrize("framework", ["deepspeed", "megatron-deepspeed"])
+def test_deepspeed_moe_refuses_zero3(framework):
+    """DeepSpeed 0.19 asserts 'Native DeepSpeed MoE is not supported with ZeRO Stage 3' when the
+    engine starts: the planner refuses the plan up front and never ranks one."""
+    r = CliRunner().invoke(main, ["estimate", "--model", "mixtral-8x7b", "--nodes", "2", "--zero", "3", "--ep", "8",
+                                  "--framework", framework, "--global-batch", "64"])
+    assert r.exit_code == 2, r.output
+    assert f"framework {framework}: DeepSpeed's MoE layers do not run under ZeRO-3" in r.output
+    s = CliRunner().invoke(main, ["suggest", "--model", "mixtral-8x7b", "--nodes", "4", "--top", "20", "--json"])
+    assert s.exit_code == 0, s.output
+    plans = json.loads(s.output)["plans"]
+    assert len(plans) == 20 and all(p["zero_stage"] <= 2 for p in plans)
+
+
 def test_tp_must_divide_heads_and_ep_the_experts():
     r = CliRunner().invoke(main, ["estimate", "--model", "qwen2.5-7b", "--nodes", "1", "--tp", "8", "--global-batch", "8"])
     assert r.exit_code == 2 and "28 attention heads" in r.output and "Traceback" not in r.output

@@ -83,7 +83,9 @@ def test_lower_bounds_never_exceed_any_candidates_evaluation(name, nodes, cons) 
     rows, res = ev.evaluate(prep)
     assert len(rows) == len(space) > 300
     c = space.columns
-    assert set(c["zero"][rows].tolist()) == {0, 1, 2, 3} and (c["offload"][rows] > 0).any() and (c["pp"] > 1).any()
+    # DeepSpeed's MoE layers refuse ZeRO-3, and Megatron shards no further than ZeRO-1
+    stages = {0, 1, 2} if case.ev.model.is_moe else {0, 1, 2, 3}
+    assert set(c["zero"][rows].tolist()) == stages and (c["offload"][rows] > 0).any() and (c["pp"] > 1).any()
     assert np.all(time_lb[rows] <= res.step_time * (1 + 1e-12))
     assert np.all(mem_lb[rows] <= res.peak_bytes * (1 + 1e-12))
     # The optimizer term makes the bound bite: within 10% of the step somewhere.

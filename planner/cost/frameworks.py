@@ -104,6 +104,14 @@ class Rule:
     message: Callable[[Any, RunFacts], str]
 
 
+def _moe_zero3_rule(f: str) -> Rule:
+    # DeepSpeed 0.19's engine asserts "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
+    # (runtime/engine.py); Megatron-DeepSpeed's MoE layers are DeepSpeed's.
+    return Rule(f, lambda c, x: (c.zero_stage > 2) & x.is_moe,
+                lambda c, x: f"framework {f}: DeepSpeed's MoE layers do not run under ZeRO-3 (DeepSpeed refuses "
+                             "the engine); use --zero 1/2 or --framework megatron")
+
+
 def _interleave_rule(f: str) -> Rule:
     return Rule(f, lambda c, x: c.virtual_stages > 1,
                 lambda c, x: f"framework {f} has no interleaved pipeline schedule; use --virtual-stages 1 or --framework megatron")
@@ -116,6 +124,7 @@ RULES: tuple[Rule, ...] = (
     Rule(None, lambda c, x: (c.offload != "none") & (x.optimizer == "sgd"),
          lambda c, x: f"framework {c.framework}: optimizer offload steps Adam on the CPU, not sgd; use --optimizer "
                       "adamw/adam or --offload none"),
+    _moe_zero3_rule("deepspeed"),
     Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
          lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) works with ZeRO <= 2, not "
                       f"ZeRO-{c.zero_stage}; use --zero 1/2 or --tp 1"),
@@ -140,6 +149,7 @@ RULES: tuple[Rule, ...] = (
     Rule("megatron-deepspeed", lambda c, x: (c.pp > 1) & (c.zero_stage > 1),
          lambda c, x: f"framework megatron-deepspeed: 3D parallelism (--pp {c.pp}) runs with ZeRO <= 1, not "
                       f"ZeRO-{c.zero_stage}; use --zero 1"),
+    _moe_zero3_rule("megatron-deepspeed"),
     Rule("megatron-deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
          lambda c, x: f"framework megatron-deepspeed: ZeRO-3 does not combine with tensor parallelism (--tp {c.tp}); "
                       "use --zero 1/2"),
