@@ -36,7 +36,8 @@ def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0,
         assert res.step_time[j] == pytest.approx(plan.step_time_s, rel=1e-9), cfg
         assert res.peak_bytes[j] == pytest.approx(plan.memory.peak, rel=1e-9), cfg
         if cfg.offload != "none":
-            assert res.cpu_bytes[j] == pytest.approx(plan.memory.cpu_per_node, rel=1e-9), cfg
+            assert res.cpu_bytes[j] == pytest.approx(plan.cpu_bytes_per_node, rel=1e-9), cfg
+        assert bool(res.fits[j]) == plan.fits, cfg
     return len(first)
 
 

@@ -184,7 +184,7 @@ def render(plan) -> None:
                     _gib(m.grads), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.overhead),
                     peak if m.peak <= cap else f"[red]{peak}[/red]")
     console.print(mem)
-    console.print(f"GPU memory {human_bytes(cap)}" + (f"; host memory per node for offload {human_bytes(plan.memory.cpu_per_node)}"
+    console.print(f"GPU memory {human_bytes(cap)}" + (f"; host memory per node for offload {human_bytes(plan.cpu_bytes_per_node)}"
                                                       if c.offload != "none" else ""))
 
     t = plan.time

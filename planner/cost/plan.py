@@ -111,7 +111,9 @@ class Plan:
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,
             "reason": self.why_not(),
-            "memory": _memory_json(self.memory, self.capacity_bytes, c.offload != "none"),
+            # the fullest GPU's breakdown; host memory is the fullest node's (what must fit)
+            "memory": {**_memory_json(self.memory, self.capacity_bytes, c.offload != "none"),
+                       **({"cpu_bytes_per_node": self.cpu_bytes_per_node} if c.offload != "none" else {})},
             "step_time_s": t.total,
             "time": {"compute_s": t.compute, "recompute_s": t.recompute, "tp_comm_s": t.tp_comm,
                      "pp_bubble_s": t.pp_bubble, "pp_comm_s": t.pp_comm, "dp_comm_s": t.dp_comm,

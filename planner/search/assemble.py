@@ -64,9 +64,9 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
     buffers = mem.NCCL_BYTES_PER_GROUP * groups + r["ppbuf"] + buckets
     allocated = weights + grads + opt + acts + buffers
     peak = allocated + mem.CUDA_CONTEXT_BYTES + mem.FRAGMENTATION * allocated
-    worst_mem = np.argmax(peak, axis=1)
     rows = np.arange(n)
-    cpu_node = cpu[rows, worst_mem] * ev.cluster.gpus_per_node * mem.CPU_BUFFER_FACTOR
+    # host memory must fit on every node: the rank offloading the most (Plan.cpu_bytes_per_node)
+    cpu_node = cpu.max(axis=1) * ev.cluster.gpus_per_node * mem.CPU_BUFFER_FACTOR
 
     total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"]
     worst = np.argmax(total, axis=1)

@@ -27,6 +27,7 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
+from planner.cost import memory as mem
 from planner.cost.collectives import collective_time_array
 from planner.cost.layers import layer_costs
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES, Workload
@@ -436,7 +437,8 @@ class Evaluator:
         cpu = np.concatenate([o[2] for o in outs])
         meta = np.concatenate([o[3] for o in outs])
         capacity = self.cluster.profile.gpu.memory_bytes
-        return rows, Evaluation(step, peak, cpu, peak <= capacity, meta[:, 0].astype(np.int64), meta[:, 1], meta[:, 2],
+        host = mem.host_capacity_bytes(self.cluster.profile.node.host_memory_GiB)
+        return rows, Evaluation(step, peak, cpu, (peak <= capacity) & (cpu <= host), meta[:, 0].astype(np.int64), meta[:, 1], meta[:, 2],
                                 self.partitions)
 
     def candidate(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], dict[str, np.ndarray], dict, tuple]:
