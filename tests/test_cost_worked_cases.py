@@ -168,6 +168,24 @@ def test_dp_reduction_hides_behind_the_pipeline_cool_down() -> None:
     assert plan.time.dp_comm == pytest.approx(ar[0] - b0, rel=1e-9)
 
 
+def test_dp_cool_down_is_the_earlier_ranks_backward_not_this_ranks() -> None:
+    """Unequal stages: gpt3-1.3b, 2 layers on stage 0 and 22 on stage 1. Rank 1's reduction is
+    hidden by its own last backward plus rank 0's (b_1 + b_0), not by 2 x b_1: with a short
+    stage 0 the difference leaves most of rank 1's all-reduce exposed."""
+    model, cluster = load_model("gpt3-1.3b"), _cluster(2)
+    w = Workload(global_batch=16, seq_len=512)
+    cfg = ParallelConfig(dp=8, pp=2, zero_stage=0, framework="megatron", micro_batch=1, grad_accum=2)
+    parts = [(0, 3), (3, 27)]
+    plan = estimate(model, cluster, w, cfg, partition=parts)
+    dense = [sum(b.params() for b in model.blocks[a:e]) for a, e in parts]
+    dense[1] += model.vocab * model.hidden  # the tied head's copy of the embedding, on the last stage
+    ar = [collective_time_for_size(cluster, "allreduce", 8, 4 * d).time_s for d in dense]
+    b0, b1 = (s.microbatch.bwd + s.microbatch.recompute for s in plan.stages)
+    exposed = [max(0.0, ar[0] - b0), max(0.0, ar[1] - b1 - b0)]
+    assert exposed[1] > max(0.0, ar[1] - 2 * b1) + 1e-3  # the two readings differ by > 1 ms here
+    assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
+
+
 # -- (c) Megatron's scatter-gather of pipeline sends ---------------------------------------
 
 

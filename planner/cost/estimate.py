@@ -46,7 +46,11 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         dense = sum(c.params_rank for c in blocks) + tied_copy[r]
         expert = sum(c.expert_params_rank for c in blocks)
         stage_plans.append(_stage_plan(model, r, ch, blocks, dense, expert, cfg, workload, cluster, times[r]))
-        dp_exposed.append(_dp_time(dense, expert, cfg, workload, traits, comms, times[r], r, blocks))
+        # After rank r's last backward, the gradient still runs back through ranks r-1 .. 0
+        # (their last chunk, 1/v of a micro-batch's backward each): that cool-down hides rank
+        # r's reduction.
+        cooldown = sum(t.bwd + t.recompute for t in times[:r]) / cfg.virtual_stages
+        dp_exposed.append(_dp_time(dense, expert, cfg, workload, traits, comms, times[r], cooldown, blocks))
         opt_time.append(_optimizer_time(dense, expert, cfg, workload, cluster, dev))
 
     t = times[worst]
@@ -126,7 +130,7 @@ def _grad_comm_bytes(cfg: ParallelConfig, w: Workload, traits: fw.Traits) -> int
 
 
 def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, traits: fw.Traits, comms: st.Comms,
-             t: st.MicroBatchTime, rank: int, blocks: list[LayerCost]) -> float:
+             t: st.MicroBatchTime, cooldown: float, blocks: list[LayerCost]) -> float:
     """Exposed data-parallel time of one pipeline rank (see step_time.dp_exposed)."""
     if cfg.dp == 1 and cfg.ep == 1:
         return 0.0
@@ -149,7 +153,6 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
         gather = on("allgather", 2 * dense, 2 * expert)
     else:
         reduce, gather = on("allreduce", gb * dense, gb * expert), 0.0
-    cooldown = rank * (t.bwd + t.recompute) / cfg.virtual_stages if cfg.pp > 1 else 0.0
     first_fwd = t.fwd if cfg.framework == "megatron" else 0.0
     return st.dp_exposed(reduce, gather, traits.overlap_grad_reduce, t.bwd + t.recompute, first_fwd, cooldown)
 

@@ -128,7 +128,8 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
         target[rows] = t + np.where(e_rows > 0, priced[ei], 0.0) if ei is not None else t
     fwd, bwd = r["fwd"], r["bwd"] + r["rc"]
     overlap = np.array([fw.traits(f).overlap_grad_reduce for f in FRAMEWORKS])[fwi][:, None]
-    cooldown = np.arange(pp)[None, :] * bwd / vs if pp > 1 else np.zeros_like(bwd)
+    # estimate._dp_time: the earlier ranks' backward of the last micro-batch (1/v of it each)
+    cooldown = (np.cumsum(bwd, axis=1) - bwd) / vs
     first_fwd = np.where((fwi == FRAMEWORKS.index("megatron"))[:, None], fwd, 0.0)
     window = np.where(overlap, bwd, 0.0) + cooldown
     hide = np.where((gather > 0) & overlap, first_fwd, 0.0)
