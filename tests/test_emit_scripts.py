@@ -371,6 +371,8 @@ def test_megatron_model_shape_flags_match_the_published_architecture(run_dirs, r
     assert flags["--normalization"] == {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[arch["norm"]]
     assert ("--swiglu" in flags) == (arch["ffn_type"] == "swiglu")
     assert ("--untie-embeddings-and-output-weights" in flags) == (not arch["tied_embeddings"])
+    # Megatron defaults both dropouts to 0.1; the plan counted no dropout masks
+    assert float(flags["--hidden-dropout"]) == 0.0 and float(flags["--attention-dropout"]) == 0.0
 
 
 @pytest.mark.parametrize("name", list(PLANS))

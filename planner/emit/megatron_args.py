@@ -73,6 +73,9 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     head = next((b for b in model.blocks if isinstance(b, LMHeadBlock)), None)
     if head is not None and not head.tied:
         args.append(_a("--untie-embeddings-and-output-weights"))
+    # Megatron-LM defaults both dropouts to 0.1; dsplan's plans count no dropout masks (suggest
+    # searches without dropout, as Llama/DeepSeek/Qwen pre-training runs), so say so.
+    args += [_a("--hidden-dropout", 0.0), _a("--attention-dropout", 0.0)]
     linear_bias = attn.out_bias or (dense is not None and dense.bias)
     if not linear_bias:
         args.append(_a("--disable-bias-linear"))
