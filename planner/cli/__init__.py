@@ -1,9 +1,11 @@
 """The ``dsplan`` command line: parse, call the planner API, print (rich table or --json).
 
 Each command lives in its own module here; this module owns the group and the one place
-where user errors become a clear message and exit status 2. A command's module is imported
-only when that command runs (or ``--help`` lists them all): ``dsplan suggest`` should not
-pay for the imports of ``models``, ``hardware`` or ``topo``.
+where user errors become a clear message and exit status 2: a UserError, an OSError on a path
+given to an output option (``--out``, ``--draw``, ``--dot``: see planner/cli/outputs.py), and a
+full standard output. dsplan's own warnings print as one ``warning: ...`` line. A command's
+module is imported only when that command runs (or ``--help`` lists them all): ``dsplan
+suggest`` should not pay for the imports of ``models``, ``hardware`` or ``topo``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ COMMAND_MODULES = ("models", "hardware", "topo", "estimate", "suggest", "generat
 
 
 class _Group(click.Group):
-    """Loads command modules on demand; turns UserError into a message and exit status 2."""
+    """Loads command modules on demand; turns UserError, and an OSError writing an output
+    option's path or stdout, into one message and exit status 2."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         lazy = [name for name in COMMAND_MODULES if importlib.util.find_spec(f"planner.cli.{name}") is not None]
@@ -38,10 +41,51 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # a full or closed stdout fails here, not in the flush at exit
+            return result
         except UserError as err:
-            click.secho(f"error: {err}", fg="red", err=True)
-            sys.exit(UserError.exit_code)
+            _fail(str(err))
+        except OSError as err:
+            from planner.cli.outputs import write_error_message
+
+            message = write_error_message(err, ctx)
+            if message is None:
+                _stdout_failure(err)
+                raise  # not an output path or stdout: a bug, with its traceback
+            _fail(message)
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        # click's own output (--help, --version, usage errors) can hit a full stdout too.
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as err:
+            _stdout_failure(err)
+            raise
+
+
+def _fail(message: str) -> None:
+    """The one line for a user error on stderr, and exit status 2."""
+    try:
+        click.secho(f"error: {message}", fg="red", err=True)
+    except OSError:
+        pass  # stderr is gone too: the status still says it
+    sys.exit(UserError.exit_code)
+
+
+def _stdout_failure(err: OSError) -> None:
+    """Exit when ``err`` is a failed write to stdout; returns for any other error. A full disk
+    (``> /dev/full``) is one line and status 2; a closed pipe (``| head``) exits quietly with
+    status 1, as click and rich do when they meet it first (the convention of Python's docs)."""
+    from planner.cli.outputs import is_stdout_error, silence_stdout, stdout_error_message
+
+    if not is_stdout_error(err):
+        return
+    silence_stdout()
+    message = stdout_error_message(err)
+    if message is None:
+        sys.exit(1)
+    _fail(message)
 
 
 # Settings libraries read once, when they load, that only cost the planner time. Set for the
@@ -70,6 +114,35 @@ def _lean_environment() -> Callable[[], None]:
     return restore
 
 
+def _plain_warnings() -> Callable[[], None]:
+    """Show dsplan's own warnings (HFImportWarning, ...) as one ``warning: ...`` line on stderr,
+    not Python's ``file.py:129: HFImportWarning: ...`` plus a source line; returns the undo.
+    Other packages' warnings keep the normal format."""
+    import warnings
+
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if getattr(category, "__module__", "").partition(".")[0] != "planner":
+            return previous(message, category, filename, lineno, file, line)
+        stream = file if file is not None else sys.stderr
+        if stream is None:
+            return None
+        try:
+            stream.write(f"warning: {' '.join(str(message).split())}\n")
+        except OSError:
+            pass
+        return None
+
+    warnings.showwarning = show
+
+    def restore() -> None:
+        if warnings.showwarning is show:
+            warnings.showwarning = previous
+
+    return restore
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="dsplan")
 @click.pass_context
@@ -82,6 +155,7 @@ def main(ctx: click.Context) -> None:
       dsplan models                             the built-in model catalog
       dsplan hardware                           the built-in hardware profiles
     """
+    ctx.call_on_close(_plain_warnings())
     if ctx.invoked_subcommand != "run":
         ctx.call_on_close(_lean_environment())
 

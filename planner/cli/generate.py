@@ -16,14 +16,16 @@ import click
 
 from planner.cli.options import balancer_option, constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
+from planner.cli.outputs import OutputPath
 from planner.errors import UserError
 
 if TYPE_CHECKING:
     from planner.model.spec import ModelSpec
 
-# Flags that shape the search; with --plan they would be silently ignored, so they are refused.
+# Flags that shape (or pick from) the search; with --plan they would be silently ignored, so
+# they are refused. Each defaults to None, so any value given on the command line counts.
 _SEARCH_FLAGS = (
-    "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer", "dp", "tp", "pp", "ep", "zero", "offload",
+    "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer", "dp", "tp", "pp", "ep", "zero", "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel",
 )
 
@@ -34,7 +36,7 @@ _SEARCH_FLAGS = (
 @click.option("--nodes", type=int, default=None, help="Number of nodes [default: the plan's, else 1].")
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, 1-576 [default: from the hardware profile].")
 @click.option("--plan", "plan_path", default=None, metavar="FILE", help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
-@click.option("--rank", type=int, default=1, show_default=True, help="Without --plan: use the K-th best plan of the search.")
+@click.option("--rank", type=int, default=None, help="Without --plan: use the K-th best plan of the search [default: 1].")
 @click.option("--global-batch", type=int, default=None, help="Samples per optimizer step.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
 @click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample.")
@@ -44,7 +46,7 @@ _SEARCH_FLAGS = (
 @constraint_options
 @balancer_option
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True)
-@click.option("--out", "out_dir", required=True, metavar="DIR", help="Run directory to write (created if missing).")
+@click.option("--out", "out_dir", required=True, type=OutputPath("dir"), help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",
               help="What each rank runs: dsplan's reference trainer, or your training script.")
 @click.option("--hosts", default=None, metavar="H1,H2,...", help="Host names, one per node, comma-separated.")
@@ -190,6 +192,8 @@ def _choose_plan(opts: dict[str, Any]):
         return plan, model
     if opts["model"] is None:
         raise UserError("--model: required unless --plan is given (e.g. --model vl2, or --plan plan.json)")
+    if opts["rank"] is None:
+        opts["rank"] = 1
     if opts["rank"] < 1:
         raise UserError(f"--rank {opts['rank']}: ranks start at 1 (the best plan)")
     model = load_model(opts["model"])

@@ -8,7 +8,7 @@ import click
 from rich import box
 from rich.table import Table
 
-from planner.cli.output import console, err_console, human_count, json_option, print_json
+from planner.cli.output import console, human_count, json_option, print_json
 from planner.model.catalog import (
     list_presets,
     load_model_with_warnings,
@@ -82,8 +82,8 @@ def show(model: str, as_json: bool) -> None:
       dsplan models show ./my-model/config.json --json
     """
     spec, messages = load_model_with_warnings(model)
-    for message in messages:
-        err_console.print(f"warning: {message}")
+    for message in messages:  # one line each, never wrapped or read as rich markup
+        click.echo(f"warning: {' '.join(message.split())}", err=True)
     summary = model_summary(spec, blocks=True)
     preset = resolve_preset_name(model)
     info = preset_info(preset) if preset else {}

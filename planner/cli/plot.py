@@ -15,6 +15,7 @@ from planner.cli.hardware import hardware_option
 from planner.cli.options import (balancer_option, constraint_options, constraints_from_options, parse_int_list,
                                  workload_options)
 from planner.cli.output import console, json_option, print_json
+from planner.cli.outputs import OutputPath
 from planner.errors import UserError
 
 KINDS = ("pareto", "heatmap", "scaling")
@@ -26,7 +27,7 @@ KINDS = ("pareto", "heatmap", "scaling")
 @hardware_option
 @click.option("--nodes", default="1", show_default=True, metavar="N|LIST",
               help="Nodes. scaling: the largest count (sweeps 1, 2, 4, ... up to N) or a comma list of counts.")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="PNG file to write (replaced atomically).")
+@click.option("--out", "out", required=True, type=OutputPath("file"), help="PNG file to write (replaced atomically).")
 @workload_options("Samples per step [default: ~4M tokens, divisible by many DP sizes].")
 @constraint_options
 @balancer_option

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
+from planner.cli.outputs import OutputPath
 from planner.errors import UserError
 from planner.hardware.load import load_profile
 from planner.units import parse_size
@@ -33,8 +34,8 @@ OPS = ("allreduce", "reducescatter", "allgather", "alltoall", "p2p", "broadcast"
 @click.option("--group-size", type=int, help="Ranks in the group (consecutive ranks, TP-style). Default: one node.")
 @click.option("--bytes", "size", default="1GiB", show_default=True, help="Buffer size as nccl-tests counts it (KiB/MiB/GiB).")
 @click.option("--no-nvls", is_flag=True, help="Disable NVLink SHARP (as NCCL_NVLS_ENABLE=0).")
-@click.option("--draw", "draw_path", type=click.Path(dir_okay=False), help="Write a PNG drawing (needs matplotlib).")
-@click.option("--dot", "dot_path", type=click.Path(dir_okay=False), help="Write a Graphviz .dot file.")
+@click.option("--draw", "draw_path", type=OutputPath("file"), help="Write a PNG drawing (needs matplotlib).")
+@click.option("--dot", "dot_path", type=OutputPath("file"), help="Write a Graphviz .dot file.")
 @json_option
 def topo(hardware: str, nodes: int, collective: str | None, group_size: int | None, size: str,
          no_nvls: bool, draw_path: str | None, dot_path: str | None, as_json: bool) -> None:

@@ -4,7 +4,10 @@
 on disk may be replaced only if it still has the content dsplan generated last time (or
 already has the new content); anything else is a user edit, and the whole write is refused
 (listing the files) unless ``force``. Every check runs before the first byte is written, and
-each file goes to a temporary name first and is renamed into place.
+every file (the manifest too) is staged under a temporary name before any is renamed into
+place: if staging fails (no permission, full disk, a path under /proc), the temporary files and
+the directories this call created are removed and the error propagates, with nothing of the
+run directory changed.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def read_manifest(out_dir: Path) -> dict[str, str]:
     raise UserError(f"{path}: the manifest is damaged, so dsplan cannot tell which files you edited; remove it or use --force")
 
 
-def _atomic_write(path: Path, content: str, executable: bool) -> None:
+def _stage(path: Path, content: str, executable: bool) -> str:
+    """Write ``content`` to a temporary file next to ``path`` (synced, final mode); its name."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
@@ -65,11 +69,37 @@ def _atomic_write(path: Path, content: str, executable: bool) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o755 if executable else 0o644)
-        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _discard([tmp])
         raise
+    return tmp
+
+
+def _discard(temporaries: list[str]) -> None:
+    for tmp in temporaries:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _missing_dirs(out: Path) -> list[Path]:
+    """``out`` and those of its ancestors that do not exist yet, deepest first."""
+    missing = []
+    current = out
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    return missing
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories this write created (deepest first), where still empty."""
+    for directory in created:
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
 
 
 def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force: bool = False) -> WriteReport:
@@ -104,19 +134,40 @@ def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force
             f"{listing}; nothing was written. Move them away, or pass --force to replace them"
         )
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in written + edited:
-        generated = files[name]
-        _atomic_write(out / name, generated.content, generated.executable)
-    for name in unchanged:  # content is right; make sure the mode is too
-        os.chmod(out / name, 0o755 if files[name].executable else 0o644)
-    removed = []
-    for name in stale:
-        if force or name not in stale_edited:
-            (out / name).unlink()
-            removed.append(name)
+    # Stage every file first; only when all of them are on disk does anything replace a file.
+    created = _missing_dirs(out)
     manifest = {"generator": f"dsplan {__version__}", "files": {n: sha256_text(f.content) for n, f in files.items()}}
-    _atomic_write(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n", False)
+    staged: list[tuple[str, Path]] = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in written + edited:
+            generated = files[name]
+            staged.append((_stage(out / name, generated.content, generated.executable), out / name))
+        staged.append((_stage(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n", False), out / MANIFEST))
+        for name in unchanged:  # content is right; make sure the mode is too
+            os.chmod(out / name, 0o755 if files[name].executable else 0o644)
+    except BaseException:
+        _discard([tmp for tmp, _ in staged])
+        _remove_created(created)
+        raise
+
+    # Commit: renames within one directory, then the stale files, and the manifest last.
+    committed = 0
+    try:
+        for tmp, path in staged[:-1]:
+            os.replace(tmp, path)
+            committed += 1
+        removed = []
+        for name in stale:
+            if force or name not in stale_edited:
+                (out / name).unlink()
+                removed.append(name)
+        tmp, path = staged[-1]
+        os.replace(tmp, path)
+        committed += 1
+    except BaseException:
+        _discard([tmp for tmp, _ in staged[committed:]])
+        raise
     return WriteReport(
         out_dir=str(out), written=sorted(written + edited), unchanged=sorted(unchanged), removed=sorted(removed),
         replaced_edits=sorted(edited + [n for n in stale_edited if n in removed]),

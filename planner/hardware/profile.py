@@ -19,7 +19,9 @@ GiB = 2**30
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # allow_inf_nan=False: YAML's .inf / .nan are floats, and PositiveFloat takes .inf; refused
+    # here, at load, as one message naming the field, not later deep inside the cost model.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 def _empty_list() -> list:
