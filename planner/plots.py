@@ -8,11 +8,10 @@ a notebook shows the returned figure inline. matplotlib is an optional dependenc
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from planner.atomic import replace_atomically
 from planner.errors import UserError
 
 GiB = 2**30
@@ -289,14 +288,7 @@ def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UserError(f"--out {path}: directory {parent} does not exist; create it or pick another path")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=dpi)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi))
     return path
 
 

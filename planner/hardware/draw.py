@@ -7,12 +7,11 @@ the label) and the network shows its leaf and spine switches. Files are written 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import networkx as nx
 
+from planner.atomic import replace_atomically, write_bytes_atomically
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 
@@ -84,15 +83,10 @@ def write_png(cluster: Cluster, path: str | Path) -> Path:
     ax.set_title(f"{cluster.profile.name}: {cluster.nodes} node(s), {cluster.num_gpus} GPUs")
     ax.axis("off")
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 
@@ -113,13 +107,4 @@ def _atomic_write(path: Path, data: bytes) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UserError(f"{path}: directory {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_bytes_atomically(path, data)

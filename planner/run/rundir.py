@@ -12,13 +12,12 @@ that rule lives so the supervisor reads what the trainer writes.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from planner.atomic import write_bytes_atomically
 from planner.errors import UserError, describe_validation_error
 
 PLAN_FILE = "plan.json"
@@ -148,17 +147,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes_atomically(path, (json.dumps(data, indent=2) + "\n").encode(), fsync=True)
 
 
 def default_ds_config(plan: PlanFile, *, offload_optimizer: bool = False, lr: float = 1e-3) -> dict[str, Any]:

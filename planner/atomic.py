@@ -1,0 +1,46 @@
+"""Replace a file in one step: write a temporary file beside it, then rename it over the target.
+
+A reader (or a crash) sees the old file or the new one, never half of either. mkstemp creates
+the temporary file with mode 0600; the result gets the mode a plain ``open(path, "w")`` would
+give (0666 less the umask), so plots, drawings and run reports stay readable by the group.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def default_mode() -> int:
+    """0666 less the process umask (what ``open`` gives a new file)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def replace_atomically(path: str | Path, write: Callable[[str], None], mode: int | None = None,
+                       fsync: bool = False) -> Path:
+    """Call ``write(tmp)`` to fill a temporary file next to ``path``, then rename it to ``path``.
+
+    The parent directory must exist. The temporary file is removed if anything fails."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        if fsync:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, default_mode() if mode is None else mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_bytes_atomically(path: str | Path, data: bytes, fsync: bool = False) -> Path:
+    return replace_atomically(path, lambda tmp: Path(tmp).write_bytes(data), fsync=fsync)
