@@ -7,8 +7,9 @@ examples/sc21/run_table_1.sh (../shared/reference/megatron2021_table1_weak_scali
 
 For each row we build the GPT ModelSpec (vocab 51200, learned absolute positions, LayerNorm,
 4h GELU MLP with biases, tied output layer, dropout 0.1 as Megatron's GPT defaults; the 2021
-kernels: no FlashAttention; fp16), run ``estimate`` with framework ``megatron`` and convert the
-predicted step time into TFLOP/s per GPU with the paper's formula (Eq. 3, with recompute):
+kernels: no FlashAttention; fp16; pipeline sends scatter/gathered, sec. 4.1), run ``estimate``
+with framework ``megatron`` and convert the predicted step time into TFLOP/s per GPU with the
+paper's formula (Eq. 3, with recompute):
 
     F = 96 B s l h^2 (1 + s / (6h) + V / (16 l h))
 
@@ -75,7 +76,9 @@ def predict(row: dict, profile_name: str = "dgx-a100-80g") -> dict:
     cfg = ParallelConfig(dp=row["dp"], tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
                          grad_accum=row["global_batch"] // (row["micro_batch"] * row["dp"]), recompute="full",
                          virtual_stages=row["virtual_stages"], framework="megatron", zero_stage=0)
-    plan = estimate(model, cluster, workload, cfg)
+    # The paper's Megatron-LM scatter/gathered pipeline sends (sec. 4.1: 1/t over InfiniBand,
+    # all-gathered over NVLink); today's Megatron-Core does so only under sequence parallelism.
+    plan = estimate(model, cluster, workload, cfg, pp_send="scatter_gather")
     flops = paper_flops(row["global_batch"], row["seq_len"], row["layers"], row["hidden"], row["vocab"])
     tflops = flops / plan.step_time_s / row["gpus"] / 1e12
     return {"params_B": row["params_B"], "gpus": row["gpus"], "tp": row["tp"], "pp": row["pp"], "dp": row["dp"],

@@ -186,37 +186,50 @@ def test_dp_cool_down_is_the_earlier_ranks_backward_not_this_ranks() -> None:
     assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
 
 
-# -- (c) Megatron's scatter-gather of pipeline sends ---------------------------------------
+# -- (c) what crosses a pipeline-stage boundary -----------------------------------------------
 
 
-def test_megatron_pipeline_sends_one_tp_th_of_the_boundary_activation() -> None:
+@pytest.mark.parametrize(("framework", "sp", "divisor", "gathers"), [
+    # Megatron-Core sends (s, b, h), or (s/t, b, h) under sequence parallelism (schedules.py
+    # get_tensor_shapes; its p2p_communication has no scatter/gather).
+    ("megatron", False, 1, (0, 0)),
+    ("megatron", True, 2, (0, 0)),
+    # DeepSpeed's PipelineEngine on a TP grid (pipe_partitioned, grad_partitioned): 1/t sent;
+    # all-gathered by the activation's receiver, and on the sending side once to rebuild the
+    # output before backward and once for the returning gradient.
+    ("megatron-deepspeed", False, 2, (2, 1)),
+])
+def test_what_a_pipeline_boundary_sends(framework, sp, divisor, gathers) -> None:
     """llama-3-8b on four DGX A100, tp 2, dp 4, pp 4 (one pipeline stage per node: every stage
-    boundary crosses InfiniBand), Megatron, seq 4096, micro-batch 1, 8 micro-batches.
+    boundary crosses InfiniBand), seq 4096, micro-batch 1, 8 micro-batches.
 
-    A stage boundary carries the s x b x h bf16 activation forward and its gradient back.
-    Megatron's scatter-gather (Narayanan et al. 2021, Sec. 4.1) sends 1/t of it from each
-    TP rank (each over its own NIC) and re-gathers it over NVLink on the receiving stage:
-        bytes per send = s*b*h*2 / t = 4096 * 1 * 4096 * 2 / 2 = 16,777,216.
+    A stage boundary carries the s x b x h bf16 activation forward and its gradient back:
+        whole tensor = 4096 * 1 * 4096 * 2 = 33,554,432 bytes.
     1F1B pairs the activation sent to the next stage with the gradient received from it
     (send_forward_recv_backward) and the gradient sent to the previous stage with the next
     activation from it: one transfer per neighbour per micro-batch on full-duplex links. So
-    stage 0 and the last stage make 1 transfer per micro-batch, the middle stages 2, and the
-    bottleneck stage (a middle one) costs pp_comm = 8 micro-batches x 2 x t_p2p(16 MiB).
-
-    (The NVLink all-gather of Sec. 4.1 is not part of the cost model: see the report.)"""
+    stage 0 and the last stage make 1 transfer per micro-batch, the middle stages 2; all-gathers
+    of the whole tensor over the TP pair (NVLink) come on top per boundary side."""
     s, b, h, t, m = 4096, 1, 4096, 2, 8
     w = Workload(global_batch=4 * b * m, seq_len=s)
-    cfg = ParallelConfig(dp=4, tp=t, pp=4, zero_stage=1, framework="megatron", micro_batch=b, grad_accum=m)
-    send = s * b * h * 2 / t
-    assert send == 16_777_216
-    t_p2p = build_comms(_cluster(4), cfg).pp(send)  # the pp group's point-to-point time
+    cfg = ParallelConfig(dp=4, tp=t, pp=4, zero_stage=1, framework=framework, micro_batch=b, grad_accum=m,
+                         sequence_parallel=sp)
+    whole = s * b * h * 2
+    assert whole == 33_554_432
+    comms = build_comms(_cluster(4), cfg)
+    t_p2p = comms.pp(whole / divisor)  # the pp group's point-to-point time
+    t_ag = comms.tp("allgather", whole)
+    # (sends after the stage, receives before it) per rank
+    sides = [(1, 0), (1, 1), (1, 1), (0, 1)]
+    expected = [o * (t_p2p + gathers[0] * t_ag) + i * (t_p2p + gathers[1] * t_ag) for o, i in sides]
     plan, _, ranks, _ = _twin("llama-3-8b", 4, w, cfg)
-    per_rank = [1, 2, 2, 1]
-    assert [s_.microbatch.pp for s_ in plan.stages] == pytest.approx([n * t_p2p for n in per_rank], rel=1e-9)
-    assert list(ranks["pp"]) == pytest.approx([n * t_p2p for n in per_rank], rel=1e-9)
+    assert [s_.microbatch.pp for s_ in plan.stages] == pytest.approx(expected, rel=1e-9)
+    assert list(ranks["pp"]) == pytest.approx(expected, rel=1e-9)
     worst = max(range(4), key=lambda r: plan.stages[r].microbatch.total)
     assert worst in (1, 2)
-    assert plan.time.pp_comm == pytest.approx(m * 2 * t_p2p, rel=1e-9)
+    assert plan.time.pp_comm == pytest.approx(m * expected[worst], rel=1e-9)
+    if gathers != (0, 0):
+        assert t_ag > 0
 
 
 # -- (d) fused GPU Adam ---------------------------------------------------------------------

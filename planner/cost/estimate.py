@@ -24,8 +24,11 @@ from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelS
 
 
 def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
-             partition: Partition | None = None) -> Plan:
-    """Memory per GPU and step time of ``cfg`` training ``model`` on ``cluster``."""
+             partition: Partition | None = None, pp_send: str | None = None) -> Plan:
+    """Memory per GPU and step time of ``cfg`` training ``model`` on ``cluster``.
+
+    ``pp_send`` overrides how the runtime sends across pipeline stages (frameworks.PP_SENDS;
+    the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
     check_plan(model, cluster, workload, cfg)
     stages = cfg.pp * cfg.virtual_stages
     parts = default_partition(model, stages) if partition is None else check_partition(partition, len(model.blocks), stages)
@@ -35,8 +38,11 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     traits = fw.traits(cfg.framework)
     chunks = rank_chunks(parts, cfg.pp)
     b, m = cfg.micro_batch, cfg.grad_accum
-    send_div = cfg.tp if (traits.pp_scatter_gather and cfg.tp > 1) else 1
-    times = [st.rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks)) for ch in chunks]
+    send = pp_send or traits.pp_send
+    send_div = fw.pp_send_divisor(send, cfg.tp, cfg.sequence_parallel)
+    gathers = fw.pp_boundary_gathers(send, cfg.tp)
+    times = [st.rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers)
+             for ch in chunks]
     worst, bubble = st.pipeline(times, m, cfg.virtual_stages)
     tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)
 

@@ -51,9 +51,16 @@ class Traits:
     # Gradients in fp32 (Megatron's main_grad buffer, reduced in fp32 for bf16) instead of the
     # working precision with an fp32 partition (DeepSpeed's ZeRO optimizers).
     fp32_grad_buffer: bool
-    # Megatron sends 1/t of a stage boundary's activation and all-gathers it over NVLink
-    # (scatter-gather of pipeline tensors); DeepSpeed's PipelineModule sends the whole tensor.
-    pp_scatter_gather: bool
+    # What crosses a pipeline-stage boundary, per micro-batch:
+    # - "full": the whole activation (DeepSpeed's PipelineModule with no model-parallel axis);
+    # - "sequence_parallel": Megatron-Core sends (s/t, b, h) under sequence parallelism and the
+    #   whole (s, b, h) otherwise (pipeline_parallel/schedules.py get_tensor_shapes; its
+    #   p2p_communication has no scatter-gather any more);
+    # - "partitioned": DeepSpeed's PipelineEngine over a tensor-parallel grid (Megatron-DeepSpeed)
+    #   sends 1/t of activations and gradients and all-gathers them over the TP group: the
+    #   receiver its input, the sender its output again before backward, and the sender the
+    #   returning gradient (runtime/pipe/engine.py, pipe_partitioned / grad_partitioned).
+    pp_send: str
     # Gradient reduction bucketed and started during the last micro-batch's backward
     # (DeepSpeed overlap_comm, Megatron-Core --overlap-grad-reduce, which dsplan's emitted
     # configs switch on).
@@ -63,9 +70,9 @@ class Traits:
 
 
 TRAITS = {
-    "deepspeed": Traits("deepspeed", False, False, True, True),
-    "megatron-deepspeed": Traits("megatron-deepspeed", False, True, True, True),
-    "megatron": Traits("megatron", True, True, True, False),
+    "deepspeed": Traits("deepspeed", False, "full", True, True),
+    "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True),
+    "megatron": Traits("megatron", True, "sequence_parallel", True, False),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config
@@ -80,6 +87,28 @@ OVERLAP_COMM_FACTOR = 4.5  # DeepSpeed docs: "overlap_comm uses 4.5x the allgath
 
 def traits(framework: str) -> Traits:
     return TRAITS[framework]
+
+
+# Megatron-LM as of Narayanan et al. 2021 (the "scatter/gather" of sec. 4.1): 1/t sent, one
+# all-gather on each receiving side. Not a runtime dsplan plans for (Megatron-Core dropped it);
+# benchmarks/bench_megatron_table1.py models the paper's runs with it.
+PP_SENDS = ("full", "sequence_parallel", "partitioned", "scatter_gather")
+
+
+def pp_send_divisor(send: str, tp: int, sequence_parallel: bool) -> int:
+    """The share of a stage boundary's activation one rank sends (1/returned) under the
+    pipeline-send behaviour ``send`` (Traits.pp_send)."""
+    if tp > 1 and (send in ("partitioned", "scatter_gather") or (send == "sequence_parallel" and sequence_parallel)):
+        return tp
+    return 1
+
+
+def pp_boundary_gathers(send: str, tp: int) -> tuple[int, int]:
+    """All-gathers of a whole boundary tensor over the TP group, per micro-batch: (on the
+    sending side of a boundary, on the receiving side). See Traits.pp_send."""
+    if tp <= 1:
+        return (0, 0)
+    return {"partitioned": (2, 1), "scatter_gather": (1, 1)}.get(send, (0, 0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,8 +112,11 @@ def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
 
 
 def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev: eff.Device, comms: Comms,
-              recompute: str, pp_send_divisor: int, last_block: int) -> MicroBatchTime:
-    """One pipeline rank's work for one micro-batch across its chunks."""
+              recompute: str, pp_send_divisor: int, last_block: int,
+              boundary_gathers: tuple[int, int] = (0, 0)) -> MicroBatchTime:
+    """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
+    TP all-gathers of a whole boundary tensor on the sending and receiving side of each
+    boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication."""
     f = bw = rc = tp = ep = pp = 0.0
     for first, last in chunks:
         for c in costs[first:last]:
@@ -128,8 +131,12 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
         # receive (send_forward_recv_backward), so a pair costs one transfer on a full-duplex link.
         if last < last_block:
             pp += comms.pp(costs[last - 1].pp_bytes * b / pp_send_divisor)
+            if boundary_gathers[0]:
+                pp += boundary_gathers[0] * comms.tp("allgather", costs[last - 1].pp_bytes * b)
         if first > 0:
             pp += comms.pp(costs[first - 1].pp_bytes * b / pp_send_divisor)
+            if boundary_gathers[1]:
+                pp += boundary_gathers[1] * comms.tp("allgather", costs[first - 1].pp_bytes * b)
     return MicroBatchTime(f, bw, rc, tp, ep, pp)
 
 

@@ -310,17 +310,18 @@ class Evaluator:
         return sums
 
     def rank_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                   tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None) -> np.ndarray:
+                   tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None,
+                   gathers: tuple[int, int] = (0, 0)) -> np.ndarray:
         """Per pipeline rank: one micro-batch's time parts and the stage's contents, as a
         [RANK_FIELDS x pp] matrix (one array per key, so a chunk of keys stacks in one call;
         ``rank_fields`` names its rows).
 
         All but the ZeRO-3 parts depend on the partition and the pp group's shape, not on dp or
-        the framework (beyond the send divisor), so they are computed once per such key."""
-        key = (id(table), tuple(parts), mode, b, pp, vs, tp, send_div, shapes.pp)
+        the framework (beyond how it sends across stages), so they are computed once per such key."""
+        key = (id(table), tuple(parts), mode, b, pp, vs, tp, send_div, gathers, shapes.pp)
         hit = self._rank_base.get(key)
         if hit is None or hit[0] is not table:
-            hit = (table, self._rank_base_table(table, parts, mode, b, pp, vs, tp, send_div, shapes))
+            hit = (table, self._rank_base_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, gathers))
             self._rank_base[key] = hit  # holding the table keeps its id unique
         if not z3:
             return hit[1]
@@ -332,7 +333,7 @@ class Evaluator:
         return out
 
     def _rank_base_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                         tp: int, send_div: int, shapes: Shapes) -> np.ndarray:
+                         tp: int, send_div: int, shapes: Shapes, gathers: tuple[int, int] = (0, 0)) -> np.ndarray:
         """The rank table of RANK_FIELDS, ZeRO-3 rows left at zero."""
         starts = np.array([a for a, _ in parts])
         ends = np.array([e for _, e in parts])
@@ -345,12 +346,16 @@ class Evaluator:
 
         # step_time.rank_time: each chunk sends its output forward (unless it ends the model)
         # and receives from the chunk before it (unless it starts the model).
-        sends = np.where(ends < self.nblocks, table.pp_bytes[np.maximum(ends - 1, 0)] * b / send_div, 0.0)
-        recvs = np.where(starts > 0, table.pp_bytes[np.maximum(starts - 1, 0)] * b / send_div, 0.0)
+        whole_out = np.where(ends < self.nblocks, table.pp_bytes[np.maximum(ends - 1, 0)] * b, 0.0)
+        whole_in = np.where(starts > 0, table.pp_bytes[np.maximum(starts - 1, 0)] * b, 0.0)
         out = np.zeros((len(RANK_FIELDS), pp))
         out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert
         if shapes.pp.size > 1:
-            send_t, recv_t = collective_time_array(self.cluster, "p2p", shapes.pp, np.stack((sends, recvs)))
+            send_t, recv_t = collective_time_array(self.cluster, "p2p", shapes.pp,
+                                                   np.stack((whole_out, whole_in)) / send_div)
+            if gathers != (0, 0):  # frameworks.pp_boundary_gathers
+                g_out, g_in = collective_time_array(self.cluster, "allgather", shapes.tp, np.stack((whole_out, whole_in)))
+                send_t, recv_t = send_t + gathers[0] * g_out, recv_t + gathers[1] * g_in
             out[7] = (send_t + recv_t).reshape(vs, pp).sum(axis=0)
         out[8] = chunk_max(table.params + table.expert)  # largest
         out[9] = sums[7] * b  # stored activations
@@ -483,11 +488,13 @@ class Evaluator:
         """The rank table of one key (tp, sp, ep, b, mode, pp, vs, dp, framework) split as
         ``parts``; the ZeRO-3 rows only when ``zero3`` (some candidate of it uses ZeRO-3)."""
         tp, sp, ep, b, mode, pp, vs, dp, fwi = key
-        send_div = tp if (fw.traits(FRAMEWORKS[fwi]).pp_scatter_gather and tp > 1) else 1
+        send = fw.traits(FRAMEWORKS[fwi]).pp_send
+        send_div = fw.pp_send_divisor(send, tp, bool(sp))
+        gathers = fw.pp_boundary_gathers(send, tp)
         shapes = self.shapes(tp, ep, dp, pp)
         z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
               if zero3 else None)
-        return self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3)
+        return self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3, gathers)
 
     def _one(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], np.ndarray, int, tuple[float, float]]:
         """Candidate ``i``'s (partition, rank table, pp, (greedy, optimal) bottlenecks)."""
