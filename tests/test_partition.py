@@ -38,6 +38,14 @@ def test_greedy_follows_its_rule_on_a_hand_example() -> None:
     assert part.stage_costs == (4.0, 4.0, 4.0)
 
 
+def test_greedy_spreads_equal_layers_evenly() -> None:
+    # Llama 3.1 405B's 126 equal layers on 32 stages: the target moves to what is left over
+    # the stages left (123/31, then 120/30 = 4), so no stage gets the shortfall of the others.
+    part = greedy_partition([1.0] * 126, 32)
+    assert part.counts == (3, 3) + (4,) * 30
+    assert part.bottleneck == optimal_partition([1.0] * 126, 32).bottleneck == 4.0
+
+
 def test_greedy_keeps_one_layer_per_stage() -> None:
     part = greedy_partition([1, 1, 1, 1, 1, 100], 4)
     # The heavy last layer never passes the target before the end: the rule forces closes

@@ -87,10 +87,14 @@ def _stage_costs(costs: Sequence[float], counts: Sequence[int]) -> tuple[float, 
 
 
 def greedy_partition(costs: Sequence[float], stages: int) -> Partition:
-    """Close a stage when the next layer would pass total/stages; one layer per stage minimum."""
+    """Close a stage when the next layer would pass the per-stage target; one layer per stage
+    minimum. The target is what is left over the stages left (total/stages for the first), so
+    a stage closed early does not push the shortfall onto the last one: with a fixed
+    total/stages, 126 equal layers on 32 stages gave 31 stages of 3 and a last one of 33."""
     _check(costs, stages)
     n = len(costs)
-    target = float(sum(costs)) / stages
+    remaining = float(sum(costs))
+    target = remaining / stages
     counts: list[int] = []
     acc, count = 0.0, 0
     for i, c in enumerate(costs):
@@ -99,8 +103,10 @@ def greedy_partition(costs: Sequence[float], stages: int) -> Partition:
         if count > 0 and stages_left > 1:
             # Close before layer i if it would pass the target, or if the layers left are
             # only just enough to give every remaining stage one.
-            if acc + c > target or left_after == stages_left - 1:
+            if acc + c > target * (1 + 1e-12) or left_after == stages_left - 1:
                 counts.append(count)
+                remaining -= acc
+                target = remaining / (stages_left - 1)
                 acc, count = 0.0, 0
         acc += c
         count += 1
