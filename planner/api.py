@@ -175,13 +175,9 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
         raise UserError(f"seq_len must be a whole number >= 1, got {seq!r}")
     if global_batch is None:
         global_batch = default_global_batch(seq, gpus or 1, TARGET_TOKENS_PER_STEP)
-    vision = spec.vision
-    if vision is None and (images_per_sample or tiles_per_image):
-        raise UserError(f"images_per_sample / tiles_per_image: {spec.name} is not a vision-language model; leave them out")
-    images = images_per_sample if images_per_sample is not None else (vision.default_images_per_sample if vision else 0)
-    tiles = tiles_per_image if tiles_per_image is not None else (vision.default_tiles_per_image if vision else 0)
-    if vision is not None and tiles > vision.max_local_tiles:
-        raise UserError(f"tiles_per_image {tiles} exceeds {spec.name}'s {vision.max_local_tiles} local tiles per image")
+    from planner.model.vision_inputs import API_NAMES, vision_inputs
+
+    images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq, API_NAMES)
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout)

@@ -132,6 +132,28 @@ def test_bad_input_exits_2_with_the_rule(args, needle):
         assert needle in r.output
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--tiles-per-image", "9999"], "--tiles-per-image 9999 exceeds deepseek-vl2's 9 local tiles per image"),
+    # 8 images x (9 local + 1 global) tiles x 196 tokens = 15,680 > 4,096
+    (["--images-per-sample", "8", "--tiles-per-image", "9"],
+     "--images-per-sample 8 x --tiles-per-image 9 take at least 15,680 of the 4,096 tokens"),
+    (["--images-per-sample", "-1"], "--images-per-sample: need a whole number >= 0"),
+])
+@pytest.mark.parametrize("command", ["estimate", "suggest"])
+def test_estimate_and_suggest_share_the_vision_rules(command, args, needle):
+    r = CliRunner().invoke(main, [command, "--model", "vl2", "--nodes", "8", "--zero", "2", *args])
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and "Traceback" not in r.output
+
+
+def test_images_that_just_fit_the_sequence_are_accepted():
+    # 2 x (9 + 1) x 196 = 3,920 image tokens leave 176 of 4,096 for text
+    r = CliRunner().invoke(main, ["estimate", "--model", "vl2", "--nodes", "8", "--zero", "2", "--images-per-sample", "2",
+                                  "--tiles-per-image", "9", "--json"])
+    assert r.exit_code == 0, r.output
+    assert (json.loads(r.output)["images_per_sample"], json.loads(r.output)["tiles_per_image"]) == (2, 9)
+
+
 @pytest.mark.parametrize("framework", ["deepspeed", "megatron-deepspeed"])
 def test_deepspeed_moe_refuses_zero3(framework):
     """DeepSpeed 0.19 asserts 'Native DeepSpeed MoE is not supported with ZeRO Stage 3' when the

@@ -79,6 +79,7 @@ def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int 
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
     from planner.model.load import load_model
+    from planner.model.vision_inputs import vision_inputs
 
     model = load_model(model_name)
     profile = load_profile(hardware)
@@ -104,9 +105,7 @@ def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int 
     grad_accum = grad_accum_for(global_batch, micro_batch, dp)
     if zero_stage is None:
         zero_stage = 1 if dp > 1 else 0
-    vision = model.vision
-    images = images_per_sample if images_per_sample is not None else (vision.default_images_per_sample if vision else 0)
-    tiles = tiles_per_image if tiles_per_image is not None else (vision.default_tiles_per_image if vision else 0)
+    images, tiles = vision_inputs(model, images_per_sample, tiles_per_image, seq)
     try:
         workload = Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                             precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout)

@@ -24,6 +24,7 @@ import numpy as np
 
 from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken
 from planner.cost.memory import host_capacity_bytes
+from planner.model.vision_inputs import vision_inputs
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
@@ -139,21 +140,6 @@ def _check_pins(cons: Constraints, world: int, model: ModelSpec) -> None:
         raise UserError(f"--ep {','.join(map(str, cons.ep))}: {model.name} is dense (no experts); use --ep 1 or leave it out")
 
 
-def _vision_defaults(model: ModelSpec, images: int | None, tiles: int | None) -> tuple[int, int]:
-    if model.vision is None:
-        for flag, v in (("--images-per-sample", images), ("--tiles-per-image", tiles)):
-            if v:
-                raise UserError(f"{flag}: {model.name} is not a vision-language model; leave the flag out")
-        return 0, 0
-    images = model.vision.default_images_per_sample if images is None else images
-    tiles = model.vision.default_tiles_per_image if tiles is None else tiles
-    if images < 0 or tiles < 0:
-        raise UserError("--images-per-sample / --tiles-per-image must be >= 0")
-    if tiles > model.vision.max_local_tiles:
-        raise UserError(f"--tiles-per-image {tiles} exceeds {model.name}'s {model.vision.max_local_tiles} local tiles per image")
-    return images, tiles
-
-
 # -- the search ------------------------------------------------------------------------------
 
 
@@ -190,7 +176,7 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     gb = default_global_batch(seq, world) if global_batch is None else global_batch
     if gb < 1:
         raise UserError(f"--global-batch: need a positive number of samples, got {gb}")
-    images, tiles = _vision_defaults(model, images_per_sample, tiles_per_image)
+    images, tiles = vision_inputs(model, images_per_sample, tiles_per_image, seq)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer)  # type: ignore[arg-type]
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
