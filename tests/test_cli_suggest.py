@@ -125,10 +125,17 @@ def test_bad_input_exits_2_without_traceback(args: list[str], needle: str) -> No
          ["dropping --zero 2,3 (", "or --framework megatron (", "distributed optimizer = --zero 1), not ZeRO-2"]),
         (["--framework", "deepspeed", "--sequence-parallel"],
          ["dropping --framework deepspeed (", "or --sequence-parallel (", "their framework cannot run"]),
+        # A pin no value of which can hold: its own rule, as estimate states it.
+        (["--tp", "16", "--nodes", "2", "--allow-tp-across-nodes"], ["dropping --tp 16 (", "--tp 16 does not divide the 8 KV heads"]),
+        (["--tp", "16", "--nodes", "2"], ["--tp 16 does not divide the 8 KV heads"]),
+        (["--pp", "1", "--virtual-stages", "4"], ["--virtual-stages 4 needs --pp > 1"]),
+        (["--tp", "1", "--sequence-parallel"], ["--sequence-parallel needs --tp > 1"]),
+        (["--model", "mixtral-8x7b", "--ep", "16"], ["dropping --ep 16 (", "Why: --ep 16 does not divide the 8 routed experts"]),
+        (["--model", "vl2", "--nodes", "8", "--ep", "128"], ["Why: --ep 128 does not divide the 72 routed experts"]),
     ],
 )
 def test_excluding_constraints_name_the_pins_to_drop(args: list[str], needles: list[str]) -> None:
-    result = run("--model", "llama-3.1-8b", *args)
+    result = run(*args) if "--model" in args else run("--model", "llama-3.1-8b", *args)
     assert result.exit_code == 2 and "Traceback" not in result.output
     text = " ".join(result.output.split())  # rich folds long lines
     for needle in needles:

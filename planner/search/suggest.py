@@ -226,6 +226,44 @@ def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constra
     raise UserError(_empty_space_message(model, cluster, workload, cons, space, facts, enumerate_with, explain))
 
 
+def _impossible_pins(cons: Constraints, facts: ModelFacts, cluster: Cluster) -> list[str]:
+    """The pinned axes none of whose values can ever hold, each with its rule (what estimate
+    says for one plan), so the message names the cause rather than the generic rules."""
+    node = cluster.gpus_per_node
+
+    def tp_rule(tp: int) -> str | None:
+        head = next((h for h in facts.heads if h % tp), None)
+        if head is not None:
+            return f"--tp {tp} does not divide the {head} attention heads"
+        if facts.kv_heads % tp:
+            return f"--tp {tp} does not divide the {facts.kv_heads} KV heads"
+        if tp > node and not cons.allow_tp_across_nodes:
+            return f"--tp {tp} spans more than a node's {node} GPUs (add --allow-tp-across-nodes)"
+        return None
+
+    def ep_rule(ep: int) -> str | None:
+        if ep > 1 and not facts.routed_experts:
+            return f"--ep {ep} needs a mixture-of-experts model"
+        if facts.routed_experts and facts.routed_experts % ep:
+            return f"--ep {ep} does not divide the {facts.routed_experts} routed experts"
+        return None
+
+    pps, vss = cons.pp or (), cons.virtual_stages or ()
+    rules = [(cons.tp, tp_rule), (cons.ep, ep_rule)]
+    if pps:
+        rules.append((cons.pp, lambda p: f"--pp {p} exceeds the model's {facts.units} layers" if p > facts.units else None))
+    if vss and pps and all(p == 1 for p in pps) and all(v > 1 for v in vss):
+        rules.append((vss, lambda v: f"--virtual-stages {v} needs --pp > 1"))
+    if cons.sequence_parallel == (True,) and cons.tp and all(t == 1 for t in cons.tp):
+        rules.append(((True,), lambda _: "--sequence-parallel needs --tp > 1"))
+    out = []
+    for values, rule in rules:
+        found = [rule(v) for v in values or ()]
+        if found and all(found):
+            out += found
+    return out
+
+
 def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints, space: Space,
                          facts: ModelFacts, enumerate_with: Callable[[Constraints], Space], explain: bool) -> str:
     """Why no candidate is left, leading with the fix: the pins that, dropped one at a time,
@@ -243,7 +281,7 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
             else:
                 shown = f"{flag} {','.join(map(str, values))}"
             freed.append(f"{shown} ({n:,} candidates)")
-    why = []
+    why = _impossible_pins(cons, facts, cluster)
     pinned = [(tp, pp) for tp in cons.tp or divisors(world) for pp in cons.pp or divisors(world)
               if world % (tp * pp) == 0 and (cons.dp is None or world // (tp * pp) in cons.dp)]
     if not pinned:
