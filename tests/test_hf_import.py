@@ -191,6 +191,9 @@ _DELETE = object()
     [
         ("llama.json", {"hidden_size": "4096"}, ["hidden_size", "integer", "'4096'"]),
         ("llama.json", {"num_hidden_layers": 0}, ["num_hidden_layers", "positive", "0"]),
+        # a typo that would build a billion blocks is refused at once
+        ("llama.json", {"num_hidden_layers": 1e9}, ["num_hidden_layers", "at most 4,096", "1,000,000,000"]),
+        ("deepseek_v3.json", {"num_hidden_layers": 100_000}, ["num_hidden_layers", "at most 4,096"]),
         ("llama.json", {"intermediate_size": -5}, ["intermediate_size", "positive"]),
         ("llama.json", {"num_attention_heads": 30}, ["num_attention_heads", "(30)", "4096"]),
         ("llama.json", {"num_key_value_heads": 5}, ["num_key_value_heads", "(5)"]),

@@ -37,6 +37,7 @@ from planner.model.spec import (
 # length (Llama 3.1: 8K then 128K; DeepSeek-V2/V3: 4K then YaRN). Plans are for the main phase,
 # so an imported model's default training length is its window capped at this value.
 TRAIN_SEQ_CAP = 8192
+MAX_LAYERS = 4096  # decoder layers a config may declare (guards against a typo building 1e9 blocks)
 
 
 class HFImportWarning(UserWarning):
@@ -136,7 +137,9 @@ def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
 
     ds = DEEPSEEK_DEFAULTS if family.deepseek else {}
     hidden = lm.get_int(K.HIDDEN)
-    layers = lm.get_int(K.LAYERS, ds.get("layers", K.REQUIRED))
+    # Every layer becomes a block the planner walks; the deepest published models have ~200.
+    layers = lm.get_int(K.LAYERS, ds.get("layers", K.REQUIRED), maximum=MAX_LAYERS,
+                        why=" (dsplan plans models of up to that many layers)")
     vocab = lm.get_int(K.VOCAB, ds.get("vocab", K.REQUIRED))
     default_seq = ds.get("max_seq") or family.default_max_seq or K.REQUIRED
     max_seq = lm.get_int(K.MAX_SEQ, default_seq)

@@ -110,8 +110,10 @@ class ConfigReader:
         self.defaulted.append(self.path(name))
         return name, default
 
-    def get_int(self, keys: tuple[str, ...] | str, default: Any = REQUIRED, *, minimum: int = 1) -> int:
-        """An integer >= minimum (integral floats such as 4096.0 are accepted)."""
+    def get_int(self, keys: tuple[str, ...] | str, default: Any = REQUIRED, *, minimum: int = 1,
+                maximum: int | None = None, why: str = "") -> int:
+        """An integer >= minimum (and <= maximum, ``why`` saying why; integral floats such as
+        4096.0 are accepted)."""
         keys = (keys,) if isinstance(keys, str) else keys
         key, value = self._raw(keys, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -123,6 +125,8 @@ class ConfigReader:
         if value < minimum:
             need = "positive" if minimum == 1 else f">= {minimum}"
             self.fail(key, f"must be {need}, got {value}")
+        if maximum is not None and value > maximum:
+            self.fail(key, f"must be at most {maximum:,}{why}, got {value:,}")
         return value
 
     def opt_int(self, key: str, default: int | None = None, *, minimum: int = 1) -> int | None:
