@@ -128,6 +128,9 @@ def test_plans_the_reference_trainer_cannot_run_are_refused_before_any_rank_star
     gen = runner.invoke(main, ["generate", *flags, "--tp", "1", "--pp", "4", "--virtual-stages", "2", "--out", str(vpp)])
     assert gen.exit_code == 0, gen.output
     assert "note: the default entry cannot run this plan" in gen.output
+    # ... and the next step it suggests is Megatron-LM's script, not the launcher that would fail
+    assert "next: dsplan generate ... --out" in gen.output and "--entry pretrain_gpt.py" in gen.output
+    assert "launch_deepspeed.sh" not in gen.output
     for extra in (("--dry-run",), ()):
         assert_user_error(run_cli(str(vpp), *extra), "virtual_stages=2", "Megatron-LM's own training script", "--entry")
     assert not (vpp / ".dsplan-run").exists() and not (vpp / "report.json").exists()

@@ -115,6 +115,10 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
                   + (f", EP {plan.ep}" if plan.ep > 1 else "") + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
     if note:
         console.print(f"  [yellow]note:[/yellow] {note}", soft_wrap=True)
+    if note:  # the default entry cannot run it: point at Megatron-LM's script, not at the launcher
+        console.print(f"  next: dsplan generate ... --out {out} --entry pretrain_gpt.py -- ARGS  (see {out}/README.md)",
+                      soft_wrap=True)
+        return
     launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
     console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)", soft_wrap=True)
 
