@@ -281,3 +281,12 @@ def test_a_signal_is_acted_on_at_the_next_check_not_where_it_lands(tmp_path):
             sup._check_interrupted()
     finally:
         sup._restore_signals(previous)
+
+
+def test_a_short_startup_timeout_is_kept_as_given():
+    """--startup-timeout below --hang-timeout used to be raised to it silently (a 3 s limit ran
+    20 s without being flagged)."""
+    from planner.run.supervisor import Supervisor
+
+    sup = Supervisor(job=None, hang_timeout_s=600, startup_timeout_s=3)  # type: ignore[arg-type]
+    assert (sup.startup_timeout_s, sup.hang_timeout_s) == (3, 600)

@@ -28,7 +28,8 @@ INTERRUPTED_EXIT = 130
 @click.option("--hang-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds without a new step or log line before the job counts as hung.")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=1800.0, show_default=True,
-              help="Seconds allowed before the first step of each start (DeepSpeed may compile ops).")
+              help="Like --hang-timeout, until the first step of each start (DeepSpeed may compile ops "
+                   "silently for minutes).")
 @click.option("--grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping the job.")
 @click.option("--dry-run", is_flag=True, help="Print the commands and environment it would run; run nothing.")

@@ -142,7 +142,7 @@ class Supervisor:
         self.job = job
         self.max_restarts = max_restarts
         self.hang_timeout_s = hang_timeout_s
-        self.startup_timeout_s = max(startup_timeout_s, hang_timeout_s)
+        self.startup_timeout_s = startup_timeout_s  # as given, even below hang_timeout_s
         self.grace_s = grace_s
         self.echo = echo
         self.on_step = on_step
