@@ -138,19 +138,21 @@ def test_generate_failing_midway_leaves_an_existing_run_unchanged(plan_file: Pat
 def test_topo_into_proc(flag: str):
     if flag == "--draw":
         pytest.importorskip("matplotlib")
-    assert_one_line_error(invoke("topo", "--nodes", "2", flag, "/proc/dsplan-x.out"),
-                          f"cannot write {flag} /proc/dsplan-x.out", "choose a writable directory")
+    name = "/proc/dsplan-x" + (".png" if flag == "--draw" else ".dot")
+    assert_one_line_error(invoke("topo", "--nodes", "2", flag, name), f"cannot write {flag} {name}",
+                          "choose a writable directory")
 
 
 @pytest.mark.parametrize("flag", ["--draw", "--dot"])
 def test_topo_into_a_missing_directory_or_a_file(flag: str, tmp_path: Path):
-    missing = tmp_path / "nonexistent" / "dir" / "x.out"
+    ext = ".png" if flag == "--draw" else ".dot"
+    missing = tmp_path / "nonexistent" / "dir" / f"x{ext}"
     assert_one_line_error(invoke("topo", "--nodes", "2", flag, str(missing)),
                           f"cannot write {flag} {missing}", f"directory {missing.parent} does not exist")
     afile = tmp_path / "afile"
     afile.write_text("")
-    assert_one_line_error(invoke("topo", "--nodes", "2", flag, str(afile / "x.out")),
-                          f"cannot write {flag} {afile / 'x.out'}", f"{afile} is not a directory")
+    assert_one_line_error(invoke("topo", "--nodes", "2", flag, str(afile / f"x{ext}")),
+                          f"cannot write {flag} {afile / f'x{ext}'}", f"{afile} is not a directory")
     assert_one_line_error(invoke("topo", "--nodes", "2", flag, str(tmp_path)), f"cannot write {flag} {tmp_path}",
                           "is a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
@@ -281,3 +283,21 @@ def test_rank_without_plan_still_defaults_to_the_best(tmp_path: Path):
     assert result.exit_code == 0, result.output
     assert_one_line_error(invoke("generate", "--model", "gpt3-125m", "--nodes", "1", "--rank", "0", "--out", str(out)),
                           "--rank 0")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["plot", "pareto", "--model", "gpt3-125m", "--out", "p.txt"], "--out p.txt: dsplan writes PNG here; name the file *.png"),
+    (["topo", "--draw", "t.txt"], "--draw t.txt: dsplan writes PNG here; name the file *.png"),
+    (["topo", "--dot", "t.png"], "--dot t.png: dsplan writes DOT here; name the file *.dot"),
+])
+def test_an_output_named_for_another_format_is_refused(args, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(invoke(*args), needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_topo_bytes_alone_predicts_an_all_reduce():
+    r = invoke("topo", "--nodes", "2", "--bytes", "4GiB", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert (data["op"], data["bytes"], data["group_size"]) == ("allreduce", 4 * 2**30, 8)

@@ -32,8 +32,9 @@ class OutputPath(click.ParamType):
 
     name = "path"
 
-    def __init__(self, kind: Literal["file", "dir"] = "file") -> None:
+    def __init__(self, kind: Literal["file", "dir"] = "file", suffix: str | None = None) -> None:
         self.kind = kind
+        self.suffix = suffix  # the format written: a file named otherwise is refused, not mislabelled
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:  # type: ignore[override]
         return "DIR" if self.kind == "dir" else "FILE"
@@ -44,6 +45,8 @@ class OutputPath(click.ParamType):
         if not text.strip():
             raise UserError(f"{flag}: empty path; give a {'directory' if self.kind == 'dir' else 'file'} to write")
         _precheck(flag, text, self.kind)
+        if self.suffix and not text.lower().endswith(self.suffix):
+            raise UserError(f"{flag} {text}: dsplan writes {self.suffix[1:].upper()} here; name the file *{self.suffix}")
         if ctx is not None:
             recorded = ctx.meta.setdefault(_META_KEY, [])
             if (flag, text) not in recorded:

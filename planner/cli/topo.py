@@ -32,12 +32,13 @@ OPS = ("allreduce", "reducescatter", "allgather", "alltoall", "p2p", "broadcast"
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
 @click.option("--collective", metavar="OP", help=f"Predict one collective: {', '.join(OPS)}.")
 @click.option("--group-size", type=int, help="Ranks in the group (consecutive ranks, TP-style). Default: one node.")
-@click.option("--bytes", "size", default="1GiB", show_default=True, help="Buffer size as nccl-tests counts it (KiB/MiB/GiB).")
+@click.option("--bytes", "size", default=None,
+              help="Buffer size as nccl-tests counts it (KiB/MiB/GiB) [default: 1GiB]; alone, predicts an all-reduce.")
 @click.option("--no-nvls", is_flag=True, help="Disable NVLink SHARP (as NCCL_NVLS_ENABLE=0).")
-@click.option("--draw", "draw_path", type=OutputPath("file"), help="Write a PNG drawing (needs matplotlib).")
-@click.option("--dot", "dot_path", type=OutputPath("file"), help="Write a Graphviz .dot file.")
+@click.option("--draw", "draw_path", type=OutputPath("file", ".png"), help="Write a PNG drawing (needs matplotlib).")
+@click.option("--dot", "dot_path", type=OutputPath("file", ".dot"), help="Write a Graphviz .dot file.")
 @json_option
-def topo(hardware: str, nodes: int, collective: str | None, group_size: int | None, size: str,
+def topo(hardware: str, nodes: int, collective: str | None, group_size: int | None, size: str | None,
          no_nvls: bool, draw_path: str | None, dot_path: str | None, as_json: bool) -> None:
     from planner.cost.collectives import collective_time_for_size, normalize_op
     from planner.hardware.cluster import Cluster
@@ -54,9 +55,9 @@ def topo(hardware: str, nodes: int, collective: str | None, group_size: int | No
         from planner.hardware.draw import write_png
 
         written.append(str(write_png(cluster, draw_path)))
-    if collective is not None or group_size is not None:
+    if collective is not None or group_size is not None or size is not None:
         op = normalize_op(collective or "allreduce")
-        nbytes = parse_size(size, "--bytes")
+        nbytes = parse_size(size or "1GiB", "--bytes")
         group = cluster.gpus_per_node if group_size is None else group_size
         if group < 1:
             raise UserError(f"--group-size: need at least 1 rank, got {group}")
