@@ -192,3 +192,19 @@ def test_group_shapes_equal_every_group(profile, nodes, radix):
                     assert splits_evenly(g, p.stride(dim), p.dims[dim])
                     checked += 1
     assert checked > 20
+
+
+def test_a_two_level_fabric_gains_a_core_layer_past_one_pod():
+    """Radix-40 leaves split 20 down / 20 up; rail-optimized, a leaf block is 20 nodes and one
+    spine layer reaches 40 leaf blocks: 800 nodes. Beyond that a core layer must exist (two
+    more switch hops between pods)."""
+    from planner.hardware.cluster import Cluster
+    from planner.hardware.load import load_profile
+
+    profile = load_profile("dgx-a100-80g")
+    assert profile.fabric.levels == 2 and profile.fabric.switch_radix == 40
+    small, pod, big = (Cluster.build(profile, n) for n in (64, 800, 2048))
+    assert big.fat_tree.nodes_per_pod == 20 * 40 == 800
+    assert (small.levels, pod.levels, big.levels) == (2, 2, 3)
+    assert (pod.switch_hops(True, True), big.switch_hops(True, True), big.switch_hops(True, False)) == (3, 5, 3)
+    assert big.summary()["levels"] == 3

@@ -87,7 +87,12 @@ def _print_summary(cluster) -> None:
     table.add_row("node bisection", f"{s['intra_node_bisection_GBps']:g} GB/s")
     table.add_row("network bisection", f"{s['bisection_bw_GBps']:g} GB/s" if s["nodes"] > 1 else "- (one node)")
     table.add_row("fabric", f"{s['fabric']}, {'rail-optimized' if s['rail_optimized'] else 'not rail-optimized'}")
-    table.add_row("switches", f"{s['leaf_switches']} leaf ({s['nodes_per_leaf']} nodes per leaf block), {s['spine_switches']} spine")
+    core = ""
+    if s["levels"] == 3:
+        added = " added" if cluster.profile.fabric.levels < 3 else ""
+        core = f", a core layer{added} ({cluster.nodes} nodes over pods of {s['nodes_per_pod']})"
+    table.add_row("switches", f"{s['leaf_switches']} leaf ({s['nodes_per_leaf']} nodes per leaf block), "
+                              f"{s['spine_switches']} spine{core}")
     table.add_row("oversubscription", f"{s['oversubscription']:g}:1")
     console.print(table)
 

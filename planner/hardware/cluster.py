@@ -113,9 +113,17 @@ class Cluster:
     def nvls(self) -> bool:
         return self.profile.node.intra.kind == "nvswitch" and self.profile.node.intra.nvls
 
+    @property
+    def levels(self) -> int:
+        """Switch levels of the fabric: the profile's, plus a core layer where the nodes
+        outgrow one leaf/spine pod (a 2-level fabric of radix 40 reaches 800 rail-optimized
+        nodes; 2,048 nodes cannot be wired without one)."""
+        lv = self.profile.fabric.levels
+        return 3 if (lv == 2 and self.nodes > self.fat_tree.nodes_per_pod) else lv
+
     def switch_hops(self, spans_blocks: bool, spans_pods: bool = False) -> int:
         """Switches a message crosses between two nodes: leaf; leaf-spine-leaf; via core."""
-        if spans_pods and self.profile.fabric.levels >= 3:
+        if spans_pods and self.levels >= 3:
             return 5
         return 3 if spans_blocks else 1
 
@@ -193,6 +201,8 @@ class Cluster:
             "leaf_switches": ft.leaves,
             "spine_switches": ft.spines,
             "nodes_per_leaf": ft.nodes_per_leaf,
+            "levels": self.levels,
+            "nodes_per_pod": ft.nodes_per_pod,
         }
 
 
