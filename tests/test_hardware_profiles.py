@@ -254,6 +254,7 @@ def test_missing_file_and_directory(tmp_path: Path):
         ({"node__nics__count": 0}, ["node.nics.count"]),
         ({"gpu__matmul_efficiency": 1.5}, ["gpu.matmul_efficiency"]),
         ({"fabric__oversubscription": 0.5}, ["fabric.oversubscription"]),
+        ({"fabric__switch_radix": 1}, ["fabric.switch_radix", "greater than or equal to 2"]),
         ({"node__intra__kind": "nvlink5"}, ["node.intra.kind"]),
         ({"gpu__peak_TFLOPs__bf8": 10}, ["gpu.peak_TFLOPs.bf8"]),
         ({"gpu__memory_GB": 80}, ["gpu.memory_GB", "did you mean 'memory_GiB'"]),

@@ -101,7 +101,7 @@ class Fabric(_Strict):
 
     kind: Literal["infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce", "ethernet"]
     levels: Literal[1, 2, 3] = 2
-    switch_radix: PositiveInt = 40
+    switch_radix: int = Field(40, ge=2)  # a leaf needs a port down and one up
     oversubscription: float = Field(1.0, ge=1.0)  # leaf downlinks : uplinks
     rail_optimized: bool = True
     latency_us: PositiveFloat = 1.0  # per switch hop
