@@ -301,3 +301,14 @@ def test_topo_bytes_alone_predicts_an_all_reduce():
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert (data["op"], data["bytes"], data["group_size"]) == ("allreduce", 4 * 2**30, 8)
+
+
+def test_generate_never_reads_a_link_where_it_writes(plan_file: Path, tmp_path: Path):
+    """A run-directory file that is a link to a device (/dev/zero would be read forever) is
+    refused, not hashed."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ds_config.json").symlink_to("/dev/zero")
+    assert_one_line_error(invoke("generate", "--plan", str(plan_file), "--out", str(out)),
+                          "ds_config.json is a link or special file")
+    assert sorted(p.name for p in out.iterdir()) == ["ds_config.json"]

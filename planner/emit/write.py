@@ -118,6 +118,8 @@ def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force
             continue
         if path.is_dir():
             raise UserError(f"--out {out}: {name} is a directory where dsplan writes a file; move it away")
+        if path.is_symlink() or not path.is_file():  # a link or a device (e.g. -> /dev/zero): never read it
+            raise UserError(f"--out {out}: {name} is a link or special file where dsplan writes a file; move it away")
         current = _sha256_file(path)
         if current == new_sha:
             unchanged.append(name)
@@ -125,7 +127,7 @@ def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force
             written.append(name)
         else:
             edited.append(name)
-    stale = [n for n in previous if n not in files and (out / n).is_file()]
+    stale = [n for n in previous if n not in files and (out / n).is_file() and not (out / n).is_symlink()]
     stale_edited = [n for n in stale if _sha256_file(out / n) != previous[n]]
     if (edited or stale_edited) and not force:
         listing = ", ".join(sorted(edited + stale_edited))
