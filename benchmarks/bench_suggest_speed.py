@@ -107,12 +107,13 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     from planner.model.catalog import load_model
     from planner.search.evaluate import Evaluator
     from planner.search.space import Constraints, default_global_batch
-    from planner.search.suggest import _space, _vision_defaults
+    from planner.model.vision_inputs import vision_inputs
+    from planner.search.suggest import _space
 
     model = load_model(model_name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     gb = default_global_batch(model.train_seq_len, cluster.num_gpus)
-    images, tiles = _vision_defaults(model, None, None)
+    images, tiles = vision_inputs(model, None, None, model.train_seq_len)
     workload = Workload(global_batch=gb, seq_len=model.train_seq_len, images_per_sample=images, tiles_per_image=tiles)
     start = time.process_time()
     space = _space(model, cluster, workload, Constraints())
