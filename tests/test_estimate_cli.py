@@ -174,3 +174,24 @@ def test_tp_must_divide_heads_and_ep_the_experts():
     r = CliRunner().invoke(main, ["estimate", "--model", "mixtral-8x7b", "--nodes", "2", "--ep", "16",
                                   "--global-batch", "16", "--micro-batch", "1"])
     assert r.exit_code == 2 and "8 routed experts" in r.output
+
+
+@pytest.mark.parametrize("columns", ["60", "120"])
+def test_memory_table_never_cuts_a_number_short(columns):
+    """On a narrow terminal the per-rank memory prints as lines, not as a table of '41-…'."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": columns, "TERM": "dumb"}
+    args = ["estimate", "--model", "llama-3-70b", "--nodes", "2", "--tp", "8", "--pp", "2", "--global-batch", "64",
+            "--zero", "1", "--framework", "megatron"]
+    out = subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, env=env).stdout
+    data = json.loads(subprocess.run([sys.executable, "-m", "planner", *args, "--json"], capture_output=True,
+                                     text=True, env=env).stdout)
+    flat = " ".join(out.split())
+    assert "…" not in out
+    for stage in data["stages"]:
+        a, b = stage["blocks"][0]
+        assert f"{a}-{b}" in flat
+        assert f"{stage['memory']['peak_bytes'] / 2**30:.1f}" in flat

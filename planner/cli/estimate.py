@@ -168,6 +168,8 @@ def render(plan) -> None:
                   + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}")
+    from rich.measure import Measurement
+
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
 
     # Light borders and wrapping block ranges: the ten columns fit an 80-column terminal.
@@ -182,7 +184,17 @@ def render(plan) -> None:
         mem.add_row(str(s.rank), ", ".join(f"{a}-{b}" for a, b in s.chunks), str(s.decoder_layers), _gib(m.weights),
                     _gib(m.grads), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.overhead),
                     peak if m.peak <= cap else f"[red]{peak}[/red]")
-    console.print(mem)
+    if console.width >= Measurement.get(console, console.options.update_width(10_000), mem).maximum:
+        console.print(mem)
+    else:  # too narrow for the table: one line per rank, so no number is cut short
+        console.print("Memory per GPU in GiB (peak, by pipeline rank)")
+        for s in plan.stages:
+            m = s.memory
+            peak = _gib(m.peak) if m.peak <= cap else f"[red]{_gib(m.peak)}[/red]"
+            console.print(f"  rank {s.rank}: blocks {', '.join(f'{a}-{b}' for a, b in s.chunks)} ({s.decoder_layers} "
+                          f"layers); weights {_gib(m.weights)}, grads {_gib(m.grads)}, optim {_gib(m.optimizer)}, "
+                          f"activ {_gib(m.activations)}, buffers {_gib(m.buffers)}, overhead {_gib(m.overhead)}; "
+                          f"peak {peak}")
     console.print(f"GPU memory {human_bytes(cap)}" + (f"; host memory per node for offload {human_bytes(plan.cpu_bytes_per_node)}"
                                                       if c.offload != "none" else ""))
 
