@@ -39,6 +39,8 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     chunks = rank_chunks(parts, cfg.pp)
     b, m = cfg.micro_batch, cfg.grad_accum
     send = pp_send or traits.pp_send
+    if send not in fw.PP_SENDS:
+        raise ValueError(f"pp_send {send!r}: one of {', '.join(fw.PP_SENDS)}")
     send_div = fw.pp_send_divisor(send, cfg.tp, cfg.sequence_parallel)
     gathers = fw.pp_boundary_gathers(send, cfg.tp)
     times = [st.rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers)
