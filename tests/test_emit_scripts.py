@@ -168,6 +168,21 @@ def test_k8s_job_has_the_fields_the_training_operator_requires(run_dirs):
         assert job["spec"]["nprocPerNode"] == str(plan["gpus_per_node"])
 
 
+@pytest.mark.parametrize("word", ["off", "yes", "null", "true"])
+def test_k8s_job_name_stays_a_string_for_yaml_keywords(word, tmp_path: Path):
+    """A run directory named off/yes/null would otherwise load as a boolean or null."""
+    run_dir = generate(tmp_path, word, PLANS["single"])
+    job = yaml.safe_load((run_dir / "k8s-job.yaml").read_text())
+    assert job["metadata"]["name"] == word
+
+
+def test_nccl_env_keeps_gpudirect_rdma_on_across_pcie_switches(run_dirs):
+    """DGX/HGX GPUs reach their NIC through PCIe switches (nvidia-smi topo: PXB); NCCL's PIX
+    would allow GPUDirect RDMA only under a single switch, i.e. turn it off there."""
+    env = (run_dirs["multi"] / "nccl.env").read_text()
+    assert 'export NCCL_NET_GDR_LEVEL="${NCCL_NET_GDR_LEVEL:-PXB}"' in env
+
+
 def megatron_flags(run_dir: Path) -> tuple[list[str], list[str]]:
     """Run megatron_args.sh (it prints its arrays) and split Megatron-LM from Megatron-DeepSpeed flags."""
     printed = subprocess.run(["bash", str(run_dir / "megatron_args.sh")], capture_output=True, text=True, check=True).stdout
@@ -524,6 +539,8 @@ def test_slurm_sbatch_starts_one_launcher_per_node_with_rendezvous_from_slurm(tm
     by_cmd = {entry["cmd"]: entry for entry in launches}
     assert by_cmd["scontrol"]["argv"] == ["show", "hostnames", "gpu-a[01-02]"]
     assert "--ntasks-per-node=1" in by_cmd["srun"]["argv"] and "--nodes=2" in by_cmd["srun"]["argv"]
+    # Slurm 22.05-23.02's srun does not inherit sbatch's --cpus-per-task: it is passed on explicitly
+    assert "--cpus-per-task=128" in by_cmd["srun"]["argv"]
     torchrun = by_cmd["torchrun"]
     assert torchrun["env"]["MASTER_ADDR"] == "gpu-a01" and torchrun["env"]["RDZV_ID"] == "run-4242"
     argv = torchrun["argv"]

@@ -70,8 +70,9 @@ def nccl_env(
         if fabric == "roce":
             add("NCCL_IB_GID_INDEX", "3", "RoCE v2 over IPv4 uses GID index 3 on ConnectX NICs")
         if nics.gpudirect_rdma:
-            level = "PIX" if nics.gpus_per_nic == 1 else "PXB"
-            add("NCCL_NET_GDR_LEVEL", level, "GPUDirect RDMA between a GPU and the NIC on its PCIe switch")
+            # PXB, not PIX: on DGX/HGX boards the GPU and its NIC meet behind a PCIe switch
+            # hierarchy (nvidia-smi topo -m shows PXB); PIX would turn GPUDirect RDMA off there.
+            add("NCCL_NET_GDR_LEVEL", "PXB", "GPUDirect RDMA between a GPU and a NIC behind the same PCIe switches")
         else:
             add("NCCL_NET_GDR_LEVEL", "LOC", "the profile has no GPUDirect RDMA: stage through host memory")
     if profile.node.intra.nvls:
