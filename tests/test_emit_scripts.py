@@ -60,6 +60,12 @@ MEGATRON_DEEPSPEED_FLAGS = {
     "--deepspeed-activation-checkpointing", "--num-experts", "--moe-expert-parallel-size", "--topk", "--mlp-type",
 }
 
+# Megatron-DeepSpeed's own spellings of model flags (deepspeedai/Megatron-DeepSpeed megatron/arguments.py
+# _add_network_size_args): its parser has none of Megatron-LM's --group-query-attention,
+# --num-query-groups or --position-embedding-type, and its --normalization takes lowercase names.
+MEGATRON_DEEPSPEED_MODEL_FLAGS = {"--num-key-value-heads", "--use-rotary-position-embeddings", "--no-position-embedding"}
+MEGATRON_LM_ONLY_FLAGS = {"--group-query-attention", "--num-query-groups", "--position-embedding-type"}
+
 STUB_ENTRY = """import json, os, sys
 keys = ("NCCL_DEBUG", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LOCAL_RANK",
         "OMP_NUM_THREADS")
@@ -199,7 +205,10 @@ def test_megatron_flags_exist_in_megatrons_argument_parser(run_dirs):
     for name, run_dir in run_dirs.items():
         lm, ds = megatron_flags(run_dir)
         assert lm, name
-        assert set(lm) <= MEGATRON_LM_FLAGS, f"{name}: unknown Megatron-LM flags {set(lm) - MEGATRON_LM_FLAGS}"
+        known = MEGATRON_LM_FLAGS
+        if json.loads((run_dir / "plan.json").read_text())["framework"] == "megatron-deepspeed":
+            known = (MEGATRON_LM_FLAGS - MEGATRON_LM_ONLY_FLAGS) | MEGATRON_DEEPSPEED_MODEL_FLAGS
+        assert set(lm) <= known, f"{name}: flags its parser lacks {set(lm) - known}"
         assert set(ds) <= MEGATRON_DEEPSPEED_FLAGS, f"{name}: unknown Megatron-DeepSpeed flags {set(ds) - MEGATRON_DEEPSPEED_FLAGS}"
 
 
@@ -349,8 +358,13 @@ def test_megatron_model_shape_flags_match_the_published_architecture(run_dirs, r
             assert int(flags["--q-lora-rank"]) == mla["q_lora_rank"]
     else:
         assert "--multi-latent-attention" not in flags
-        gqa = "--group-query-attention" in flags
-        kv_heads = int(flags["--num-query-groups"]) if gqa else heads
+        if plan["framework"] == "megatron-deepspeed":  # its parser has no --group-query-attention
+            assert "--group-query-attention" not in flags and "--num-query-groups" not in flags
+            gqa = "--num-key-value-heads" in flags
+            kv_heads = int(flags["--num-key-value-heads"]) if gqa else heads
+        else:
+            gqa = "--group-query-attention" in flags
+            kv_heads = int(flags["--num-query-groups"]) if gqa else heads
         assert kv_heads == arch["num_kv_heads"], f"{name}: {kv_heads} KV heads, the model has {arch['num_kv_heads']}"
         assert gqa == (arch["attention_type"] == "GQA")
         kv_channels = int(flags["--kv-channels"]) if "--kv-channels" in flags else arch["hidden_size"] // heads
@@ -377,13 +391,23 @@ def test_megatron_model_shape_flags_match_the_published_architecture(run_dirs, r
     # Megatron needs the position table to cover the sequence; a learned table is the model's own size.
     max_pos = int(flags["--max-position-embeddings"])
     assert max_pos >= plan["seq_len"]
+    mds = plan["framework"] == "megatron-deepspeed"
     if arch["position_embedding"] == "learned":
-        assert flags["--position-embedding-type"] == "learned_absolute" and max_pos == arch["max_seq_len"]
+        assert max_pos == arch["max_seq_len"]
+        if mds:  # Megatron-DeepSpeed adds a learned table unless told otherwise
+            assert "--use-rotary-position-embeddings" not in flags and "--no-position-embedding" not in flags
+        else:
+            assert flags["--position-embedding-type"] == "learned_absolute"
     else:
         assert arch["position_embedding"].startswith("rope")
-        assert flags["--position-embedding-type"] == "rope"
+        if mds:  # no --position-embedding-type in its parser
+            assert "--use-rotary-position-embeddings" in flags and "--no-position-embedding" in flags
+            assert "--position-embedding-type" not in flags
+        else:
+            assert flags["--position-embedding-type"] == "rope"
         assert max_pos in (arch["max_seq_len"], arch.get("hf_max_position_embeddings"))
-    assert flags["--normalization"] == {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[arch["norm"]]
+    norms = {"rmsnorm": "rmsnorm", "layernorm": "layernorm"} if mds else {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
+    assert flags["--normalization"] == norms[arch["norm"]]
     assert ("--swiglu" in flags) == (arch["ffn_type"] == "swiglu")
     assert ("--untie-embeddings-and-output-weights" in flags) == (not arch["tied_embeddings"])
     # Megatron defaults both dropouts to 0.1; the plan counted no dropout masks

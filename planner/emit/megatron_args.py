@@ -1,9 +1,11 @@
 """Megatron-LM / Megatron-DeepSpeed command-line flags for the same plan.
 
-Flag names follow Megatron-LM's argument parser (megatron/training/arguments.py) and, for the
-DeepSpeed-specific ones, Megatron-DeepSpeed's (megatron/arguments.py plus
-``deepspeed.add_config_arguments``). tests/test_emit_scripts.py keeps the list of known flags
-and checks every emitted one against it.
+Flag names follow Megatron-LM's argument parser (megatron/training/arguments.py); for
+megatron-deepspeed plans, Megatron-DeepSpeed's (deepspeedai/Megatron-DeepSpeed
+megatron/arguments.py plus ``deepspeed.add_config_arguments``), which spells grouped-query
+attention (--num-key-value-heads), norms (lowercase) and RoPE (--use-rotary-position-embeddings)
+differently. tests/test_emit_scripts.py keeps the list of known flags and checks every emitted
+one against it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def _a(flag: str, value: object = None, raw: bool = False) -> Arg:
 
 
 def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
+    mds = plan.framework == "megatron-deepspeed"
     first: DecoderBlock = model.decoder_blocks[0]
     attn = first.attention
     args = [
@@ -63,13 +66,22 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     else:
         args.append(_a("--kv-channels", attn.head_dim))
         if attn.kv_heads < attn.heads:
-            args += [_a("--group-query-attention"), _a("--num-query-groups", attn.kv_heads)]
+            # Megatron-DeepSpeed (deepspeedai/Megatron-DeepSpeed megatron/arguments.py) spells
+            # grouped-query attention, norms and RoPE its own way; its parser refuses Megatron-LM's.
+            args += ([_a("--num-key-value-heads", attn.kv_heads)] if mds else
+                     [_a("--group-query-attention"), _a("--num-query-groups", attn.kv_heads)])
     act = (dense or moe).act if (dense or moe) else "swiglu"
     if act == "swiglu":
         args.append(_a("--swiglu"))
-    args.append(_a("--normalization", "RMSNorm" if first.norm == "rmsnorm" else "LayerNorm"))
+    if mds:
+        args.append(_a("--normalization", first.norm))  # layernorm | rmsnorm
+    else:
+        args.append(_a("--normalization", "RMSNorm" if first.norm == "rmsnorm" else "LayerNorm"))
     embedding = next(b for b in model.blocks if isinstance(b, EmbeddingBlock))
-    args.append(_a("--position-embedding-type", "learned_absolute" if embedding.learned_positions else "rope"))
+    if not mds:
+        args.append(_a("--position-embedding-type", "learned_absolute" if embedding.learned_positions else "rope"))
+    elif not embedding.learned_positions:  # RoPE, and no learned table (Megatron-DeepSpeed adds one by default)
+        args += [_a("--use-rotary-position-embeddings"), _a("--no-position-embedding")]
     head = next((b for b in model.blocks if isinstance(b, LMHeadBlock)), None)
     if head is not None and not head.tied:
         args.append(_a("--untie-embeddings-and-output-weights"))
