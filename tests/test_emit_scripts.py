@@ -640,3 +640,31 @@ def test_real_torchrun_keeps_the_host_threads_of_an_offload_plan(tmp_path: Path)
     _, records, _ = run_with_stub(tmp_path, plan, [str(tmp_path / "site" / "launch_torchrun.sh")],
                                   env={**env, "OMP_NUM_THREADS": "6"}, name="site")
     assert {r["env"]["OMP_NUM_THREADS"] for r in records} == {"6"}
+
+
+def _plan_flags(run_dir: Path, *arrays: str) -> list[str]:
+    script = 'source "$1"; shift; for a in "$@"; do eval "printf \'%s\\n\' \\"\\${$a[@]}\\""; done'
+    out = subprocess.run(["bash", "-c", script, "_", str(run_dir / "megatron_args.sh"), *arrays],
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def test_a_megatron_lm_entry_gets_the_plans_flags_and_not_the_launchers_local_rank(tmp_path: Path):
+    """Megatron-LM's parser (allow_abbrev=False) refuses --deepspeed and --local_rank=N: its
+    entry gets megatron_args.sh's flags, the user's arguments, and reads LOCAL_RANK instead."""
+    run_dir = tmp_path / "run"
+    _, records, _ = run_with_stub(tmp_path, PLANS["megatron-offload"], ["bash", str(run_dir / "entry.sh"),
+                                                                        "--local_rank=3", "--more"])
+    (record,) = records
+    assert record["argv"] == [*_plan_flags(run_dir, "MEGATRON_ARGS"), *TRICKY_ARGS, "--more"]
+    assert "--deepspeed" not in record["argv"] and "--tensor-model-parallel-size" in record["argv"]
+
+
+def test_a_megatron_deepspeed_entry_gets_both_flag_sets(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    _, records, _ = run_with_stub(tmp_path, PLANS["megatron-ds-moe"], ["bash", str(run_dir / "entry.sh"),
+                                                                       "--local_rank=3"])
+    (record,) = records
+    flags = _plan_flags(run_dir, "MEGATRON_ARGS", "MEGATRON_DEEPSPEED_ARGS")
+    assert record["argv"] == [*flags, *TRICKY_ARGS, "--local_rank=3"]
+    assert record["argv"][record["argv"].index("--deepspeed_config") + 1] == str(run_dir.resolve() / "ds_config.json")
