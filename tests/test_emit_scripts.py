@@ -174,6 +174,23 @@ def test_k8s_job_has_the_fields_the_training_operator_requires(run_dirs):
         assert job["spec"]["nprocPerNode"] == str(plan["gpus_per_node"])
 
 
+def test_k8s_pods_find_the_run_directory_under_its_own_name(tmp_path: Path):
+    """The object name is a sanitised label; the directory on the PVC keeps its real name."""
+    run_dir = generate(tmp_path, "My_Run.v1", PLANS["single"])
+    job = yaml.safe_load((run_dir / "k8s-job.yaml").read_text())
+    assert job["metadata"]["name"] == "my-run-v1"
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert container["workingDir"] == "/workspace/runs/My_Run.v1"
+    assert container["command"] == ["/bin/bash", "/workspace/runs/My_Run.v1/launch_torchrun.sh"]
+
+
+def test_k8s_asks_amd_gpus_of_an_amd_profile(tmp_path: Path):
+    run_dir = generate(tmp_path, "mi300x", ("llama-3.1-8b", 1, dict(hardware="mi300x", zero_stage=1)))
+    job = yaml.safe_load((run_dir / "k8s-job.yaml").read_text())
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"amd.com/gpu": 8} and container["resources"]["requests"] == {"amd.com/gpu": 8}
+
+
 @pytest.mark.parametrize("word", ["off", "yes", "null", "true"])
 def test_k8s_job_name_stays_a_string_for_yaml_keywords(word, tmp_path: Path):
     """A run directory named off/yes/null would otherwise load as a boolean or null."""

@@ -207,7 +207,10 @@ def render_run_dir(
         "omp_threads": host_threads(profile, plan),
         "lm_args": megatron_lm_args(model, plan, settings),
         "ds_args": megatron_deepspeed_args(model, plan),
-        "k8s": {"roles": k8s_roles, "image": options.image, "pvc": options.k8s_pvc, "mount": "/workspace/runs"},
+        # the pods see the run directory under its own name (the object name is a sanitised label)
+        "k8s": {"roles": k8s_roles, "image": options.image, "pvc": options.k8s_pvc, "mount": "/workspace/runs",
+                "dir": Path(out_dir).resolve().name,
+                "gpu_resource": "amd.com/gpu" if profile.gpu.vendor == "amd" else "nvidia.com/gpu"},
     }
     env = _environment()
     files: dict[str, GeneratedFile] = {
