@@ -20,11 +20,11 @@ def default_mode() -> int:
     return 0o666 & ~mask
 
 
-def replace_atomically(path: str | Path, write: Callable[[str], None], mode: int | None = None,
-                       fsync: bool = False) -> Path:
-    """Call ``write(tmp)`` to fill a temporary file next to ``path``, then rename it to ``path``.
+def stage(path: str | Path, write: Callable[[str], None], mode: int | None = None, fsync: bool = False) -> str:
+    """Call ``write(tmp)`` to fill a temporary file next to ``path``, give it its final mode,
+    and return its name; nothing is left behind if anything fails. The parent must exist.
 
-    The parent directory must exist. The temporary file is removed if anything fails."""
+    Callers that replace several files at once stage them all before renaming any."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -35,11 +35,22 @@ def replace_atomically(path: str | Path, write: Callable[[str], None], mode: int
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
         os.chmod(tmp, default_mode() if mode is None else mode)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def replace_atomically(path: str | Path, write: Callable[[str], None], mode: int | None = None,
+                       fsync: bool = False) -> Path:
+    """``stage`` a new ``path`` and rename it into place."""
+    tmp = stage(path, write, mode, fsync)
+    try:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+    return Path(path)
 
 
 def write_bytes_atomically(path: str | Path, data: bytes, fsync: bool = False) -> Path:

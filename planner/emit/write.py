@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
+from planner.atomic import stage
 from planner.emit.render import GeneratedFile
 from planner.errors import UserError
 
@@ -62,17 +62,8 @@ def read_manifest(out_dir: Path) -> dict[str, str]:
 
 def _stage(path: Path, content: str, executable: bool) -> str:
     """Write ``content`` to a temporary file next to ``path`` (synced, final mode); its name."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o755 if executable else 0o644)
-    except BaseException:
-        _discard([tmp])
-        raise
-    return tmp
+    return stage(path, lambda tmp: Path(tmp).write_text(content, encoding="utf-8", newline="\n"),
+                 mode=0o755 if executable else 0o644, fsync=True)
 
 
 def _discard(temporaries: list[str]) -> None:
