@@ -26,7 +26,7 @@ from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for
 from planner.cost.memory import host_capacity_bytes
 from planner.model.vision_inputs import vision_inputs
 from planner.cost.notes import batch_notes
-from planner.cost.parallel import FRAMEWORKS, Workload
+from planner.cost.parallel import FRAMEWORKS, ParallelConfig, Workload, check_against_model
 from planner.cost.plan import Plan
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
@@ -227,31 +227,28 @@ def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constra
 
 
 def _impossible_pins(cons: Constraints, facts: ModelFacts, cluster: Cluster) -> list[str]:
-    """The pinned axes none of whose values can ever hold, each with its rule (what estimate
-    says for one plan), so the message names the cause rather than the generic rules."""
+    """The pinned axes none of whose values can ever hold, each with estimate's own message for
+    the broken rule (parallel.check_against_model), so the error names the cause rather than
+    the generic rules."""
     node = cluster.gpus_per_node
 
-    def tp_rule(tp: int) -> str | None:
-        head = next((h for h in facts.heads if h % tp), None)
-        if head is not None:
-            return f"--tp {tp} does not divide the {head} attention heads"
-        if facts.kv_heads % tp:
-            return f"--tp {tp} does not divide the {facts.kv_heads} KV heads"
-        if tp > node and not cons.allow_tp_across_nodes:
-            return f"--tp {tp} spans more than a node's {node} GPUs (add --allow-tp-across-nodes)"
+    def model_rule(**degrees: int) -> str | None:
+        cfg = ParallelConfig(dp=degrees.get("ep", 1), **degrees)
+        for heads in facts.heads:
+            try:
+                check_against_model(cfg, heads=heads, kv_heads=facts.kv_heads, routed_experts=facts.routed_experts,
+                                    blocks=facts.units)
+            except UserError as err:
+                return str(err)
         return None
 
-    def ep_rule(ep: int) -> str | None:
-        if ep > 1 and not facts.routed_experts:
-            return f"--ep {ep} needs a mixture-of-experts model"
-        if facts.routed_experts and facts.routed_experts % ep:
-            return f"--ep {ep} does not divide the {facts.routed_experts} routed experts"
-        return None
+    def tp_rule(tp: int) -> str | None:
+        if tp > node and not cons.allow_tp_across_nodes and not model_rule(tp=tp):
+            return f"--tp {tp} spans more than a node's {node} GPUs (add --allow-tp-across-nodes)"
+        return model_rule(tp=tp)
 
     pps, vss = cons.pp or (), cons.virtual_stages or ()
-    rules = [(cons.tp, tp_rule), (cons.ep, ep_rule)]
-    if pps:
-        rules.append((cons.pp, lambda p: f"--pp {p} exceeds the model's {facts.units} layers" if p > facts.units else None))
+    rules = [(cons.tp, tp_rule), (cons.ep, lambda ep: model_rule(ep=ep)), (cons.pp, lambda pp: model_rule(pp=pp))]
     if vss and pps and all(p == 1 for p in pps) and all(v > 1 for v in vss):
         rules.append((vss, lambda v: f"--virtual-stages {v} needs --pp > 1"))
     if cons.sequence_parallel == (True,) and cons.tp and all(t == 1 for t in cons.tp):
