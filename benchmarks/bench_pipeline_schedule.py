@@ -36,7 +36,7 @@ CASES = [
     ("llama-3-70b", 8, None, None),
     ("gpt3-175b", 128, None, None),
     ("gpt3-175b", 64, 1536, None),
-    ("bloom-176b", 48, None, None),
+    ("qwen2.5-72b", 48, None, None),
     ("llama-3.1-70b", 16, None, Constraints(framework=("megatron",), virtual_stages=(2, 3, 4))),
     ("llama-3.1-8b", 1, 6, Constraints(pp=(4,), virtual_stages=(2,), framework=("megatron",), micro_batch=(1,),
                                        tp=(2,))),

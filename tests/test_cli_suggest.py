@@ -191,9 +191,9 @@ def test_human_output_lists_alternative_runtimes_and_memory_rebalanced_split() -
 
     from planner.cli import main
 
-    base = ["suggest", "--model", "vl2", "--nodes", "1", "--pp", "2", "--micro-batch", "1", "--recompute", "none",
+    base = ["suggest", "--model", "vl2", "--nodes", "1", "--pp", "4", "--micro-batch", "1", "--recompute", "none",
             "--zero", "1", "--virtual-stages", "1", "--offload", "none"]
-    out = CliRunner().invoke(main, [*base, "--framework", "megatron-deepspeed"])
+    out = CliRunner().invoke(main, [*base, "--framework", "megatron"])
     assert out.exit_code == 0, out.output
     assert "runs out of memory, so this one balances within memory" in " ".join(out.output.split())
     same = CliRunner().invoke(main, ["suggest", "--model", "llama-3.1-8b", "--nodes", "1", "--tp", "1", "--pp", "1",

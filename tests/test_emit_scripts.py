@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,8 @@ MEGATRON_LM_FLAGS = {
     "--moe-router-load-balancing-type", "--moe-router-topk", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
     "--moe-router-score-function", "--moe-expert-capacity-factor",
     "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
+    "--norm-epsilon", "--rotary-percent", "--use-rope-scaling", "--rope-scaling-factor", "--mrope-section",
+    "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
 }
 # Megatron-DeepSpeed's additions (microsoft/Megatron-DeepSpeed megatron/arguments.py: _add_zero_args,
 # _add_activation_checkpoint_args, --no-pipeline-parallel, MoE flags; deepspeed.add_config_arguments).
@@ -63,8 +66,11 @@ MEGATRON_DEEPSPEED_FLAGS = {
 # Megatron-DeepSpeed's own spellings of model flags (deepspeedai/Megatron-DeepSpeed megatron/arguments.py
 # _add_network_size_args): its parser has none of Megatron-LM's --group-query-attention,
 # --num-query-groups or --position-embedding-type, and its --normalization takes lowercase names.
-MEGATRON_DEEPSPEED_MODEL_FLAGS = {"--num-key-value-heads", "--use-rotary-position-embeddings", "--no-position-embedding"}
-MEGATRON_LM_ONLY_FLAGS = {"--group-query-attention", "--num-query-groups", "--position-embedding-type"}
+MEGATRON_DEEPSPEED_MODEL_FLAGS = {"--num-key-value-heads", "--use-rotary-position-embeddings", "--no-position-embedding",
+                                  "--rotary-position-embeddings-theta", "--layernorm-epsilon"}
+MEGATRON_LM_ONLY_FLAGS = {"--group-query-attention", "--num-query-groups", "--position-embedding-type", "--rotary-base",
+                          "--norm-epsilon", "--use-rope-scaling", "--rope-scaling-factor", "--mrope-section",
+                          "--rotary-scaling-factor", "--mscale", "--mscale-all-dim"}
 
 STUB_ENTRY = """import json, os, sys
 keys = ("NCCL_DEBUG", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LOCAL_RANK",
@@ -423,6 +429,19 @@ def test_megatron_model_shape_flags_match_the_published_architecture(run_dirs, r
         else:
             assert flags["--position-embedding-type"] == "rope"
         assert max_pos in (arch["max_seq_len"], arch.get("hf_max_position_embeddings"))
+        # The rotary base is the published one (Megatron's default of 10000 is wrong for Llama 3's
+        # 500000 and Mixtral's 1e6); the references state it as "theta X" where it is not 10000.
+        stated = re.search(r"theta (\S+)", arch["position_embedding"])
+        theta = flags["--rotary-position-embeddings-theta" if mds else "--rotary-base"]
+        assert float(theta) == (float(stated.group(1)) if stated else 10000.0), name
+        scaled = "llama3 scaling" in arch["position_embedding"]
+        assert ("--use-rope-scaling" in flags) == (scaled and not mds)
+        if scaled and not mds:
+            assert float(flags["--rope-scaling-factor"]) == 8.0  # Llama 3.1's (reference sources: factor 8)
+    # Published epsilons: Llama 2/3 and Mixtral configs 1e-05, DeepSeek 1e-06 (their config.json files);
+    # GPT-3 1e-05, GPT-2's and Megatron's (the paper does not say).
+    eps = flags["--layernorm-epsilon" if mds else "--norm-epsilon"]
+    assert float(eps) == {"Llama": 1e-5, "Mixtral": 1e-5, "DeepSeek": 1e-6, "GPT": 1e-5}[arch["family"].split("-")[0]], name
     norms = {"rmsnorm": "rmsnorm", "layernorm": "layernorm"} if mds else {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
     assert flags["--normalization"] == norms[arch["norm"]]
     assert ("--swiglu" in flags) == (arch["ffn_type"] == "swiglu")

@@ -36,16 +36,16 @@ def test_json_keys_and_values():
 
 
 def test_pipeline_json_stages_and_uneven_layers():
-    r = CliRunner().invoke(main, ["estimate", "--model", "bloom-176b", "--nodes", "12", "--tp", "8", "--pp", "12",
+    r = CliRunner().invoke(main, ["estimate", "--model", "qwen2.5-72b", "--nodes", "12", "--tp", "8", "--pp", "12",
                                   "--micro-batch", "1", "--global-batch", "96", "--recompute", "full",
                                   "--framework", "megatron", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     layers = [s["decoder_layers"] for s in d["stages"]]
-    assert sum(layers) == 70 and layers[0] == 5 and layers[-1] == 5 and max(layers) == 6
-    assert d["stage_blocks"][0][0] == 0 and d["stage_blocks"][-1][1] == 73
-    # the last rank's 250k-vocab head is worth about one more layer; the first rank's
-    # embedding lookup is nearly free, so its 5 layers make it the lightest
+    assert sum(layers) == 80 and layers[0] == 6 and layers[-1] == 6 and max(layers) == 7
+    assert d["stage_blocks"][0][0] == 0 and d["stage_blocks"][-1][1] == 83
+    # the last rank's 152k-vocab head is worth about one more layer; the first rank's
+    # embedding lookup is nearly free, so its 6 layers make it the lightest
     totals = [s["microbatch_time"]["total_s"] for s in d["stages"]]
     assert totals[0] == min(totals)
     assert totals[-1] > 1.1 * totals[0]

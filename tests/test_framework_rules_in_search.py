@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from planner.cost.frameworks import RULES, ConfigColumns, RunFacts, check_framework, first_broken
+from planner.cost.frameworks import RULES, ConfigColumns, RunFacts, check_framework, first_broken, model_facts
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
@@ -35,8 +35,7 @@ def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: 
                                      micro_batch=mb, grad_accum=ga, recompute=RECOMPUTES[r],
                                      sequence_parallel=bool(sp), virtual_stages=deg.vs, framework=FRAMEWORKS[f])
                 try:
-                    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm,
-                                    optimizer=optimizer, precision=precision)
+                    check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision)
                 except UserError:
                     rejected += 1
                     continue
@@ -46,7 +45,7 @@ def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: 
 
 @pytest.mark.parametrize("name, nodes, gb, optimizer, precision", [
     ("vl2", 1, 256, "adamw", "bf16"), ("vl2", 2, 96, "adamw", "bf16"), ("llama-3.1-8b", 2, 512, "sgd", "bf16"),
-    ("llama-3.1-8b", 1, 60, "adam", "fp16")])
+    ("llama-3.1-8b", 1, 60, "adam", "fp16"), ("bloom-176b", 2, 64, "adamw", "bf16")])
 def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, optimizer: str, precision: str) -> None:
     model = load_model(name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
@@ -60,12 +59,17 @@ def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, opti
     kept, rejected = _direct(model, cluster.num_gpus, cluster.gpus_per_node, gb, cons, optimizer, precision)
     assert got == kept
     assert space.rejected["framework"] == rejected
+    if model.positions.kind == "alibi":  # only DeepSpeed builds BLOOM: nothing interleaves
+        assert set(space.columns["framework"].tolist()) == {FRAMEWORKS.index("deepspeed")} and rejected > 0
+        return
     # Interleaving is both allowed and refused somewhere, so the exact-pp part of the key is exercised.
     assert (space.columns["vs"] > 1).any() and rejected > 0
 
 
 @pytest.mark.parametrize("facts", [RunFacts(False, 24, False, "adamw", "bf16"), RunFacts(True, 30, False, "sgd", "bf16"),
-                                   RunFacts(False, 30, True, "adamw", "fp16"), RunFacts(True, 24, True, "adam", "fp32")])
+                                   RunFacts(False, 30, True, "adamw", "fp16"), RunFacts(True, 24, True, "adam", "fp32"),
+                                   RunFacts(True, 27, False, "adamw", "bf16", mla=True),
+                                   RunFacts(False, 70, False, "adamw", "bf16", positions="alibi")])
 def test_runnable_mask_equals_check_framework_config_by_config(facts: RunFacts) -> None:
     """The rule table's vector form (the search's filter) and its scalar form (the messages)."""
     configs = []
@@ -82,7 +86,8 @@ def test_runnable_mask_equals_check_framework_config_by_config(facts: RunFacts) 
     for cfg in configs:
         try:
             check_framework(cfg, is_moe=facts.is_moe, decoder_layers=facts.decoder_layers, is_vlm=facts.is_vlm,
-                            optimizer=facts.optimizer, precision=facts.precision)
+                            optimizer=facts.optimizer, precision=facts.precision, mla=facts.mla,
+                            positions=facts.positions)
             expected.append(True)
             messages.append(None)
         except UserError as err:

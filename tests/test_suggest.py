@@ -219,7 +219,7 @@ def test_layouts_with_uneven_groups_are_left_out() -> None:
     layouts out (counted as indivisible) instead of failing the whole search."""
     from planner.search.evaluate import Shapes
 
-    model = load_model("bloom-176b")
+    model = load_model("qwen2.5-72b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 48)
     space = _space(model, cluster, Workload(global_batch=1536, seq_len=2048), Constraints())
     c = space.columns

@@ -16,7 +16,7 @@ from planner.model.catalog import (
     preset_info,
     resolve_preset_name,
 )
-from planner.model.summary import model_summary
+from planner.model.summary import describe_positions, model_summary
 
 
 def _experts(row: dict[str, Any]) -> str:
@@ -132,6 +132,7 @@ def _print_show(s: dict[str, Any]) -> None:
                       f"{t['max_local_tiles']} tiles per image{view}; planning default {t['default_images_per_sample']} "
                       f"image(s) x {t['default_tiles_per_image']} tile(s)"
                       f"{', newline tokens per row' if t['newline_tokens'] else ''}")
+    console.print(describe_positions(s["positions"], s["norm_eps"]))
     if s["defaulted"]:
         console.print("filled by defaults: " + ", ".join(s["defaulted"]))
     for note in s["notes"]:

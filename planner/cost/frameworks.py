@@ -9,9 +9,9 @@ and its own behaviour the cost model reads (``Traits``):
   schedule, and per-layer (full) activation checkpointing only.
 - ``megatron-deepspeed``: Megatron's 3D parallelism on the DeepSpeed engine: ZeRO-1 with a
   pipeline (ZeRO-2/3 only without one), sequence parallelism, MoE, selective recompute; no
-  interleaving.
+  interleaving, no multi-latent attention, no ALiBi.
 - ``megatron`` (Megatron-LM / Megatron-Core): 3D parallelism, sequence parallelism, the
-  interleaved 1F1B schedule, the distributed optimizer (``zero_stage=1`` here: optimizer
+  interleaved 1F1B schedule, MLA, the distributed optimizer (``zero_stage=1`` here: optimizer
   states sharded over DP, ~ZeRO-1), expert parallelism, selective recompute; no ZeRO-2/3.
   Optimizer CPU offload (``--optimizer-cpu-offload``: Megatron-Core's HybridDeviceOptimizer
   running torch's fused AdamW on the host) needs ``--use-precision-aware-optimizer``, which
@@ -120,6 +120,8 @@ class RunFacts:
     is_vlm: bool
     optimizer: str
     precision: str
+    mla: bool = False  # multi-latent attention (DeepSeek-V2/V3)
+    positions: str = "rope"  # Positions.kind: learned | rope | mrope | alibi
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,12 @@ def _moe_zero3_rule(f: str) -> Rule:
                              "the engine); use --zero 1/2 or --framework megatron")
 
 
+def _alibi_rule(f: str, why: str) -> Rule:
+    return Rule(f, lambda c, x: (c.tp > 0) & (x.positions == "alibi"),
+                lambda c, x: f"framework {f} has no ALiBi position biases ({why}), so it cannot build this model; use "
+                             "--framework deepspeed")
+
+
 def _interleave_rule(f: str) -> Rule:
     return Rule(f, lambda c, x: c.virtual_stages > 1,
                 lambda c, x: f"framework {f} has no interleaved pipeline schedule; use --virtual-stages 1 or --framework megatron")
@@ -148,6 +156,15 @@ def _interleave_rule(f: str) -> Rule:
 
 # In the order they are checked: a config breaking several is told about the first.
 RULES: tuple[Rule, ...] = (
+    # First, what the runtime cannot build at all, whatever the layout: the one thing to say.
+    # deepspeedai/Megatron-DeepSpeed's model is Megatron's GPT of 2023: no MLA layer, and
+    # positions are learned or rotary (megatron/arguments.py); ALiBi is in BigScience's fork.
+    Rule("megatron-deepspeed", lambda c, x: (c.tp > 0) & x.mla,
+         lambda c, x: "framework megatron-deepspeed has no multi-latent attention (MLA) layer; use --framework megatron "
+                      "(Megatron-Core's --multi-latent-attention) or deepspeed"),
+    _alibi_rule("megatron-deepspeed", "its positions are learned or rotary"),
+    # Megatron-Core's --position-embedding-type: learned_absolute, rope, mrope, relative, none.
+    _alibi_rule("megatron", "--position-embedding-type offers learned_absolute, rope, mrope, relative and none"),
     # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
     # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
     Rule(None, lambda c, x: (c.offload != "none") & (x.optimizer == "sgd"),
@@ -224,11 +241,11 @@ class ConfigColumns:
 
 
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
-                    precision: str) -> None:
+                    precision: str, mla: bool = False, positions: str = "rope") -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step."""
-    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, precision)
+    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, precision, mla, positions)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -251,8 +268,14 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str) -> None:
     """``check_framework`` with the facts of ``model`` its rules read (the one place that
     picks them; the search passes them hoisted, since it asks thousands of times)."""
-    check_framework(cfg, is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm,
-                    optimizer=optimizer, precision=precision)
+    check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision)
+
+
+def model_facts(model: "ModelSpec") -> dict[str, Any]:
+    """The facts of ``model`` the rules read, as RunFacts / check_framework keywords."""
+    return {"is_moe": model.is_moe, "decoder_layers": model.num_layers, "is_vlm": model.is_vlm,
+            "mla": model.decoder_blocks[0].attention.kind == "mla",
+            "positions": model.positions.kind if model.positions else "rope"}
 
 
 def grad_accum_for(global_batch: int, micro_batch: int, dp: int) -> int:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from planner.cost.memory import group_to_set
 from planner.emit.ds_config import TrainSettings, moe_layer_indices
 from planner.emit.plan_file import PlanFile
+from planner.errors import UserError
 from planner.model.spec import DecoderBlock, DenseMLP, EmbeddingBlock, LMHeadBlock, ModelSpec, MoEMLP
 
 
@@ -77,11 +78,9 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         args.append(_a("--normalization", first.norm))  # layernorm | rmsnorm
     else:
         args.append(_a("--normalization", "RMSNorm" if first.norm == "rmsnorm" else "LayerNorm"))
-    embedding = next(b for b in model.blocks if isinstance(b, EmbeddingBlock))
-    if not mds:
-        args.append(_a("--position-embedding-type", "learned_absolute" if embedding.learned_positions else "rope"))
-    elif not embedding.learned_positions:  # RoPE, and no learned table (Megatron-DeepSpeed adds one by default)
-        args += [_a("--use-rotary-position-embeddings"), _a("--no-position-embedding")]
+    if model.norm_eps is not None:
+        args.append(_a("--layernorm-epsilon" if mds else "--norm-epsilon", model.norm_eps))
+    args += _position_args(model, mds)[0]
     head = next((b for b in model.blocks if isinstance(b, LMHeadBlock)), None)
     if head is not None and not head.tied:
         args.append(_a("--untie-embeddings-and-output-weights"))
@@ -94,6 +93,82 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         if attn.qkv_bias:
             args.append(_a("--add-qkv-bias"))
     return args
+
+
+# Megatron-Core's YaRN for MLA (MLATransformerConfig) fixes these; the CLI sets the rest.
+MEGATRON_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+# Megatron-LM's --use-rope-scaling applies Llama 3.1's scaling with these fixed
+# (megatron/core/models/common/embeddings/rotary_pos_embedding.py); the CLI sets the factor.
+MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+
+
+def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
+    """Position flags, and notes on what the parser cannot say (written into megatron_args.sh).
+
+    Megatron-LM (megatron/training/arguments.py): --position-embedding-type
+    learned_absolute|rope|mrope, --rotary-base (an int, default 10000), --rotary-percent,
+    --use-rope-scaling/--rope-scaling-factor (Llama 3.1), --mrope-section; MLA layers take YaRN
+    from --rotary-scaling-factor/--mscale/--mscale-all-dim. Megatron-DeepSpeed
+    (megatron/arguments.py): a learned table unless --no-position-embedding,
+    --use-rotary-position-embeddings, --rotary-position-embeddings-theta (an int), no scaling.
+    ALiBi is in neither (frameworks.RULES refuses such plans)."""
+    embedding = next(b for b in model.blocks if isinstance(b, EmbeddingBlock))
+    pos = model.positions
+    kind = pos.kind if pos else ("learned" if embedding.learned_positions else "rope")
+    if kind == "alibi":
+        raise UserError(f"{model.name}: ALiBi position biases have no Megatron flag; plan it with --framework deepspeed")
+    if kind == "learned":
+        return ([] if mds else [_a("--position-embedding-type", "learned_absolute")]), []
+    args = ([_a("--use-rotary-position-embeddings"), _a("--no-position-embedding")] if mds
+            else [_a("--position-embedding-type", kind)])
+    notes: list[str] = []
+    if pos is None:
+        return args, notes
+    theta = pos.rope_theta or 10000.0
+    if float(theta).is_integer():
+        args.append(_a("--rotary-position-embeddings-theta" if mds else "--rotary-base", int(theta)))
+    else:
+        notes.append(f"rope_theta {theta:g} is not an integer, which the parser's rotary base must be; set it in the model code")
+    if pos.rotary_percent < 1:
+        args.append(_a("--rotary-percent", pos.rotary_percent))
+    scaling = pos.rope_scaling or {}
+    stype = pos.scaling_type
+    if kind == "mrope":
+        if mds:
+            notes.append("Megatron-DeepSpeed has no multimodal RoPE (M-RoPE): text positions run as 1-D RoPE")
+        elif isinstance(scaling.get("mrope_section"), list):
+            # nargs='+': one word per section, so the value goes unquoted (digits only)
+            args.append(_a("--mrope-section", " ".join(str(int(x)) for x in scaling["mrope_section"]), raw=True))
+        return args, notes
+    if not stype:
+        return args, notes
+    factor = scaling.get("factor")
+    mla = model.decoder_blocks[0].attention.kind == "mla"
+    if mds:
+        notes.append(f"rope_scaling ({stype}, factor {factor}) has no Megatron-DeepSpeed flag: positions run unscaled")
+    elif stype == "llama3" and isinstance(factor, (int, float)):
+        args += [_a("--use-rope-scaling"), _a("--rope-scaling-factor", float(factor))]
+        notes += _fixed_differs(scaling, MEGATRON_LLAMA3_FIXED, "--use-rope-scaling")
+    elif stype == "yarn" and mla and isinstance(factor, (int, float)):
+        args.append(_a("--rotary-scaling-factor", float(factor)))
+        for key, flag in (("mscale", "--mscale"), ("mscale_all_dim", "--mscale-all-dim")):
+            if isinstance(scaling.get(key), (int, float)):
+                args.append(_a(flag, float(scaling[key])))
+        notes += _fixed_differs(scaling, MEGATRON_YARN_FIXED, "MLA's YaRN")
+    else:
+        notes.append(f"rope_scaling ({stype}, factor {factor}) has no Megatron-LM flag for this attention: positions "
+                     "run unscaled")
+    return args, notes
+
+
+def _fixed_differs(scaling: dict, fixed: dict, what: str) -> list[str]:
+    return [f"{what} fixes {k} at {v}; this model's config says {scaling[k]}" for k, v in fixed.items()
+            if isinstance(scaling.get(k), (int, float)) and float(scaling[k]) != float(v)]
+
+
+def megatron_notes(model: ModelSpec, plan: PlanFile) -> list[str]:
+    """What megatron_args.sh cannot express for this model, said in its comments."""
+    return _position_args(model, plan.framework == "megatron-deepspeed")[1]
 
 
 def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

@@ -23,7 +23,7 @@ from planner.cost.notes import batch_notes
 from planner.cost.parallel import check_against_model
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
-from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args
+from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args, megatron_notes
 from planner.emit.nccl import host_threads, nccl_env
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
@@ -207,6 +207,7 @@ def render_run_dir(
         "omp_threads": host_threads(profile, plan),
         "lm_args": megatron_lm_args(model, plan, settings),
         "ds_args": megatron_deepspeed_args(model, plan),
+        "lm_notes": megatron_notes(model, plan),
         # the pods see the run directory under its own name (the object name is a sanitised label)
         "k8s": {"roles": k8s_roles, "image": options.image, "pvc": options.k8s_pvc, "mount": "/workspace/runs",
                 "dir": Path(out_dir).resolve().name,

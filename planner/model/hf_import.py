@@ -31,6 +31,7 @@ from planner.model.spec import (
     ModelSpec,
     MoEMLP,
     NormBlock,
+    Positions,
 )
 
 # Long context windows are reached by a short extension phase after pretraining at a shorter
@@ -63,26 +64,35 @@ class Family:
     default_ffn_ratio: int | None = None  # n_inner null -> 4 * hidden
     default_max_seq: int | None = None
     vision: str | None = None  # "deepseek_vl2" | "qwen2_vl"
+    # Positions and norm epsilon when the config leaves them out: the transformers config
+    # class's defaults (LlamaConfig: rope_theta 10000, rms_norm_eps 1e-6; MixtralConfig: 1e6,
+    # 1e-5; GPT2/BLOOM/GPT-NeoX: layer-norm epsilon 1e-5; GPT-NeoX rotates 25% of each head).
+    positions: str = "rope"  # "rope" | "learned" | "alibi" (mrope is read from rope_scaling)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    rotary_percent: float = 1.0
 
 
 _DEEPSEEK = dict(deepseek=True)
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama"),
     "mistral": Family("Mistral"),
-    "mixtral": Family("Mixtral"),
+    "mixtral": Family("Mixtral", rope_theta=1e6, norm_eps=1e-5),
     "qwen2": Family("Qwen2", qkv_bias=True),
     "qwen2_moe": Family("Qwen2-MoE", qkv_bias=True),
-    "qwen2_vl": Family("Qwen2-VL", qkv_bias=True, vision="qwen2_vl"),
+    "qwen2_vl": Family("Qwen2-VL", qkv_bias=True, vision="qwen2_vl", rope_theta=1e6),
     "deepseek_v2": Family("DeepSeek-V2", **_DEEPSEEK),
     "deepseek_v3": Family("DeepSeek-V3", **_DEEPSEEK),
     "deepseek_vl_v2": Family("DeepSeek-VL2", vision="deepseek_vl2", **_DEEPSEEK),
     "gpt2": Family("GPT-2", norm="layernorm", gated=False, act_keys=("activation_function",), default_act="gelu_new",
-                   linear_bias=True, tied=True, learned_positions=True, has_kv_heads=False, default_ffn_ratio=4),
+                   linear_bias=True, tied=True, learned_positions=True, has_kv_heads=False, default_ffn_ratio=4,
+                   positions="learned", norm_eps=1e-5),
     "gpt_neox": Family("GPT-NeoX", norm="layernorm", gated=False, default_act="gelu", linear_bias=True,
-                       has_kv_heads=False, default_ffn_ratio=4),
+                       has_kv_heads=False, default_ffn_ratio=4, norm_eps=1e-5, rotary_percent=0.25),
     # BLOOM has no position table (ALiBi) and no length key; it was trained at 2048.
     "bloom": Family("BLOOM", norm="layernorm", gated=False, act_keys=(), default_act="gelu_tanh", linear_bias=True,
-                    tied=True, embedding_norm=True, has_kv_heads=False, default_ffn_ratio=4, default_max_seq=2048),
+                    tied=True, embedding_norm=True, has_kv_heads=False, default_ffn_ratio=4, default_max_seq=2048,
+                    positions="alibi", norm_eps=1e-5),
 }
 # Unknown model types: a Llama-style decoder read from the standard keys; the head is tied by
 # default because that is PretrainedConfig's default.
@@ -165,6 +175,8 @@ def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
     train_seq = min(max_seq, TRAIN_SEQ_CAP)
     if train_seq < max_seq:
         defaulted.append("train_seq_len")
+    positions = _positions(lm, family)
+    norm_eps = lm.get_float(K.NORM_EPS, family.norm_eps)
     return ModelSpec(
         name=name,
         family=family.name if family is not _GENERIC else (model_type or "unknown"),
@@ -173,8 +185,36 @@ def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
         train_seq_len=train_seq,
         blocks=blocks,
         vision=vision,
-        defaulted=defaulted,
+        defaulted=defaulted + [d for d in lm.defaulted if d not in defaulted],
+        positions=positions,
+        norm_eps=norm_eps,
     )
+
+
+_SCALING_VALUE = (bool, int, float, str, type(None))
+
+
+def _positions(lm: ConfigReader, family: Family) -> Positions:
+    """The position encoding as a launcher must restate it: the family's kind, the rotary base
+    and share, and ``rope_scaling`` as the config gives it (entries that are not numbers,
+    strings or number lists are dropped: nothing dsplan emits reads them)."""
+    if family.positions != "rope":
+        return Positions(kind=family.positions)  # type: ignore[arg-type]
+    theta = lm.get_float(K.ROPE_THETA, family.rope_theta)
+    percent = lm.get_float(K.ROTARY_PCT, family.rotary_percent) if lm.find(K.ROTARY_PCT) else family.rotary_percent
+    if percent > 1:
+        lm.fail(lm.find(K.ROTARY_PCT) or K.ROTARY_PCT[0], f"must be at most 1 (the share of each head rotated), got {percent}")
+    raw = lm.config.get("rope_scaling")
+    if raw is not None and not isinstance(raw, dict):
+        lm.fail("rope_scaling", "must be a JSON object or null")
+    scaling = None
+    if raw:
+        scaling = {str(k): v for k, v in raw.items()
+                   if isinstance(v, _SCALING_VALUE) or (isinstance(v, list) and all(
+                       isinstance(x, (int, float)) and not isinstance(x, bool) for x in v))}
+    mrope = bool(scaling) and ("mrope_section" in scaling or scaling.get("type") == "mrope"
+                               or scaling.get("rope_type") == "mrope")
+    return Positions(kind="mrope" if mrope else "rope", rope_theta=theta, rotary_percent=percent, rope_scaling=scaling)
 
 
 def _require(lm: ConfigReader, family: Family) -> None:

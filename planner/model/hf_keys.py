@@ -25,6 +25,9 @@ HEAD_DIM = ("head_dim",)
 VOCAB = ("vocab_size",)
 MAX_SEQ = ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len")
 TIED = ("tie_word_embeddings",)
+ROPE_THETA = ("rope_theta", "rotary_emb_base")
+ROTARY_PCT = ("partial_rotary_factor", "rotary_pct")
+NORM_EPS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon")
 
 REQUIRED: Any = object()  # sentinel default: the key must be present
 

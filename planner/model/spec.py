@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 NormKind = Literal["rmsnorm", "layernorm"]
 Activation = Literal["swiglu", "gelu", "gelu_tanh", "quick_gelu", "relu"]
+PositionKind = Literal["learned", "rope", "mrope", "alibi"]
+ScalingValue = Union[float, int, str, bool, list[int], None]
 
 
 class _Frozen(BaseModel):
@@ -335,6 +337,31 @@ class VisionTiling(_Frozen):
     newline_tokens: bool = False  # DeepSeek-VL2 appends a newline token to each token row
 
 
+class Positions(_Frozen):
+    """How the model encodes positions, which costs nothing to plan but everything to get wrong
+    at launch: Megatron defaults to a rotary base of 10000 and no scaling, while Llama 3 trains
+    with 500000 (and Llama 3.1's frequency scaling), Mixtral and Qwen with 1e6."""
+
+    kind: PositionKind
+    rope_theta: float | None = Field(None, gt=0)  # rotary base (rope / mrope)
+    rotary_percent: float = Field(1.0, gt=0, le=1)  # share of each head's dims rotated (GPT-NeoX: 0.25)
+    rope_scaling: dict[str, ScalingValue] | None = None  # the config's rope_scaling object, as given
+
+    @model_validator(mode="after")
+    def _check(self) -> "Positions":
+        if self.kind in ("rope", "mrope") and self.rope_theta is None:
+            raise ValueError(f"{self.kind} positions need a rotary base (rope_theta)")
+        return self
+
+    @property
+    def scaling_type(self) -> str | None:
+        """``rope_scaling``'s type (configs spell the key "rope_type" or "type")."""
+        if not self.rope_scaling:
+            return None
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        return str(kind) if kind is not None else None
+
+
 class ModelSpec(_Frozen):
     """A model: identity, training facts, and the ordered block list."""
 
@@ -348,6 +375,10 @@ class ModelSpec(_Frozen):
     stated_total_params: float | None = None  # the authors' figures, for checking
     stated_activated_params: float | None = None
     defaulted: list[str] = Field(default_factory=_empty_list)  # fields filled by defaults on import
+    # What a launcher must restate and the cost model does not read (None: not known, e.g. a
+    # spec built by hand); Hugging Face configs and the presets always give both.
+    positions: Positions | None = None
+    norm_eps: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -356,6 +387,11 @@ class ModelSpec(_Frozen):
             raise ValueError("a model needs at least one decoder block")
         if ("vision" in kinds) != (self.vision is not None):
             raise ValueError("vision blocks and vision tiling facts go together")
+        if self.positions is not None:
+            learned = any(isinstance(b, EmbeddingBlock) and b.learned_positions for b in self.blocks)
+            if learned != (self.positions.kind == "learned"):
+                raise ValueError(f"positions '{self.positions.kind}' and the embedding's learned position table "
+                                 "disagree")
         return self
 
     # -- derived facts -------------------------------------------------------------------

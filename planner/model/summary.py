@@ -117,8 +117,31 @@ def model_summary(spec: ModelSpec, blocks: bool = False) -> dict[str, Any]:
         "vision": spec.is_vlm,
         "vision_params": vision_params(spec),
         "tiling": spec.vision.model_dump() if spec.vision else None,
+        "positions": spec.positions.model_dump() if spec.positions else None,
+        "norm_eps": spec.norm_eps,
         "defaulted": list(spec.defaulted),
     }
     if blocks:
         out["blocks"] = block_groups(spec)
     return out
+
+
+def describe_positions(positions: dict[str, Any] | None, norm_eps: float | None) -> str:
+    """One line on what a launcher must restate: the position encoding and the norm epsilon."""
+    if positions is None:
+        text = "positions: not stated"
+    elif positions["kind"] == "learned":
+        text = "positions: learned table"
+    elif positions["kind"] == "alibi":
+        text = "positions: ALiBi biases (no position table)"
+    else:
+        name = "M-RoPE" if positions["kind"] == "mrope" else "RoPE"
+        theta = positions["rope_theta"]
+        text = f"positions: {name} base {int(theta):,}" if float(theta).is_integer() else f"positions: {name} base {theta:g}"
+        if positions["rotary_percent"] < 1:
+            text += f" on {positions['rotary_percent']:.0%} of each head"
+        scaling = positions["rope_scaling"] or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind and kind != "mrope":
+            text += f", {kind} scaling" + (f" x{scaling['factor']:g}" if isinstance(scaling.get("factor"), (int, float)) else "")
+    return text + (f"; norm epsilon {norm_eps:g}" if norm_eps else "")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken
+from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken, model_facts
 from planner.cost.memory import host_capacity_bytes
 from planner.model.vision_inputs import vision_inputs
 from planner.cost.notes import batch_notes
@@ -205,8 +205,7 @@ def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constra
     """The candidate space; UserError when it is empty, saying why (``explain``: and which
     single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch
-    run_facts = RunFacts(is_moe=model.is_moe, decoder_layers=model.num_layers, is_vlm=model.is_vlm,
-                         optimizer=workload.optimizer, precision=workload.precision)
+    run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
