@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarray], pp: int, detail: bool = False):
     """Step time, worst-rank peak bytes and CPU bytes per node of candidates with ``pp`` ranks
-    (``detail``: every per-rank part as well, to build Plans from)."""
+    (``detail``: as a dict, with every per-rank part as well, to build Plans from). Row by row:
+    a candidate's numbers do not depend on which others are assembled with it."""
     w = ev.workload
     dp, ep, tp, vs = (col[k][:, None].astype(float) for k in ("dp", "ep", "tp", "vs"))
     m = col["grad_accum"][:, None].astype(float)
@@ -81,7 +82,8 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
         return {"weights": weights, "grads": grads, "optimizer": opt, "activations": acts, "buffers": buffers,
                 "overhead": mem.CUDA_CONTEXT_BYTES + mem.FRAGMENTATION * allocated,
                 "cpu_per_node": cpu * ev.cluster.gpus_per_node * mem.CPU_BUFFER_FACTOR, "inflight": inflight,
-                "worst": worst, "bubble": bubble, "dp": dp_t, "opt": opt_t}
+                "worst": worst, "bubble": bubble, "dp": dp_t, "opt": opt_t,
+                "step_time": step, "peak_bytes": peak.max(axis=1), "cpu_bytes": cpu_node}
     return step, peak.max(axis=1), cpu_node
 
 def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:

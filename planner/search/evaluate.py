@@ -21,6 +21,7 @@ balances time, then checks memory.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,6 +150,7 @@ class Evaluator:
         self.overrides: dict[int, tuple[list[tuple[int, int]], float]] = {}
         self._runs: tuple[ModelSpec, np.ndarray] | None = None
         self._unit_costs: dict[tuple, tuple[BlockTable, list[float]]] = {}
+        self._details: tuple[Prepared | None, dict[int, tuple[dict[str, np.ndarray], int]]] = (None, {})
 
     # -- caches ---------------------------------------------------------------------------
     def shapes(self, tp: int, ep: int, dp: int, pp: int) -> Shapes:
@@ -419,6 +421,7 @@ class Evaluator:
             meta = (self._part_index[pkey], gbot, obot)
             by_pp.setdefault(pp, []).append((int(g), ranks, meta))
         all_rows, outs = [], []
+        details = self._detail_of(prep)
         for pp, groups in by_pp.items():
             rows_list, local_list = [], []
             for i, (g, _, _) in enumerate(groups):
@@ -428,7 +431,9 @@ class Evaluator:
             sel = np.concatenate(rows_list)
             local = np.concatenate(local_list)
             stacked = rank_fields(np.stack([r for _, r, _ in groups])[local])
-            step, peak, cpu = assemble(self, {k: v[sel] for k, v in c.items()}, stacked, pp)
+            parts_of = assemble(self, {k: v[sel] for k, v in c.items()}, stacked, pp, detail=True)
+            step, peak, cpu = parts_of["step_time"], parts_of["peak_bytes"], parts_of["cpu_bytes"]
+            details.update(zip(sel.tolist(), zip(itertools.repeat(parts_of), range(len(sel)))))
             meta = np.array([mt for _, _, mt in groups])[local]
             all_rows.append(sel)
             outs.append((step, peak, cpu, meta))
@@ -446,6 +451,13 @@ class Evaluator:
         return rows, Evaluation(step, peak, cpu, (peak <= capacity) & (cpu <= host), meta[:, 0].astype(np.int64), meta[:, 1], meta[:, 2],
                                 self.partitions)
 
+    def _detail_of(self, prep: "Prepared") -> dict[int, tuple[dict[str, np.ndarray], int]]:
+        """Per candidate of ``prep`` evaluated in full: its ``assemble`` detail (the arrays of its
+        chunk, and its position there), so building its Plan later assembles nothing again."""
+        if self._details[0] is not prep:
+            self._details = (prep, {})
+        return self._details[1]
+
     def candidate(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], dict[str, np.ndarray], dict, tuple]:
         """Candidate ``i`` in detail: its partition, per-rank table, assembled parts, bottlenecks."""
         return self.candidates(prep, [i])[0]
@@ -455,10 +467,18 @@ class Evaluator:
         """``candidate`` of many, assembled together per pipeline depth: one numpy pass per
         depth rather than per plan (``--top 1000`` builds a thousand)."""
         out: list = [None] * len(rows)
-        for js, ones, d in self._by_depth(prep, rows, detail=True):
+        # Evaluated in full with their time-balanced split: the parts are known already.
+        known = self._detail_of(prep)
+        for j, i in enumerate(rows):
+            if i in known and i not in self.overrides:
+                parts, ranks, _, bottlenecks = self._one(prep, i)
+                d, n = known[i]
+                out[j] = (parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
+        rest = [j for j, o in enumerate(out) if o is None]
+        for js, ones, d in self._by_depth(prep, [rows[j] for j in rest], detail=True):
             for n, j in enumerate(js):
                 parts, ranks, _, bottlenecks = ones[j]
-                out[j] = (parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
+                out[rest[j]] = (parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
         return out
 
     def evaluate_one(self, prep: "Prepared", i: int) -> tuple[float, float, float]:
