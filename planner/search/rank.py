@@ -15,6 +15,8 @@ no offload, less recomputation, ...) so the same inputs always give the same ran
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 OBJECTIVES = ("throughput", "memory", "cost")
@@ -175,18 +177,30 @@ def distinct_top(ranked: np.ndarray, columns: dict[str, np.ndarray], step: np.nd
     out: list[tuple[int, list[int]]] = []
     seen: set[int] = set()
     fw = columns["framework"]
-    for i in ranked:
-        i = int(i)
+    # Rows equal in every layout column (at most one per runtime) share a group: group them with
+    # one sort, then test the few members of each plan's group, not every ranked row.
+    layout = np.column_stack([columns[c][ranked] for c in _LAYOUT_COLUMNS])
+    by_layout = np.lexsort(layout.T[::-1])
+    new_group = np.concatenate(([True], np.any(layout[by_layout[1:]] != layout[by_layout[:-1]], axis=1)))
+    group = np.empty(len(ranked), dtype=np.int64)
+    group[by_layout] = np.cumsum(new_group) - 1
+    members_of = np.argsort(group, kind="stable")  # each group's rows, in ranked order
+    starts = np.searchsorted(group[members_of], np.arange(int(new_group.sum()) + 1))
+    rows, group = ranked.tolist(), group.tolist()
+    for p, i in enumerate(rows):
         if i in seen:
             continue
-        same = np.isclose(step[ranked], step[i], rtol=1e-12, atol=0.0) & np.isclose(peak[ranked], peak[i],
-                                                                                        rtol=1e-12, atol=0.0)
-        for c in _LAYOUT_COLUMNS:
-            same &= columns[c][ranked] == columns[c][i]
-        members = ranked[same]
-        members = members[np.argsort(fw[members], kind="stable")]
-        seen.update(int(m) for m in members)
-        out.append((int(members[0]), [int(fw[m]) for m in members[1:]]))
+        peers = [rows[q] for q in members_of[starts[group[p]]:starts[group[p] + 1]].tolist()]
+        members = [j for j in peers
+                   if _close(float(step[j]), float(step[i])) and _close(float(peak[j]), float(peak[i]))]
+        members.sort(key=lambda j: int(fw[j]))  # stable: ranked order within a runtime
+        seen.update(members)
+        out.append((members[0], [int(fw[m]) for m in members[1:]]))
         if len(out) == top:
             break
     return out
+
+
+def _close(x: float, y: float, rtol: float = 1e-12) -> bool:
+    """``np.isclose(x, y, rtol=rtol, atol=0)`` on two floats, without its per-call cost."""
+    return (abs(x - y) <= 0.0 + rtol * abs(y) and math.isfinite(y)) or x == y
