@@ -127,7 +127,9 @@ def optimal_partition(costs: Sequence[float], stages: int, memory: StageMemory |
     if memory is None:
         counts = _fast_time_only(costs, stages, upper)
         return Partition(counts, _stage_costs(costs, counts))
-    _, prefix, _, total, all_sums = _cost_profile(tuple(float(c) for c in costs))
+    key = tuple(float(c) for c in costs)
+    _, prefix, _, total = _cost_profile(key)
+    all_sums = _all_sums(key)
     mem = _memory_rows(memory, stages, len(costs))
     floor = max(float(np.max(costs)), total / stages, lower or 0.0)
     values = all_sums[np.searchsorted(all_sums, floor * (1 - 1e-12), side="left"):].tolist()
@@ -144,7 +146,7 @@ def fits_within(costs: Sequence[float], stages: int, memory: StageMemory, limit:
     one greedy max-pack (exact, see ``_pack_ends``), far cheaper than finding the best split.
     The search asks it first when only a split below ``limit`` could still matter."""
     _check(costs, stages)
-    _, prefix, _, _, _ = _cost_profile(tuple(float(c) for c in costs))
+    prefix = _cost_profile(tuple(float(c) for c in costs))[1]
     return _pack_ends(prefix, limit, stages, _memory_rows(memory, stages, len(costs))) is not None
 
 
@@ -180,21 +182,32 @@ class _MemoryRows:
 
 
 @functools.lru_cache(maxsize=64)
-def _upper(n: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.triu_indices(n, k=1)
+def _upper(n: int) -> np.ndarray:
+    """[n x n] mask of the pairs i < j."""
+    return np.triu(np.ones((n, n), dtype=bool), k=1)
 
 
 @functools.lru_cache(maxsize=4096)
-def _cost_profile(costs: tuple[float, ...]) -> tuple[np.ndarray, list[float], float, float, np.ndarray]:
-    """(prefix sums as an array and a list, largest cost, total, sorted unique segment sums)
-    of one cost vector.
-
-    A search splits the same per-layer costs over many stage counts (pp x virtual stages);
-    the O(n^2) segment sums are computed once per vector, not once per stage count."""
+def _cost_profile(costs: tuple[float, ...]) -> tuple[np.ndarray, list[float], float, float]:
+    """(prefix sums as an array and a list, largest cost, total) of one cost vector, which a
+    search splits over many stage counts (pp x virtual stages)."""
     arr = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
-    sums = (arr[None, :] - arr[:, None])[_upper(len(arr))]
-    return (arr, arr.tolist(), float(np.max(arr[1:] - arr[:-1])), float(arr[-1]),
-            np.unique(sums, return_counts=True)[0])
+    return arr, arr.tolist(), float(np.max(arr[1:] - arr[:-1])), float(arr[-1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_sums(costs: tuple[float, ...]) -> np.ndarray:
+    """Every distinct segment sum of one cost vector, sorted: the bottlenecks a split can have
+    (O(n^2), so computed once per vector and only when memory limits the split)."""
+    arr = _cost_profile(costs)[0]
+    return np.unique((arr[None, :] - arr[:, None])[_upper(len(arr))], return_counts=True)[0]
+
+
+def _sums_within(arr: np.ndarray, lower: float, top: float) -> list[float]:
+    """The distinct segment sums of prefix sums ``arr`` in [lower, top], sorted: the same values
+    as the slice of ``_all_sums``, without sorting the O(n^2) sums outside the window."""
+    d = arr[None, :] - arr[:, None]
+    return sorted(set(d[(d >= lower) & (d <= top) & _upper(len(arr))].tolist()))  # a few dozen: no np.unique
 
 
 def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = None) -> tuple[int, ...]:
@@ -204,11 +217,11 @@ def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = N
     for each later stage) reaches at least as far as any valid partition, so the test is exact;
     bisect on a Python list keeps it cheap (the search calls this thousands of times).
     """
-    _, prefix, largest, total, all_sums = _cost_profile(tuple(float(c) for c in costs))
+    arr, prefix, largest, total = _cost_profile(tuple(float(c) for c in costs))
     # The optimum lies between max(max cost, mean per stage) and any achievable bottleneck.
     lower = max(largest, total / stages) * (1 - 1e-12)
     top = total if upper is None else upper * (1 + 1e-12)
-    sums = all_sums[np.searchsorted(all_sums, lower, side="left"):np.searchsorted(all_sums, top, side="right")].tolist()
+    sums = _sums_within(arr, lower, top)
     ends = _even_ends(prefix, sums[_first_feasible(prefix, sums, stages, None)], stages)
     return tuple(e - s for s, e in zip([0] + ends[:-1], ends))
 
