@@ -35,7 +35,7 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
     n = len(dp)
     weights, grads, opt, cpu = (np.zeros((n, pp)) for _ in range(4))
     code = (zero * 8 + off) * 8 + fwi
-    for value in np.unique(code, return_counts=True)[0]:
+    for value in np.flatnonzero(np.bincount(code)).tolist():  # the codes present, ascending (< 256)
         z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
         s = code == value
         wd, gd, od, cd = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], dp[s], w.precision, w.optimizer_moments)
@@ -100,7 +100,7 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
     requests: list[tuple[str, object, np.ndarray]] = []
     fills = []  # (target array, rows, dense request, expert request, expert bytes)
-    for value in np.unique(code, return_counts=True)[0]:  # counts: numpy.ma is never imported
+    for value in sorted(set(code.tolist())):  # a handful of layouts: no np.unique
         s = code == value
         i = int(np.argmax(s))
         tp, ep, dp = int(col["tp"][i]), int(col["ep"][i]), int(col["dp"][i])

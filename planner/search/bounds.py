@@ -62,7 +62,7 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     per_dense, per_expert = np.zeros(n), np.zeros(n)  # model-state bytes per dense / expert parameter
     edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
     code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
-    for value in np.unique(code, return_counts=True)[0]:
+    for value in np.flatnonzero(np.bincount(code)).tolist():  # the codes present, ascending (< 256)
         z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
         s = code == value
         wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], c["dp"][s].astype(float), w.precision,

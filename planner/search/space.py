@@ -224,10 +224,14 @@ def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int
     ok = (valid.reshape(n, k)) & (broken < 0)
     valid = valid.reshape(n, k)
     out = []
-    for i in range(n):
-        hit = np.flatnonzero(broken[i] >= 0)
-        ids, first, counts = np.unique(broken[i, hit], return_index=True, return_counts=True)
-        reasons = {r: (c, settings[j]) for r, c, j in zip(ids.tolist(), counts.tolist(), hit[first].tolist())}
+    for i, row in enumerate(broken.tolist()):
+        counts: dict[int, int] = {}
+        first: dict[int, int] = {}
+        for j, r in enumerate(row):
+            if r >= 0:
+                counts[r] = counts.get(r, 0) + 1
+                first.setdefault(r, j)
+        reasons = {r: (counts[r], settings[first[r]]) for r in sorted(counts)}  # by rule, as np.unique gave
         out.append(([settings[j] for j in np.flatnonzero(ok[i])], int(valid[i].sum()), reasons))
     return out
 

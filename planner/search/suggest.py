@@ -346,7 +346,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         if pos < limit and fits.sum() >= top:
             # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
             # so the K-th distinct value is the bar (never lower than the true K-th plan's).
-            vals = np.unique(peak[fits] if objective == "memory" else step[fits], return_counts=True)[0]
+            vals = _distinct(peak[fits] if objective == "memory" else step[fits])
             # Ties may reorder plans within a hair.
             if len(vals) >= top:
                 limit = min(limit, int(np.searchsorted(sorted_lb, vals[top - 1] * (1 + 2e-3), side="right")))
@@ -422,7 +422,7 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
     def bar() -> float:
         """The K-th best distinct value so far (as in the main loop), or inf."""
         fits = done & (peak <= capacity) & (cpu <= host_capacity)
-        vals = np.unique(value[fits], return_counts=True)[0]
+        vals = _distinct(value[fits])
         return vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
 
     rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1))[0]
@@ -450,6 +450,13 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
         for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch], np.inf if by_memory else limit):
             step[i], peak[i], cpu[i] = s, p, u
         pos += batch
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values, ascending: ``np.unique`` (sort, then drop repeats) without its
+    per-call overhead, which the search pays once per chunk."""
+    v = np.sort(values)
+    return v[np.concatenate(([True], v[1:] != v[:-1]))] if v.size else v
 
 
 def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:
