@@ -161,6 +161,8 @@ def optimizer_seconds(ev: "Evaluator", col, dense: np.ndarray, expert: np.ndarra
     local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)
     step_bytes = eff.SGD_STEP_BYTES if w.optimizer == "sgd" else eff.ADAM_STEP_BYTES
     gpu = eff.hbm_time(local * step_bytes, ev.dev)
+    if not col["offload"].any():  # no offload (index 0) among them: the host terms are not needed
+        return gpu
     node = ev.cluster.profile.node
     off = np.array(OFFLOADS)[col["offload"]][:, None]
     cpu_opt = st.cpu_optimizer_time(local, ev.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
