@@ -74,7 +74,7 @@ MEGATRON_LM_ONLY_FLAGS = {"--group-query-attention", "--num-query-groups", "--po
 
 STUB_ENTRY = """import json, os, sys
 keys = ("NCCL_DEBUG", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LOCAL_RANK",
-        "OMP_NUM_THREADS")
+        "OMP_NUM_THREADS", "RANK", "GROUP_RANK", "STUB_NODE", "PYTHONPATH")
 record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}
 with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps(record) + "\\n")
@@ -568,7 +568,8 @@ def test_launch_deepspeed_ssh_mode_uses_the_hostfile(tmp_path: Path, fake_bin: P
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_PORT": "31000"}
     _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_deepspeed.sh")], env=env)
     argv = launches[0]["argv"]
-    assert "--no_ssh" not in argv and "--master_addr" not in argv  # DeepSpeed finds it over ssh
+    assert "--no_ssh" not in argv
+    assert argv[argv.index("--master_addr") + 1] == "node0"  # the hostfile's first host, as in node mode
     assert argv[argv.index("--master_port") + 1] == "31000"
     assert argv[argv.index("--hostfile") + 1] == str(run_dir.resolve() / "hostfile")
     assert records[0]["argv"] == expected_argv(run_dir, "--local_rank=0")
