@@ -592,7 +592,7 @@ def test_launch_torchrun_rendezvous(tmp_path: Path, fake_bin: Path):
     _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_torchrun.sh"), "--extra"], env=env)
     argv = launches[0]["argv"]
     assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.5:29500"
-    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv-backend") + 1] == "static"  # the only backend that honours --node-rank
     assert argv[argv.index("--nnodes") + 1] == "4" and argv[argv.index("--node-rank") + 1] == "3"
     assert argv[argv.index("--nproc-per-node") + 1] == "8"
     assert records[0]["argv"] == expected_argv(run_dir, "--extra")

@@ -42,6 +42,122 @@ def argv_of(fake_log: Path) -> list[str]:
     return record["argv"]
 
 
+# --- torchrun: the node rank decides the ranks -------------------------------------------------
+
+
+def test_torchrun_static_rendezvous_is_the_default_and_carries_the_node_rank(tmp_path: Path, fake_bin: Path):
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_ADDR": "gpu-a01", "NODE_RANK": "2"}
+    run_with_stub(tmp_path, MULTI, [str(run_dir / "launch_torchrun.sh")], env=env)
+    argv = argv_of(tmp_path / "fake.jsonl")
+    assert argv[:8] == ["--nnodes", "4", "--node-rank", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "gpu-a01:29500"]
+    assert "--rdzv-id" not in argv and argv[argv.index("--max-restarts") + 1] == "0"
+
+
+def test_torchrun_c10d_is_an_opt_in_without_the_node_rank(tmp_path: Path, fake_bin: Path):
+    """torchrun ignores --node-rank under c10d (torch/distributed/run.py warns so); the script
+    does not pretend to pass it."""
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_ADDR": "gpu-a01", "NODE_RANK": "2",
+           "DSPLAN_RDZV_BACKEND": "c10d", "DSPLAN_MAX_RESTARTS": "3"}
+    run_with_stub(tmp_path, MULTI, [str(run_dir / "launch_torchrun.sh")], env=env)
+    argv = argv_of(tmp_path / "fake.jsonl")
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d" and "--node-rank" not in argv
+    assert argv[argv.index("--rdzv-id") + 1] == "run" and argv[argv.index("--max-restarts") + 1] == "3"
+
+
+def test_torchrun_refuses_a_multi_node_launch_without_a_valid_node_rank(tmp_path: Path, fake_bin: Path):
+    """Every node defaulting to rank 0 would make two stores on one port, or hang: refuse instead."""
+    run_with_stub(tmp_path, MULTI, ["true"])
+    script = tmp_path / "run" / "launch_torchrun.sh"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_ADDR": "gpu-a01"}
+    for extra, needle in (({}, "set NODE_RANK"), ({"NODE_RANK": "4"}, "0..3"), ({"NODE_RANK": "08"}, "0..3"),
+                          ({"NODE_RANK": "1", "DSPLAN_RDZV_BACKEND": "etcd"}, "static or c10d"),
+                          ({"NODE_RANK": "1", "DSPLAN_MAX_RESTARTS": "x"}, "DSPLAN_MAX_RESTARTS"),
+                          ({"RANK": "1"}, "set NODE_RANK")):  # RANK alone is a process rank, not the node's
+        proc = run_script(script, {**env, **extra})
+        assert proc.returncode == 2 and needle in proc.stderr, (extra, proc.stderr)
+    assert not (tmp_path / "fake.jsonl").exists()
+
+
+def test_torchrun_under_a_pytorchjob_takes_the_node_rank_from_the_pods_rank(tmp_path: Path, fake_bin: Path):
+    """Kubeflow's PyTorchJob sets RANK to the pod's index (Master 0, Worker j -> j+1) and
+    MASTER_ADDR/MASTER_PORT; k8s-job.yaml marks its pods with DSPLAN_PYTORCHJOB=1."""
+    run_dir = tmp_path / "run"
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DSPLAN_PYTORCHJOB": "1", "RANK": "3",
+           "MASTER_ADDR": "run-master-0", "MASTER_PORT": "23456", "PET_NNODES": "4"}
+    run_with_stub(tmp_path, MULTI, [str(run_dir / "launch_torchrun.sh")], env=env)
+    argv = argv_of(tmp_path / "fake.jsonl")
+    assert argv[argv.index("--node-rank") + 1] == "3"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "run-master-0:23456"
+    job = yaml.safe_load((run_dir / "k8s-job.yaml").read_text())
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():
+        (container,) = spec["template"]["spec"]["containers"]
+        assert {"name": "DSPLAN_PYTORCHJOB", "value": "1"} in container["env"]
+
+
+def _start_node(run_dir: Path, node_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    node_env = {**env, "NODE_RANK": str(node_rank), "STUB_NODE": str(node_rank)}
+    return subprocess.Popen([str(run_dir / "launch_torchrun.sh")], env=node_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_real_torchrun_places_the_ranks_by_node_rank_and_c10d_by_arrival(tmp_path: Path, backend: str):
+    """Two nodes on this machine (2 processes each), the node of NODE_RANK 1 started first.
+    Static: it runs global ranks 2 and 3, as the plan says. c10d (opt-in): torchrun ignores the
+    node rank and numbers the agents by sorted (host name, pid), so the agent started first,
+    on the same host, gets ranks 0 and 1 - the trade-off the script header documents."""
+    torchrun_dir = str(Path(sys.executable).parent)
+    assert shutil.which("torchrun", path=torchrun_dir)
+    stub = tmp_path / "stub_entry.py"
+    stub.write_text(STUB_ENTRY)
+    out = tmp_path / "run"
+    plan = write_plan(tmp_path, "gpt3-125m", 2, zero_stage=1)
+    assert invoke("generate", "--plan", str(plan), "--out", str(out), "--entry", str(stub)).exit_code == 0
+    log = tmp_path / "stub.jsonl"
+    env = {**os.environ, "PATH": f"{torchrun_dir}:{os.environ['PATH']}", "DSPLAN_PYTHON": sys.executable,
+           "STUB_LOG": str(log), "GPUS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29300 + os.getpid() % 150 + (0 if backend == "static" else 150)),
+           "DSPLAN_RDZV_BACKEND": backend}
+    env.pop("RANK", None)
+    first = _start_node(out, 1, env)
+    try:
+        try:
+            first.wait(timeout=3)  # the static node 1 waits for node 0's store; c10d waits for a second agent
+        except subprocess.TimeoutExpired:
+            pass
+        assert first.poll() is None, first.stdout.read() if first.stdout else ""
+        second = _start_node(out, 0, env)
+        try:
+            outputs = [p.communicate(timeout=180)[0] for p in (first, second)]
+        finally:
+            for p in (first, second):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        assert first.returncode == 0 and second.returncode == 0, outputs
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    ranks = {node: sorted(int(r["env"]["RANK"]) for r in records if r["env"]["STUB_NODE"] == node) for node in ("0", "1")}
+    if backend == "static":
+        assert ranks == {"0": [0, 1], "1": [2, 3]}
+    else:
+        assert ranks == {"0": [2, 3], "1": [0, 1]}
+
+
+def test_the_trade_off_is_documented_in_the_script_and_the_run_readme(tmp_path: Path):
+    out = tmp_path / "run"
+    assert invoke("generate", "--plan", str(write_plan(tmp_path, "llama-3.1-8b", 2, zero_stage=1)), "--out", str(out),
+                  "--hosts", "gpu-a01,gpu-a02").exit_code == 0
+    script = (out / "launch_torchrun.sh").read_text()
+    assert "DSPLAN_RDZV_BACKEND" in script and "static (default)" in script and "ignores NODE_RANK" in script
+    readme = (out / "README.md").read_text()
+    assert "MASTER_ADDR=gpu-a01 NODE_RANK=<i> ./launch_torchrun.sh" in readme
+    assert "DSPLAN_RDZV_BACKEND=c10d" in readme
+
+
 # --- the DeepSpeed launcher: ssh mode meets where node mode does -------------------------------
 
 
