@@ -194,7 +194,8 @@ def test_k8s_asks_amd_gpus_of_an_amd_profile(tmp_path: Path):
     run_dir = generate(tmp_path, "mi300x", ("llama-3.1-8b", 1, dict(hardware="mi300x", zero_stage=1)))
     job = yaml.safe_load((run_dir / "k8s-job.yaml").read_text())
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
-    assert container["resources"]["limits"] == {"amd.com/gpu": 8} and container["resources"]["requests"] == {"amd.com/gpu": 8}
+    for kind in ("limits", "requests"):
+        assert container["resources"][kind]["amd.com/gpu"] == 8 and "nvidia.com/gpu" not in container["resources"][kind]
 
 
 @pytest.mark.parametrize("word", ["off", "yes", "null", "true"])

@@ -196,3 +196,66 @@ def test_deepspeed_ssh_mode_master_addr_follows_the_environment_and_dsplan_hostf
         proc = run_script(script, {**env, "DSPLAN_HOSTFILE": str(hostfile)}, "ssh")
         assert proc.returncode == 2 and "no host in the hostfile" in proc.stderr, proc.stderr
     assert not fake_log.exists()
+
+
+# --- Kubernetes: gang scheduling, RDMA, shared memory ------------------------------------------
+
+
+def k8s_job(tmp_path: Path, *flags: str, hardware: str = "dgx-h100", nodes: int = 4, name: str = "run") -> dict:
+    out = tmp_path / name
+    plan = write_plan(tmp_path, "llama-3.1-8b", nodes, name=f"{name}.json", hardware=hardware, zero_stage=1)
+    result = invoke("generate", "--plan", str(plan), "--out", str(out), *flags)
+    assert result.exit_code == 0, result.output
+    return yaml.safe_load((out / "k8s-job.yaml").read_text())
+
+
+def containers(job: dict) -> list[tuple[dict, dict]]:
+    return [(spec["template"]["spec"], spec["template"]["spec"]["containers"][0])
+            for spec in job["spec"]["pytorchReplicaSpecs"].values()]
+
+
+def test_k8s_job_is_gang_scheduled_asks_for_rdma_and_sizes_shared_memory(tmp_path: Path):
+    job = k8s_job(tmp_path)
+    assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 4}  # every pod or none
+    pods = containers(job)
+    assert sum(spec["replicas"] for spec in job["spec"]["pytorchReplicaSpecs"].values()) == 4
+    for pod, container in pods:
+        assert "schedulerName" not in pod  # left to the cluster / the operator's gang scheduler
+        for kind in ("limits", "requests"):
+            assert container["resources"][kind] == {"nvidia.com/gpu": 8, "rdma/rdma_shared_device_a": 1}
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "512Gi"}  # a quarter of the DGX H100's 2 TB
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_k8s_scheduler_and_rdma_resource_are_overridable(tmp_path: Path):
+    job = k8s_job(tmp_path, "--k8s-scheduler", "volcano", "--k8s-rdma", "nvidia.com/hostdev=8")
+    for pod, container in containers(job):
+        assert pod["schedulerName"] == "volcano"
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "nvidia.com/hostdev": 8}
+    job = k8s_job(tmp_path, "--k8s-rdma", "none", name="none")
+    for pod, container in containers(job):
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]  # still an InfiniBand fabric
+
+
+def test_k8s_job_on_an_ethernet_fabric_asks_for_no_rdma(tmp_path: Path):
+    job = k8s_job(tmp_path, hardware="mi250x", nodes=2)
+    for _, container in containers(job):
+        assert container["resources"]["limits"] == {"amd.com/gpu": 8}
+        assert "securityContext" not in container
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--k8s-rdma", "rdma/x=0", "--k8s-rdma 'rdma/x=0'"),
+    ("--k8s-rdma", "nodomain", "extended resource name"),
+    ("--k8s-rdma", "rdma/x: 1\n  evil: 2", "extended resource name"),
+    ("--k8s-scheduler", "Volcano Sched", "not a valid scheduler name"),
+])
+def test_bad_k8s_settings_exit_2_and_write_nothing(tmp_path: Path, flag: str, value: str, needle: str):
+    out = tmp_path / "run"
+    result = invoke("generate", "--plan", str(write_plan(tmp_path, "llama-3.1-8b", 2, zero_stage=1)), "--out", str(out),
+                    flag, value)
+    assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output, result.output
+    assert not out.exists()

@@ -57,6 +57,11 @@ _SEARCH_FLAGS = (
 @click.option("--master-port", type=click.IntRange(1024, 65535), default=29500, show_default=True, help="Rendezvous port on the first node.")
 @click.option("--image", default=None, help="Container image for k8s-job.yaml [default: an NGC PyTorch image; add DeepSpeed and dsplan to it].")
 @click.option("--k8s-pvc", default="dsplan-runs", show_default=True, help="PersistentVolumeClaim holding run directories (k8s-job.yaml).")
+@click.option("--k8s-scheduler", default=None, metavar="NAME",
+              help="schedulerName for k8s-job.yaml's pods, e.g. volcano [default: left to the cluster or the training-operator's gang scheduler].")
+@click.option("--k8s-rdma", default=None, metavar="RESOURCE[=N]|none",
+              help="RDMA device resource each pod of k8s-job.yaml asks for, e.g. nvidia.com/hostdev=8 "
+                   "[default on an InfiniBand/RoCE profile: rdma/rdma_shared_device_a=1, the NVIDIA Network Operator's shared RDMA plugin].")
 @click.option("--ib-hca", default=None, help="NCCL_IB_HCA for nccl.env, e.g. mlx5_0,mlx5_1 [default: mlx5].")
 @click.option("--socket-ifname", default=None, help="NCCL_SOCKET_IFNAME for nccl.env, e.g. eth0 [default: ^lo,docker].")
 @click.option("--force", is_flag=True, help="Replace files in DIR that differ from what dsplan generated last time.")
@@ -93,6 +98,8 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         master_port=opts["master_port"],
         image=opts["image"] or DEFAULT_IMAGE,
         k8s_pvc=_k8s_name(opts["k8s_pvc"]),
+        k8s_scheduler=opts["k8s_scheduler"],
+        k8s_rdma=opts["k8s_rdma"],
         ib_hca=opts["ib_hca"],
         socket_ifname=opts["socket_ifname"],
         settings=TrainSettings(steps=opts["steps"], checkpoint_every=opts["checkpoint_every"]),

@@ -33,6 +33,16 @@ from planner.resources import templates_dir
 
 BUILTIN_ENTRY = "builtin"
 DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
+# The RDMA resource k8s-job.yaml asks for on an InfiniBand or RoCE fabric: the NVIDIA Network
+# Operator's RDMA shared device plugin, as its NicClusterPolicy example names it
+# (rdmaSharedDevicePlugin, resourceName "rdma_shared_device_a", prefix "rdma"). One unit gives the
+# pod every HCA the plugin's selectors match. `--k8s-rdma NAME=COUNT` names another (e.g. the
+# SR-IOV device plugin's per-NIC nvidia.com/hostdev=8), `--k8s-rdma none` asks for none.
+DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+RDMA_FABRICS = ("infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce")
+# A Kubernetes extended resource name (domain/name) and a scheduler name (a DNS subdomain).
+_K8S_RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_K8S_SCHEDULER = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 EXECUTABLE = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch", "megatron_args.sh")
 # Rendered from templates/<name>.j2, in this order.
 TEMPLATED = (
@@ -59,6 +69,8 @@ class LaunchOptions(BaseModel):
     master_port: int = Field(29500, ge=1024, le=65535)
     image: str = DEFAULT_IMAGE
     k8s_pvc: str = "dsplan-runs"
+    k8s_scheduler: str | None = None  # the pods' schedulerName (e.g. volcano); None: the cluster's choice
+    k8s_rdma: str | None = None  # "NAME[=COUNT]" or "none"; None: DEFAULT_RDMA_RESOURCE on an RDMA fabric
     ib_hca: str | None = None
     socket_ifname: str | None = None
     settings: TrainSettings = Field(default_factory=TrainSettings)
@@ -150,6 +162,42 @@ def _hosts(plan: PlanFile, options: LaunchOptions) -> list[Host]:
     return [Host(name=f"node{i}", slots=plan.gpus_per_node) for i in range(plan.nodes)]
 
 
+class RdmaRequest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    resource: str
+    count: int
+
+
+def parse_k8s_rdma(text: str, source: str = "--k8s-rdma") -> RdmaRequest | None:
+    """``NAME[=COUNT]`` (an extended resource such as rdma/rdma_shared_device_a, COUNT >= 1,
+    default 1) or ``none``."""
+    if text == "none":
+        return None
+    name, _, count = text.partition("=")
+    if not _K8S_RESOURCE.fullmatch(name) or (count and not (count.isdigit() and int(count) >= 1)):
+        raise UserError(
+            f"{source} {text!r}: expected an extended resource name with an optional count, e.g. "
+            f"{DEFAULT_RDMA_RESOURCE} or nvidia.com/hostdev=8, or 'none'"
+        )
+    return RdmaRequest(resource=name, count=int(count) if count else 1)
+
+
+def check_k8s_scheduler(text: str, source: str = "--k8s-scheduler") -> str:
+    if not _K8S_SCHEDULER.fullmatch(text):
+        raise UserError(f"{source} {text!r}: not a valid scheduler name (lower-case letters, digits, '-' and '.'), e.g. volcano")
+    return text
+
+
+def rdma_request(profile: HardwareProfile, options: LaunchOptions) -> RdmaRequest | None:
+    """What each pod asks of the RDMA device plugin: none on a plain Ethernet fabric."""
+    if options.k8s_rdma is not None:
+        return parse_k8s_rdma(options.k8s_rdma)
+    if profile.fabric.kind not in RDMA_FABRICS:
+        return None
+    return RdmaRequest(resource=DEFAULT_RDMA_RESOURCE, count=1)
+
+
 def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
     """The degree rules that need the model (TP divides heads, EP divides experts, stages cover the blocks)."""
     cfg = plan.parallel_config()
@@ -182,6 +230,7 @@ def render_run_dir(
     hosts = _hosts(plan, options)
     name = run_name(out_dir)
     builtin = options.entry == BUILTIN_ENTRY
+    scheduler = None if options.k8s_scheduler is None else check_k8s_scheduler(options.k8s_scheduler)
     k8s_roles = [("Master", 1)] + ([("Worker", plan.nodes - 1)] if plan.nodes > 1 else [])
     context = {
         "plan": plan,
@@ -211,7 +260,11 @@ def render_run_dir(
         # the pods see the run directory under its own name (the object name is a sanitised label)
         "k8s": {"roles": k8s_roles, "image": options.image, "pvc": options.k8s_pvc, "mount": "/workspace/runs",
                 "dir": Path(out_dir).resolve().name,
-                "gpu_resource": "amd.com/gpu" if profile.gpu.vendor == "amd" else "nvidia.com/gpu"},
+                "gpu_resource": "amd.com/gpu" if profile.gpu.vendor == "amd" else "nvidia.com/gpu",
+                "scheduler": scheduler, "rdma": rdma_request(profile, options),
+                "rdma_fabric": profile.fabric.kind in RDMA_FABRICS,
+                # /dev/shm (NCCL's intra-node buffers, data-loader workers) is host memory: cap it at a quarter of the node's
+                "shm_GiB": max(1, int(profile.node.host_memory_GiB // 4))},
     }
     env = _environment()
     files: dict[str, GeneratedFile] = {
