@@ -259,3 +259,71 @@ def test_bad_k8s_settings_exit_2_and_write_nothing(tmp_path: Path, flag: str, va
                     flag, value)
     assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output, result.output
     assert not out.exists()
+
+
+# --- a custom entry travels with the run directory ---------------------------------------------
+
+
+def test_a_pod_finds_a_custom_entry_inside_the_run_directory(tmp_path: Path):
+    """The pod sees only the run directory (on the PVC, under its own name): entry.sh runs the
+    copy generate put there, not the host path, which does not exist in the pod."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "helper.py").write_text("VALUE = 'from the helper beside the script'\n")
+    (source / "train.py").write_text(STUB_ENTRY + "import helper\nprint(helper.VALUE)\n")
+    out = tmp_path / "host" / "myrun"
+    plan = write_plan(tmp_path, "gpt3-125m", 1, zero_stage=1)
+    result = invoke("generate", "--plan", str(plan), "--out", str(out), "--entry", str(source / "train.py"), "--json",
+                    "--", *TRICKY_ARGS)
+    assert result.exit_code == 0, result.output
+    assert "train.py" in json.loads(result.output)["files"]
+    assert (out / "train.py").read_text() == (source / "train.py").read_text()
+    entry_sh = (out / "entry.sh").read_text()
+    assert f"-u {source / 'train.py'}" not in entry_sh and 'exec "$PYTHON" -u "$ENTRY"' in entry_sh
+    assert "train.py" in (out / "README.md").read_text()
+
+    log = tmp_path / "stub.jsonl"
+    env = {**os.environ, "DSPLAN_PYTHON": sys.executable, "STUB_LOG": str(log)}
+    # On the host: the copy runs, and the modules beside the original still import.
+    proc = subprocess.run(["bash", str(out / "entry.sh"), "--x"], env=env, capture_output=True, text=True, check=True)
+    assert "from the helper beside the script" in proc.stdout
+    # In a pod: the run directory at the PVC's mount, the host's source directory gone.
+    job = yaml.safe_load((out / "k8s-job.yaml").read_text())
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    mount = tmp_path / "pvc"
+    pod_dir = mount / Path(container["workingDir"]).name
+    shutil.copytree(out, pod_dir)
+    (pod_dir / "train.py").write_text(STUB_ENTRY)  # the pod's image would provide helper; this test has none
+    shutil.rmtree(source)
+    log.unlink()
+    subprocess.run(["bash", str(pod_dir / "entry.sh"), "--x"], env=env, capture_output=True, text=True, check=True)
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["argv"] == ["--deepspeed", "--deepspeed_config", str(pod_dir / "ds_config.json"), *TRICKY_ARGS, "--x"]
+
+
+def test_regenerating_after_changing_the_entry_updates_its_copy_and_protects_edits_to_it(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text("print('v1')\n")
+    out = tmp_path / "run"
+    plan = write_plan(tmp_path, "gpt3-125m", 1, zero_stage=1)
+    args = ("generate", "--plan", str(plan), "--out", str(out), "--entry", str(script))
+    assert invoke(*args).exit_code == 0
+    script.write_text("print('v2')\n")
+    assert invoke(*args).exit_code == 0 and (out / "train.py").read_text() == "print('v2')\n"
+    (out / "train.py").write_text("print('edited in the run directory')\n")
+    refused = invoke(*args)
+    assert refused.exit_code == 2 and "train.py" in refused.output
+    # back to the builtin trainer: the copy is generate's own stale file, removed
+    (out / "train.py").write_text("print('v2')\n")
+    assert invoke("generate", "--plan", str(plan), "--out", str(out)).exit_code == 0
+    assert not (out / "train.py").exists()
+
+
+def test_an_entry_named_like_a_run_file_is_refused(tmp_path: Path):
+    script = tmp_path / "entry.sh"
+    script.write_text("print('hi')\n")
+    out = tmp_path / "run"
+    result = invoke("generate", "--plan", str(write_plan(tmp_path, "gpt3-125m", 1, zero_stage=1)), "--out", str(out),
+                    "--entry", str(script))
+    assert result.exit_code == 2 and "rename your script" in result.output, result.output
+    assert not out.exists()

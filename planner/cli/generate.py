@@ -48,8 +48,8 @@ _SEARCH_FLAGS = (
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True)
 @click.option("--out", "out_dir", required=True, type=OutputPath("dir"), help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",
-              help="What each rank runs: dsplan's reference trainer, or your training script (a megatron "
-                   "plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config).")
+              help="What each rank runs: dsplan's reference trainer, or your training script, copied into DIR "
+                   "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config).")
 @click.option("--hosts", default=None, metavar="H1,H2,...", help="Host names, one per node, comma-separated.")
 @click.option("--hostfile", "hostfile_path", default=None, metavar="FILE", help="A hostfile ('host slots=N' lines), one host per node.")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="Optimizer steps (schedule length; builtin trainer's run).")

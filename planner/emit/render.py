@@ -1,8 +1,9 @@
 """Render a plan into the files of a run directory, all in memory.
 
-``render_run_dir`` is a pure function: plan + model + hardware profile + launch options in,
-``{file name: GeneratedFile}`` out. Nothing touches the disk here; planner/emit/write.py
-writes the result (atomically, protecting user edits).
+``render_run_dir`` turns plan + model + hardware profile + launch options into
+``{file name: GeneratedFile}``. It writes nothing (planner/emit/write.py writes the result,
+atomically, protecting user edits); the one file it reads is a custom entry script, which the
+run directory carries as a copy so that every node, and every pod, finds it there.
 """
 
 from __future__ import annotations
@@ -198,6 +199,30 @@ def rdma_request(profile: HardwareProfile, options: LaunchOptions) -> RdmaReques
     return RdmaRequest(resource=DEFAULT_RDMA_RESOURCE, count=1)
 
 
+# Files a run directory holds besides the templated ones; a custom entry's copy may not take their names.
+_OTHER_FILES = ("ds_config.json", "plan.json", "moe.json", ".dsplan-manifest.json", "metrics.jsonl", "report.json")
+
+
+def entry_copy(entry: str) -> tuple[str, str]:
+    """(name in the run directory, text) of a custom entry script. The launchers run the copy,
+    so the script need not exist at the same path on every node, or in a pod at all."""
+    path = Path(entry)
+    source = f"--entry {entry}"
+    try:
+        with open(path, encoding="utf-8", newline="") as f:  # byte for byte: no newline translation
+            text = f.read()
+    except FileNotFoundError:
+        raise UserError(f"{source}: no such file; give your training script, or 'builtin' for dsplan's trainer") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{source}: not a UTF-8 text file; give your training script (a .py file)") from None
+    except OSError as err:
+        raise UserError(f"{source}: cannot read it ({err.strerror or err.__class__.__name__})") from None
+    name = path.name
+    if name in TEMPLATED or name in _OTHER_FILES or name.startswith("."):
+        raise UserError(f"{source}: the run directory has its own {name}; rename your script (e.g. train.py)")
+    return name, text
+
+
 def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
     """The degree rules that need the model (TP divides heads, EP divides experts, stages cover the blocks)."""
     cfg = plan.parallel_config()
@@ -230,6 +255,7 @@ def render_run_dir(
     hosts = _hosts(plan, options)
     name = run_name(out_dir)
     builtin = options.entry == BUILTIN_ENTRY
+    entry_name, entry_text = (None, None) if builtin else entry_copy(options.entry)
     scheduler = None if options.k8s_scheduler is None else check_k8s_scheduler(options.k8s_scheduler)
     k8s_roles = [("Master", 1)] + ([("Worker", plan.nodes - 1)] if plan.nodes > 1 else [])
     context = {
@@ -245,7 +271,9 @@ def render_run_dir(
         "predictions": _predictions(plan),
         "notes": _notes(plan, model, profile),
         "builtin": builtin,
-        "entry": options.entry,
+        "entry": options.entry,  # where the script came from; entry.sh runs its copy, entry_name
+        "entry_name": entry_name,
+        "entry_source_dir": None if builtin else str(Path(options.entry).parent),
         "entry_args": options.entry_args,
         "moe": moe is not None,
         "hosts": hosts,
@@ -273,6 +301,8 @@ def render_run_dir(
     }
     if moe is not None:
         files["moe.json"] = GeneratedFile(content=json.dumps(moe, indent=2) + "\n")
+    if entry_name is not None:
+        files[entry_name] = GeneratedFile(content=entry_text)
     for template in TEMPLATED:
         text = env.get_template(f"{template}.j2").render(context)
         files[template] = GeneratedFile(content=text, executable=template in EXECUTABLE)
