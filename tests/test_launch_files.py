@@ -327,3 +327,25 @@ def test_an_entry_named_like_a_run_file_is_refused(tmp_path: Path):
                     "--entry", str(script))
     assert result.exit_code == 2 and "rename your script" in result.output, result.output
     assert not out.exists()
+
+
+def test_an_entry_inside_the_run_directory_runs_in_place_and_is_never_removed(tmp_path: Path):
+    """A script the user keeps in the run directory (the pod sees it there too) is not copied over
+    itself, not recorded as generated, and so not removed when the run goes back to builtin."""
+    out = tmp_path / "run"
+    (out / "src").mkdir(parents=True)
+    script = out / "src" / "train.py"
+    script.write_text(STUB_ENTRY)
+    plan = write_plan(tmp_path, "gpt3-125m", 1, zero_stage=1)
+    result = invoke("generate", "--plan", str(plan), "--out", str(out), "--entry", str(script), "--json")
+    assert result.exit_code == 0, result.output
+    assert not any("train.py" in name for name in json.loads(result.output)["files"])
+    pod_dir = tmp_path / "pvc" / "run"
+    shutil.copytree(out, pod_dir)
+    log = tmp_path / "stub.jsonl"
+    subprocess.run(["bash", str(pod_dir / "entry.sh")], env={**os.environ, "DSPLAN_PYTHON": sys.executable,
+                                                            "STUB_LOG": str(log)}, check=True)
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["argv"][:3] == ["--deepspeed", "--deepspeed_config", str(pod_dir / "ds_config.json")]
+    assert invoke("generate", "--plan", str(plan), "--out", str(out)).exit_code == 0
+    assert script.read_text() == STUB_ENTRY

@@ -203,11 +203,33 @@ def rdma_request(profile: HardwareProfile, options: LaunchOptions) -> RdmaReques
 _OTHER_FILES = ("ds_config.json", "plan.json", "moe.json", ".dsplan-manifest.json", "metrics.jsonl", "report.json")
 
 
-def entry_copy(entry: str) -> tuple[str, str]:
-    """(name in the run directory, text) of a custom entry script. The launchers run the copy,
-    so the script need not exist at the same path on every node, or in a pod at all."""
+class EntryScript(BaseModel):
+    """A custom entry as the run directory holds it: ``name`` relative to the run directory, and
+    the ``text`` of the copy to write there."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    text: str | None = None  # the copy to write; None when the script lives in the run directory
+    source_dir: str | None = None  # the original's directory, for the modules beside it (copies only)
+
+
+def entry_script(entry: str, out_dir: str | Path) -> EntryScript:
+    """Where entry.sh finds a custom entry: the launchers run it from the run directory, so it need
+    not exist at the same path on every node, or in a pod at all. A script outside the run
+    directory is copied in; one inside it is run where it is (never copied over itself, nor removed
+    as a stale copy when the entry changes)."""
     path = Path(entry)
     source = f"--entry {entry}"
+    try:
+        inside = path.resolve().relative_to(Path(out_dir).resolve()).as_posix()
+    except ValueError:
+        inside = None
+    name = inside or path.name
+    if name in TEMPLATED or name in _OTHER_FILES or name.startswith("."):
+        raise UserError(f"{source}: the run directory has its own {name}; rename your script (e.g. train.py)")
+    if inside is not None:
+        return EntryScript(name=inside)
     try:
         with open(path, encoding="utf-8", newline="") as f:  # byte for byte: no newline translation
             text = f.read()
@@ -217,10 +239,7 @@ def entry_copy(entry: str) -> tuple[str, str]:
         raise UserError(f"{source}: not a UTF-8 text file; give your training script (a .py file)") from None
     except OSError as err:
         raise UserError(f"{source}: cannot read it ({err.strerror or err.__class__.__name__})") from None
-    name = path.name
-    if name in TEMPLATED or name in _OTHER_FILES or name.startswith("."):
-        raise UserError(f"{source}: the run directory has its own {name}; rename your script (e.g. train.py)")
-    return name, text
+    return EntryScript(name=name, text=text, source_dir=str(path.parent))
 
 
 def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
@@ -255,7 +274,7 @@ def render_run_dir(
     hosts = _hosts(plan, options)
     name = run_name(out_dir)
     builtin = options.entry == BUILTIN_ENTRY
-    entry_name, entry_text = (None, None) if builtin else entry_copy(options.entry)
+    script = None if builtin else entry_script(options.entry, out_dir)
     scheduler = None if options.k8s_scheduler is None else check_k8s_scheduler(options.k8s_scheduler)
     k8s_roles = [("Master", 1)] + ([("Worker", plan.nodes - 1)] if plan.nodes > 1 else [])
     context = {
@@ -271,9 +290,8 @@ def render_run_dir(
         "predictions": _predictions(plan),
         "notes": _notes(plan, model, profile),
         "builtin": builtin,
-        "entry": options.entry,  # where the script came from; entry.sh runs its copy, entry_name
-        "entry_name": entry_name,
-        "entry_source_dir": None if builtin else str(Path(options.entry).parent),
+        "entry": options.entry,  # the user's path; entry.sh runs script.name in the run directory
+        "script": script,
         "entry_args": options.entry_args,
         "moe": moe is not None,
         "hosts": hosts,
@@ -301,8 +319,8 @@ def render_run_dir(
     }
     if moe is not None:
         files["moe.json"] = GeneratedFile(content=json.dumps(moe, indent=2) + "\n")
-    if entry_name is not None:
-        files[entry_name] = GeneratedFile(content=entry_text)
+    if script is not None and script.text is not None:
+        files[script.name] = GeneratedFile(content=script.text)
     for template in TEMPLATED:
         text = env.get_template(f"{template}.j2").render(context)
         files[template] = GeneratedFile(content=text, executable=template in EXECUTABLE)
