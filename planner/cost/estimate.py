@@ -43,8 +43,9 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         raise ValueError(f"pp_send {send!r}: one of {', '.join(fw.PP_SENDS)}")
     send_div = fw.pp_send_divisor(send, cfg.tp, cfg.sequence_parallel)
     gathers = fw.pp_boundary_gathers(send, cfg.tp)
-    times = [st.rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers)
-             for ch in chunks]
+    crosses = pp_hops(cluster, cfg)
+    times = [st.rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
+                          (crosses[r], crosses[r - 1])) for r, ch in enumerate(chunks)]
     worst, bubble = st.pipeline(times, m, cfg.virtual_stages)
     tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)
 
@@ -194,7 +195,7 @@ def build_comms(cluster: Cluster, cfg: ParallelConfig) -> st.Comms:
 @lru_cache(maxsize=256)
 def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> st.Comms:
     from planner.cost.collectives import collective_seconds
-    from planner.hardware.placement import Placement
+    from planner.hardware.placement import Placement, pipeline_hops
 
     full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}, order=("tp", "ep", "dp", "pp"))
     dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
@@ -213,5 +214,19 @@ def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> st.Co
         return timed
 
     pp_fn = fn("pp")
+    near = pipeline_hops(cluster, full.stride("pp"), pp)[1] if shapes["pp"].crosses_nodes else None
+    pp_near = None
+    if near is not None:
+        @lru_cache(maxsize=4096)
+        def pp_near(nbytes: float) -> float:
+            return float(collective_seconds(cluster, "p2p", near, nbytes))
     return st.Comms(tp=fn("tp"), ep=fn("ep"), dp=fn("dp"), edp=fn("edp"),
-                    pp=lambda nbytes: pp_fn("p2p", nbytes))
+                    pp=lambda nbytes: pp_fn("p2p", nbytes), pp_near=pp_near)
+
+
+def pp_hops(cluster: Cluster, cfg: ParallelConfig) -> tuple[bool, ...]:
+    """Per pipeline rank, whether its hop to the next rank leaves the node (build_comms' layout:
+    the pp stride is tp x dp)."""
+    from planner.hardware.placement import pipeline_hops
+
+    return pipeline_hops(cluster, cfg.tp * cfg.dp, cfg.pp)[0]

@@ -42,6 +42,12 @@ class Comms:
     dp: CommFn
     edp: CommFn
     pp: Callable[[float], float]  # point-to-point send of bytes between adjacent stages
+    # The same send between stages on one node (placement.pipeline_hops), where the pp group
+    # spans nodes but not every hop does; None: every hop is priced by ``pp``.
+    pp_near: Callable[[float], float] | None = None
+
+    def hop(self, crosses: bool) -> Callable[[float], float]:
+        return self.pp if crosses or self.pp_near is None else self.pp_near
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +119,14 @@ def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
 
 def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev: eff.Device, comms: Comms,
               recompute: str, pp_send_divisor: int, last_block: int,
-              boundary_gathers: tuple[int, int] = (0, 0)) -> MicroBatchTime:
+              boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True)) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
-    boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication."""
+    boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication.
+    ``crossing``: whether the hop to the next rank and the one from the previous leave the
+    node (placement.pipeline_hops)."""
     f = bw = rc = tp = ep = pp = 0.0
+    send, recv = comms.hop(crossing[0]), comms.hop(crossing[1])
     for first, last in chunks:
         for c in costs[first:last]:
             f += forward_time(c, b, dev)
@@ -130,11 +139,11 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
         # before it (unless it starts the model). Megatron pairs a send with the opposite
         # receive (send_forward_recv_backward), so a pair costs one transfer on a full-duplex link.
         if last < last_block:
-            pp += comms.pp(costs[last - 1].pp_bytes * b / pp_send_divisor)
+            pp += send(costs[last - 1].pp_bytes * b / pp_send_divisor)
             if boundary_gathers[0]:
                 pp += boundary_gathers[0] * comms.tp("allgather", costs[last - 1].pp_bytes * b)
         if first > 0:
-            pp += comms.pp(costs[first - 1].pp_bytes * b / pp_send_divisor)
+            pp += recv(costs[first - 1].pp_bytes * b / pp_send_divisor)
             if boundary_gathers[1]:
                 pp += boundary_gathers[1] * comms.tp("allgather", costs[first - 1].pp_bytes * b)
     return MicroBatchTime(f, bw, rc, tp, ep, pp)

@@ -115,6 +115,26 @@ class Placement:
         return np.moveaxis(ranks, axis, -1).reshape(-1, self.dims[dim])
 
 
+@functools.lru_cache(maxsize=1024)
+def pipeline_hops(cluster: Cluster, stride: int, pp: int) -> tuple[tuple[bool, ...], GroupShape | None]:
+    """Which pipeline hops leave their node, and the shape that prices the ones that do not.
+
+    Pipeline rank r of a group sits at rank base + r * stride; its activations go to rank
+    (r + 1) mod pp (the wrap-around is the interleaved schedule's last chunk feeding the next
+    virtual stage). With ``stride`` a divisor of the node, consecutive ranks share a node until
+    the node ends, so a pp group spanning nodes crosses a network link on some hops only: with
+    tp x dp = 2 on 8-GPU nodes, one hop in four. Every group of the dimension looks alike (the
+    base is below the stride), so group 0 answers for all. Returns (for each rank r, whether the
+    hop r -> r + 1 crosses nodes; a two-rank in-node shape for the other hops, or None when
+    every hop crosses or none does)."""
+    g = cluster.gpus_per_node
+    node = [(r * stride) // g for r in range(pp)]
+    crosses = tuple(node[r] != node[(r + 1) % pp] for r in range(pp))
+    if all(crosses) or not any(crosses) or g % (2 * stride):
+        return crosses, None
+    return crosses, strided_shape(cluster, stride, 2, "pp")
+
+
 @functools.lru_cache(maxsize=4096)
 def strided_shape(cluster: Cluster, stride: int, size: int, what: str = "group") -> GroupShape:
     """The shape of every group of ``size`` ranks ``stride`` apart (one dimension of a layout).

@@ -33,7 +33,7 @@ from planner.cost.collectives import collective_time_array
 from planner.cost.layers import layer_costs
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES, Workload
 from planner.hardware.cluster import Cluster
-from planner.hardware.placement import GroupShape, Placement
+from planner.hardware.placement import GroupShape, Placement, pipeline_hops
 from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelSpec, VisionBlock
 from planner.search.assemble import assemble
 from planner.search.blocks import BlockTable, block_tables
@@ -121,6 +121,13 @@ class Shapes:
     @functools.cached_property
     def dp(self) -> GroupShape:
         return self._dense.group("dp")
+
+    @functools.cached_property
+    def pp_hops(self) -> tuple[np.ndarray, GroupShape | None]:
+        """placement.pipeline_hops of the pp dimension: which rank's hop to the next leaves the
+        node, and the shape that prices the others (None: every hop priced alike)."""
+        crosses, near = pipeline_hops(self._full.cluster, self._full.stride("pp"), self._full.dims["pp"])
+        return np.array(crosses, dtype=bool), near
 
 
 class Evaluator:
@@ -353,8 +360,14 @@ class Evaluator:
         out = np.zeros((len(RANK_FIELDS), pp))
         out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert
         if shapes.pp.size > 1:
-            send_t, recv_t = collective_time_array(self.cluster, "p2p", shapes.pp,
-                                                   np.stack((whole_out, whole_in)) / send_div)
+            sizes = np.stack((whole_out, whole_in)) / send_div
+            send_t, recv_t = collective_time_array(self.cluster, "p2p", shapes.pp, sizes)
+            crosses, near = shapes.pp_hops
+            if near is not None:  # hops inside a node go over NVLink (estimate: Comms.pp_near)
+                near_send, near_recv = collective_time_array(self.cluster, "p2p", near, sizes)
+                rank = np.arange(len(parts)) % pp  # chunk k runs on rank k % pp
+                send_t = np.where(crosses[rank], send_t, near_send)
+                recv_t = np.where(crosses[(rank - 1) % pp], recv_t, near_recv)
             if gathers != (0, 0):  # frameworks.pp_boundary_gathers
                 g_out, g_in = collective_time_array(self.cluster, "allgather", shapes.tp, np.stack((whole_out, whole_in)))
                 send_t, recv_t = send_t + gathers[0] * g_out, recv_t + gathers[1] * g_in
