@@ -277,12 +277,15 @@ def test_generate_summary_names_the_framework_and_virtual_stages(tmp_path: Path)
     out = tmp_path / "run"
     result = invoke("generate", "--plan", str(plan), "--out", str(out))
     assert result.exit_code == 0, result.output
-    assert "plan: megatron, DP 4 x TP 1 x PP 4 (3 virtual stages per rank), ZeRO-1, micro-batch 1 x 4 = 16" in result.output
+    # rich wraps at the terminal's width (80 columns under pytest-xdist): compare words, not lines
+    assert ("plan: megatron, DP 4 x TP 1 x PP 4 (3 virtual stages per rank), ZeRO-1, micro-batch 1 x 4 = 16"
+            in " ".join(result.output.split()))
     assert "--pipeline-model-parallel-layout" in (out / "megatron_args.sh").read_text()
     # 6 micro-batches on pp 4: the summary and megatron_args.sh name the micro-batch group it runs with
     plan = write_plan(tmp_path, "llama-3.1-8b", 2, framework="megatron", zero_stage=1, pp=4, virtual_stages=3,
                       grad_accum=6)
     result = invoke("generate", "--plan", str(plan), "--out", str(out), "--force")
     assert result.exit_code == 0, result.output
-    assert "PP 4 (3 virtual stages per rank, micro-batch group 6), ZeRO-1, micro-batch 1 x 6 = 24" in result.output
+    assert "PP 4 (3 virtual stages per rank, micro-batch group 6), ZeRO-1, micro-batch 1 x 6 = 24" in " ".join(
+        result.output.split())
     assert "--microbatch-group-size-per-virtual-pipeline-stage 6" in (out / "megatron_args.sh").read_text()
