@@ -45,6 +45,28 @@ def test_flash_attention_band(a100):
     assert float(eff.flash_time(f, 128, False, dev, backward=True)) > 2.5 * float(eff.flash_time(f, 128, False, dev))
 
 
+def test_flash_attention_on_hopper_is_flashattention2s_35_percent(a100):
+    """FlashAttention-2 reaches 35% of H100 peak (FlashAttention-3 paper): the Hopper profiles
+    level the head-dim curve at 0.459, so head dim 128 lands on 0.459 x 128 / 168 = 0.3497;
+    A100 keeps MAMF as the level (0.869 x 128 / 168 = 0.6621)."""
+    h100 = eff.device(load_profile("dgx-h100"))
+    assert h100.flash == 0.459 and h100.mamf == 0.803  # GEMMs keep MAMF
+    assert float(eff.flash_efficiency(128, h100)) == pytest.approx(0.459 * 128 / 168, rel=1e-12)
+    assert float(eff.flash_efficiency(128, h100)) == pytest.approx(0.35, abs=1e-3)
+    assert float(eff.flash_efficiency(128, eff.device(a100))) == pytest.approx(0.869 * 128 / 168, rel=1e-12)
+    # 1 PFLOP of causal forward attention (half of it done): 0.5e15 / (989e12 x 0.3497) + 3 us = 1.4456 s;
+    # backward: 2.5x the work at 0.8x the efficiency.
+    assert float(eff.flash_time(1e15, 128, True, h100)) == pytest.approx(0.5e15 / (989e12 * 0.459 * 128 / 168) + 3e-6)
+    assert float(eff.flash_time(1e15, 128, True, h100)) == pytest.approx(1.4456, rel=1e-4)
+    assert float(eff.flash_time(1e15, 128, True, h100, backward=True)) == pytest.approx(
+        1.25e15 / (989e12 * 0.459 * 128 / 168 * 0.8) + 3e-6)
+    for name in ("hgx-h200", "h800"):
+        assert eff.device(load_profile(name)).flash_ceiling == 0.459
+    # A profile that does not say falls back to its MAMF.
+    mi300x = eff.device(load_profile("mi300x"))
+    assert mi300x.flash is None and mi300x.flash_ceiling == mi300x.mamf
+
+
 def _times(total: list[float], m: int, v: int = 1):
     ranks = [st.MicroBatchTime(t, 0, 0, 0, 0, 0) for t in total]
     return st.pipeline(ranks, m, v)

@@ -18,9 +18,10 @@ from planner.search.space import Constraints
 from planner.search.suggest import NoPlanFits, _space, suggest
 
 
-def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0, tiles: int = 0) -> int:
+def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0, tiles: int = 0,
+                      profile: str = "dgx-a100-80g") -> int:
     model = load_model(name)
-    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    cluster = Cluster.build(load_profile(profile), nodes)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles)
     space = _space(model, cluster, workload, Constraints())
     ev = Evaluator(model, cluster, workload)
@@ -44,6 +45,11 @@ def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0,
 def test_twin_equals_estimate_dense() -> None:
     strata = _twin_vs_estimate("llama-3.1-8b", 2, 64, 4096)
     assert strata > 40  # every framework, ZeRO stage, offload, recompute, pipeline shape
+
+
+def test_twin_equals_estimate_on_hopper() -> None:
+    """Hopper's lower FlashAttention level (gpu.flash_attention_efficiency) reaches both paths."""
+    assert _twin_vs_estimate("llama-3.1-8b", 2, 64, 8192, profile="dgx-h100") > 40
 
 
 def test_twin_equals_estimate_moe_vision() -> None:

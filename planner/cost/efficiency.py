@@ -22,7 +22,12 @@ HBM-bound: bytes / (hbm * HBM_EFFICIENCY).
 
 FlashAttention (Dao 2023, FlashAttention-2, Fig. 5-6): forward reaches 50-73% of the A100 peak
 and the backward somewhat less, higher for head dim 128 than 64; causal masking skips half of
-the score blocks. ``flash_efficiency`` reproduces that band from the head dim.
+the score blocks. ``flash_efficiency`` reproduces that band from the head dim, levelling off at
+the GPU's MAMF. On Hopper the same kernel levels off much lower: FlashAttention-2 is written
+with Ampere's synchronous mma.sync and cp.async, not Hopper's wgmma and TMA, and reaches only
+35% of the H100 peak (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract; FA3,
+which uses them, reaches 75%). Hopper profiles carry that as
+``gpu.flash_attention_efficiency`` (the level at which head dim 128 lands on 35%).
 
 Every function here takes numpy arrays as well as floats, so the search can evaluate many
 candidates at once.
@@ -71,6 +76,11 @@ class Device:
     mamf: float  # achievable fraction of peak for well-shaped GEMMs
     hbm: float  # bytes/s
     sms: int
+    flash: float | None = None  # FlashAttention's level as a fraction of peak; None: mamf
+
+    @property
+    def flash_ceiling(self) -> float:
+        return self.mamf if self.flash is None else self.flash
 
     @property
     def hbm_effective(self) -> float:
@@ -80,7 +90,7 @@ class Device:
 def device(profile: HardwareProfile, dtype: str = "bf16") -> Device:
     gpu = profile.gpu
     sms = next((n for key, n in _SMS.items() if key.lower() in gpu.name.lower()), 108)
-    return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms)
+    return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms, gpu.flash_attention_efficiency)
 
 
 def tile_efficiency(m, n, sms: int):
@@ -118,7 +128,7 @@ def gemm_time(m, n, k, dev: Device, batch=1, bytes_per_el: int = 2):
 def flash_efficiency(head_dim, dev: Device):
     """FlashAttention-2 forward efficiency as a fraction of the peak."""
     d = np.asarray(head_dim, dtype=float)
-    return dev.mamf * d / (d + FLASH_HEAD_HALF)
+    return dev.flash_ceiling * d / (d + FLASH_HEAD_HALF)
 
 
 def flash_time(flops, head_dim, causal: bool, dev: Device, backward: bool = False):

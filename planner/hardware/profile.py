@@ -39,6 +39,10 @@ class GPU(_Strict):
     # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; ../shared/reference/
     # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
     matmul_efficiency: float = Field(0.8, gt=0, le=1)
+    # Where FlashAttention's head-dim curve levels off, as a fraction of peak (efficiency.
+    # flash_efficiency); None: the GEMM's MAMF. Hopper sets it lower: FlashAttention-2 does
+    # not use wgmma/TMA there and reaches 35% of H100 peak (Shah et al. 2024).
+    flash_attention_efficiency: float | None = Field(None, gt=0, le=1)
     tdp_W: PositiveFloat | None = None
 
     @property
