@@ -17,6 +17,18 @@ with the source's own formula) for a fully stated layout, priced with ``estimate
   schedule holds fewer micro-batches than Megatron-Core's, so dsplan says these layouts do not
   fit in 80 GiB without recomputation.
 
+- MosaicML llm-foundry, scripts/train/benchmarking/README.md ("MPT Training Benchmarks", tables
+  "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"; read at commit
+  061f2c7c of mosaicml/llm-foundry): MPT 1B-30B on one node of 8 GPUs, FSDP FULL_SHARD (priced as
+  DeepSpeed ZeRO-3), amp_bf16, the stated micro-batch, gradient accumulation, global batch and
+  activation checkpointing (full, per block), tokens/s. The runs of sweep.sh: llm-foundry
+  v0.0.4, PyTorch 2.0.1 + CUDA 11.8, MPT's Triton FlashAttention. The MPT shapes (d_model,
+  heads, layers; vocab 50368; 4x GELU MLP with biases, LayerNorm, tied head) reproduce the
+  table's NumParams exactly, learned positions included (NumParams grows by d_model per token
+  of SeqLen: these benchmark configs did not use ALiBi; positions cost no compute in dsplan
+  either way). Published step time = GlobalBatchSize (T) / Throughput (T/s). A100 and H100 rows
+  share model and sequence; the layouts are the source's own, so they differ where it did.
+
 Error = published time / predicted time - 1: "+" means dsplan predicts faster than measured.
 
 Usage: python benchmarks/bench_published_runs.py [--json]
@@ -48,6 +60,32 @@ KORTHIKANTI = [
 ]
 MTNLG = [(280, 60.1), (350, 50.2), (420, 44.4)]  # DGX nodes, seconds per iteration (Smith et al. 2022)
 LLAMA3 = [(1024, 430.0), (2048, 400.0)]  # H100 nodes, TFLOP/s per GPU (Dubey et al. 2024, Table 4)
+
+# MosaicML llm-foundry "MPT Training Benchmarks": (d_model, n_heads, n_layers) of the MPT configs.
+MPT_SHAPES = {"1B": (2048, 16, 24), "3B": (2560, 20, 32), "7B": (4096, 32, 32), "13B": (5120, 40, 40),
+              "30B": (7168, 56, 48)}
+MOSAIC = [
+    # gpu, model, seq, GPUs, micro-batch, grad accum, global batch, tokens/s, activation checkpointing, NumParams
+    ("H100", "1B", 2048, 8, 14, 1, 112, 363645, False, 1315950592),
+    ("A100", "1B", 2048, 8, 14, 4, 448, 164109, False, 1315950592),
+    ("H100", "1B", 4096, 8, 7, 4, 224, 308282, False, 1320144896),
+    ("A100", "1B", 4096, 8, 7, 4, 224, 142457, False, 1320144896),
+    ("H100", "3B", 4096, 8, 5, 6, 240, 167712, False, 2657080320),
+    ("A100", "3B", 4096, 8, 5, 6, 240, 75658, False, 2657080320),
+    ("H100", "7B", 2048, 8, 6, 1, 48, 85144, False, 6658859008),
+    ("A100", "7B", 2048, 8, 6, 2, 96, 37130, False, 6658859008),
+    ("H100", "7B", 4096, 8, 16, 2, 256, 68893, True, 6667247616),
+    ("A100", "7B", 4096, 8, 16, 2, 256, 29472, True, 6667247616),
+    ("H100", "13B", 2048, 8, 2, 1, 16, 38336, False, 12853954560),
+    ("A100", "13B", 2048, 8, 2, 3, 48, 18097, False, 12853954560),
+    ("H100", "13B", 4096, 8, 10, 3, 240, 37740, True, 12864440320),
+    ("A100", "13B", 4096, 8, 10, 3, 240, 16482, True, 12864440320),
+    ("H100", "30B", 2048, 8, 3, 21, 504, 16022, True, 29975214080),
+    ("A100", "30B", 2048, 8, 3, 21, 504, 7330, True, 29975214080),
+    ("H100", "30B", 4096, 8, 1, 21, 168, 14419, True, 29989894144),
+    ("A100", "30B", 4096, 8, 1, 21, 168, 6513, True, 29989894144),
+]
+MOSAIC_PROFILES = {"H100": "dgx-h100", "A100": "dgx-a100-80g"}
 
 
 def _row(source: str, case: str, layout: str, gpus: int, published_s: float, plan) -> dict:
@@ -103,8 +141,24 @@ def llama3() -> list[dict]:
     return out
 
 
+def mosaic() -> list[dict]:
+    out = []
+    for gpu, name, seq, gpus, mb, ga, gb, tokens_s, ckpt, params in MOSAIC:
+        hidden, heads, layers = MPT_SHAPES[name]
+        model = megatron_gpt(hidden, heads, layers, vocab=50368, seq=seq)
+        assert model.total_params() == params, (name, seq, model.total_params(), params)
+        profile = load_profile(MOSAIC_PROFILES[gpu])
+        wl = Workload(global_batch=gb, seq_len=seq, precision="bf16")
+        cfg = ParallelConfig(dp=gpus, tp=1, pp=1, micro_batch=mb, grad_accum=ga, recompute="full" if ckpt else "none",
+                             framework="deepspeed", zero_stage=3)
+        plan = estimate(model, Cluster.build(profile, gpus // profile.gpus_per_node), wl, cfg)
+        layout = f"z3 mb{mb} ga{ga}" + (" ckpt" if ckpt else "")
+        out.append(_row("MosaicML llm-foundry", f"{name} s{seq} {gpu}", layout, gpus, gb * seq / tokens_s, plan))
+    return out
+
+
 def main(argv: list[str]) -> int:
-    rows = korthikanti() + mtnlg() + llama3()
+    rows = korthikanti() + mtnlg() + llama3() + mosaic()
     if "--json" in argv:
         print(json.dumps(rows, indent=2))
         return 0
