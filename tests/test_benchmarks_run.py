@@ -33,3 +33,12 @@ def test_every_benchmark_script_parses_its_arguments():
     for script in sorted(BENCH.glob("bench_*.py")):
         proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (script.name, proc.stderr[-2000:])
+
+
+def test_mosaic_rows_reproduce_the_published_shapes_and_fit():
+    """The MPT stand-ins reproduce llm-foundry's NumParams (mosaic() asserts it per row), every
+    published layout fits in 80 GiB, and the A100 rows stay inside the +-15% they are at today."""
+    rows = _load("bench_published_runs").mosaic()
+    assert len(rows) == 18 and all(r["fits"] for r in rows)
+    a100 = [r for r in rows if r["case"].endswith("A100")]
+    assert len(a100) == 9 and max(abs(r["error"]) for r in a100) < 0.15
