@@ -186,30 +186,100 @@ def test_dp_cool_down_is_the_earlier_ranks_backward_not_this_ranks() -> None:
     assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
 
 
+def test_deepspeed_pipeline_reduces_after_the_drain_with_all_reduces() -> None:
+    """The same gpt3-2.7b layout (two DGX A100, dp 8 inside each node, pp 2 across them, seq
+    768, 2 micro-batches) on DeepSpeed's PipelineEngine with ZeRO-1 (framework deepspeed).
+
+    Three things differ from Megatron's runtime (planner/cost/frameworks.py Traits.pipe_engine,
+    zero_grad_allreduce; DeepSpeed 0.19.8):
+    - no reduction during backward: ReduceGrads follows a rank's last backward, so nothing of
+      a rank's own last backward hides it (pipe/engine.py enable_backward_allreduce = False,
+      overlap_comm switched off for a PipelineModule);
+    - ZeRO-1 all-reduces the 16-bit gradient buckets (use_multi_rank_bucket_allreduce) rather
+      than reduce-scattering them, then all-gathers the updated 16-bit weights after the step;
+    - ReduceTiedGrads first all-reduces the tied embedding's gradient between rank 0 (the
+      embedding) and rank 1 (the head's copy): a two-rank ring moves the 2 x 128,657,920 bytes
+      once each way, as one point-to-point transfer of them over the pp hop does; and rank 1
+      waits for rank 0's last backward for it, so no cool-down is left to hide its reduction.
+
+        exposed_r = tied + AR(2 P_r) + AG(2 P_r)      dp_comm = max over ranks
+
+    with P_0 = 841,989,120 and P_1 = 1,938,222,080 as in the Megatron case above (the partition
+    is fixed, so both ranks hold one copy of the embedding)."""
+    model, cluster = load_model("gpt3-2.7b"), _cluster(2)
+    w = Workload(global_batch=16, seq_len=768)
+    cfg = ParallelConfig(dp=8, pp=2, zero_stage=1, framework="deepspeed", micro_batch=1, grad_accum=2)
+    parts = [(0, 10), (10, 35)]
+    plan = estimate(model, cluster, w, cfg, partition=parts)
+    dense = [_gpt27_dense(c) for c in parts]
+    assert dense == [841_989_120, 1_938_222_080]
+    comms = build_comms(cluster, cfg)
+    tied = comms.pp(2 * GPT27_EMBED)
+    exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s
+               + collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
+    b0, b1 = (s.microbatch.bwd + s.microbatch.recompute for s in plan.stages)
+    assert exposed[1] - tied > b0 * 0.05  # a cool-down would have hidden some of rank 1's reduction
+    assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
+
+    # The search's twin on its own partition, per rank.
+    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, w, cfg)
+    dense = [_gpt27_dense(c) for c in parts]
+    exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s
+               + collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
+    assert detail["dp"][0] == pytest.approx(exposed, rel=1e-9)
+    assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
+
+
+def test_deepspeed_pipeline_untied_rank_keeps_only_the_cool_down() -> None:
+    """llama-3-8b (untied head) on two DGX A100, dp 8 x pp 2, DeepSpeed ZeRO-1, seq 1024, 4
+    micro-batches. Without a tied pair the last rank's ReduceGrads starts right after its last
+    backward, while rank 0 still runs its own: rank 1 hides b_0 (the cool-down) and nothing of
+    b_1; rank 0 hides nothing.
+
+        exposed_0 = AR(2 P_0) + AG(2 P_0)      exposed_1 = max(0, AR(2 P_1) - b_0) + AG(2 P_1)"""
+    model, cluster = load_model("llama-3-8b"), _cluster(2)
+    w = Workload(global_batch=32, seq_len=1024)
+    cfg = ParallelConfig(dp=8, pp=2, zero_stage=1, framework="deepspeed", micro_batch=1, grad_accum=4)
+    plan, parts, ranks, detail = _twin("llama-3-8b", 2, w, cfg)
+    dense = [sum(b.params() for b in model.blocks[a:e]) for a, e in parts]
+    assert list(ranks["dense"]) == dense and list(ranks["tied"]) == [0.0, 0.0]
+    ar = [collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s for d in dense]
+    ag = [collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
+    b0 = plan.stages[0].microbatch.bwd + plan.stages[0].microbatch.recompute
+    exposed = [ar[0] + ag[0], max(0.0, ar[1] - b0) + ag[1]]
+    assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
+    assert detail["dp"][0] == pytest.approx(exposed, rel=1e-9)
+
+
 # -- (c) what crosses a pipeline-stage boundary -----------------------------------------------
 
 
-@pytest.mark.parametrize(("framework", "sp", "divisor", "gathers"), [
+@pytest.mark.parametrize(("framework", "sp", "divisor", "gathers", "transfers", "meta"), [
     # Megatron-Core sends (s, b, h), or (s/t, b, h) under sequence parallelism (schedules.py
-    # get_tensor_shapes; its p2p_communication has no scatter/gather).
-    ("megatron", False, 1, (0, 0)),
-    ("megatron", True, 2, (0, 0)),
+    # get_tensor_shapes; its p2p_communication has no scatter/gather), the activation and the
+    # gradient crossing a boundary batched as one exchange.
+    ("megatron", False, 1, (0, 0), 1, 0),
+    ("megatron", True, 2, (0, 0), 1, 0),
     # DeepSpeed's PipelineEngine on a TP grid (pipe_partitioned, grad_partitioned): 1/t sent;
     # all-gathered by the activation's receiver, and on the sending side once to rebuild the
-    # output before backward and once for the returning gradient.
-    ("megatron-deepspeed", False, 2, (2, 1)),
+    # output before backward and once for the returning gradient. Its sends and receives are
+    # blocking and one after the other (TrainSchedule: SendGrad then RecvActivation, RecvGrad
+    # then SendActivation): 2 transfers per neighbour and micro-batch, each data tensor after
+    # its partition meta, int64 [ndims 3, s, b, h, parts 2, rank, offsets 0, n/2, n] = 9 x 8 B.
+    ("megatron-deepspeed", False, 2, (2, 1), 2, 72),
 ])
-def test_what_a_pipeline_boundary_sends(framework, sp, divisor, gathers) -> None:
+def test_what_a_pipeline_boundary_sends(framework, sp, divisor, gathers, transfers, meta) -> None:
     """llama-3-8b on four DGX A100, tp 2, dp 4, pp 4 (one pipeline stage per node: every stage
     boundary crosses InfiniBand), seq 4096, micro-batch 1, 8 micro-batches.
 
     A stage boundary carries the s x b x h bf16 activation forward and its gradient back:
         whole tensor = 4096 * 1 * 4096 * 2 = 33,554,432 bytes.
-    1F1B pairs the activation sent to the next stage with the gradient received from it
-    (send_forward_recv_backward) and the gradient sent to the previous stage with the next
+    Megatron's 1F1B pairs the activation sent to the next stage with the gradient received from
+    it (send_forward_recv_backward) and the gradient sent to the previous stage with the next
     activation from it: one transfer per neighbour per micro-batch on full-duplex links. So
-    stage 0 and the last stage make 1 transfer per micro-batch, the middle stages 2; all-gathers
-    of the whole tensor over the TP pair (NVLink) come on top per boundary side."""
+    stage 0 and the last stage make 1 transfer per micro-batch, the middle stages 2 (DeepSpeed's
+    engine twice that, plus the meta tensors); all-gathers of the whole tensor over the TP pair
+    (NVLink) come on top per boundary side."""
     s, b, h, t, m = 4096, 1, 4096, 2, 8
     w = Workload(global_batch=4 * b * m, seq_len=s)
     cfg = ParallelConfig(dp=4, tp=t, pp=4, zero_stage=1, framework=framework, micro_batch=b, grad_accum=m,
@@ -217,7 +287,8 @@ def test_what_a_pipeline_boundary_sends(framework, sp, divisor, gathers) -> None
     whole = s * b * h * 2
     assert whole == 33_554_432
     comms = build_comms(_cluster(4), cfg)
-    t_p2p = comms.pp(whole / divisor)  # the pp group's point-to-point time
+    # the pp group's point-to-point time, per neighbour and micro-batch
+    t_p2p = transfers * (comms.pp(whole / divisor) + (comms.pp(meta) if meta else 0.0))
     t_ag = comms.tp("allgather", whole)
     # (sends after the stage, receives before it) per rank
     sides = [(1, 0), (1, 1), (1, 1), (0, 1)]

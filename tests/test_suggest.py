@@ -326,9 +326,9 @@ def test_cost_objective_breaks_equal_costs_by_host_memory_then_gpu_memory() -> N
 @pytest.mark.parametrize(("name", "nodes", "kwargs", "part"), [
     ("llama-3.1-405b", 2048, {}, "pp_bubble"),  # 512 samples on 16,384 GPUs: one micro-batch per pipeline
     ("llama-3.1-70b", 64, {"constraints": Constraints(pp=(8,), virtual_stages=(2,)), "global_batch": 64}, "pp_bubble"),
-    # dp 2048, one micro-batch: the all-reduce hides behind one backward (without interleaving,
-    # which gives the same GPUs a faster layout that is not DP-bound)
-    ("gpt3-13b", 1024, {"constraints": Constraints(virtual_stages=(1,))}, "dp_comm"),
+    # dp 2048, one micro-batch: the all-reduce hides behind one backward (without a pipeline,
+    # which gives the same GPUs a faster layout that is bubble-bound instead)
+    ("gpt3-13b", 1024, {"constraints": Constraints(pp=(1,))}, "dp_comm"),
 ])
 def test_a_batch_bound_best_plan_gets_a_note_with_a_batch_that_fixes_it(name, nodes, kwargs, part) -> None:
     """When the pipeline bubble or the exposed DP traffic is most of the best plan's step, a

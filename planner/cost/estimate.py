@@ -43,11 +43,13 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         raise ValueError(f"pp_send {send!r}: one of {', '.join(fw.PP_SENDS)}")
     send_div = fw.pp_send_divisor(send, cfg.tp, cfg.sequence_parallel)
     gathers = fw.pp_boundary_gathers(send, cfg.tp)
+    transfers, meta = fw.pp_transfers(traits), fw.pp_meta_bytes(send, cfg.tp)
     crosses = pp_hops(cluster, cfg)
     times = [st.rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
-                          (crosses[r], crosses[r - 1])) for r, ch in enumerate(chunks)]
+                          (crosses[r], crosses[r - 1]), transfers, meta) for r, ch in enumerate(chunks)]
     worst, bubble = st.pipeline(times, m, cfg.virtual_stages)
     tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)
+    tied_ranks = _tied_group(model, chunks, cfg.tp)
 
     stage_plans, dp_exposed, opt_time = [], [], []
     for r, ch in enumerate(chunks):
@@ -59,7 +61,12 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         # (their last chunk, 1/v of a micro-batch's backward each): that cool-down hides rank
         # r's reduction.
         cooldown = sum(t.bwd + t.recompute for t in times[:r]) / cfg.virtual_stages
-        dp_exposed.append(_dp_time(dense, expert, cfg, workload, traits, comms, times[r], cooldown, blocks))
+        tied = 0.0
+        if traits.pipe_engine and r in tied_ranks:
+            # DeepSpeed's ReduceTiedGrads: the two copies' gradients all-reduced before ReduceGrads,
+            # which waits for rank 0's last backward: no cool-down left to hide this rank's reduction.
+            tied, cooldown = st.tied_allreduce_time(comms.pp, _grad_comm_bytes(cfg, workload, traits) * tied_ranks[r]), 0.0
+        dp_exposed.append(tied + _dp_time(dense, expert, cfg, workload, traits, comms, times[r], cooldown, blocks))
         opt_time.append(_optimizer_time(dense, expert, cfg, workload, cluster, dev))
 
     t = times[worst]
@@ -107,6 +114,20 @@ def _tied_embedding_copy(model: ModelSpec, chunks: list[list[tuple[int, int]]], 
     if owner[heads[0]] != owner[embeds[0]]:
         out[owner[heads[0]]] = head.vocab * head.hidden / tp
     return out
+
+
+def _tied_group(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> dict[int, float]:
+    """The pipeline ranks holding the two copies of a tied embedding when they differ (the
+    embedding's and the LM head's), each with the copy's parameters per GPU (after TP)."""
+    heads = [i for i, blk in enumerate(model.blocks) if isinstance(blk, LMHeadBlock) and blk.tied]
+    embeds = [i for i, blk in enumerate(model.blocks) if isinstance(blk, EmbeddingBlock)]
+    if not heads or not embeds:
+        return {}
+    owner = {i: r for r, ch in enumerate(chunks) for a, e in ch for i in range(a, e)}
+    if owner[heads[0]] == owner[embeds[0]]:
+        return {}
+    head = model.blocks[heads[0]]
+    return {owner[embeds[0]]: head.vocab * head.hidden / tp, owner[heads[0]]: head.vocab * head.hidden / tp}
 
 
 def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: float, expert: float,
@@ -158,12 +179,13 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
         reduce = sum(on("reducescatter", gb * c.params_rank, gb * c.expert_params_rank) for c in blocks)
         return st.zero3_exposed(gather, reduce, t.fwd, t.bwd + t.recompute, cfg.grad_accum)
     if cfg.zero_stage >= 1:
-        reduce = on("reducescatter", gb * dense, gb * expert)
+        reduce = on("allreduce" if traits.zero_grad_allreduce else "reducescatter", gb * dense, gb * expert)
         gather = on("allgather", 2 * dense, 2 * expert)
     else:
         reduce, gather = on("allreduce", gb * dense, gb * expert), 0.0
     first_fwd = t.fwd if cfg.framework == "megatron" else 0.0
-    return st.dp_exposed(reduce, gather, traits.overlap_grad_reduce, t.bwd + t.recompute, first_fwd, cooldown)
+    return st.dp_exposed(reduce, gather, fw.grad_reduce_overlaps(traits, cfg.pp), t.bwd + t.recompute, first_fwd,
+                         cooldown)
 
 
 def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, cluster: Cluster,

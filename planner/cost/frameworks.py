@@ -6,7 +6,9 @@ and its own behaviour the cost model reads (``Traits``):
 - ``deepspeed``: ZeRO 0-3 and offload; AutoTP tensor parallelism only with ZeRO <= 2, on a
   dense model without a pipeline; ``PipelineModule`` pipelines, which DeepSpeed rejects with ZeRO-2/3 (the pipeline engine
   asserts ``zero_stage < 2``); MoE with ``ep_size``; no sequence parallelism, no interleaved
-  schedule, and per-layer (full) activation checkpointing only.
+  schedule, and per-layer (full) activation checkpointing only. Its PipelineEngine runs 1F1B's
+  order but reduces gradients only after the drain and sends point-to-point one tensor at a
+  time (``Traits.pipe_engine``); ZeRO-1/2 all-reduce gradients (``Traits.zero_grad_allreduce``).
 - ``megatron-deepspeed``: Megatron's 3D parallelism on the DeepSpeed engine: ZeRO-1 with a
   pipeline (ZeRO-2/3 only without one), sequence parallelism, MoE, selective recompute; no
   interleaving, no multi-latent attention, no ALiBi.
@@ -67,11 +69,35 @@ class Traits:
     overlap_grad_reduce: bool
     # DeepSpeed ZeRO-1/2 bucket buffers (overlap_comm keeps ~4.5x the bucket sizes).
     zero_buckets: bool
+    # Pipelines (pp > 1) run on DeepSpeed's PipelineEngine, which differs from Megatron's 1F1B in:
+    # - no gradient reduction during backward: the engine turns its backward all-reduce off
+    #   (runtime/pipe/engine.py:80, ``enable_backward_allreduce = False``) and
+    #   ``deepspeed.initialize`` switches ZeRO's overlap_comm off for a PipelineModule
+    #   (runtime/engine.py:2663-2666); TrainSchedule issues ReduceTiedGrads, ReduceGrads and
+    #   OptimizerStep after a rank's last step (runtime/pipe/schedule.py:238-241), so a rank's
+    #   reduction overlaps only the cool-down of the ranks before it;
+    # - ReduceTiedGrads all-reduces the tied embedding's gradient between the ranks holding its
+    #   two copies first (pipe/engine.py:269-285), so those ranks start their reduction only
+    #   after rank 0's last backward;
+    # - point-to-point transfers are separate blocking ``dist.send``/``dist.recv`` calls
+    #   (runtime/pipe/p2p.py:48-81), issued one after the other (schedule.py:214-223: a
+    #   forward step sends the last gradient, then receives the activation; a backward step
+    #   receives the gradient, then sends the activation): two transfers per neighbour and
+    #   micro-batch where Megatron's batched send_forward_recv_backward makes one; a
+    #   partitioned tensor also sends its partition meta tensor before the data
+    #   (engine.py:1043-1046, 1097-1100).
+    pipe_engine: bool = False
+    # ZeRO-1/2 reduce gradients with bucketed all-reduces, not reduce-scatters: DeepSpeed's
+    # ``use_multi_rank_bucket_allreduce`` defaults to true (runtime/zero/config.py:119), which
+    # sends every slice of a bucket through ``allreduce_and_scatter`` (zero/stage_1_and_2.py:1695)
+    # and keeps the local partition.
+    zero_grad_allreduce: bool = False
 
 
 TRAITS = {
-    "deepspeed": Traits("deepspeed", False, "full", True, True),
-    "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True),
+    "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True),
+    "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
+                                 zero_grad_allreduce=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False),
 }
 
@@ -101,6 +127,26 @@ def pp_send_divisor(send: str, tp: int, sequence_parallel: bool) -> int:
     if tp > 1 and (send in ("partitioned", "scatter_gather") or (send == "sequence_parallel" and sequence_parallel)):
         return tp
     return 1
+
+
+def grad_reduce_overlaps(t: Traits, pp: int) -> bool:
+    """Whether gradient reduction starts during the last micro-batch's backward: where the
+    runtime buckets it (Traits.overlap_grad_reduce), but not in DeepSpeed's PipelineEngine."""
+    return t.overlap_grad_reduce and not (t.pipe_engine and pp > 1)
+
+
+def pp_transfers(t: Traits) -> int:
+    """Transfers per neighbour and micro-batch on each side of a stage boundary: 1 where the
+    activation and the gradient crossing it travel as one batched exchange on a full-duplex
+    link (Megatron), 2 where they are two blocking transfers in turn (Traits.pipe_engine)."""
+    return 2 if t.pipe_engine else 1
+
+
+def pp_meta_bytes(send: str, tp: int) -> float:
+    """Bytes of the meta tensor DeepSpeed sends before each partitioned activation or gradient
+    (runtime/utils.py PartitionedTensor.to_meta: int64 [ndims, s, b, h, parts, rank, the
+    parts + 1 offsets]), 0 where nothing is partitioned."""
+    return 8.0 * (7 + tp) if (send == "partitioned" and tp > 1) else 0.0
 
 
 def pp_boundary_gathers(send: str, tp: int) -> tuple[int, int]:

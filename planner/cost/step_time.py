@@ -6,14 +6,17 @@ Assembly (all functions pure; ``Comms`` carries the collective timings of this p
    TP collectives (forward + backward, again for a recomputed forward), EP all-to-alls, and
    the point-to-point sends at its chunk boundaries. Nothing of these overlaps by default:
    Megatron's TP all-reduces sit between dependent GEMMs, DeepSpeed MoE's all-to-alls too,
-   and 1F1B's sends are on the critical path.
+   and 1F1B's sends are on the critical path (DeepSpeed's PipelineEngine makes two blocking
+   transfers per neighbour where Megatron's batched exchange makes one).
 2. the pipeline: ``T = m * T_max + (sum_r T_r - T_max) / v`` for m micro-batches over p ranks
    with v chunks each (1F1B: (m + p - 1) T for equal stages; interleaving divides the bubble
    by v, Narayanan et al. 2021 Sec 2.2). Unequal stages run at the pace of the slowest.
 3. data parallelism: gradient reduction per rank (all-reduce; ZeRO/distributed optimizer:
-   reduce-scatter + all-gather of the updated 16-bit weights), overlapped with the last
-   micro-batch's backward where the runtime buckets it, and with the cool-down of the
-   pipeline (rank r finishes r backward chunks before rank 0). ZeRO-3 all-gathers the
+   reduce-scatter + all-gather of the updated 16-bit weights; DeepSpeed's ZeRO-1/2
+   all-reduce), overlapped with the last micro-batch's backward where the runtime buckets it
+   (not in DeepSpeed's PipelineEngine), and with the cool-down of the pipeline (rank r
+   finishes r backward chunks before rank 0; not for ranks a tied-weight all-reduce with
+   rank 0 holds back). ZeRO-3 all-gathers the
    weights per layer in every forward and backward and reduce-scatters gradients per
    micro-batch, overlapped with compute by prefetching; only the excess shows.
 4. the optimizer: fused Adam over the local shard from HBM, or DeepSpeedCPUAdam on the host
@@ -119,14 +122,20 @@ def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
 
 def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev: eff.Device, comms: Comms,
               recompute: str, pp_send_divisor: int, last_block: int,
-              boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True)) -> MicroBatchTime:
+              boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
+              transfers: int = 1, meta_bytes: float = 0.0) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
     boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication.
     ``crossing``: whether the hop to the next rank and the one from the previous leave the
-    node (placement.pipeline_hops)."""
+    node (placement.pipeline_hops). ``transfers``: transfers per neighbour and micro-batch on
+    each side of a boundary (frameworks.pp_transfers), each preceded by a ``meta_bytes``
+    transfer where the runtime sends one (frameworks.pp_meta_bytes)."""
     f = bw = rc = tp = ep = pp = 0.0
     send, recv = comms.hop(crossing[0]), comms.hop(crossing[1])
+
+    def hop(fn: Callable[[float], float], nbytes: float) -> float:
+        return transfers * (fn(nbytes) + (fn(meta_bytes) if meta_bytes else 0.0))
     for first, last in chunks:
         for c in costs[first:last]:
             f += forward_time(c, b, dev)
@@ -137,13 +146,14 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
         # Each chunk boundary costs one transfer per micro-batch on each side: the activation
         # sent forward after the chunk (unless it ends the model) and the gradient sent back
         # before it (unless it starts the model). Megatron pairs a send with the opposite
-        # receive (send_forward_recv_backward), so a pair costs one transfer on a full-duplex link.
+        # receive (send_forward_recv_backward), so a pair costs one transfer on a full-duplex
+        # link; DeepSpeed's PipelineEngine sends and receives one after the other (transfers 2).
         if last < last_block:
-            pp += send(costs[last - 1].pp_bytes * b / pp_send_divisor)
+            pp += hop(send, costs[last - 1].pp_bytes * b / pp_send_divisor)
             if boundary_gathers[0]:
                 pp += boundary_gathers[0] * comms.tp("allgather", costs[last - 1].pp_bytes * b)
         if first > 0:
-            pp += recv(costs[first - 1].pp_bytes * b / pp_send_divisor)
+            pp += hop(recv, costs[first - 1].pp_bytes * b / pp_send_divisor)
             if boundary_gathers[1]:
                 pp += boundary_gathers[1] * comms.tp("allgather", costs[first - 1].pp_bytes * b)
     return MicroBatchTime(f, bw, rc, tp, ep, pp)
@@ -188,6 +198,14 @@ def dp_exposed(reduce_s: float, gather_s: float, overlap: bool, last_bwd_s: floa
     """
     window = (last_bwd_s if overlap else 0.0) + cooldown_s
     return max(0.0, reduce_s - window) + max(0.0, gather_s - (first_fwd_s if overlap and gather_s else 0.0))
+
+
+def tied_allreduce_time(p2p: Callable[[float], float], nbytes: float) -> float:
+    """All-reduce of a tied weight's gradient (``nbytes`` per GPU) between the two pipeline
+    ranks holding its copies: a two-rank ring sends half the tensor each way in its
+    reduce-scatter and again in its all-gather, ``nbytes`` per direction in all, as one
+    point-to-point transfer of ``nbytes`` on a full-duplex link does."""
+    return p2p(nbytes) if nbytes else 0.0
 
 
 def zero3_exposed(gather_s: float, reduce_s: float, fwd_s: float, bwd_s: float, microbatches: int) -> float:

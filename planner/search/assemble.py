@@ -96,7 +96,11 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     zero, fwi = col["zero"], col["framework"]
     gbytes = np.array([ev._grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
     dense, expert = r["dense"], r["expert"]
-    reduce, gather = np.zeros((n, pp)), np.zeros((n, pp))
+    reduce, gather, tied_t = np.zeros((n, pp)), np.zeros((n, pp)), np.zeros((n, pp))
+    traits = [fw.traits(f) for f in FRAMEWORKS]
+    allreduce = np.array([t.zero_grad_allreduce for t in traits])[fwi]  # ZeRO-1/2 grads all-reduced
+    engine = np.array([t.pipe_engine and pp > 1 for t in traits])[fwi]  # DeepSpeed's PipelineEngine
+    z12 = (zero == 1) | (zero == 2)
     code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
     requests: list[tuple[str, object, np.ndarray]] = []
     fills = []  # (target array, rows, dense request, expert request, expert bytes)
@@ -104,12 +108,17 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
         s = code == value
         i = int(np.argmax(s))
         tp, ep, dp = int(col["tp"][i]), int(col["ep"][i]), int(col["dp"][i])
+        shapes = ev.shapes(tp, ep, dp, pp)
+        if (s & engine).any() and r["tied"][s & engine].any():  # estimate: ReduceTiedGrads, whatever dp
+            rows = s & engine
+            requests.append(("p2p", shapes.pp, gbytes[rows] * r["tied"][rows]))
+            fills.append((tied_t, rows, len(requests) - 1, None, np.zeros_like(dense[rows])))
         if dp == 1 and ep == 1:
             continue
-        shapes = ev.shapes(tp, ep, dp, pp)
         for rows, op, target, d, e in (
-            (s & ((zero == 1) | (zero == 2)), "reducescatter", reduce, gbytes * dense, gbytes * expert),
-            (s & ((zero == 1) | (zero == 2)), "allgather", gather, 2 * dense, 2 * expert),  # 16-bit weights
+            (s & z12 & ~allreduce, "reducescatter", reduce, gbytes * dense, gbytes * expert),
+            (s & z12 & allreduce, "allreduce", reduce, gbytes * dense, gbytes * expert),
+            (s & z12, "allgather", gather, 2 * dense, 2 * expert),  # 16-bit weights
             (s & (zero == 0), "allreduce", reduce, gbytes * dense, gbytes * expert),
         ):
             if not rows.any():
@@ -129,18 +138,20 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
         t = priced[di] if di is not None else np.zeros_like(e_rows)
         target[rows] = t + np.where(e_rows > 0, priced[ei], 0.0) if ei is not None else t
     fwd, bwd = r["fwd"], r["bwd"] + r["rc"]
-    overlap = np.array([fw.traits(f).overlap_grad_reduce for f in FRAMEWORKS])[fwi][:, None]
-    # estimate._dp_time: the earlier ranks' backward of the last micro-batch (1/v of it each)
-    cooldown = (np.cumsum(bwd, axis=1) - bwd) / vs
+    overlap = np.array([fw.grad_reduce_overlaps(t, pp) for t in traits])[fwi][:, None]
+    # estimate._dp_time: the earlier ranks' backward of the last micro-batch (1/v of it each),
+    # none on the ranks a PipelineEngine's ReduceTiedGrads holds until rank 0 is done
+    cooldown = np.where(engine[:, None] & (r["tied"] > 0), 0.0, (np.cumsum(bwd, axis=1) - bwd) / vs)
     first_fwd = np.where((fwi == FRAMEWORKS.index("megatron"))[:, None], fwd, 0.0)
     window = np.where(overlap, bwd, 0.0) + cooldown
     hide = np.where((gather > 0) & overlap, first_fwd, 0.0)
-    out = np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
+    out = tied_t + np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
     z3 = (zero == 3) & ((col["dp"] > 1) | (col["ep"] > 1))
     if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute
         g3, r3 = r["z3_gather"][z3], r["z3_reduce"][z3]
         out[z3] = m[z3] * (np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 - bwd[z3]))
-    out[(col["dp"] == 1) & (col["ep"] == 1)] = 0.0
+    alone = (col["dp"] == 1) & (col["ep"] == 1)
+    out[alone] = tied_t[alone]
     return out
 
 

@@ -81,9 +81,10 @@ def pipeline_units(model: ModelSpec) -> list[tuple[int, int]]:
 # Rows of a rank table (Evaluator.rank_table): per pipeline rank, one micro-batch's seconds of
 # forward, backward, recompute, TP, EP and pipeline traffic; the stage's dense and expert
 # parameters, its largest block, stored and live activation bytes and pipeline buffers; the
-# ZeRO-3 per-block gathers and reduce-scatters.
+# parameters of a tied embedding's copy when the rank holds one of two (estimate._tied_group);
+# the ZeRO-3 per-block gathers and reduce-scatters.
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
-               "z3_gather", "z3_reduce")
+               "tied", "z3_gather", "z3_reduce")
 
 
 def rank_fields(ranks: np.ndarray) -> dict[str, np.ndarray]:
@@ -320,17 +321,18 @@ class Evaluator:
 
     def rank_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
                    tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None,
-                   gathers: tuple[int, int] = (0, 0)) -> np.ndarray:
+                   gathers: tuple[int, int] = (0, 0), transfers: int = 1, meta: float = 0.0) -> np.ndarray:
         """Per pipeline rank: one micro-batch's time parts and the stage's contents, as a
         [RANK_FIELDS x pp] matrix (one array per key, so a chunk of keys stacks in one call;
         ``rank_fields`` names its rows).
 
         All but the ZeRO-3 parts depend on the partition and the pp group's shape, not on dp or
         the framework (beyond how it sends across stages), so they are computed once per such key."""
-        key = (id(table), tuple(parts), mode, b, pp, vs, tp, send_div, gathers, shapes.pp)
+        key = (id(table), tuple(parts), mode, b, pp, vs, tp, send_div, gathers, transfers, meta, shapes.pp)
         hit = self._rank_base.get(key)
         if hit is None or hit[0] is not table:
-            hit = (table, self._rank_base_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, gathers))
+            hit = (table, self._rank_base_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, gathers,
+                                                transfers, meta))
             self._rank_base[key] = hit  # holding the table keeps its id unique
         if not z3:
             return hit[1]
@@ -342,7 +344,8 @@ class Evaluator:
         return out
 
     def _rank_base_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                         tp: int, send_div: int, shapes: Shapes, gathers: tuple[int, int] = (0, 0)) -> np.ndarray:
+                         tp: int, send_div: int, shapes: Shapes, gathers: tuple[int, int] = (0, 0),
+                         transfers: int = 1, meta: float = 0.0) -> np.ndarray:
         """The rank table of RANK_FIELDS, ZeRO-3 rows left at zero."""
         starts = np.array([a for a, _ in parts])
         ends = np.array([e for _, e in parts])
@@ -361,13 +364,17 @@ class Evaluator:
         out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert
         if shapes.pp.size > 1:
             sizes = np.stack((whole_out, whole_in)) / send_div
-            send_t, recv_t = collective_time_array(self.cluster, "p2p", shapes.pp, sizes)
+            if meta:  # step_time.rank_time: each transfer preceded by its meta tensor
+                sizes = np.concatenate((sizes, np.where(sizes > 0, meta, 0.0)))
+            priced = collective_time_array(self.cluster, "p2p", shapes.pp, sizes)
             crosses, near = shapes.pp_hops
             if near is not None:  # hops inside a node go over NVLink (estimate: Comms.pp_near)
-                near_send, near_recv = collective_time_array(self.cluster, "p2p", near, sizes)
+                near_priced = collective_time_array(self.cluster, "p2p", near, sizes)
                 rank = np.arange(len(parts)) % pp  # chunk k runs on rank k % pp
-                send_t = np.where(crosses[rank], send_t, near_send)
-                recv_t = np.where(crosses[(rank - 1) % pp], recv_t, near_recv)
+                out_far = np.arange(len(sizes)) % 2 == 0  # rows: send, recv (, meta send, meta recv)
+                priced = np.where(out_far[:, None], np.where(crosses[rank], priced, near_priced),
+                                  np.where(crosses[(rank - 1) % pp], priced, near_priced))
+            send_t, recv_t = priced[0::2].sum(axis=0) * transfers, priced[1::2].sum(axis=0) * transfers
             if gathers != (0, 0):  # frameworks.pp_boundary_gathers
                 g_out, g_in = collective_time_array(self.cluster, "allgather", shapes.tp, np.stack((whole_out, whole_in)))
                 send_t, recv_t = send_t + gathers[0] * g_out, recv_t + gathers[1] * g_in
@@ -387,6 +394,7 @@ class Evaluator:
                         owner[i] = s % pp
             if owner[head] != owner[embed]:
                 out[5, owner[head]] += size / tp  # the head's copy of the embedding, on the dense row
+                out[12, owner[head]] = out[12, owner[embed]] = size / tp  # the tied pair
         return out
 
     # -- the whole space ------------------------------------------------------------------
@@ -524,10 +532,12 @@ class Evaluator:
         send = fw.traits(FRAMEWORKS[fwi]).pp_send
         send_div = fw.pp_send_divisor(send, tp, bool(sp))
         gathers = fw.pp_boundary_gathers(send, tp)
+        traits = fw.traits(FRAMEWORKS[fwi])
         shapes = self.shapes(tp, ep, dp, pp)
         z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
               if zero3 else None)
-        return self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3, gathers)
+        return self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3, gathers,
+                               fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp))
 
     def _one(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], np.ndarray, int, tuple[float, float]]:
         """Candidate ``i``'s (partition, rank table, pp, (greedy, optimal) bottlenecks)."""
