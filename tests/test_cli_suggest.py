@@ -207,9 +207,9 @@ def test_human_output_lists_alternative_runtimes_and_memory_rebalanced_split() -
 def test_a_bubble_bound_plan_prints_a_note() -> None:
     human = run("--model", "llama-3.1-405b", "--nodes", "2048", "--top", "2")
     assert human.exit_code == 0, human.output
-    assert "note: the pipeline bubble is" in human.output and "--global-batch 6144" in human.output
+    assert "note: the pipeline bubble is" in human.output and "--global-batch 7168" in human.output
     data = json.loads(run("--model", "llama-3.1-405b", "--nodes", "2048", "--top", "2", "--json").output)
-    assert len(data["notes"]) == 1 and "--global-batch 6144" in data["notes"][0]
+    assert len(data["notes"]) == 1 and "--global-batch 7168" in data["notes"][0]
 
 
 def test_an_interleaved_best_plan_names_the_micro_batch_group_it_needs() -> None:

@@ -65,7 +65,8 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
         if traits.pipe_engine and r in tied_ranks:
             # DeepSpeed's ReduceTiedGrads: the two copies' gradients all-reduced before ReduceGrads,
             # which waits for rank 0's last backward: no cool-down left to hide this rank's reduction.
-            tied, cooldown = st.tied_allreduce_time(comms.pp, _grad_comm_bytes(cfg, workload, traits) * tied_ranks[r]), 0.0
+            tied_bytes = _grad_comm_bytes(cfg, workload, traits) * tied_ranks[r]
+            tied, cooldown = st.tied_allreduce_time(comms.pp, tied_bytes), 0.0
         dp_exposed.append(tied + _dp_time(dense, expert, cfg, workload, traits, comms, times[r], cooldown, blocks))
         opt_time.append(_optimizer_time(dense, expert, cfg, workload, cluster, dev))
 
