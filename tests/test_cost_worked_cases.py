@@ -123,6 +123,18 @@ def _gpt27_dense(chunk: tuple[int, int]) -> int:
     return n
 
 
+def _gpt27_pp2(cluster, **cfg):
+    """gpt3-2.7b on dp 8 x pp 2 with the partition fixed at blocks [0, 10) and [10, 35): the plan
+    and each rank's dense parameters (P_0, P_1 of the cases below)."""
+    w = Workload(global_batch=16, seq_len=768)
+    parts = [(0, 10), (10, 35)]
+    plan = estimate(load_model("gpt3-2.7b"), cluster, w,
+                    ParallelConfig(dp=8, pp=2, micro_batch=1, grad_accum=2, **cfg), partition=parts)
+    dense = [_gpt27_dense(c) for c in parts]
+    assert dense == [841_989_120, 1_938_222_080]
+    return plan, dense
+
+
 def test_dp_reduction_hides_behind_the_pipeline_cool_down() -> None:
     """gpt3-2.7b on two DGX A100, dp 8 inside each node, pp 2 across them, Megatron without the
     distributed optimizer (zero 0: one all-reduce of the fp32 main_grad, 4 B per parameter),
@@ -143,13 +155,8 @@ def test_dp_reduction_hides_behind_the_pipeline_cool_down() -> None:
     times. The case is chosen so rank 1's reduction is fully hidden (by b_1 + b_0, and equally
     by the model's r * b_r cool-down), while without the cool-down it would be exposed longer
     than rank 0's and set dp_comm."""
-    model, cluster = load_model("gpt3-2.7b"), _cluster(2)
-    w = Workload(global_batch=16, seq_len=768)
-    cfg = ParallelConfig(dp=8, pp=2, zero_stage=0, framework="megatron", micro_batch=1, grad_accum=2)
-    parts = [(0, 10), (10, 35)]
-    plan = estimate(model, cluster, w, cfg, partition=parts)
-    dense = [_gpt27_dense(c) for c in parts]
-    assert dense == [841_989_120, 1_938_222_080]
+    cluster = _cluster(2)
+    plan, dense = _gpt27_pp2(cluster, zero_stage=0, framework="megatron")
     assert [s.memory.weights for s in plan.stages] == [2 * d for d in dense]  # bf16 weights
     ar = [collective_time_for_size(cluster, "allreduce", 8, 4 * d).time_s for d in dense]
     b0, b1 = (s.microbatch.bwd + s.microbatch.recompute for s in plan.stages)
@@ -158,7 +165,7 @@ def test_dp_reduction_hides_behind_the_pipeline_cool_down() -> None:
     assert plan.time.dp_comm == pytest.approx(ar[0] - b0, rel=1e-9)
 
     # The search's twin, on its own (time-balanced) partition, per rank.
-    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, w, cfg)
+    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, plan.workload, plan.cfg)
     dense = [_gpt27_dense(c) for c in parts]
     assert list(ranks["dense"]) == dense
     ar = [collective_time_for_size(cluster, "allreduce", 8, 4 * d).time_s for d in dense]
@@ -206,14 +213,9 @@ def test_deepspeed_pipeline_reduces_after_the_drain_with_all_reduces() -> None:
 
     with P_0 = 841,989,120 and P_1 = 1,938,222,080 as in the Megatron case above (the partition
     is fixed, so both ranks hold one copy of the embedding)."""
-    model, cluster = load_model("gpt3-2.7b"), _cluster(2)
-    w = Workload(global_batch=16, seq_len=768)
-    cfg = ParallelConfig(dp=8, pp=2, zero_stage=1, framework="deepspeed", micro_batch=1, grad_accum=2)
-    parts = [(0, 10), (10, 35)]
-    plan = estimate(model, cluster, w, cfg, partition=parts)
-    dense = [_gpt27_dense(c) for c in parts]
-    assert dense == [841_989_120, 1_938_222_080]
-    comms = build_comms(cluster, cfg)
+    cluster = _cluster(2)
+    plan, dense = _gpt27_pp2(cluster, zero_stage=1, framework="deepspeed")
+    comms = build_comms(cluster, plan.cfg)
     tied = comms.pp(2 * GPT27_EMBED)
     exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s
                + collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
@@ -222,7 +224,7 @@ def test_deepspeed_pipeline_reduces_after_the_drain_with_all_reduces() -> None:
     assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
 
     # The search's twin on its own partition, per rank.
-    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, w, cfg)
+    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, plan.workload, plan.cfg)
     dense = [_gpt27_dense(c) for c in parts]
     exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s
                + collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
