@@ -152,3 +152,15 @@ def test_suggest_never_offers_them_and_estimate_says_why() -> None:
     r = CliRunner().invoke(main, ["generate", "--model", "bloom-176b", "--nodes", "12", "--framework", "megatron",
                                   "--tp", "8", "--pp", "12", "--out", "/nonexistent/never"])
     assert r.exit_code == 2 and "ALiBi" in r.output
+
+
+def test_the_cost_model_applies_rotary_embeddings_where_the_model_states_them() -> None:
+    """layers.uses_rope reads ModelSpec.positions (M-RoPE is rotary too; ALiBi and learned are not)."""
+    from planner.cost.layers import uses_rope
+
+    assert uses_rope(load_model("qwen2-vl-7b")) and uses_rope(load_model("deepseek-v3"))
+    assert not uses_rope(load_model("bloom-176b")) and not uses_rope(load_model("gpt3-175b"))
+    neox = spec_from_hf_config({"model_type": "gpt_neox", "num_hidden_layers": 2, "hidden_size": 256,
+                                "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 2048},
+                               "n", "n.json")
+    assert uses_rope(neox) and uses_rope(neox.model_copy(update={"positions": None}))

@@ -170,8 +170,11 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
 
 
 def uses_rope(model: ModelSpec) -> bool:
-    """Rotary positions unless the model learns absolute positions (GPT-2/3) or uses ALiBi
-    (BLOOM, recognisable by its embedding LayerNorm): every current decoder family uses RoPE."""
+    """Rotary positions (RoPE or M-RoPE), as the model states them (ModelSpec.positions). A spec
+    built by hand without them: rotary unless it learns absolute positions (GPT-2/3) or uses
+    ALiBi (BLOOM, recognisable by its embedding LayerNorm)."""
+    if model.positions is not None:
+        return model.positions.kind in ("rope", "mrope")
     emb = next((b for b in model.blocks if isinstance(b, EmbeddingBlock)), None)
     return emb is not None and emb.learned_positions == 0 and emb.norm is None
 
