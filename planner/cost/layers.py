@@ -16,7 +16,7 @@ every TP rank; split by t only under sequence parallelism) and *sharded* (split 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.cost.parallel import Workload
 from planner.errors import UserError
@@ -145,12 +145,19 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     s = workload.seq_len
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []
+    # Equal blocks cost the same (VL2's 27 ViT and 29 MoE layers, a dense model's every layer):
+    # price each distinct one once and renumber the copies.
+    seen: dict[object, LayerCost] = {}
     for i, b in enumerate(model.blocks):
-        if isinstance(b, DecoderBlock):
-            out.append(_decoder(i, b, s, ctx))
-        elif isinstance(b, VisionBlock):
-            assert model.vision is not None
-            out.append(_vision(i, b, tiles, model.vision.patches_per_tile, ctx))
+        if isinstance(b, (DecoderBlock, VisionBlock)):
+            cost = seen.get(b)
+            if cost is None:
+                if isinstance(b, DecoderBlock):
+                    cost = seen[b] = _decoder(i, b, s, ctx)
+                else:
+                    assert model.vision is not None
+                    cost = seen[b] = _vision(i, b, tiles, model.vision.patches_per_tile, ctx)
+            out.append(cost if cost.index == i else replace(cost, index=i))
         elif isinstance(b, VisionEmbedBlock):
             assert model.vision is not None
             out.append(_vision_embed(i, b, tiles * model.vision.patches_per_tile, ctx))
