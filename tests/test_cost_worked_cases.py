@@ -399,3 +399,35 @@ def test_activations_are_korthikanti_bytes_times_in_flight_micro_batches(recompu
     assert [st.memory.activations for st in plan.stages] == pytest.approx(expected, rel=1e-12)
     assert detail["activations"][0] == pytest.approx(expected, rel=1e-12)
     assert np.all(detail["inflight"][0] == [2, 1])
+
+
+def test_deepspeed_zero2_reduces_every_micro_batch_and_zero1_once() -> None:
+    """DeepSpeed's ZeRO-2 keeps no full-size gradients between micro-batches, so it reduces each
+    micro-batch's gradients in that micro-batch's backward (zero/stage_1_and_2.py,
+    reduce_ready_partitions_and_remove_grads); ZeRO-1 reduces once, at the accumulation boundary.
+    gpt3-2.7b on 2 nodes, dp 16, m = 4 micro-batches, no pipeline, P parameters per GPU (its
+    16-bit weights are 2 P bytes, the model's whole count):
+
+        AR  = all-reduce of 2 P bytes over the 16 ranks (use_multi_rank_bucket_allreduce)
+        AG  = all-gather of the updated 16-bit weights, 2 P bytes, after the step (not hidden)
+        b   = one micro-batch's backward
+        ZeRO-1: dp_comm = max(0, AR - b) + AG
+        ZeRO-2: dp_comm = max(0, AR - b) + AG + (m - 1) max(0, AR - b)"""
+    model, cluster = load_model("gpt3-2.7b"), _cluster(2)
+    w = Workload(global_batch=64, seq_len=512)  # short samples: a backward shorter than the reduction
+    plans = {}
+    for zero in (1, 2):
+        cfg = ParallelConfig(dp=16, zero_stage=zero, framework="deepspeed", micro_batch=1, grad_accum=4)
+        plans[zero] = plan = estimate(model, cluster, w, cfg)
+        p = plan.stages[0].memory.weights / 2
+        assert p == pytest.approx(model.total_params(), rel=1e-3)
+        ar = collective_time_for_size(cluster, "allreduce", 16, 2 * p).time_s
+        ag = collective_time_for_size(cluster, "allgather", 16, 2 * p).time_s
+        b = plan.stages[0].microbatch.bwd + plan.stages[0].microbatch.recompute
+        assert ar > b  # the case: each reduction outlasts its backward
+        expected = max(0.0, ar - b) + ag + ((4 - 1) * max(0.0, ar - b) if zero == 2 else 0.0)
+        assert plan.time.dp_comm == pytest.approx(expected, rel=1e-9)
+        # the search's twin prices it alike
+        twin, _, _, detail = _twin("gpt3-2.7b", 2, w, cfg)
+        assert twin.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert plans[2].time.dp_comm > plans[1].time.dp_comm

@@ -185,8 +185,11 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
     else:
         reduce, gather = on("allreduce", gb * dense, gb * expert), 0.0
     first_fwd = t.fwd if cfg.framework == "megatron" else 0.0
-    return st.dp_exposed(reduce, gather, fw.grad_reduce_overlaps(traits, cfg.pp), t.bwd + t.recompute, first_fwd,
-                         cooldown)
+    overlap = fw.grad_reduce_overlaps(traits, cfg.pp)
+    exposed = st.dp_exposed(reduce, gather, overlap, t.bwd + t.recompute, first_fwd, cooldown)
+    if cfg.zero_stage == 2 and traits.zero2_reduces_every_microbatch:
+        exposed += st.earlier_microbatch_reductions(reduce, overlap, t.bwd + t.recompute, cfg.grad_accum)
+    return exposed
 
 
 def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, cluster: Cluster,

@@ -92,12 +92,18 @@ class Traits:
     # sends every slice of a bucket through ``allreduce_and_scatter`` (zero/stage_1_and_2.py:1695)
     # and keeps the local partition.
     zero_grad_allreduce: bool = False
+    # ZeRO-2 (partitioned gradients) reduces every micro-batch's gradients in that micro-batch's
+    # backward, not once per step: the full-size gradients are not kept between micro-batches
+    # (zero/stage_1_and_2.py:2293-2294, reduce_ready_partitions_and_remove_grads reduces when
+    # partition_gradients or at the accumulation boundary; ZeRO-1 only at the boundary).
+    zero2_reduces_every_microbatch: bool = False
 
 
 TRAITS = {
-    "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True),
+    "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True,
+                        zero2_reduces_every_microbatch=True),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
-                                 zero_grad_allreduce=True),
+                                 zero_grad_allreduce=True, zero2_reduces_every_microbatch=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False),
 }
 

@@ -200,6 +200,13 @@ def dp_exposed(reduce_s: float, gather_s: float, overlap: bool, last_bwd_s: floa
     return max(0.0, reduce_s - window) + max(0.0, gather_s - (first_fwd_s if overlap and gather_s else 0.0))
 
 
+def earlier_microbatch_reductions(reduce_s: float, overlap: bool, bwd_s: float, microbatches: int) -> float:
+    """What DeepSpeed's ZeRO-2 leaves exposed by reducing the gradients of each of the first
+    m - 1 micro-batches in that micro-batch's own backward (Traits.zero2_reduces_every_microbatch;
+    the last one is ``dp_exposed``'s)."""
+    return (microbatches - 1) * max(0.0, reduce_s - (bwd_s if overlap else 0.0))
+
+
 def tied_allreduce_time(p2p: Callable[[float], float], nbytes: float) -> float:
     """All-reduce of a tied weight's gradient (``nbytes`` per GPU) between the two pipeline
     ranks holding its copies: a two-rank ring sends half the tensor each way in its

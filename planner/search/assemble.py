@@ -146,6 +146,11 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     window = np.where(overlap, bwd, 0.0) + cooldown
     hide = np.where((gather > 0) & overlap, first_fwd, 0.0)
     out = tied_t + np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
+    # DeepSpeed's ZeRO-2 also reduces each earlier micro-batch in its own backward
+    # (step_time.earlier_microbatch_reductions)
+    every = np.array([t.zero2_reduces_every_microbatch for t in traits])[fwi] & (zero == 2)
+    if every.any():
+        out[every] += (m[every] - 1.0) * np.maximum(0.0, reduce[every] - np.where(overlap[every], bwd[every], 0.0))
     z3 = (zero == 3) & ((col["dp"] > 1) | (col["ep"] > 1))
     if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute
         g3, r3 = r["z3_gather"][z3], r["z3_reduce"][z3]
