@@ -102,33 +102,35 @@ def model_flops(model: ModelSpec, workload: Workload) -> float:
     return 3.0 * sum(c.fwd_flops for c in costs) * workload.global_batch
 
 
+def _tied_owners(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> tuple[int, int, float] | None:
+    """(rank of the embedding, rank of the tied LM head, the copy's parameters per GPU after TP)
+    when a tied head sits on another pipeline rank than the embedding, else None."""
+    heads = [i for i, blk in enumerate(model.blocks) if isinstance(blk, LMHeadBlock) and blk.tied]
+    embeds = [i for i, blk in enumerate(model.blocks) if isinstance(blk, EmbeddingBlock)]
+    if not heads or not embeds:
+        return None
+    owner = {i: r for r, ch in enumerate(chunks) for a, e in ch for i in range(a, e)}
+    if owner[heads[0]] == owner[embeds[0]]:
+        return None
+    head = model.blocks[heads[0]]
+    return owner[embeds[0]], owner[heads[0]], head.vocab * head.hidden / tp
+
+
 def _tied_embedding_copy(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> list[float]:
     """A tied LM head on another pipeline rank keeps its own copy of the word embeddings
     (Megatron allocates it on the last stage and all-reduces the two gradients)."""
     out = [0.0] * len(chunks)
-    heads = [i for i, blk in enumerate(model.blocks) if isinstance(blk, LMHeadBlock) and blk.tied]
-    embeds = [i for i, blk in enumerate(model.blocks) if isinstance(blk, EmbeddingBlock)]
-    if not heads or not embeds:
-        return out
-    owner = {i: r for r, ch in enumerate(chunks) for a, e in ch for i in range(a, e)}
-    head = model.blocks[heads[0]]
-    if owner[heads[0]] != owner[embeds[0]]:
-        out[owner[heads[0]]] = head.vocab * head.hidden / tp
+    tied = _tied_owners(model, chunks, tp)
+    if tied is not None:
+        out[tied[1]] = tied[2]
     return out
 
 
 def _tied_group(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> dict[int, float]:
     """The pipeline ranks holding the two copies of a tied embedding when they differ (the
     embedding's and the LM head's), each with the copy's parameters per GPU (after TP)."""
-    heads = [i for i, blk in enumerate(model.blocks) if isinstance(blk, LMHeadBlock) and blk.tied]
-    embeds = [i for i, blk in enumerate(model.blocks) if isinstance(blk, EmbeddingBlock)]
-    if not heads or not embeds:
-        return {}
-    owner = {i: r for r, ch in enumerate(chunks) for a, e in ch for i in range(a, e)}
-    if owner[heads[0]] == owner[embeds[0]]:
-        return {}
-    head = model.blocks[heads[0]]
-    return {owner[embeds[0]]: head.vocab * head.hidden / tp, owner[heads[0]]: head.vocab * head.hidden / tp}
+    tied = _tied_owners(model, chunks, tp)
+    return {} if tied is None else {tied[0]: tied[2], tied[1]: tied[2]}
 
 
 def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: float, expert: float,
@@ -227,6 +229,10 @@ def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> st.Co
     dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
     shapes = {"tp": full.group("tp"), "ep": full.group("ep"), "edp": full.group("dp"), "dp": dense.group("dp"),
               "pp": full.group("pp")}
+    # hops inside a node of a pp group that spans nodes (placement.pipeline_hops)
+    near = pipeline_hops(cluster, full.stride("pp"), pp)[1] if shapes["pp"].crosses_nodes else None
+    if near is not None:
+        shapes["pp_near"] = near
 
     def fn(dim: str):
         shape = shapes[dim]
@@ -240,14 +246,10 @@ def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> st.Co
         return timed
 
     pp_fn = fn("pp")
-    near = pipeline_hops(cluster, full.stride("pp"), pp)[1] if shapes["pp"].crosses_nodes else None
-    pp_near = None
-    if near is not None:
-        @lru_cache(maxsize=4096)
-        def pp_near(nbytes: float) -> float:
-            return float(collective_seconds(cluster, "p2p", near, nbytes))
+    near_fn = fn("pp_near") if near is not None else None
     return st.Comms(tp=fn("tp"), ep=fn("ep"), dp=fn("dp"), edp=fn("edp"),
-                    pp=lambda nbytes: pp_fn("p2p", nbytes), pp_near=pp_near)
+                    pp=lambda nbytes: pp_fn("p2p", nbytes),
+                    pp_near=None if near_fn is None else (lambda nbytes: near_fn("p2p", nbytes)))
 
 
 def pp_hops(cluster: Cluster, cfg: ParallelConfig) -> tuple[bool, ...]:
