@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from planner.cost import frameworks as fw
 from planner.cost import memory as mem
+from planner.cost.collectives import collective_times
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.search.assemble import optimizer_seconds
 
@@ -24,7 +26,8 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     Time: with per-rank times T_r summing to S >= (sum of block times) and T_w = max T_r >=
     S / pp, the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at least
     ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v) plus
-    ``optimizer_bound``.
+    ``optimizer_bound`` and ``gather_bound`` (the step adds the slowest rank's optimizer and
+    exposed DP time, each at least the bound).
     Memory: the worst rank holds at least the mean over ranks; activations at least the
     in-flight count of the last rank (the smallest).
     """
@@ -58,7 +61,7 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
     dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
-    time_lb = S / pp * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
+    time_lb = S / pp * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert) + gather_bound(ev, c, dense, expert)
     per_dense, per_expert = np.zeros(n), np.zeros(n)  # model-state bytes per dense / expert parameter
     edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
     code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
@@ -152,6 +155,45 @@ def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarr
     return optimizer_seconds(ev, col, (dense / pp)[:, None], (expert / pp)[:, None], m[:, None])[:, 0]
 
 
+def gather_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
+    """The ZeRO-1/2 weight all-gather no partition can hide where nothing overlaps it
+    (assemble._dp_exposed: hidden only behind Megatron's first forward): each rank's
+    exposed DP time is at least its own gather, the all-gather time grows with the bytes
+    (every algorithm's term does), and the fullest rank holds at least the mean, ``dense / pp``
+    (``expert / pp``) parameters, so the slowest rank's DP time is at least the gather of that.
+    Dense and expert gathers run over different groups: the larger of the two is the bound."""
+    n = len(col["dp"])
+    out = np.zeros(n)
+    traits = [fw.traits(f) for f in FRAMEWORKS]
+    megatron = FRAMEWORKS.index("megatron")
+    hidden = np.array([f == megatron and fw.grad_reduce_overlaps(t, 2) for f, t in enumerate(traits)])
+    rows = np.flatnonzero(((col["zero"] == 1) | (col["zero"] == 2)) & ~hidden[col["framework"]] & (col["dp"] > 1))
+    if not rows.size:
+        return out
+    pp = col["pp"][rows].astype(float)
+    layout = (col["tp"][rows] * (col["ep"].max() + 1) + col["ep"][rows]) * (col["dp"].max() + 1) + col["dp"][rows]
+    layout = layout * (col["pp"].max() + 1) + col["pp"][rows]
+    requests, fills = [], []
+    for value in sorted(set(layout.tolist())):
+        s = layout == value
+        i = rows[int(np.argmax(s))]
+        tp, ep, dp, p = (int(col[k][i]) for k in ("tp", "ep", "dp", "pp"))
+        shapes = ev.shapes(tp, ep, dp, p)
+        requests.append(("allgather", shapes.dp, 2 * dense[rows[s]] / pp[s]))
+        fills.append((s, dp // ep > 1))
+        if dp // ep > 1:
+            requests.append(("allgather", shapes.edp, 2 * expert[rows[s]] / pp[s]))
+    priced = iter(collective_times(ev.cluster, requests))
+    vals = np.zeros(len(rows))
+    for s, has_edp in fills:
+        t = next(priced)
+        if has_edp:
+            t = np.maximum(t, next(priced))
+        vals[s] = t
+    out[rows] = vals * (1 - 1e-9)
+    return out
+
+
 def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.ndarray:
     """A step-time bound for pipelined candidates whose time-optimal split is known, valid for
     every other split too (the memory-limited ones of planner/search/memfit.py).
@@ -161,7 +203,7 @@ def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.
     so the slowest rank, which holds it, takes T_w >= B; the ranks together take S' >= S, the
     sum over blocks, so T_w >= S / pp too. With the step ``m T_w + (S' - T_w) / v + ...``
     growing in T_w (m >= 1/v) and S', it is at least ``(m - 1/v) max(B, S / pp) + S / v``,
-    plus the optimizer bound (whatever the split): never looser than ``lower_bounds``'s
+    plus the optimizer and gather bounds (whatever the split): never looser than ``lower_bounds``'s
     ``(m - 1/v) S / pp + S / v``, and for 1F1B (v = 1, where B >= S / pp) ``(m - 1) B + S``.
     """
     c = prep.space.columns
@@ -175,5 +217,6 @@ def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.
         total = float(sum(costs))
         out[j] = (int(c["grad_accum"][i]) - 1 / vs) * max(bottleneck, total / pp) + total / vs
         dense[j], expert[j] = float(table.params.sum()), float(table.expert.sum())
-    out += optimizer_bound(ev, {k: v[rows] for k, v in c.items()}, dense, expert)
+    cols = {k: v[rows] for k, v in c.items()}
+    out += optimizer_bound(ev, cols, dense, expert) + gather_bound(ev, cols, dense, expert)
     return out * (1 - 1e-9)  # rounding between the two sums must not lift the bound
