@@ -90,3 +90,37 @@ def test_lower_bounds_never_exceed_any_candidates_evaluation(name, nodes, cons) 
     assert np.all(mem_lb[rows] <= res.peak_bytes * (1 + 1e-12))
     # The optimizer term makes the bound bite: within 10% of the step somewhere.
     assert np.any(time_lb[rows] >= 0.9 * res.step_time)
+
+
+def test_gather_bound_is_the_mean_ranks_exposed_weight_gather() -> None:
+    """The exposed ZeRO-1/2 all-gather bound: for runtimes that do not hide it (DeepSpeed
+    engines, Megatron-DeepSpeed) the all-gather of the mean rank's 16-bit weights over the DP
+    group, at or below the slowest rank's exposed DP time in full evaluation; zero where
+    Megatron hides it behind the first forward, and for ZeRO-0/3."""
+    from planner.cost.collectives import collective_time
+    from planner.search.assemble import assemble
+    from planner.search.bounds import base_bounds, gather_bound
+    from planner.search.evaluate import rank_fields
+
+    case = prepared("llama-3.1-8b", 4, Constraints(tp=(2,), pp=(4,), micro_batch=(1,), virtual_stages=(1,),
+                                                    recompute=("none",), offload=("none",)))
+    space, ev, prep = case.space, case.ev, case.prep
+    c = space.columns
+    _, _, dense, expert = base_bounds(ev, prep)
+    bound = gather_bound(ev, c, dense, expert)
+    megatron = c["framework"] == 2
+    z12 = (c["zero"] == 1) | (c["zero"] == 2)
+    assert (z12 & ~megatron).any() and (z12 & megatron).any()
+    assert np.all(bound[megatron | ~z12] == 0.0)
+    i = int(np.flatnonzero(z12 & ~megatron)[0])
+    dp_shape = ev.shapes(2, 1, int(c["dp"][i]), 4).dp
+    expected = collective_time(case.cluster, "allgather", dp_shape, 2 * dense[i] / 4).time_s
+    assert bound[i] == pytest.approx(expected, rel=1e-8) and expected > 1e-3
+    # At or below what the full evaluation exposes on its slowest DP rank
+    rows = np.flatnonzero(z12 & ~megatron)
+    ranks = []
+    for j in rows:
+        _, r, _, _ = ev._one(prep, int(j))
+        ranks.append(r)
+    d = assemble(ev, {k: v[rows] for k, v in c.items()}, rank_fields(np.stack(ranks)), 4, detail=True)
+    assert np.all(bound[rows] <= d["dp"].max(axis=1))

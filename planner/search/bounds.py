@@ -21,13 +21,23 @@ if TYPE_CHECKING:
 
 
 def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
-    """Per candidate, a step time and a peak memory no partition can beat.
+    """Per candidate, a step time and a peak memory no partition can beat (``base_bounds``
+    with every candidate's ``gather_bound`` added; the search adds it lazily)."""
+    time_lb, mem_lb, dense, expert = base_bounds(ev, prep)
+    return time_lb + gather_bound(ev, prep.space.columns, dense, expert), mem_lb
+
+
+def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate: a step time and a peak memory no partition can beat, but for the
+    exposed weight all-gather (``gather_bound``, which needs each layout's DP group priced:
+    the search adds it only to the candidates it is about to evaluate), and the dense and
+    expert parameters per TP rank that ``gather_bound`` takes.
 
     Time: with per-rank times T_r summing to S >= (sum of block times) and T_w = max T_r >=
     S / pp, the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at least
     ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v) plus
-    ``optimizer_bound`` and ``gather_bound`` (the step adds the slowest rank's optimizer and
-    exposed DP time, each at least the bound).
+    ``optimizer_bound`` (the step adds the slowest rank's optimizer time, at least that, and
+    its exposed DP time, at least ``gather_bound``).
     Memory: the worst rank holds at least the mean over ranks; activations at least the
     in-flight count of the last rank (the smallest).
     """
@@ -61,7 +71,7 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
     dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
-    time_lb = S / pp * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert) + gather_bound(ev, c, dense, expert)
+    time_lb = S / pp * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
     per_dense, per_expert = np.zeros(n), np.zeros(n)  # model-state bytes per dense / expert parameter
     edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
     code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
@@ -83,7 +93,7 @@ def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndar
     groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
     allocated = held + mem.NCCL_BYTES_PER_GROUP * groups
     mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
-    return time_lb, mem_lb
+    return time_lb, mem_lb, dense, expert
 
 
 def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dense: np.ndarray,

@@ -311,16 +311,21 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             top: int, inputs: dict, progress) -> SuggestResult:
     ev = Evaluator(model, cluster, workload, balancer)
     prep = ev.prepare(space)
-    time_lb, mem_lb = ev.lower_bounds(prep)
+    from planner.search.bounds import base_bounds, gather_bound
+
+    time_lb, mem_lb, dense, expert = base_bounds(ev, prep)
     capacity = cluster.profile.gpu.memory_bytes
     host_capacity = host_capacity_bytes(cluster.profile.node.host_memory_GiB)
     certain_oom = mem_lb > capacity
-    lb = mem_lb if objective == "memory" else time_lb
-    key_lb = np.full(len(prep.keys), np.inf)
+    by_memory = objective == "memory"
+    lb = mem_lb if by_memory else time_lb
     alive = ~certain_oom
+    key_lb = np.full(len(prep.keys), np.inf)
     np.minimum.at(key_lb, prep.inverse[alive], lb[alive])
-    key_order = np.argsort(key_lb, kind="stable")
-    key_order = key_order[np.isfinite(key_lb[key_order])]
+    # The time bound's exposed-gather term is added to a key's candidates when the key comes up
+    # for evaluation (its DP group is priced then, as evaluating it would): a key whose bound
+    # rises goes back in line, and keys never reached are never priced.
+    refined = np.full(len(prep.keys), by_memory)
 
     n = len(space)
     step = np.full(n, np.inf)
@@ -330,26 +335,41 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     pid = np.full(n, -1, dtype=np.int64)
     # Keys in bound order, a chunk at a time (doubling: numpy's per-call cost wants chunks, the
     # stop wants them small). Once K plans are known, only keys whose bound is within the K-th
-    # value can enter the top K: ``limit`` says how many of the sorted keys that is.
-    sorted_lb = key_lb[key_order]
-    pos, batch, limit = 0, FIRST_CHUNK, len(key_order)
-    while pos < limit:
-        chunk = key_order[pos:min(pos + batch, limit)]
+    # value can enter the top K: ``bar``.
+    pending = np.isfinite(key_lb)
+    total = max(int(pending.sum()), 1)
+    batch, bar = FIRST_CHUNK, np.inf
+    while True:
+        left = np.flatnonzero(pending & (key_lb <= bar))
+        if not left.size:
+            break
+        chunk = left[np.argsort(key_lb[left], kind="stable")[:batch]]
+        raw = chunk[~refined[chunk]]
+        if raw.size:
+            rows = np.concatenate([prep.order[prep.starts[g]:prep.starts[g + 1]] for g in raw.tolist()])
+            rows = rows[alive[rows]]
+            time_lb[rows] += gather_bound(ev, {k: v[rows] for k, v in space.columns.items()}, dense[rows],
+                                          expert[rows])
+            key_lb[raw] = np.inf
+            np.minimum.at(key_lb, prep.inverse[rows], time_lb[rows])
+            refined[raw] = True
+            continue
         rows, res = ev.evaluate(prep, chunk)
         step[rows], peak[rows], cpu[rows], done[rows] = res.step_time, res.peak_bytes, res.cpu_bytes, True
         pid[rows] = res.partition_id
-        pos += len(chunk)
+        pending[chunk] = False
         batch *= 2
-        if progress is not None:
-            progress(min(pos / max(limit, 1), 1.0))
         fits = done & (peak <= capacity) & (cpu <= host_capacity)
-        if pos < limit and fits.sum() >= top:
+        if fits.sum() >= top:
             # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
             # so the K-th distinct value is the bar (never lower than the true K-th plan's).
-            vals = _distinct(peak[fits] if objective == "memory" else step[fits])
+            vals = _distinct(peak[fits] if by_memory else step[fits])
             # Ties may reorder plans within a hair.
             if len(vals) >= top:
-                limit = min(limit, int(np.searchsorted(sorted_lb, vals[top - 1] * (1 + 2e-3), side="right")))
+                bar = vals[top - 1] * (1 + 2e-3)
+        if progress is not None:  # keys evaluated, of those evaluated or still within the bar
+            evaluated = total - int(pending.sum())
+            progress(evaluated / (evaluated + int((pending & (key_lb <= bar)).sum())))
     if progress is not None:
         progress(1.0)
 
