@@ -124,3 +124,35 @@ def test_gather_bound_is_the_mean_ranks_exposed_weight_gather() -> None:
         ranks.append(r)
     d = assemble(ev, {k: v[rows] for k, v in c.items()}, rank_fields(np.stack(ranks)), 4, detail=True)
     assert np.all(bound[rows] <= d["dp"].max(axis=1))
+
+
+def test_spread_bound_counts_units_per_rank() -> None:
+    """Some rank holds ceil(j / pp) of the j largest units: five equal units over two ranks
+    take three units' time (S / pp says 2.5), and one large unit bounds a deep pipeline
+    (5 over four ranks, where S / pp says 2.5)."""
+    from planner.search.bounds import spread_bound
+
+    units = np.array([[2.0, 2.0, 2.0, 2.0, 2.0, 0.0], [5.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    got = spread_bound(units, np.array([2, 4]))
+    assert got == pytest.approx([6.0, 5.0], rel=1e-8)
+    assert np.all(got < [6.0, 5.0])  # shaded below, so rounding never lifts it over the exact rank time
+
+
+def test_spread_bound_binds_where_one_unit_outweighs_a_stage() -> None:
+    """DeepSeek-VL2-tiny in 8 stages: its largest unit outweighs S / pp, and the time bound
+    uses it (still below every candidate's evaluation: the soundness test above)."""
+    from planner.search.bounds import base_bounds
+
+    case = prepared("deepseek-vl2-tiny", 1, Constraints(pp=(8,), tp=(1,), micro_batch=(1,), virtual_stages=(1,),
+                                                        recompute=("none",), zero=(1,), offload=("none",),
+                                                        framework=("megatron",)))
+    ev, prep = case.ev, case.prep
+    time_lb, _, _, _ = base_bounds(ev, prep)
+    rows, res = ev.evaluate(prep)
+    tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[0])
+    table = ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep])
+    costs = ev.unit_costs(table, mode, b)
+    assert max(costs) > sum(costs) / pp  # the case is one where the largest unit binds
+    m = int(case.space.columns["grad_accum"][rows[0]])
+    assert np.all(time_lb[rows] >= (m - 1) * max(costs) * (1 - 1e-6))
+    assert np.all(time_lb[rows] <= res.step_time * (1 + 1e-12))

@@ -34,8 +34,8 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     expert parameters per TP rank that ``gather_bound`` takes.
 
     Time: with per-rank times T_r summing to S >= (sum of block times) and T_w = max T_r >=
-    S / pp, the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at least
-    ``(S / pp)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v) plus
+    max(S / pp, ``spread_bound``), the step ``m T_w + (S - T_w) / v + dp + optimizer`` is at
+    least ``max(S / pp, spread)(m - 1/v) + S / v`` (it grows with T_w and S since m >= 1 >= 1/v) plus
     ``optimizer_bound`` (the step adds the slowest rank's optimizer time, at least that, and
     its exposed DP time, at least ``gather_bound``).
     Memory: the worst rank holds at least the mean over ranks; activations at least the
@@ -45,6 +45,7 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     w = ev.workload
     n = len(prep.space)
     block_sum = np.zeros(len(prep.keys))
+    spread = np.zeros(len(prep.keys))  # a bound on the slowest rank's compute from the unit sizes
     per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
     k = prep.keys
     # Keys are sorted by a code whose leading digits are (tp, sp, ep): each group is one run.
@@ -64,6 +65,11 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         bi = np.searchsorted(np.array(table.micro_batches), k[a:b, 3])
         mode = k[a:b, 4]
         block_sum[a:b] = sums[mode, bi]
+        # [mode, b, unit] seconds per micro-batch of each pipeline unit, largest first
+        whole = np.cumsum(table.fwd + table.bwd + table.rc + table.tp + table.ep, axis=2)
+        whole = np.concatenate((np.zeros(whole.shape[:2] + (1,)), whole), axis=2)
+        units = -np.sort(-(whole[..., ev.unit_ends] - whole[..., ev.unit_starts]), axis=2)
+        spread[a:b] = spread_bound(units[mode, bi], k[a:b, 5])
         per_sample[a:b, 0] = table.params.sum()
         per_sample[a:b, 1] = table.expert.sum()
         per_sample[a:b, 2] = table.act.sum(axis=1)[mode] * k[a:b, 3]
@@ -71,7 +77,7 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
     dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
-    time_lb = S / pp * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
+    time_lb = np.maximum(S / pp, spread[prep.inverse]) * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
     per_dense, per_expert = np.zeros(n), np.zeros(n)  # model-state bytes per dense / expert parameter
     edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
     code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
@@ -94,6 +100,16 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     allocated = held + mem.NCCL_BYTES_PER_GROUP * groups
     mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
     return time_lb, mem_lb, dense, expert
+
+
+def spread_bound(units: np.ndarray, pp: np.ndarray) -> np.ndarray:
+    """Per row of ``units`` (pipeline units' seconds, largest first): a time the slowest of
+    ``pp`` ranks needs whatever the split. Each unit sits on one rank, so of the j largest
+    some rank holds at least ceil(j / pp), each taking at least the j-th largest: the rank
+    takes ``max_j ceil(j / pp) c_(j)``. With j = 1 it is the largest unit, which bounds deep
+    pipelines of uneven units (a VLM's first and last units) far above S / pp."""
+    j = np.arange(1, units.shape[-1] + 1)
+    return (np.ceil(j / np.asarray(pp, dtype=float)[:, None]) * units).max(axis=-1) * (1 - 1e-9)
 
 
 def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dense: np.ndarray,
@@ -211,10 +227,11 @@ def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.
     Any split's slowest chunk takes at least the optimal bottleneck B of its blocks' times
     (the optimum over pp x v chunks minimises exactly that maximum; pipeline sends only add),
     so the slowest rank, which holds it, takes T_w >= B; the ranks together take S' >= S, the
-    sum over blocks, so T_w >= S / pp too. With the step ``m T_w + (S' - T_w) / v + ...``
-    growing in T_w (m >= 1/v) and S', it is at least ``(m - 1/v) max(B, S / pp) + S / v``,
-    plus the optimizer and gather bounds (whatever the split): never looser than ``lower_bounds``'s
-    ``(m - 1/v) S / pp + S / v``, and for 1F1B (v = 1, where B >= S / pp) ``(m - 1) B + S``.
+    sum over blocks, so T_w >= S / pp too, and T_w >= ``spread_bound`` (any split). With the
+    step ``m T_w + (S' - T_w) / v + ...`` growing in T_w (m >= 1/v) and S', it is at least
+    ``(m - 1/v) max(B, S / pp, spread) + S / v``, plus the optimizer and gather bounds
+    (whatever the split): never looser than ``lower_bounds``'s ``(m - 1/v) max(S / pp, spread)
+    + S / v``, and for 1F1B (v = 1, where B >= S / pp) ``(m - 1) B + S``.
     """
     c = prep.space.columns
     out = np.empty(len(rows))
@@ -225,7 +242,8 @@ def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.
         costs = ev.unit_costs(table, mode, b)
         bottleneck = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
         total = float(sum(costs))
-        out[j] = (int(c["grad_accum"][i]) - 1 / vs) * max(bottleneck, total / pp) + total / vs
+        spread = float(spread_bound(np.sort(costs)[None, ::-1], np.array([pp]))[0])
+        out[j] = (int(c["grad_accum"][i]) - 1 / vs) * max(bottleneck, total / pp, spread) + total / vs
         dense[j], expert[j] = float(table.params.sum()), float(table.expert.sum())
     cols = {k: v[rows] for k, v in c.items()}
     out += optimizer_bound(ev, cols, dense, expert) + gather_bound(ev, cols, dense, expert)
