@@ -56,23 +56,37 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         tp, sp, ep = (int(x) for x in k[a, :3])
         groups[tp, sp, ep] = (int(k[a, 7]), int(k[a, 5]), prep.micro[tp, sp, ep])
     ev.tables(groups)  # every group's table in one pass
-    for a, b in runs:
-        tp, sp, ep = (int(x) for x in k[a, :3])
-        dp, pp, micro = groups[tp, sp, ep]
-        table = ev.table(tp, sp, ep, dp, pp, micro)
-        # [mode, b] sums of per-block micro-batch time, and [mode] stored bytes per sample
-        sums = (table.fwd + table.bwd)[None, :, :].sum(axis=2) + (table.rc + table.tp + table.ep).sum(axis=2)
-        bi = np.searchsorted(np.array(table.micro_batches), k[a:b, 3])
-        mode = k[a:b, 4]
-        block_sum[a:b] = sums[mode, bi]
-        # [mode, b, unit] seconds per micro-batch of each pipeline unit, largest first
-        whole = np.cumsum(table.fwd + table.bwd + table.rc + table.tp + table.ep, axis=2)
-        whole = np.concatenate((np.zeros(whole.shape[:2] + (1,)), whole), axis=2)
-        units = -np.sort(-(whole[..., ev.unit_ends] - whole[..., ev.unit_starts]), axis=2)
-        spread[a:b] = spread_bound(units[mode, bi], k[a:b, 5])
-        per_sample[a:b, 0] = table.params.sum()
-        per_sample[a:b, 1] = table.expert.sum()
-        per_sample[a:b, 2] = table.act.sum(axis=1)[mode] * k[a:b, 3]
+    tables = [ev.table(tp, sp, ep, *groups[tp, sp, ep]) for tp, sp, ep in groups]
+    run_of = np.repeat(np.arange(len(runs)), [b - a for a, b in runs])  # per key: its group's table
+    # Tables built in one pass share their micro-batch sizes: stack them, so each quantity below
+    # is one numpy call over [table, mode, micro-batch, ...] rather than one per table.
+    by_sizes: dict[tuple[int, ...], list[int]] = {}
+    for r, table in enumerate(tables):
+        by_sizes.setdefault(table.micro_batches, []).append(r)
+    for sizes, rs in by_sizes.items():
+        ts = [tables[r] for r in rs]
+        local = np.zeros(len(tables), dtype=np.int64)
+        local[rs] = np.arange(len(rs))
+        sel = np.flatnonzero(np.isin(run_of, rs)) if len(rs) < len(tables) else slice(None)
+        lr, mode = local[run_of[sel]], k[sel, 4]
+        bi = np.searchsorted(np.array(sizes), k[sel, 3])
+        fb = np.stack([t.fwd + t.bwd for t in ts])  # [table, b, block]
+        rc, tpt, ept = (np.stack([getattr(t, f) for t in ts]) for f in ("rc", "tp", "ep"))  # [table, mode, b, block]
+        rest = rc + tpt + ept
+        # [table, mode, b] sums of per-block micro-batch time
+        block_sum[sel] = (fb.sum(axis=2)[:, None, :] + rest.sum(axis=3))[lr, mode, bi]
+        # [table, mode, b, unit] seconds per micro-batch of each pipeline unit, largest first
+        whole = np.zeros(rest.shape[:3] + (rest.shape[3] + 1,))
+        np.cumsum(fb[:, None] + rc + tpt + ept, axis=3, out=whole[..., 1:])
+        units = -np.sort(-(whole[..., ev.unit_ends] - whole[..., ev.unit_starts]), axis=3)
+        # per distinct (table, mode, b, pp): the keys add dp, vs and the framework
+        pp = k[sel, 5]
+        code = ((lr * units.shape[1] + mode) * units.shape[2] + bi) * (pp.max() + 1) + pp
+        distinct, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        spread[sel] = spread_bound(units[lr[first], mode[first], bi[first]], pp[first])[inverse.reshape(-1)]
+        per_sample[sel, 0] = np.array([t.params.sum() for t in ts])[lr]
+        per_sample[sel, 1] = np.array([t.expert.sum() for t in ts])[lr]
+        per_sample[sel, 2] = np.stack([t.act.sum(axis=1) for t in ts])[lr, mode] * k[sel, 3]  # stored bytes
     S = block_sum[prep.inverse]
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
