@@ -33,7 +33,9 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec, VisionBlock
 from planner.search import rank as rk
+from planner.search.bounds import base_bounds, gather_bound, split_time_bound
 from planner.search.evaluate import Evaluator
+from planner.search.memfit import MAX_REBALANCED, rebalance
 from planner.search.plans import build_plan, build_plans
 from planner.search.schedule_check import schedule_notes
 from planner.search.space import Constraints, ModelFacts, Space, allowed_settings, default_global_batch, divisors, \
@@ -311,8 +313,6 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
             top: int, inputs: dict, progress) -> SuggestResult:
     ev = Evaluator(model, cluster, workload, balancer)
     prep = ev.prepare(space)
-    from planner.search.bounds import base_bounds, gather_bound
-
     time_lb, mem_lb, dense, expert = base_bounds(ev, prep)
     capacity = cluster.profile.gpu.memory_bytes
     host_capacity = host_capacity_bytes(cluster.profile.node.host_memory_GiB)
@@ -450,16 +450,12 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
         bound = mem_lb[rows]
     else:
         rows = rows[time_lb[rows] <= bar()]
-        from planner.search.bounds import split_time_bound
-
         # Their time-optimal split is known now, which bounds every other split more tightly.
         bound = np.maximum(time_lb[rows], split_time_bound(ev, prep, rows))
     keep = bound <= bar()
     rows, bound = rows[keep], bound[keep]
     if not rows.size:
         return
-    from planner.search.memfit import MAX_REBALANCED, rebalance
-
     # Best bound first, a few at a time: once the bound of the next one passes the K-th plan
     # found so far, no later one can enter the top K (the same test as the main loop).
     order = np.argsort(bound, kind="stable")[:MAX_REBALANCED]
