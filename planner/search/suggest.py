@@ -35,7 +35,7 @@ from planner.model.spec import ModelSpec, VisionBlock
 from planner.search import rank as rk
 from planner.search.bounds import base_bounds, gather_bound, split_time_bound
 from planner.search.evaluate import Evaluator
-from planner.search.memfit import MAX_REBALANCED, rebalance
+from planner.search import memfit
 from planner.search.plans import build_plan, build_plans
 from planner.search.schedule_check import schedule_notes
 from planner.search.space import Constraints, ModelFacts, Space, allowed_settings, default_global_batch, divisors, \
@@ -458,12 +458,12 @@ def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, cer
         return
     # Best bound first, a few at a time: once the bound of the next one passes the K-th plan
     # found so far, no later one can enter the top K (the same test as the main loop).
-    order = np.argsort(bound, kind="stable")[:MAX_REBALANCED]
+    order = np.argsort(bound, kind="stable")[:memfit.MAX_REBALANCED]
     rows, bound = rows[order], bound[order]
     pos, batch = 0, 32
     while pos < len(rows) and bound[pos] <= (limit := bar()):
         # A time bar lets memfit skip candidates no split within memory makes fast enough.
-        for i, s, p, u in rebalance(ev, prep, rows[pos:pos + batch], np.inf if by_memory else limit):
+        for i, s, p, u in memfit.rebalance(ev, prep, rows[pos:pos + batch], np.inf if by_memory else limit):
             step[i], peak[i], cpu[i] = s, p, u
         pos += batch
 
