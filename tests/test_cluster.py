@@ -208,3 +208,27 @@ def test_a_two_level_fabric_gains_a_core_layer_past_one_pod():
     assert (small.levels, pod.levels, big.levels) == (2, 2, 3)
     assert (pod.switch_hops(True, True), big.switch_hops(True, True), big.switch_hops(True, False)) == (3, 5, 3)
     assert big.summary()["levels"] == 3
+
+
+@pytest.mark.parametrize("profile,nodes,radix", [("dgx-a100-80g", 2048, None), ("dgx-a100-80g", 96, 8),
+                                                 ("dgx-h100", 160, 12), ("a100-pcie", 24, None), ("mi250x", 40, 16)])
+def test_progression_shapes_equal_the_scan(profile, nodes, radix):
+    """strided_shape's closed form (placement._progression_shape) equals shape_of over the
+    representative bases, for every stride and size that divide the cluster."""
+    from planner.hardware.placement import _progression_shape, representative_bases, shape_of
+    from planner.search.space import divisors
+
+    prof = load_profile(profile)
+    if radix:
+        prof = prof.model_copy(update={"fabric": prof.fabric.model_copy(update={"switch_radix": radix})})
+    cluster = Cluster.build(prof, nodes)
+    world = cluster.num_gpus
+    checked = 0
+    for stride in divisors(world):
+        for size in divisors(world // stride):
+            fast = _progression_shape(cluster, stride, size)
+            if fast is None:
+                continue
+            assert fast == shape_of(cluster, representative_bases(cluster, stride, size), size, stride), (stride, size)
+            checked += 1
+    assert checked > 20

@@ -34,6 +34,7 @@ NVLS constants; no per-row factors; benchmarks/bench_collectives.py prints the f
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -103,6 +104,14 @@ class Links:
 
 
 def links_for(cluster: Cluster, shape: GroupShape) -> Links:
+    """The links ``shape`` sees on ``cluster``: the same for every op priced on it, so kept
+    per (cluster, shape) (a search prices all-gathers, reduce-scatters and all-reduces of one
+    DP group; Links is frozen)."""
+    return _links_for(cluster, shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _links_for(cluster: Cluster, shape: GroupShape) -> Links:
     p = cluster.profile
     if shape.ranks_per_node > 1:
         routes = intra_routes(cluster.key[0], shape.local_groups(cluster.gpus_per_node))

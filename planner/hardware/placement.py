@@ -147,7 +147,59 @@ def strided_shape(cluster: Cluster, stride: int, size: int, what: str = "group")
     g = cluster.gpus_per_node
     if size == 1 or g % (stride * size) == 0:
         return GroupShape(size, stride, size, 1, g // size)
-    return shape_of(cluster, representative_bases(cluster, stride, size), size, stride, what)
+    return _progression_shape(cluster, stride, size) or shape_of(
+        cluster, representative_bases(cluster, stride, size), size, stride, what)
+
+
+def _progression_shape(cluster: Cluster, stride: int, size: int) -> GroupShape | None:
+    """``shape_of`` in closed form for the layouts whose groups touch nodes in an arithmetic
+    progression (None for the others): on 16,384 GPUs the scan builds [groups x size] node
+    matrices, a few hundred microseconds a shape. With B = stride x size / g nodes per block
+    of groups and K blocks, the groups' first nodes are
+
+    - stride a multiple of the node (one rank per node, members step = stride / g nodes
+      apart): a + o B for a < step, o < K;
+    - stride a divisor of the node and the block whole nodes (g / stride ranks on each of
+      m consecutive nodes, step 1; the base's inner offset is below the stride, so it never
+      moves a member to another node): o B for o < K.
+
+    Every group then holds the same number of ranks on each node it touches (none is
+    uneven); ``_touched`` counts the leaves and pods. tests/test_cluster.py checks it
+    against shape_of."""
+    g = cluster.gpus_per_node
+    if stride % g == 0:
+        per_node, step = 1, stride // g
+    elif g % stride == 0 and (stride * size) % g == 0:
+        per_node, step = g // stride, 1
+    else:
+        return None
+    m = size // per_node
+    blocks, block_nodes = cluster.num_gpus // (stride * size), stride * size // g
+    ft = cluster.fat_tree
+    leaves, pods = (_touched(per, m, step, block_nodes, blocks, step if per_node == 1 else 1)
+                    for per in (ft.nodes_per_leaf, ft.nodes_per_pod))
+    return GroupShape(size, stride, per_node, m, g // per_node, leaves, pods)
+
+
+def _touched(per: int, m: int, step: int, block_nodes: int, blocks: int, run: int) -> int:
+    """The most runs of ``per`` nodes (leaves, pods) any group touches, its nodes being
+    n, n + step, ..., n + (m - 1) step for first nodes n in o x block_nodes + [0, run), o <
+    blocks.
+
+    With step >= per every node is in its own run. Otherwise the last node is (m - 1) step
+    = q per + s past the first, so a group touches q + 1 runs, one more when its first node
+    sits at s or less before a run's end (n mod per >= per - s). The largest n mod per over
+    a range of ``run`` consecutive starts from o x block_nodes is min(per - 1, (o x
+    block_nodes) mod per + run - 1), greatest where (o x block_nodes) mod per is: per -
+    gcd(block_nodes, per) once o covers every residue."""
+    if step >= per:
+        return m
+    q, s = divmod((m - 1) * step, per)
+    if s == 0:
+        return q + 1
+    d = math.gcd(block_nodes, per)
+    top = per - d if blocks >= per // d else max(o * block_nodes % per for o in range(blocks))
+    return q + 1 + (min(per - 1, top + run - 1) >= per - s)
 
 
 def representative_bases(cluster: Cluster, stride: int, size: int) -> np.ndarray:
