@@ -203,3 +203,26 @@ def test_balance_dispatch_and_bad_input() -> None:
         balance([1, 2], 3)
     with pytest.raises(ValueError):
         balance([1, 2], 1, "fastest")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_time_pack_fits_equals_pack_ends(seed: int) -> None:
+    """The time-only search's pack that only says whether it fits agrees with ``_pack_ends``,
+    ties and zero costs included."""
+    import numpy as np
+
+    from planner.search.partition import _cost_profile, _pack_ends, _sums_within, _time_pack_fits
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 130)
+    pick = rng.choice(("uniform", "repeated", "zeros"))
+    if pick == "uniform":
+        costs = [rng.uniform(0.0, 3.0) for _ in range(n)]
+    elif pick == "repeated":
+        costs = [rng.choice((0.0, 0.1, 1.7, 2.9)) for _ in range(n)]
+    else:
+        costs = [0.0] * n
+    arr, prefix, largest, total = _cost_profile(tuple(costs))
+    for stages in {1, 2, max(1, n // 3), n}:
+        for limit in _sums_within(arr, -1.0, total + 1.0) + [-1.0, total * 0.5, float(np.nextafter(total, 0))]:
+            assert _time_pack_fits(prefix, limit, stages) == (_pack_ends(prefix, limit, stages, None) is not None)

@@ -20,7 +20,9 @@ pure and cheap enough to call once per (tp, micro-batch, recompute, pp) group of
 from __future__ import annotations
 
 import functools
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import numpy as np
@@ -95,19 +97,20 @@ def greedy_partition(costs: Sequence[float], stages: int) -> Partition:
     n = len(costs)
     remaining = float(sum(costs))
     target = remaining / stages
+    bar = target * (1 + 1e-12)
     counts: list[int] = []
-    acc, count = 0.0, 0
+    acc, count, closed = 0.0, 0, 0
     for i, c in enumerate(costs):
-        left_after = n - i  # layers from i on, i included
-        stages_left = stages - len(counts)  # including the open one
-        if count > 0 and stages_left > 1:
-            # Close before layer i if it would pass the target, or if the layers left are
-            # only just enough to give every remaining stage one.
-            if acc + c > target * (1 + 1e-12) or left_after == stages_left - 1:
-                counts.append(count)
-                remaining -= acc
-                target = remaining / (stages_left - 1)
-                acc, count = 0.0, 0
+        # Close before layer i (with stages - closed stages left, the open one included) if it
+        # would pass the target, or if the layers left (n - i, i included) are only just
+        # enough to give every remaining stage one.
+        if count and stages - closed > 1 and (acc + c > bar or n - i == stages - closed - 1):
+            counts.append(count)
+            closed += 1
+            remaining -= acc
+            target = remaining / (stages - closed)
+            bar = target * (1 + 1e-12)
+            acc, count = 0.0, 0
         acc += c
         count += 1
     counts.append(count)
@@ -217,7 +220,7 @@ def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = N
     for each later stage) reaches at least as far as any valid partition, so the test is exact;
     bisect on a Python list keeps it cheap (the search calls this thousands of times).
     """
-    arr, prefix, largest, total = _cost_profile(tuple(float(c) for c in costs))
+    arr, prefix, largest, total = _cost_profile(tuple(map(float, costs)))
     # The optimum lies between max(max cost, mean per stage) and any achievable bottleneck.
     lower = max(largest, total / stages) * (1 - 1e-12)
     top = total if upper is None else upper * (1 + 1e-12)
@@ -238,11 +241,9 @@ def _even_ends(prefix: list[float], limit: float, stages: int) -> list[int]:
     Feasible because stage k may end anywhere from the earliest end any split within the
     limit has (the back-pack's, which leaves the later stages enough) to the furthest the
     limit reaches from where stage k - 1 ended, an interval that is never empty."""
-    from bisect import bisect_left, bisect_right
-
     n, total = len(prefix) - 1, prefix[-1]
     eps = 1e-12 * max(1.0, abs(limit))
-    earliest = np.cumsum(_pack_back(prefix, limit, stages, None)).tolist()  # earliest end of each stage
+    earliest = list(accumulate(_pack_back(prefix, limit, stages, None)))  # earliest end of each stage
     ends, start = [], 0
     for k in range(stages - 1):
         reach = min(bisect_right(prefix, prefix[start] + limit + eps) - 1, n - (stages - k - 1))
@@ -266,8 +267,6 @@ def _pack_ends(prefix: list[float], limit: float, stages: int,
     non-negative), so the stage ends of this pack are never behind those of any valid
     partition: if any partition meets ``limit``, this one does. Per-stage memory limits
     (1F1B's in-flight micro-batches) keep that property."""
-    from bisect import bisect_right
-
     n = len(prefix) - 1
     eps = 1e-12 * max(1.0, abs(limit))
     ends, start = [], 0
@@ -305,20 +304,45 @@ def _first_feasible(prefix: list[float], values: list[float], stages: int,
 
     Gallops up from the smallest (the optimum usually sits a few sums above the lower
     bound, and a memory limit moves it only a little further), then bisects the bracket."""
+    if mem is None:
+        def fits(limit: float) -> bool:
+            return _time_pack_fits(prefix, limit, stages)
+    else:
+        def fits(limit: float) -> bool:
+            return _pack_ends(prefix, limit, stages, mem) is not None
     lo, hi, probe, stride = 0, len(values) - 1, 0, 1
     while probe < hi:
-        if _pack_ends(prefix, values[probe], stages, mem) is not None:
+        if fits(values[probe]):
             hi = probe
             break
         lo = probe + 1
         probe, stride = min(lo + stride, hi), stride * 2
     while lo < hi:
         mid = (lo + hi) // 2
-        if _pack_ends(prefix, values[mid], stages, mem) is not None:
+        if fits(values[mid]):
             hi = mid
         else:
             lo = mid + 1
     return lo
+
+
+def _time_pack_fits(prefix: list[float], limit: float, stages: int) -> bool:
+    """``_pack_ends(prefix, limit, stages, None) is not None``, the same steps without the list
+    of ends: the time-only search probes a few limits per split, each a walk over the stages.
+    Each stage's furthest end is searched from its start on (it never lies before: a limit
+    below zero fails at the first stage either way)."""
+    n = len(prefix) - 1
+    eps = 1e-12 * max(1.0, abs(limit))
+    start = 0
+    for s in range(stages - 1):
+        end = bisect_right(prefix, prefix[start] + limit + eps, start) - 1
+        cap = n - (stages - s - 1)
+        if end > cap:
+            end = cap
+        if end <= start:
+            return False
+        start = end
+    return not prefix[n] - prefix[start] > limit + eps and n > start
 
 
 def _pack_back(prefix: list[float], limit: float, stages: int,
@@ -331,8 +355,6 @@ def _pack_back(prefix: list[float], limit: float, stages: int,
     Exact for the same reason as ``_pack_ends``, mirrored: each stage's earliest start is
     non-decreasing in its end, so this walk is never ahead of any valid split and the first
     stage, what is left, fits whenever some split meets ``limit``."""
-    from bisect import bisect_left
-
     eps = 1e-12 * max(1.0, abs(limit))
     end, counts = len(prefix) - 1, []
     for s in range(stages - 1, 0, -1):
