@@ -8,7 +8,7 @@ traffic and the optimizer step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -16,17 +16,24 @@ from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost import step_time as st
-from planner.cost.collectives import collective_times
+from planner.cost.collectives import collective_times_by_row
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
+from planner.hardware.placement import GroupShape
 
 if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator
 
 
 def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarray], pp: int, detail: bool = False):
-    """Step time, worst-rank peak bytes and CPU bytes per node of candidates with ``pp`` ranks
-    (``detail``: as a dict, with every per-rank part as well, to build Plans from). Row by row:
-    a candidate's numbers do not depend on which others are assembled with it."""
+    """Step time, worst-rank peak bytes and CPU bytes per node of candidates whose rank tables
+    are ``pp`` wide (``detail``: as a dict, with every per-rank part as well, to build Plans
+    from). Row by row: a candidate's numbers do not depend on which others are assembled with it.
+
+    Candidates of several pipeline depths go together (one pass, not one per depth): a table
+    shallower than ``pp`` is padded with zeros past its last rank. Padded ranks hold nothing,
+    so their time, DP, optimizer and host parts are zero and never pass a real rank's (all
+    non-negative); their peak (context and NCCL buffers) is masked out, and the bubble sums
+    each depth's ranks alone, as a table of that depth would."""
     w = ev.workload
     dp, ep, tp, vs = (col[k][:, None].astype(float) for k in ("dp", "ep", "tp", "vs"))
     m = col["grad_accum"][:, None].astype(float)
@@ -47,10 +54,14 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
         opt[s] = od * dense + oe * expert
         cpu[s] = cd * dense + ce * expert
     rank = np.arange(pp)[None, :].astype(float)
+    depths = _depths(col["pp"], pp)
     if pp == 1:
         inflight = np.ones((n, 1))
     else:
-        inflight = mem.inflight_array(rank, pp, vs, m, mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None])
+        depth = pp if len(depths) == 1 else col["pp"][:, None]
+        inflight = mem.inflight_array(rank, depth, vs, m, mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None])
+        if 1 in depths:
+            inflight = np.where(col["pp"][:, None] == 1, 1.0, inflight)
     acts = r["stored"] * inflight + r["live"]
     groups = sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))[:, None]
     stage_params = r["dense"] + r["expert"]
@@ -72,12 +83,14 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
     total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"]
     worst = np.argmax(total, axis=1)
     tw = total[rows, worst]
-    bubble = (total.sum(axis=1) - tw) / vs[:, 0]
+    bubble = (_rank_sums(total, col["pp"], depths) - tw) / vs[:, 0]
     mb = m[:, 0]
     body = mb * tw
     dp_t = _dp_exposed(ev, col, r, pp, m, vs)
     opt_t = _optimizer(ev, col, r, pp, m)
     step = body + bubble + dp_t.max(axis=1) + opt_t.max(axis=1)
+    if len(depths) > 1:  # padded ranks: context and NCCL buffers only, never a candidate's peak
+        peak = np.where(rank < col["pp"][:, None], peak, -np.inf)
     if detail:
         return {"weights": weights, "grads": grads, "optimizer": opt, "activations": acts, "buffers": buffers,
                 "overhead": mem.CUDA_CONTEXT_BYTES + mem.FRAGMENTATION * allocated,
@@ -86,59 +99,64 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
                 "step_time": step, "peak_bytes": peak.max(axis=1), "cpu_bytes": cpu_node}
     return step, peak.max(axis=1), cpu_node
 
+def _depths(depth: np.ndarray, pp: int) -> list[int]:
+    """The pipeline depths among the candidates (``pp`` alone when every table is that wide)."""
+    if not len(depth) or bool((depth == pp).all()):
+        return [pp]
+    return sorted(set(depth.tolist()))
+
+
+def _rank_sums(x: np.ndarray, depth: np.ndarray, depths: list[int]) -> np.ndarray:
+    """Each row's sum over its own ranks: per depth over [rows x depth], the very sum a table
+    of that depth gives (numpy sums a longer row in another order)."""
+    if len(depths) == 1:
+        return x.sum(axis=1)
+    out = np.empty(len(x))
+    for p in depths:
+        rows = depth == p
+        out[rows] = x[rows, :p].sum(axis=1)
+    return out
+
+
 def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     """Per rank: the data-parallel traffic the backward pass does not hide (estimate.dp_exposed).
 
-    The collectives are listed per (tp, ep, dp) layout (its DP and expert-DP group shapes),
-    priced together (collective_times: one call per op and shape), and the rest is
+    Each row names its collectives by (tp, ep, dp, pp) layout and op (its DP, expert-DP and
+    pp group shapes), all priced in one pass (collective_times_by_row), and the rest is
     elementwise over every candidate at once."""
-    n = len(m)
     zero, fwi = col["zero"], col["framework"]
     gbytes = np.array([ev._grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
     dense, expert = r["dense"], r["expert"]
-    reduce, gather, tied_t = np.zeros((n, pp)), np.zeros((n, pp)), np.zeros((n, pp))
     traits = [fw.traits(f) for f in FRAMEWORKS]
     allreduce = np.array([t.zero_grad_allreduce for t in traits])[fwi]  # ZeRO-1/2 grads all-reduced
-    engine = np.array([t.pipe_engine and pp > 1 for t in traits])[fwi]  # DeepSpeed's PipelineEngine
+    deep = col["pp"] > 1
+    engine = np.array([t.pipe_engine for t in traits])[fwi] & deep  # DeepSpeed's PipelineEngine
     z12 = (zero == 1) | (zero == 2)
-    code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
-    requests: list[tuple[str, object, np.ndarray]] = []
-    fills = []  # (target array, rows, dense request, expert request, expert bytes)
-    for value in sorted(set(code.tolist())):  # a handful of layouts: no np.unique
-        s = code == value
-        i = int(np.argmax(s))
-        tp, ep, dp = int(col["tp"][i]), int(col["ep"][i]), int(col["dp"][i])
-        shapes = ev.shapes(tp, ep, dp, pp)
-        if (s & engine).any() and r["tied"][s & engine].any():  # estimate: ReduceTiedGrads, whatever dp
-            rows = s & engine
-            requests.append(("p2p", shapes.pp, gbytes[rows] * r["tied"][rows]))
-            fills.append((tied_t, rows, len(requests) - 1, None, np.zeros_like(dense[rows])))
-        if dp == 1 and ep == 1:
-            continue
-        for rows, op, target, d, e in (
-            (s & z12 & ~allreduce, "reducescatter", reduce, gbytes * dense, gbytes * expert),
-            (s & z12 & allreduce, "allreduce", reduce, gbytes * dense, gbytes * expert),
-            (s & z12, "allgather", gather, 2 * dense, 2 * expert),  # 16-bit weights
-            (s & (zero == 0), "allreduce", reduce, gbytes * dense, gbytes * expert),
-        ):
-            if not rows.any():
-                continue
-            e_rows = e[rows]
-            # dense parameters over the DP group, expert parameters over the expert-DP group
-            di = ei = None
-            if dp > 1:
-                di = len(requests)
-                requests.append((op, shapes.dp, d[rows]))
-            if dp // ep > 1:
-                ei = len(requests)
-                requests.append((op, shapes.edp, e_rows))
-            fills.append((target, rows, di, ei, e_rows))
-    priced = collective_times(ev.cluster, requests)
-    for target, rows, di, ei, e_rows in fills:
-        t = priced[di] if di is not None else np.zeros_like(e_rows)
-        target[rows] = t + np.where(e_rows > 0, priced[ei], 0.0) if ei is not None else t
+    # Per row, the op that reduces its gradients (ZeRO-1/2 reduce-scatter or all-reduce, ZeRO-0
+    # all-reduce; none under ZeRO-3) and whether it gathers 16-bit weights (ZeRO-1/2).
+    red_op = np.where(zero == 0, 1, np.where(z12, np.where(allreduce, 1, 0), -1))
+    key_of, layout_of = _layout_keys(ev, col)
+    has_dp, has_edp = col["dp"] > 1, col["dp"] // col["ep"] > 1
+    ops = len(_DP_OPS)
+    # [request x row] key numbers of ``key_of`` (-1: nothing to price): dense parameters over the DP
+    # group, expert parameters over the expert-DP group; ReduceTiedGrads over the pp group.
+    which = np.stack((
+        np.where(has_dp & (red_op >= 0), layout_of * 3 * ops + 3 * np.maximum(red_op, 0), -1),
+        np.where(has_edp & (red_op >= 0), layout_of * 3 * ops + 3 * np.maximum(red_op, 0) + 1, -1),
+        np.where(has_dp & z12, layout_of * 3 * ops + 3 * 2, -1),
+        np.where(has_edp & z12, layout_of * 3 * ops + 3 * 2 + 1, -1),
+        np.where(engine & (r["tied"] > 0).any(axis=1), layout_of * 3 * ops + 2, -1),  # ReduceTiedGrads, whatever dp
+    ))
+    sizes = np.stack((gbytes * dense, gbytes * expert, 2 * dense, 2 * expert, gbytes * r["tied"]))
+    t_red, e_red, t_gat, e_gat, tied_t = collective_times_by_row(ev.cluster, key_of, which, sizes)
+    single = (col["dp"] == 1) & (col["ep"] == 1)  # nothing to reduce or gather
+    reduce = np.where((~single & (red_op >= 0))[:, None],
+                      np.where(has_edp[:, None], t_red + np.where(gbytes * expert > 0, e_red, 0.0), t_red), 0.0)
+    gather = np.where((~single & z12)[:, None],
+                      np.where(has_edp[:, None], t_gat + np.where(2 * expert > 0, e_gat, 0.0), t_gat), 0.0)
     fwd, bwd = r["fwd"], r["bwd"] + r["rc"]
-    overlap = np.array([fw.grad_reduce_overlaps(t, pp) for t in traits])[fwi][:, None]
+    overlap = np.where(deep, np.array([fw.grad_reduce_overlaps(t, 2) for t in traits])[fwi],
+                       np.array([fw.grad_reduce_overlaps(t, 1) for t in traits])[fwi])[:, None]
     # estimate._dp_time: the earlier ranks' backward of the last micro-batch (1/v of it each),
     # none on the ranks a PipelineEngine's ReduceTiedGrads holds until rank 0 is done
     cooldown = np.where(engine[:, None] & (r["tied"] > 0), 0.0, (np.cumsum(bwd, axis=1) - bwd) / vs)
@@ -158,6 +176,31 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     alone = (col["dp"] == 1) & (col["ep"] == 1)
     out[alone] = tied_t[alone]
     return out
+
+
+# The DP collectives of a layout, in the order ``_layout_keys`` lists them (op k: keys 3k,
+# 3k + 1 over the DP and expert-DP groups; key 2 is the pipeline's p2p).
+_DP_OPS = ("reducescatter", "allreduce", "allgather")
+
+
+def _layout_keys(ev: "Evaluator", col) -> tuple[Callable[[int], tuple[str, GroupShape]], np.ndarray]:
+    """Numbers for the (op, group shape) pairs each (tp, ep, dp, pp) layout among the rows may
+    price, three per op of ``_DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
+    group; 2: the pp group's p2p), as a lookup that builds only the shapes asked for, and each
+    row's layout number."""
+    code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
+    code = code * (col["pp"].max() + 1) + col["pp"]
+    _, first, layout_of = np.unique(code, return_index=True, return_inverse=True)
+    layouts = [tuple(int(col[k][i]) for k in ("tp", "ep", "dp", "pp")) for i in first.tolist()]
+
+    def key_of(k: int) -> tuple[str, GroupShape]:
+        layout, slot = divmod(k, 3 * len(_DP_OPS))
+        shapes = ev.shapes(*layouts[layout])
+        if slot == 2:
+            return "p2p", shapes.pp
+        return _DP_OPS[slot // 3], shapes.edp if slot % 3 else shapes.dp
+
+    return key_of, layout_of.reshape(-1)
 
 
 def _optimizer(ev: "Evaluator", col, r, pp: int, m) -> np.ndarray:

@@ -87,6 +87,18 @@ RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest
                "tied", "z3_gather", "z3_reduce")
 
 
+def _padded(tables: list[np.ndarray]) -> tuple[np.ndarray, int]:
+    """Rank tables of several depths as one [table x field x widest] array, zeros past each
+    table's ranks (assemble reads no padded rank), and that width."""
+    width = max(t.shape[1] for t in tables)
+    if all(t.shape[1] == width for t in tables):
+        return np.stack(tables), width
+    out = np.zeros((len(tables), len(RANK_FIELDS), width))
+    for i, t in enumerate(tables):
+        out[i, :, :t.shape[1]] = t
+    return out, width
+
+
 def rank_fields(ranks: np.ndarray) -> dict[str, np.ndarray]:
     """Name the rows of rank tables ([..., field, rank] -> {field: [..., rank]}), as views."""
     return {name: ranks[..., k, :] for k, name in enumerate(RANK_FIELDS)}
@@ -429,7 +441,7 @@ class Evaluator:
         """Full evaluation of the candidates of ``key_ids`` (all when None): (rows, results)."""
         c = prep.space.columns
         key_ids = np.arange(len(prep.keys)) if key_ids is None else np.asarray(key_ids)
-        by_pp: dict[int, list[tuple[int, np.ndarray, tuple]]] = {}
+        groups: list[tuple[int, np.ndarray, tuple]] = []
         for g in key_ids:
             tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[g])
             table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
@@ -439,34 +451,25 @@ class Evaluator:
                 self._part_index[pkey] = len(self.partitions)
                 self.partitions.append(parts)
             ranks = self._key_ranks(table, parts, (tp, sp, ep, b, mode, pp, vs, dp, fwi), bool(prep.zero3[g]))
-            meta = (self._part_index[pkey], gbot, obot)
-            by_pp.setdefault(pp, []).append((int(g), ranks, meta))
-        all_rows, outs = [], []
-        details = self._detail_of(prep)
-        for pp, groups in by_pp.items():
-            rows_list, local_list = [], []
-            for i, (g, _, _) in enumerate(groups):
-                members = prep.order[prep.starts[g]:prep.starts[g + 1]]
-                rows_list.append(members)
-                local_list.append(np.full(len(members), i))
-            sel = np.concatenate(rows_list)
-            local = np.concatenate(local_list)
-            stacked = rank_fields(np.stack([r for _, r, _ in groups])[local])
-            parts_of = assemble(self, {k: v[sel] for k, v in c.items()}, stacked, pp, detail=True)
-            step, peak, cpu = parts_of["step_time"], parts_of["peak_bytes"], parts_of["cpu_bytes"]
-            details.update(zip(sel.tolist(), zip(itertools.repeat(parts_of), range(len(sel)))))
-            meta = np.array([mt for _, _, mt in groups])[local]
-            all_rows.append(sel)
-            outs.append((step, peak, cpu, meta))
-        if not all_rows:
+            groups.append((int(g), ranks, (self._part_index[pkey], gbot, obot)))
+        if not groups:
             empty = np.zeros(0)
             return np.zeros(0, dtype=np.int64), Evaluation(empty, empty, empty, empty.astype(bool),
                                                            empty.astype(np.int64), empty, empty, self.partitions)
-        rows = np.concatenate(all_rows)
-        step = np.concatenate([o[0] for o in outs])
-        peak = np.concatenate([o[1] for o in outs])
-        cpu = np.concatenate([o[2] for o in outs])
-        meta = np.concatenate([o[3] for o in outs])
+        # Every depth in one assemble pass, the shallower rank tables padded with zeros.
+        rows_list, local_list = [], []
+        for i, (g, _, _) in enumerate(groups):
+            members = prep.order[prep.starts[g]:prep.starts[g + 1]]
+            rows_list.append(members)
+            local_list.append(np.full(len(members), i))
+        rows = np.concatenate(rows_list)
+        local = np.concatenate(local_list)
+        stacked, width = _padded([r for _, r, _ in groups])
+        parts_of = assemble(self, {k: v[rows] for k, v in c.items()}, rank_fields(stacked[local]), width, detail=True)
+        step, peak, cpu = parts_of["step_time"], parts_of["peak_bytes"], parts_of["cpu_bytes"]
+        details = self._detail_of(prep)
+        details.update(zip(rows.tolist(), zip(itertools.repeat(parts_of), range(len(rows)))))
+        meta = np.array([mt for _, _, mt in groups])[local]
         capacity = self.cluster.profile.gpu.memory_bytes
         host = mem.host_capacity_bytes(self.cluster.profile.node.host_memory_GiB)
         return rows, Evaluation(step, peak, cpu, (peak <= capacity) & (cpu <= host), meta[:, 0].astype(np.int64), meta[:, 1], meta[:, 2],
