@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -122,8 +122,9 @@ def _allowed(values: Iterable, pinned: Sequence | None) -> list:
     return values if pinned is None else [v for v in values if v in pinned]
 
 
-@dataclass(frozen=True)
-class Degrees:
+class Degrees(NamedTuple):
+    """One (dp, tp, pp, ep, vs) combination (a tuple: hundreds are made per search)."""
+
     dp: int
     tp: int
     pp: int
@@ -133,30 +134,38 @@ class Degrees:
 
 def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
                         cons: Constraints) -> tuple[list[Degrees], int]:
-    """Valid (dp, tp, pp, ep, vs) combinations and how many were rejected as indivisible."""
+    """Valid (dp, tp, pp, ep, vs) combinations and how many were rejected as indivisible.
+
+    Every (ep, vs) of a (tp, pp) breaking a tp, pp or batch rule is rejected at once, and the
+    virtual-stage counts a pp allows are found once per pp, not per ep."""
     valid: list[Degrees] = []
     rejected = 0
     vss = sorted({v for v in cons.virtual_stages or DEFAULT_VIRTUAL_STAGES if 1 <= v <= facts.units})
-    for tp in _allowed(divisors(world), cons.tp):
-        for pp in _allowed(divisors(world // tp), cons.pp):
+    experts = facts.routed_experts
+    world_divisors = divisors(world)  # pp | world / tp and ep | dp divide the world too: filtered from these
+
+    def divisors_of(n: int) -> list[int]:
+        return [d for d in world_divisors if n % d == 0]
+
+    for tp in _allowed(world_divisors, cons.tp):
+        tp_ok = all(h % tp == 0 for h in facts.heads) and facts.kv_heads % tp == 0
+        tp_ok = tp_ok and (cons.allow_tp_across_nodes or gpus_per_node % tp == 0)
+        for pp in _allowed(divisors_of(world // tp), cons.pp):
             dp = world // (tp * pp)
             if cons.dp is not None and dp not in cons.dp:
                 continue
-            tp_ok = all(h % tp == 0 for h in facts.heads) and facts.kv_heads % tp == 0
-            tp_ok = tp_ok and (cons.allow_tp_across_nodes or gpus_per_node % tp == 0)
-            base_ok = tp_ok and pp <= facts.units and global_batch % dp == 0
             # A dense model has no experts to shard: ep is 1, not a rejected candidate.
-            eps = _allowed(divisors(dp), cons.ep) if facts.routed_experts else [1]
-            even = {ep: base_ok and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp) for ep in eps}
-            for ep, vs in itertools.product(eps, vss):
-                ok = even[ep]
-                if facts.routed_experts:
-                    ok = ok and facts.routed_experts % ep == 0
-                ok = ok and pp * vs <= facts.units and (vs == 1 or pp > 1)
-                if ok:
-                    valid.append(Degrees(dp, tp, pp, ep, vs))
+            eps = _allowed(divisors_of(dp), cons.ep) if experts else [1]
+            if not (tp_ok and pp <= facts.units and global_batch % dp == 0):
+                rejected += len(eps) * len(vss)
+                continue
+            pp_vss = [vs for vs in vss if pp * vs <= facts.units and (vs == 1 or pp > 1)]
+            for ep in eps:
+                if (not experts or experts % ep == 0) and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp):
+                    valid += [Degrees(dp, tp, pp, ep, vs) for vs in pp_vss]
+                    rejected += len(vss) - len(pp_vss)
                 else:
-                    rejected += 1
+                    rejected += len(vss)
     return valid, rejected
 
 
@@ -200,40 +209,64 @@ def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
     return (min(deg.tp, 2), units % (deg.pp * deg.vs) == 0, min(deg.ep, 2), 2, ga_ok)
 
 
+@dataclass
+class _Verdicts:
+    """The framework rules' answers per pattern (``_pattern_verdicts``)."""
+
+    ok_rows: np.ndarray  # [5, rows]: each pattern's runnable settings in turn, in settings order
+    allowed: list[tuple[int, int, int]]  # per pattern: (its first row in ok_rows, ok count, valid count)
+    # Per pattern, per broken rule (by rule): the settings it refuses (how many, the first).
+    reasons: list[dict[int, tuple[int, tuple[int, int, int, int, int]]]]
+
+
 def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
-                      rule: FrameworkRule) -> list[tuple[list[tuple[int, int, int, int, int]], int,
-                                                        dict[int, tuple[int, tuple[int, int, int, int, int]]]]]:
+                      rule: FrameworkRule) -> _Verdicts:
     """Per pattern (given by a representative degree combination and its accumulation flag):
     the settings its framework runs, how many settings are structurally valid for it, and per
     broken rule the settings it refuses (how many, the first).
 
     One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
-    facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1."""
+    facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1. The
+    answers are tallied with whole-array calls, not per row."""
     st = np.array(settings, dtype=np.int64).reshape(-1, 5)
     deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2))
                     for d, flag in reps], dtype=np.int64).reshape(-1, 5)
     n, k = len(deg), len(st)
-    tp, pp, vs, ga_ok, ep = (np.repeat(deg[:, j], k) for j in range(5))
-    z, o, r, sp, f = (np.tile(st[:, j], n) for j in range(5))
+    tp, pp, vs, ga_ok, ep = np.repeat(deg.T, k, axis=1)
+    z, o, r, sp, f = np.tile(st.T, n)
     valid = (sp == 0) | (tp > 1)  # sequence parallel only means something with tp > 1
     cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=np.array(OFFLOADS)[o],
                          micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
                          recompute=np.array(RECOMPUTES)[r], sequence_parallel=sp == 1, virtual_stages=vs,
                          framework=np.array(FRAMEWORKS)[f])
-    broken = np.where(valid, rule(cols), -1).reshape(n, k)
-    ok = (valid.reshape(n, k)) & (broken < 0)
-    valid = valid.reshape(n, k)
-    out = []
-    for i, row in enumerate(broken.tolist()):
-        counts: dict[int, int] = {}
-        first: dict[int, int] = {}
-        for j, r in enumerate(row):
-            if r >= 0:
-                counts[r] = counts.get(r, 0) + 1
-                first.setdefault(r, j)
-        reasons = {r: (counts[r], settings[first[r]]) for r in sorted(counts)}  # by rule, as np.unique gave
-        out.append(([settings[j] for j in np.flatnonzero(ok[i])], int(valid[i].sum()), reasons))
-    return out
+    broken = np.where(valid, rule(cols), -1)
+    ok = valid & (broken < 0)
+    ok_at = np.flatnonzero(ok)  # row i * k + j: pattern i, setting j
+    ok_counts = np.bincount(ok_at // k, minlength=n).tolist()
+    valid_counts = valid.reshape(n, k).sum(axis=1).tolist()
+    starts = np.concatenate(([0], np.cumsum(ok_counts))).tolist()
+    allowed = [(starts[i], ok_counts[i], valid_counts[i]) for i in range(n)]
+    # Per (pattern, rule) code of the refused rows: how many, and the first setting (written
+    # backwards, so the first row's index is the one left).
+    hit = np.flatnonzero(broken >= 0)
+    rules = int(broken.max()) + 1 if broken.size else 0
+    codes = hit // k * rules + broken[hit]
+    counts = np.bincount(codes, minlength=n * rules)
+    first = np.zeros(n * rules, dtype=np.int64)
+    first[codes[::-1]] = hit[::-1] % k
+    reasons: list[dict[int, tuple[int, tuple[int, int, int, int, int]]]] = [{} for _ in range(n)]
+    for code in np.flatnonzero(counts).tolist():  # ascending: by pattern, then by rule
+        reasons[code // rules][code % rules] = (int(counts[code]), settings[first[code]])
+    return _Verdicts(np.ascontiguousarray(st.T)[:, ok_at % k], allowed, reasons)
+
+
+def _micro_splits(global_batch: int, dp: int, pp: int, pinned: Sequence[int] | None) -> list[tuple[bool, list[int]]]:
+    """The micro-batches of a (dp, pp), split by whether the accumulation reaches pp (True
+    first); a side left empty is left out."""
+    micro = _allowed(divisors(global_batch // dp), pinned)
+    reach = [b for b in micro if global_batch // (dp * b) >= pp]
+    short = [b for b in micro if global_batch // (dp * b) < pp]
+    return [(flag, mbs) for flag, mbs in ((True, reach), (False, short)) if mbs]
 
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
@@ -243,79 +276,78 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     settings = allowed_settings(cons)
     # Micro-batches split by whether the accumulation reaches pp: per (dp, pp), which many
     # degree combinations share.
-    splits: dict[tuple[int, int], list[tuple[bool, np.ndarray]]] = {}
+    splits: dict[tuple[int, int], list[tuple[bool, list[int]]]] = {}
     patterns: dict[tuple, int] = {}
     reps: list[tuple[Degrees, bool]] = []
-    blocks: list[tuple[Degrees, np.ndarray, int]] = []
+    pattern_first: list[tuple[Degrees, int]] = []  # per pattern: its first block's degrees and micro-batch
+    blocks: list[tuple[Degrees, list[int], int]] = []
     for deg in degrees:
         split = splits.get((deg.dp, deg.pp))
         if split is None:
-            micro = np.array(_allowed(divisors(global_batch // deg.dp), cons.micro_batch), dtype=np.int64)
-            ga_ok_all = (global_batch // (deg.dp * micro)) >= deg.pp
-            split = splits[deg.dp, deg.pp] = [(flag, micro[ga_ok_all == flag]) for flag in (True, False)
-                                               if (ga_ok_all == flag).any()]
+            split = splits[deg.dp, deg.pp] = _micro_splits(global_batch, deg.dp, deg.pp, cons.micro_batch)
         if not split:
             indivisible += 1
             continue
-        for flag, mb in split:
+        for flag, mbs in split:
             pattern = _rule_pattern(deg, flag, facts.units)
-            if pattern not in patterns:
-                patterns[pattern] = len(reps)
+            pattern_id = patterns.get(pattern)
+            if pattern_id is None:
+                pattern_id = patterns[pattern] = len(reps)
                 reps.append((deg, flag))
-            blocks.append((deg, mb, patterns[pattern]))
-    verdicts = _pattern_verdicts(reps, settings, framework_rule) if reps else []
-    allowed: list[tuple[int, int, int]] = []  # per pattern: (first ok row, ok count, valid count)
-    ok_rows: list[tuple[int, int, int, int, int]] = []
-    for ok, n_valid, _ in verdicts:
-        allowed.append((len(ok_rows), len(ok), n_valid))
-        ok_rows.extend(ok)
-    pattern_mbs = [0] * len(verdicts)  # candidates per setting of each pattern (its blocks' micro-batches)
-    pattern_first: list[tuple[Degrees, int] | None] = [None] * len(verdicts)  # its first block
+                pattern_first.append((deg, mbs[0]))
+            blocks.append((deg, mbs, pattern_id))
+    verdicts = _pattern_verdicts(reps, settings, framework_rule) if reps else _Verdicts(np.zeros((5, 0), np.int64), [], [])
+    pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
     # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
     # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
-    heads: list[tuple[int, int, int, int, int]] = []
-    block_rows: list[tuple[int, int]] = []  # (first ok row, ok count)
-    block_mbs: list[np.ndarray] = []
+    kept: list[tuple[Degrees, int, int, list[int]]] = []  # (degrees, first ok row, ok count, micro-batches)
     framework_rejected = 0
-    for deg, mb, pattern_id in blocks:
-        first, k, n_valid = allowed[pattern_id]
-        framework_rejected += (n_valid - k) * mb.size
-        pattern_mbs[pattern_id] += mb.size
-        pattern_first[pattern_id] = pattern_first[pattern_id] or (deg, int(mb[0]))
-        if not k:
-            continue
-        heads.append((deg.dp, deg.tp, deg.pp, deg.ep, deg.vs))
-        block_rows.append((first, k))
-        block_mbs.append(mb)
+    for deg, mbs, pattern_id in blocks:
+        first, k, n_valid = verdicts.allowed[pattern_id]
+        framework_rejected += (n_valid - k) * len(mbs)
+        pattern_mbs[pattern_id] += len(mbs)
+        if k:
+            kept.append((deg, first, k, mbs))
     refusals: dict[int, tuple[int, tuple[int, ...]]] = {}
-    for (_, _, reasons), weight, head in zip(verdicts, pattern_mbs, pattern_first):
+    for reasons, weight, (deg, b) in zip(verdicts.reasons, pattern_mbs, pattern_first):
         for reason, (count, setting) in reasons.items():
             seen, example = refusals.get(reason, (0, ()))
-            if not example and head is not None:  # patterns are met in block order: the first example stands
-                deg, b = head
+            if not example:  # patterns are met in block order: the first example stands
                 example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b))
             refusals[reason] = (seen + count * weight, example)
-    columns = _layout(heads, block_rows, block_mbs, np.array(ok_rows, dtype=np.int64).reshape(-1, 5), global_batch)
+    columns = _layout(kept, verdicts.ok_rows, global_batch)
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected}, refusals)
 
 
-def _layout(heads: list[tuple[int, int, int, int, int]], block_rows: list[tuple[int, int]],
-            block_mbs: list[np.ndarray], ok_rows: np.ndarray, global_batch: int) -> dict[str, np.ndarray]:
-    """The candidate columns: block i is ok_rows[first:first + k] (each repeated for every
-    micro-batch of the block) beside the block's degrees, micro-batches and accumulation."""
-    if not heads:
+def _layout(blocks: list[tuple[Degrees, int, int, list[int]]], ok_rows: np.ndarray,
+            global_batch: int) -> dict[str, np.ndarray]:
+    """The candidate columns: block (degrees, first, k, micro-batches) is ok_rows[:, first:first + k],
+    each repeated for every micro-batch of the block, beside the block's degrees, micro-batches
+    and accumulation.
+
+    Built by repeats and one gather per group of columns ([5 x candidates] arrays whose rows
+    are the columns), with no per-candidate division: accumulation is computed per (block,
+    micro-batch) and gathered like the micro-batch."""
+    if not blocks:
         return {name: np.zeros(0, dtype=np.int64) for name in COLUMNS}
-    first, k = (np.array(col, dtype=np.int64) for col in zip(*block_rows))
-    m = np.array([mb.size for mb in block_mbs], dtype=np.int64)
+    degs, first, k, mbs = zip(*blocks)
+    heads = np.fromiter(itertools.chain.from_iterable(degs), np.int64, 5 * len(degs)).reshape(-1, 5).T  # [5, block]
+    first, k = np.array(first, dtype=np.int64), np.array(k, dtype=np.int64)
+    m = np.fromiter(map(len, mbs), np.int64, len(mbs))
     sizes = k * m
-    block = np.repeat(np.arange(len(heads)), sizes)
-    pos = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # row within its block
-    mb_start = np.cumsum(m) - m
-    setting = ok_rows[first[block] + pos // m[block]]
-    mb = np.concatenate(block_mbs)[mb_start[block] + pos % m[block]]
-    head = np.array(heads, dtype=np.int64)[block]
-    table = np.column_stack([head, setting, mb, global_batch // (head[:, 0] * mb)])
-    return {name: np.ascontiguousarray(table[:, j]) for j, name in enumerate(COLUMNS)}
+    # One "setting row" per (block, ok setting): its index in ok_rows, its micro-batch count and
+    # where its block's micro-batches start in the concatenation of all of them.
+    row_m = np.repeat(m, k)
+    row_setting = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k - first, k)
+    row_start = np.cumsum(row_m) - row_m  # first candidate of the row
+    mb_all = np.fromiter(itertools.chain.from_iterable(mbs), np.int64, int(m.sum()))
+    batch = np.stack((mb_all, global_batch // (np.repeat(heads[0], m) * mb_all)))  # micro-batch, accumulation
+    # Candidate -> its micro-batch in mb_all: the row's block start plus the position in the row.
+    at = np.arange(int(sizes.sum())) - np.repeat(row_start - np.repeat(np.cumsum(m) - m, k), row_m)
+    head = np.repeat(heads, sizes, axis=1)
+    setting = np.take(ok_rows, np.repeat(row_setting, row_m), axis=1)
+    return {**dict(zip(COLUMNS[:5], head)), **dict(zip(COLUMNS[5:10], setting)),
+            **dict(zip(COLUMNS[10:], np.take(batch, at, axis=1)))}
 
 
 def default_global_batch(seq_len: int, world: int, target_tokens: float = 4e6) -> int:
