@@ -163,3 +163,13 @@ def test_lm_head_keeps_fp32_logits_and_embedding_all_reduces():
     assert emb.tp_fwd == (("allreduce", s * h * 2.0),)
     assert emb.params_rank == pytest.approx(v * h / t)
     assert all(set(c.act) == set(RECOMPUTE_MODES) for c in costs)
+
+
+@pytest.mark.parametrize("name", ["vl2", "deepseek-v3", "llama-3.1-405b", "mixtral-8x7b"])
+def test_a_memo_shared_across_groups_gives_the_direct_costs(name):
+    """The search's memo (per block, tp, sp, ep; ep only for MoE layers) returns what a fresh call
+    prices, whatever order the (tp, sp, ep) groups come in."""
+    model, workload = load_model(name), Workload(global_batch=64, seq_len=4096)
+    memo: dict = {}
+    for tp, sp, ep in [(1, False, 1), (2, True, 4), (2, True, 1), (4, False, 2), (2, True, 8), (1, False, 2)]:
+        assert layer_costs(model, workload, tp, sp, ep, memo) == layer_costs(model, workload, tp, sp, ep)

@@ -139,8 +139,13 @@ def vision_tiles(model: ModelSpec, workload: Workload) -> int:
     return workload.images_per_sample * (workload.tiles_per_image + (1 if model.vision.global_view else 0))
 
 
-def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = False, ep: int = 1) -> list[LayerCost]:
-    """The cost profile of every block, in ModelSpec order."""
+def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = False, ep: int = 1,
+                memo: dict[tuple[int, int, bool, int], LayerCost] | None = None) -> list[LayerCost]:
+    """The cost profile of every block, in ModelSpec order.
+
+    ``memo``: a dict the caller keeps across calls for one (model, workload), holding each
+    block's cost by (index, tp, sp, ep), with ep 1 but for a mixture-of-experts layer (the only
+    block that reads it): a search prices dozens of (tp, sp, ep), which differ in those layers only."""
     ctx = _Ctx(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model))
     s = workload.seq_len
     tiles = vision_tiles(model, workload)
@@ -149,31 +154,43 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     # price each distinct one once and renumber the copies.
     seen: dict[object, LayerCost] = {}
     for i, b in enumerate(model.blocks):
-        if isinstance(b, (DecoderBlock, VisionBlock)):
-            cost = seen.get(b)
-            if cost is None:
-                if isinstance(b, DecoderBlock):
-                    cost = seen[b] = _decoder(i, b, s, ctx)
-                else:
-                    assert model.vision is not None
-                    cost = seen[b] = _vision(i, b, tiles, model.vision.patches_per_tile, ctx)
-            out.append(cost if cost.index == i else replace(cost, index=i))
-        elif isinstance(b, VisionEmbedBlock):
-            assert model.vision is not None
-            out.append(_vision_embed(i, b, tiles * model.vision.patches_per_tile, ctx))
-        elif isinstance(b, ProjectorBlock):
-            assert model.vision is not None
-            out.append(_projector(i, b, tiles * model.vision.patches_per_tile, ctx))
-        elif isinstance(b, EmbeddingBlock):
-            out.append(_embedding(i, b, s, ctx))
-        elif isinstance(b, NormBlock):
-            tokens = tiles * model.vision.patches_per_tile if (model.vision and _in_vision_tower(model, i)) else s
-            out.append(_norm(i, b, tokens, ctx))
-        elif isinstance(b, LMHeadBlock):
-            out.append(_lm_head(i, b, s, ctx))
-        else:  # pragma: no cover - the Block union is closed
-            raise TypeError(f"unknown block {type(b).__name__}")
+        if memo is None:
+            out.append(_block_cost(model, i, b, s, tiles, ctx, seen))
+            continue
+        key = (i, tp, sp, ep if isinstance(b, DecoderBlock) and isinstance(b.mlp, MoEMLP) else 1)
+        cost = memo.get(key)
+        if cost is None:
+            cost = memo[key] = _block_cost(model, i, b, s, tiles, ctx, seen)
+        out.append(cost)
     return out
+
+
+def _block_cost(model: ModelSpec, i: int, b: object, s: int, tiles: int, ctx: _Ctx,
+                seen: dict[object, LayerCost]) -> LayerCost:
+    """Block ``i``'s cost; a transformer layer equal to one in ``seen`` is that one renumbered."""
+    if isinstance(b, (DecoderBlock, VisionBlock)):
+        cost = seen.get(b)
+        if cost is None:
+            if isinstance(b, DecoderBlock):
+                cost = seen[b] = _decoder(i, b, s, ctx)
+            else:
+                assert model.vision is not None
+                cost = seen[b] = _vision(i, b, tiles, model.vision.patches_per_tile, ctx)
+        return cost if cost.index == i else replace(cost, index=i)
+    if isinstance(b, VisionEmbedBlock):
+        assert model.vision is not None
+        return _vision_embed(i, b, tiles * model.vision.patches_per_tile, ctx)
+    if isinstance(b, ProjectorBlock):
+        assert model.vision is not None
+        return _projector(i, b, tiles * model.vision.patches_per_tile, ctx)
+    if isinstance(b, EmbeddingBlock):
+        return _embedding(i, b, s, ctx)
+    if isinstance(b, NormBlock):
+        tokens = tiles * model.vision.patches_per_tile if (model.vision and _in_vision_tower(model, i)) else s
+        return _norm(i, b, tokens, ctx)
+    if isinstance(b, LMHeadBlock):
+        return _lm_head(i, b, s, ctx)
+    raise TypeError(f"unknown block {type(b).__name__}")  # pragma: no cover - the Block union is closed
 
 
 def uses_rope(model: ModelSpec) -> bool:

@@ -169,6 +169,7 @@ class Evaluator:
         # a memory limit (planner/search/memfit.py): candidate -> (block ranges, bottleneck).
         self.overrides: dict[int, tuple[list[tuple[int, int]], float]] = {}
         self._runs: tuple[ModelSpec, np.ndarray] | None = None
+        self._layer_memo: dict = {}  # layer_costs' memo for the run model (per block, tp, sp, ep)
         self._unit_costs: dict[tuple, tuple[BlockTable, list[float]]] = {}
         self._details: tuple[Prepared | None, dict[int, tuple[dict[str, np.ndarray], int]]] = (None, {})
 
@@ -238,7 +239,8 @@ class Evaluator:
         per-block arrays are expanded afterwards. Equal to the direct call
         (tests/test_search_space.py)."""
         short, pos = self._run_model()
-        groups = [(layer_costs(short, self.workload, tp, sp, ep), shapes.tp, shapes.ep) for tp, sp, ep, shapes in specs]
+        groups = [(layer_costs(short, self.workload, tp, sp, ep, self._layer_memo), shapes.tp, shapes.ep)
+                  for tp, sp, ep, shapes in specs]
         return block_tables(groups, mbs, self.dev, self.cluster, expand=pos)
 
     def _run_model(self) -> tuple[ModelSpec, np.ndarray]:
@@ -246,7 +248,8 @@ class Evaluator:
         for every block the index of the one standing for it."""
         if self._runs is None:
             blocks = self.model.blocks
-            keep = [i for i in range(len(blocks)) if i == 0 or blocks[i] != blocks[i - 1]]
+            # Most copies are one object: ``is`` answers before pydantic's field-by-field ==.
+            keep = [i for i in range(len(blocks)) if i == 0 or (blocks[i] is not blocks[i - 1] and blocks[i] != blocks[i - 1])]
             pos = np.searchsorted(keep, np.arange(len(blocks)), side="right") - 1
             self._runs = (self.model.model_copy(update={"blocks": [blocks[i] for i in keep]}), pos)
         return self._runs
@@ -256,7 +259,7 @@ class Evaluator:
         per-block numbers, summed in the same order)."""
         if self.model_flops is None:
             short, pos = self._run_model()
-            fwd = [c.fwd_flops for c in layer_costs(short, self.workload)]
+            fwd = [c.fwd_flops for c in layer_costs(short, self.workload, memo=self._layer_memo)]
             self.model_flops = 3.0 * sum(fwd[j] for j in pos.tolist()) * self.workload.global_batch
         return self.model_flops
 
