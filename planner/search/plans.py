@@ -9,14 +9,14 @@ a 126-layer model.
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections import Counter
 
 from planner.cost import memory as mem
 from planner.cost.memory import MemoryBreakdown
 from planner.cost.plan import Plan, StagePlan
 from planner.cost.step_time import MicroBatchTime, StepTime
-from planner.model.spec import DecoderBlock, ModelSpec
+from planner.model.spec import ModelSpec
 from planner.search.evaluate import Evaluator, Prepared
 
 
@@ -31,19 +31,42 @@ def build_plans(ev: Evaluator, prep: Prepared, rows: list[int]) -> list[tuple[Pl
     return [_plan(ev, prep, i, facts, *detail) for i, detail in zip(rows, ev.candidates(prep, rows))]
 
 
-def _block_facts(model: ModelSpec) -> tuple[list[str], list[int]]:
-    """Each block's kind, and how many decoder blocks come before each block (a prefix count),
-    so a stage's counts are slices rather than a walk over its blocks' models."""
+BlockFacts = tuple[list[int], list[tuple[int, int, str]], list[int]]
+
+
+def _block_facts(model: ModelSpec) -> BlockFacts:
+    """The runs of blocks of one kind, as (start, end, kind) and their starts, and how many
+    decoder blocks come before each block (a prefix count), so a stage's counts come from
+    the few runs its chunks overlap rather than a walk over its blocks."""
     kinds = [b.kind for b in model.blocks]
-    decoders = [0, *itertools.accumulate(isinstance(b, DecoderBlock) for b in model.blocks)]
-    return kinds, decoders
+    runs, start = [], 0
+    for kind, same in itertools.groupby(kinds):
+        end = start + sum(1 for _ in same)
+        runs.append((start, end, kind))
+        start = end
+    decoders = [0, *itertools.accumulate(k == "decoder" for k in kinds)]  # DecoderBlock.kind
+    return [a for a, _, _ in runs], runs, decoders
 
 
-def _plan(ev: Evaluator, prep: Prepared, i: int, facts: tuple[list[str], list[int]], parts, ranks, d,
+def _kind_counts(facts: BlockFacts, chunks: list[tuple[int, int]]) -> dict[str, int]:
+    """Blocks per kind over ``chunks``, keyed in the order the kinds first appear (as a Counter
+    over the chunks' blocks in turn would list them)."""
+    starts, runs, _ = facts
+    counts: dict[str, int] = {}
+    for a, e in chunks:
+        j = bisect.bisect_right(starts, a) - 1
+        while a < e and j < len(runs) and runs[j][0] < e:
+            ra, re, kind = runs[j]
+            counts[kind] = counts.get(kind, 0) + min(e, re) - max(a, ra)
+            j += 1
+    return counts
+
+
+def _plan(ev: Evaluator, prep: Prepared, i: int, facts: BlockFacts, parts, ranks, d,
           bottlenecks) -> tuple[Plan, tuple[float, float]]:
     cfg = prep.space.config(i)
     model, pp, m = ev.model, cfg.pp, cfg.grad_accum
-    kinds, decoders = facts
+    decoders = facts[2]
     # Per rank as plain floats: one conversion per array, not one numpy scalar per number.
     memory_rows = zip(*(d[k][0].tolist() for k in ("weights", "grads", "optimizer", "activations", "buffers",
                                                    "overhead", "cpu_per_node")))
@@ -52,8 +75,8 @@ def _plan(ev: Evaluator, prep: Prepared, i: int, facts: tuple[list[str], list[in
     stages = []
     for r, memory, mb in zip(range(pp), memory_rows, time_rows):
         chunks = [tuple(c) for c in parts[r::pp]]
-        counts = Counter(itertools.chain.from_iterable(kinds[a:e] for a, e in chunks))
-        stages.append(StagePlan(r, list(chunks), sum(decoders[e] - decoders[a] for a, e in chunks), dict(counts),
+        layers = sum(decoders[e] - decoders[a] for a, e in chunks)
+        stages.append(StagePlan(r, list(chunks), layers, _kind_counts(facts, chunks),
                                 MemoryBreakdown(*memory), MicroBatchTime(*mb), float(inflight[r])))
     w = stages[int(d["worst"][0])].microbatch
     time = StepTime(compute=m * (w.fwd + w.bwd), recompute=m * w.recompute, tp_comm=m * w.tp,
