@@ -414,26 +414,41 @@ class Evaluator:
 
     # -- the whole space ------------------------------------------------------------------
     def prepare(self, space: Space) -> "Prepared":
-        """Group candidates by what their partition and per-rank tables depend on."""
+        """Group candidates by what their partition and per-rank tables depend on.
+
+        The grouping is one stable sort of a mixed-radix code per candidate (what np.unique
+        does inside), whose order is also the candidates sorted by key: no second sort."""
         c = space.columns
-        key_cols = np.column_stack([c["tp"], c["sp"], c["ep"], c["micro_batch"], c["recompute"], c["pp"], c["vs"],
-                                    c["dp"], c["framework"]])
-        # One int64 per row (mixed radix) so the grouping is a 1-D unique, not a row lexsort.
-        radix = key_cols.max(axis=0) + 1 if len(key_cols) else np.ones(9, dtype=np.int64)
-        weights = np.concatenate((np.cumprod(radix[::-1])[::-1][1:], [1]))
-        _, first, inverse = np.unique(key_cols @ weights, return_index=True, return_inverse=True)
-        keys = key_cols[first]
+        cols = [c[k] for k in ("tp", "sp", "ep", "micro_batch", "recompute", "pp", "vs", "dp", "framework")]
+        n = len(space)
+        if not n:
+            return Prepared(space, np.zeros((0, len(cols)), dtype=np.int64), np.zeros(0, dtype=np.intp), {},
+                            np.zeros(0, dtype=np.intp), np.zeros(1, dtype=np.int64), np.zeros(0, dtype=bool))
+        # One int64 per row (mixed radix, Horner's scheme) so the grouping is a 1-D sort, not a row lexsort.
+        radix = [int(col.max()) + 1 for col in cols]
+        code = cols[0].copy()
+        for col, r in zip(cols[1:], radix[1:]):
+            code *= r
+            code += col
+        order = np.argsort(code, kind="stable")
+        new = np.empty(n, dtype=bool)
+        new[0] = True
+        sorted_code = code[order]
+        np.not_equal(sorted_code[1:], sorted_code[:-1], out=new[1:])
+        cuts = np.flatnonzero(new)
+        inverse = np.empty(n, dtype=np.intp)
+        inverse[order] = np.cumsum(new) - 1
+        first = order[cuts]
+        keys = np.stack([col[first] for col in cols], axis=1)
         # Keys are sorted by their code, whose leading digits are (tp, sp, ep): each group's keys
         # form one run, met in sorted order.
-        group = keys[:, :3] @ weights[:3]
-        cuts = np.concatenate(([0], np.flatnonzero(np.diff(group)) + 1, [len(keys)]))
+        group = sorted_code[cuts] // int(np.prod(radix[3:]))
+        runs = np.concatenate(([0], np.flatnonzero(np.diff(group)) + 1, [len(keys)]))
         micro = {tuple(int(x) for x in keys[a, :3]): tuple(sorted(set(keys[a:b, 3].tolist())))
-                 for a, b in zip(cuts[:-1], cuts[1:]) if b > a}
-        order = np.argsort(inverse.reshape(-1), kind="stable")
-        counts = np.bincount(inverse.reshape(-1), minlength=len(keys))
-        zero3 = np.bincount(inverse.reshape(-1), weights=c["zero"] == 3, minlength=len(keys)) > 0
-        return Prepared(space, keys, inverse.reshape(-1), micro, order, np.concatenate(([0], np.cumsum(counts))),
-                        zero3)
+                 for a, b in zip(runs[:-1], runs[1:]) if b > a}
+        starts = np.concatenate((cuts, [n]))
+        zero3 = np.logical_or.reduceat((c["zero"] == 3)[order], cuts)
+        return Prepared(space, keys, inverse, micro, order, starts, zero3)
 
     def lower_bounds(self, prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
         from planner.search.bounds import lower_bounds
