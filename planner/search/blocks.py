@@ -84,39 +84,42 @@ def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarra
 
 
 def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, float]]]]],
-          bs: np.ndarray) -> list[np.ndarray]:
-    """[b, block] seconds of each job: a group shape and each block's list of (collective,
+          bs: np.ndarray) -> np.ndarray:
+    """[job, b, block] seconds of each job: a group shape and each block's list of (collective,
     bytes per sample).
 
     One ``collective_time_array`` call per (shape, collective) over every distinct (bytes x
     micro-batch) size of every job at once: the time is elementwise in the size, so this
     equals one call per size, and the dozens of (tp, sp, ep) tables of a search share a
-    handful of TP and EP shapes.
+    handful of TP and EP shapes. The sums per block are one ``bincount`` over every (job,
+    micro-batch, block) cell, which adds a block's collectives in the order their (collective,
+    bytes) first appear in its job, as one addition per distinct size would.
     """
+    n_blocks = len(jobs[0][1]) if jobs else 0
     wanted: dict[tuple[GroupShape, str], dict[float, int]] = {}  # per (shape, op): size -> row
-    per_job: list[dict[tuple[str, float], list[int]]] = []
-    for shape, ops in jobs:
+    adds: list[tuple[int, list[int], tuple[GroupShape, str], int]] = []  # (job, blocks, (shape, op), row)
+    for job, (shape, ops) in enumerate(jobs):
+        if shape.size <= 1:
+            continue
         distinct: dict[tuple[str, float], list[int]] = {}
-        if shape.size > 1:
-            for j, block_ops in enumerate(ops):
-                for op, nbytes in block_ops:
-                    distinct.setdefault((op, float(nbytes)), []).append(j)
-            for op, nbytes in distinct:
-                rows = wanted.setdefault((shape, op), {})
-                rows.setdefault(nbytes, len(rows))
-        per_job.append(distinct)
-    times: dict[tuple[GroupShape, str], np.ndarray] = {}
+        for j, block_ops in enumerate(ops):
+            for op, nbytes in block_ops:
+                distinct.setdefault((op, float(nbytes)), []).append(j)  # a block may list an op twice
+        for (op, nbytes), blocks in distinct.items():
+            rows = wanted.setdefault((shape, op), {})
+            adds.append((job, blocks, (shape, op), rows.setdefault(nbytes, len(rows))))
+    offset, times, n_rows = {}, [np.zeros((0, len(bs)))], 0  # every (shape, op)'s rows, stacked
     for (shape, op), rows in wanted.items():
+        offset[shape, op], n_rows = n_rows, n_rows + len(rows)
         sizes = np.fromiter(rows, dtype=float, count=len(rows))
-        times[shape, op] = collective_time_array(cluster, op, shape, sizes[:, None] * bs[None, :])
-    out = []
-    for (shape, ops), distinct in zip(jobs, per_job):
-        o = np.zeros((len(bs), len(ops)))
-        for (op, nbytes), blocks in distinct.items():  # summed in the same order as one call per size
-            t = times[shape, op][wanted[shape, op][nbytes]]
-            np.add.at(o, (slice(None), np.asarray(blocks)), t[:, None])  # a block may list an op twice
-        out.append(o)
-    return out
+        times.append(collective_time_array(cluster, op, shape, sizes[:, None] * bs[None, :]))
+    cell = [job * n_blocks + j for job, blocks, _, _ in adds for j in blocks]  # (job, block), in adding order
+    row = [offset[key] + r for _, blocks, key, r in adds for _ in blocks]
+    at = (np.arange(len(bs))[:, None] * (len(jobs) * n_blocks) + np.array(cell, dtype=np.int64)[None, :]).ravel()
+    per_size = np.concatenate(times)[np.array(row, dtype=np.int64)].T.ravel()  # [b, adds]
+    # Cells ordered (b, job, block), each summed in adding order: then [job, b, block].
+    sums = np.bincount(at, weights=per_size, minlength=len(bs) * len(jobs) * n_blocks)
+    return sums.reshape(len(bs), len(jobs), n_blocks).transpose(1, 0, 2)
 
 
 def block_table(costs: list[LayerCost], micro_batches: tuple[int, ...], dev: eff.Device, cluster: Cluster,
@@ -162,7 +165,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
                  (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
     comms = _comm(cluster, jobs, bs)
-    base_tp, again_tp, a2a = (np.stack(comms[k::3]) for k in range(3))  # [group, b, block]
+    base_tp, again_tp, a2a = (comms[k::3] for k in range(3))  # [group, b, block]
     rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
     rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
     rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], attn + score, 0.0)
