@@ -159,23 +159,26 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
             continue
         key = (i, tp, sp, ep if isinstance(b, DecoderBlock) and isinstance(b.mlp, MoEMLP) else 1)
         cost = memo.get(key)
-        if cost is None:
-            cost = memo[key] = _block_cost(model, i, b, s, tiles, ctx, seen)
+        if cost is None:  # priced directly: hashing a layer for ``seen`` costs about as much
+            cost = memo[key] = _block_cost(model, i, b, s, tiles, ctx, None)
         out.append(cost)
     return out
 
 
 def _block_cost(model: ModelSpec, i: int, b: object, s: int, tiles: int, ctx: _Ctx,
-                seen: dict[object, LayerCost]) -> LayerCost:
-    """Block ``i``'s cost; a transformer layer equal to one in ``seen`` is that one renumbered."""
+                seen: dict[object, LayerCost] | None) -> LayerCost:
+    """Block ``i``'s cost; a transformer layer equal to one in ``seen`` (when given) is that
+    one renumbered."""
     if isinstance(b, (DecoderBlock, VisionBlock)):
-        cost = seen.get(b)
+        cost = seen.get(b) if seen is not None else None
         if cost is None:
             if isinstance(b, DecoderBlock):
-                cost = seen[b] = _decoder(i, b, s, ctx)
+                cost = _decoder(i, b, s, ctx)
             else:
                 assert model.vision is not None
-                cost = seen[b] = _vision(i, b, tiles, model.vision.patches_per_tile, ctx)
+                cost = _vision(i, b, tiles, model.vision.patches_per_tile, ctx)
+            if seen is not None:
+                seen[b] = cost
         return cost if cost.index == i else replace(cost, index=i)
     if isinstance(b, VisionEmbedBlock):
         assert model.vision is not None
