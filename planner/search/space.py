@@ -228,7 +228,7 @@ def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int
     One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
     facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1. The
     answers are tallied with whole-array calls, not per row."""
-    st = np.array(settings, dtype=np.int64).reshape(-1, 5)
+    st = np.fromiter(itertools.chain.from_iterable(settings), np.int64, 5 * len(settings)).reshape(-1, 5)
     deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2))
                     for d, flag in reps], dtype=np.int64).reshape(-1, 5)
     n, k = len(deg), len(st)
@@ -296,7 +296,8 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
                 reps.append((deg, flag))
                 pattern_first.append((deg, mbs[0]))
             blocks.append((deg, mbs, pattern_id))
-    verdicts = _pattern_verdicts(reps, settings, framework_rule) if reps else _Verdicts(np.zeros((5, 0), np.int64), [], [])
+    verdicts = (_pattern_verdicts(reps, settings, framework_rule) if reps
+                else _Verdicts(np.zeros((5, 0), dtype=np.int64), [], []))
     pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
     # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
     # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
@@ -336,7 +337,7 @@ def _layout(blocks: list[tuple[Degrees, int, int, list[int]]], ok_rows: np.ndarr
     m = np.fromiter(map(len, mbs), np.int64, len(mbs))
     sizes = k * m
     # One "setting row" per (block, ok setting): its index in ok_rows, its micro-batch count and
-    # where its block's micro-batches start in the concatenation of all of them.
+    # its first candidate.
     row_m = np.repeat(m, k)
     row_setting = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k - first, k)
     row_start = np.cumsum(row_m) - row_m  # first candidate of the row
