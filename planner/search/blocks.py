@@ -78,9 +78,9 @@ def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarra
     idx, tokens, n, k, batch = (np.array(col, dtype=float) for col in zip(*rows))
     m = tokens[None, :] * bs[:, None]
     t = eff.gemm_time(m, n[None, :], k[None, :], dev, batch[None, :])
-    for bi in range(len(bs)):
-        out[bi] = np.bincount(idx.astype(int), weights=t[bi], minlength=len(costs))
-    return out
+    # Per (micro-batch, block) cell, its GEMMs summed in order: one bincount for every size.
+    at = (np.arange(len(bs))[:, None] * len(costs) + idx.astype(np.int64)[None, :]).ravel()
+    return np.bincount(at, weights=t.ravel(), minlength=out.size).reshape(out.shape)
 
 
 def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, float]]]]],
@@ -149,14 +149,23 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     def per_size(a: np.ndarray) -> np.ndarray:  # [b, group x block] -> [group, b, block]
         return a.reshape(len(bs), n_groups, n_blocks).transpose(1, 0, 2)
 
-    gemm = _gemms(costs, bs, dev)
-    hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in costs])[None, :] * bs[:, None], dev)
-    attn_f = _attention(costs, bs, dev, False)
-    attn_b = _attention(costs, bs, dev, True)
-    fwd = per_size(gemm + attn_f + hbm_t)
-    bwd = per_size(2.0 * gemm + attn_b + 2.0 * hbm_t)
-    score = per_size(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in costs])[None, :] * bs[:, None], dev))
-    attn = per_size(attn_f)
+    # The kernels run once per distinct cost: groups share the blocks that their (tp, sp, ep)
+    # do not change (one LayerCost object from layer_costs' memo), then each column is copied out.
+    index: dict[int, int] = {}
+    inv = [index.setdefault(id(c), len(index)) for c in costs]
+    uniq = list({id(c): c for c in costs}.values())
+
+    def spread(a: np.ndarray) -> np.ndarray:  # [b, distinct cost] -> [group, b, block]
+        return per_size(a if len(uniq) == len(costs) else a[:, inv])
+
+    gemm = _gemms(uniq, bs, dev)
+    hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in uniq])[None, :] * bs[:, None], dev)
+    attn_f = _attention(uniq, bs, dev, False)
+    attn_b = _attention(uniq, bs, dev, True)
+    fwd = spread(gemm + attn_f + hbm_t)
+    bwd = spread(2.0 * gemm + attn_b + 2.0 * hbm_t)
+    score = spread(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in uniq])[None, :] * bs[:, None], dev))
+    attn = spread(attn_f)
     ckpt = per_block([c.checkpointed for c in costs]) > 0
     has_attn = per_block([c.attn is not None for c in costs]) > 0
     count = per_block([c.ep_a2a_count for c in costs])
