@@ -249,7 +249,8 @@ class Evaluator:
         if self._runs is None:
             blocks = self.model.blocks
             # Most copies are one object: ``is`` answers before pydantic's field-by-field ==.
-            keep = [i for i in range(len(blocks)) if i == 0 or (blocks[i] is not blocks[i - 1] and blocks[i] != blocks[i - 1])]
+            keep = [i for i in range(len(blocks))
+                    if i == 0 or (blocks[i] is not blocks[i - 1] and blocks[i] != blocks[i - 1])]
             pos = np.searchsorted(keep, np.arange(len(blocks)), side="right") - 1
             self._runs = (self.model.model_copy(update={"blocks": [blocks[i] for i in keep]}), pos)
         return self._runs
