@@ -106,7 +106,7 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     last = pp - 1
     inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(last, pp, vs, m, mem.microbatch_groups(c["pp"], c["grad_accum"])))
     held = (states + stored * inflight_last) / pp
-    deep = np.nonzero((c["pp"] > 1) & (c["vs"] == 1))[0]
+    deep = np.nonzero(c["pp"] > 1)[0]
     if deep.size:
         held[deep] = np.maximum(held[deep], _pipeline_held(ev, prep, deep, per_dense[deep], per_expert[deep],
                                                            states[deep], stored[deep]))
@@ -128,26 +128,31 @@ def spread_bound(units: np.ndarray, pp: np.ndarray) -> np.ndarray:
 
 def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dense: np.ndarray,
                    per_expert: np.ndarray, states: np.ndarray, stored: np.ndarray) -> np.ndarray:
-    """For 1F1B pipelines: model states plus in-flight activations on the fullest rank, bounded
-    over every split of the pipeline units (rank r keeps k_r = min(pp - r, m) micro-batches).
+    """For pipelines: model states plus in-flight activations on the fullest rank, bounded
+    over every split of the pipeline units (rank r keeps k_r micro-batches of its stage:
+    min(pp - r, m) under 1F1B, memory.inflight_array's count when interleaved).
 
     The fullest rank holds at least any weighted mean of the ranks, sum_r w_r f_r, and with
     f_r = sum over its units u of (s_u + a_u k_r), that is at least sum_u min_r w_r (s_u + a_u k_r)
     whichever rank each unit lands on. With w_r proportional to 1 / (sigma + k_r), sigma the
     candidate's states-to-activation ratio, each term (s_u + a_u k) / (sigma + k) is monotone in
-    k, so its minimum is at k = 1 or k = min(pp, m): a few array operations per candidate. For
+    k, so its minimum is at the least or the most k_r (1 or min(pp, m) under 1F1B): a few
+    array operations per candidate. For
     uniform layers it is about the balanced split's value; the mean-rank bound is pp / H(pp)
     lower when activations dominate (13x at pp 64), which made deep pipelines look like they fit.
     ``per_dense`` / ``per_expert``: model-state bytes per parameter of each row."""
     c = prep.space.columns
     pp = c["pp"][rows].astype(float)
     m = c["grad_accum"][rows].astype(float)
-    top = np.minimum(pp, m)
+    least, top = np.ones(len(rows)), np.minimum(pp, m)
     sigma = states / np.maximum(stored, 1e-30)
-    # Z = sum_r 1 / (sigma + k_r): pp - top + 1 ranks keep `top`, then one rank each keeps
-    # top-1 .. 1. A larger Z only lowers the bound, so the sum over k may be replaced by the
-    # integral of the convex 1 / (sigma + x) from 1/2 to top - 1/2, which is at least it.
+    # Z = sum_r 1 / (sigma + k_r): under 1F1B pp - top + 1 ranks keep `top`, then one rank each
+    # keeps top-1 .. 1. A larger Z only lowers the bound, so the sum over k may be replaced by
+    # the integral of the convex 1 / (sigma + x) from 1/2 to top - 1/2, which is at least it.
     z = (pp - top + 1) / (sigma + top) + np.log((sigma + top - 0.5) / (sigma + 0.5))
+    inter = np.flatnonzero(c["vs"][rows] > 1)
+    if inter.size:  # interleaved: the ranks' counts follow no such run, so sum them exactly
+        least[inter], top[inter], z[inter] = _interleaved_inflight(c, rows[inter], sigma[inter])
     # Units priced alike (the 126 decoder layers of a dense model) collapse into one type with
     # a count: [row x type] arrays stay small.
     key = prep.keys[prep.inverse[rows]]  # (tp, sp, ep, micro_batch, recompute, pp, vs, dp, framework)
@@ -159,10 +164,25 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dens
     gi = gi.reshape(-1)
     s_u = per_dense[:, None] * dense_t[gi] + per_expert[:, None] * expert_t[gi]  # [row x type]
     a_u = act_t[gi] * key[:, 3].astype(float)[:, None]
-    sg, t = sigma[:, None], top[:, None]
-    g = np.minimum((s_u + a_u) / (sg + 1.0), (s_u + a_u * t) / (sg + t))
+    sg, lo, t = sigma[:, None], least[:, None], top[:, None]
+    g = np.minimum((s_u + a_u * lo) / (sg + lo), (s_u + a_u * t) / (sg + t))
     out = (g @ count_t) / z
     return out * (1 - 1e-9)  # summation order must not lift the bound
+
+
+def _interleaved_inflight(c: dict[str, np.ndarray], rows: np.ndarray,
+                          sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per interleaved row: the least and the most in-flight micro-batches of a rank's stage
+    (memory.inflight_array, as assemble charges them) and sum_r 1 / (sigma + k_r) over its ranks."""
+    pp, vs, m = (c[k][rows][:, None] for k in ("pp", "vs", "grad_accum"))
+    group = mem.microbatch_groups(c["pp"][rows], c["grad_accum"][rows])[:, None]
+    rank = np.arange(int(pp.max()))[None, :]
+    k = mem.inflight_array(rank, pp, vs, m, group).astype(float)  # [row x rank], ranks past pp unused
+    real = rank < pp
+    least = np.where(real, k, np.inf).min(axis=1)
+    most = np.where(real, k, -np.inf).max(axis=1)
+    z = np.where(real, 1.0 / (sigma[:, None] + k), 0.0).sum(axis=1)
+    return least, most, z
 
 
 def _unit_types(ev: "Evaluator", prep: "Prepared", keys: np.ndarray) -> tuple[np.ndarray, ...]:
