@@ -23,13 +23,14 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
-from planner.cost.collectives import collective_time_array
+from planner.cost.collectives import collective_time_array, collective_times_by_row
 from planner.cost.layers import layer_costs
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES, Workload
 from planner.hardware.cluster import Cluster
@@ -78,7 +79,7 @@ def pipeline_units(model: ModelSpec) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-# Rows of a rank table (Evaluator.rank_table): per pipeline rank, one micro-batch's seconds of
+# Rows of a rank table (Evaluator.rank_tables): per pipeline rank, one micro-batch's seconds of
 # forward, backward, recompute, TP, EP and pipeline traffic; the stage's dense and expert
 # parameters, its largest block, stored and live activation bytes and pipeline buffers; the
 # parameters of a tied embedding's copy when the rank holds one of two (estimate._tied_group);
@@ -141,6 +142,101 @@ class Shapes:
         node, and the shape that prices the others (None: every hop priced alike)."""
         crosses, near = pipeline_hops(self._full.cluster, self._full.stride("pp"), self._full.dims["pp"])
         return np.array(crosses, dtype=bool), near
+
+
+class RankSpec(NamedTuple):
+    """What one rank table depends on, its ZeRO-3 rows aside (Evaluator.rank_tables): the
+    split, the micro-batch and recompute mode, the pipeline shape and how the framework sends
+    across stages (frameworks.pp_send_divisor, pp_boundary_gathers, pp_transfers, pp_meta_bytes)."""
+
+    table: BlockTable
+    parts: list[tuple[int, int]]
+    mode: int
+    b: int
+    pp: int
+    vs: int
+    tp: int
+    send_div: int
+    shapes: Shapes
+    gathers: tuple[int, int] = (0, 0)
+    transfers: int = 1
+    meta: float = 0.0
+
+    def cache_key(self) -> tuple:
+        return (id(self.table), tuple(self.parts), self.mode, self.b, self.pp, self.vs, self.tp, self.send_div,
+                self.gathers, self.transfers, self.meta, self.shapes.pp)
+
+
+def _with_z3(base: np.ndarray, spec: RankSpec, z3: dict[str, np.ndarray] | None) -> np.ndarray:
+    """``base`` with its ZeRO-3 rows summed from the prefix sums ``z3`` (a copy; ``base`` itself
+    when there are none)."""
+    if not z3:
+        return base
+    out = base.copy()
+    starts = np.array([a for a, _ in spec.parts])
+    ends = np.array([e for _, e in spec.parts])
+    for row, name in ((-2, "z3_gather"), (-1, "z3_reduce")):
+        out[row] = (z3[name][ends] - z3[name][starts]).reshape(spec.vs, spec.pp).sum(axis=0)
+    return out
+
+
+class _Chunks:
+    """The chunks of several rank-table specs laid end to end, spec after spec (chunk k of a
+    spec runs on its rank k % pp), and the specs' ranks side by side as columns, so that one
+    numpy call computes a quantity for every spec."""
+
+    # Per-spec numbers, repeated per chunk (``chunk``) and per rank (``rank``).
+    VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy")
+
+    def __init__(self, specs: list[RankSpec], nblocks: int, tied_size: float) -> None:
+        self.specs = specs
+        tables: dict[int, tuple[int, BlockTable]] = {}
+        prefixes: dict[tuple, tuple[int, RankSpec]] = {}
+        for s in specs:
+            tables.setdefault(id(s.table), (len(tables), s.table))
+            prefixes.setdefault((id(s.table), s.mode, s.b), (len(prefixes), s))
+        self.prefix_specs = [s for _, s in prefixes.values()]  # one per distinct (table, mode, b)
+        stride = nblocks + 1  # a table's blocks and one padding block (an end index stays in bounds)
+        counts, pps, prefix, base = np.array([(len(s.parts), s.pp, prefixes[id(s.table), s.mode, s.b][0],
+                                               tables[id(s.table)][0] * stride) for s in specs]).T
+        values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, RECOMPUTES[s.mode] == "full", s.pp,
+                            tied_size / s.tp) for s in specs], dtype=float).T
+        self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
+        self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
+        self.counts, self.pps = counts, pps
+        bounds = np.array([x for s in specs for part in s.parts for x in part]).reshape(-1, 2)
+        self.starts, self.ends = bounds[:, 0], bounds[:, 1]
+        self.rank_start = np.concatenate(([0], np.cumsum(pps)))
+        self.width = int(self.rank_start[-1])
+        pp, first_chunk, first_rank, self.prefix, self.block_base = np.repeat(
+            np.stack((pps, np.cumsum(counts) - counts, self.rank_start[:-1], prefix, base)), counts, axis=1)
+        k = np.arange(len(bounds)) - first_chunk
+        rank, self.virtual = k % pp, k // pp
+        self.column, self.previous_column = first_rank + rank, first_rank + (rank - 1) % pp
+        # The distinct tables' largest-block candidates (params + expert), live activations and
+        # pipeline bytes per sample: [3 x table and block].
+        arrays = np.zeros((3, len(tables), stride))
+        for j, t in tables.values():
+            arrays[:, j, :nblocks] = (t.params + t.expert, t.act_live, t.pp_bytes)
+        self.block_arrays = arrays.reshape(3, -1)
+
+    def rank_sum(self, x: np.ndarray) -> np.ndarray:
+        """[rows x chunk] -> [rows x rank]: each rank's chunks added in chunk order (np.bincount
+        adds in input order, as reshape(vs, pp).sum(axis=0) adds the virtual stages in turn)."""
+        rows = len(x)
+        index = (np.arange(rows)[:, None] * self.width + self.column).ravel()
+        return np.bincount(index, weights=x.ravel(), minlength=rows * self.width).reshape(rows, self.width)
+
+    def rank_max(self, x: np.ndarray) -> np.ndarray:
+        """[rows x chunk] -> [rows x rank]: each rank's largest chunk value (values >= 0)."""
+        grid = np.zeros((len(x), int(self.virtual.max()) + 1, self.width))
+        grid[:, self.virtual, self.column] = x
+        return grid.max(axis=1)
+
+    def block_max(self) -> np.ndarray:
+        """Per chunk, its largest block in each row of ``block_arrays``: [3 x chunk]."""
+        index = np.stack((self.starts + self.block_base, self.ends + self.block_base), axis=1).ravel()
+        return np.maximum.reduceat(self.block_arrays, index, axis=1)[:, ::2]  # odd entries: between chunks
 
 
 class Evaluator:
@@ -322,96 +418,119 @@ class Evaluator:
         self._z3[key] = (table, out)
         return out
 
-    def _prefixes(self, table: BlockTable, mode: int, bi: int) -> np.ndarray:
-        """Prefix sums over blocks of fwd, bwd, rc, tp, ep, dense, expert, act: [8 x blocks + 1]."""
-        key = (id(table), mode, bi)
-        hit = self._prefix.get(key)
-        if hit is not None and hit[0] is table:
-            return hit[1]
-        series = np.stack((table.fwd[bi], table.bwd[bi], table.rc[mode, bi], table.tp[mode, bi], table.ep[mode, bi],
-                           table.params, table.expert, table.act[mode]))
-        sums = np.zeros((len(series), series.shape[1] + 1))
-        np.cumsum(series, axis=1, out=sums[:, 1:])  # row by row, as one cumsum per series
-        self._prefix[key] = (table, sums)  # holding the table keeps its id unique
-        return sums
+    def _prefixes(self, specs: list[RankSpec]) -> np.ndarray:
+        """Prefix sums over blocks of fwd, bwd, rc, tp, ep, dense, expert, act of each spec's
+        (table, mode, micro-batch): [8 x spec x blocks + 1]; the missing ones in one cumsum."""
+        keys = [(id(s.table), s.mode, s.table.b_index(s.b)) for s in specs]
+        todo = [(key, s) for key, s in zip(keys, specs)
+                if (hit := self._prefix.get(key)) is None or hit[0] is not s.table]
+        if todo:
+            series = np.stack([row for (_, mode, bi), s in todo for row in (
+                s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
+                s.table.params, s.table.expert, s.table.act[mode])])
+            sums = np.zeros((len(todo), 8, series.shape[1] + 1))
+            np.cumsum(series.reshape(len(todo), 8, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
+            for (key, s), one in zip(todo, sums):
+                self._prefix[key] = (s.table, one)  # holding the table keeps its id unique
+        return np.stack([self._prefix[key][1] for key in keys], axis=1)
 
-    def rank_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                   tp: int, send_div: int, shapes: Shapes, z3: dict[str, np.ndarray] | None = None,
-                   gathers: tuple[int, int] = (0, 0), transfers: int = 1, meta: float = 0.0) -> np.ndarray:
-        """Per pipeline rank: one micro-batch's time parts and the stage's contents, as a
-        [RANK_FIELDS x pp] matrix (one array per key, so a chunk of keys stacks in one call;
-        ``rank_fields`` names its rows).
+    def rank_tables(self, specs: list[tuple[RankSpec, dict[str, np.ndarray] | None]]) -> list[np.ndarray]:
+        """Per (spec, ZeRO-3 prefix sums or None): one micro-batch's time parts and the stage's
+        contents per pipeline rank, as a [RANK_FIELDS x pp] matrix (one array per spec, so a
+        chunk of keys stacks in one call; ``rank_fields`` names its rows).
 
-        All but the ZeRO-3 parts depend on the partition and the pp group's shape, not on dp or
-        the framework (beyond how it sends across stages), so they are computed once per such key."""
-        key = (id(table), tuple(parts), mode, b, pp, vs, tp, send_div, gathers, transfers, meta, shapes.pp)
-        hit = self._rank_base.get(key)
-        if hit is None or hit[0] is not table:
-            hit = (table, self._rank_base_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, gathers,
-                                                transfers, meta))
-            self._rank_base[key] = hit  # holding the table keeps its id unique
-        if not z3:
-            return hit[1]
-        out = hit[1].copy()
-        starts = np.array([a for a, _ in parts])
-        ends = np.array([e for _, e in parts])
-        for row, name in ((-2, "z3_gather"), (-1, "z3_reduce")):
-            out[row] = (z3[name][ends] - z3[name][starts]).reshape(vs, pp).sum(axis=0)
-        return out
+        All but the ZeRO-3 parts depend on the spec, not on dp or the framework (beyond how it
+        sends across stages), so they are kept per spec; the missing ones are built together."""
+        keys = [spec.cache_key() for spec, _ in specs]
+        missing: dict[tuple, RankSpec] = {}
+        for key, (spec, _) in zip(keys, specs):
+            hit = self._rank_base.get(key)
+            if hit is None or hit[0] is not spec.table:
+                missing[key] = spec
+        if missing:
+            for (key, spec), ranks in zip(missing.items(), self._rank_base_tables(list(missing.values()))):
+                self._rank_base[key] = (spec.table, ranks)  # holding the table keeps its id unique
+        return [_with_z3(self._rank_base[key][1], spec, z3) for key, (spec, z3) in zip(keys, specs)]
 
-    def _rank_base_table(self, table: BlockTable, parts: list[tuple[int, int]], mode: int, b: int, pp: int, vs: int,
-                         tp: int, send_div: int, shapes: Shapes, gathers: tuple[int, int] = (0, 0),
-                         transfers: int = 1, meta: float = 0.0) -> np.ndarray:
-        """The rank table of RANK_FIELDS, ZeRO-3 rows left at zero."""
-        starts = np.array([a for a, _ in parts])
-        ends = np.array([e for _, e in parts])
-        pre = self._prefixes(table, mode, table.b_index(b))
-        # Per chunk, then the chunks of each rank (chunk k runs on rank k % pp) added up.
-        sums = (pre[:, ends] - pre[:, starts]).reshape(len(pre), vs, pp).sum(axis=1)
+    def _rank_base_tables(self, specs: list[RankSpec]) -> list[np.ndarray]:
+        """The rank tables of RANK_FIELDS of many specs, ZeRO-3 rows left at zero.
 
-        def chunk_max(x: np.ndarray) -> np.ndarray:
-            return np.maximum.reduceat(x, starts).reshape(vs, pp).max(axis=0)
-
-        # step_time.rank_time: each chunk sends its output forward (unless it ends the model)
-        # and receives from the chunk before it (unless it starts the model).
-        whole_out = np.where(ends < self.nblocks, table.pp_bytes[np.maximum(ends - 1, 0)] * b, 0.0)
-        whole_in = np.where(starts > 0, table.pp_bytes[np.maximum(starts - 1, 0)] * b, 0.0)
-        out = np.zeros((len(RANK_FIELDS), pp))
+        A search evaluates a few keys at a time, where numpy's fixed cost per call outweighs
+        the arithmetic of one key: every spec's chunks are laid end to end (_Chunks), so each
+        quantity takes one call for all specs. A rank's chunks are added in chunk order, as
+        one spec's reshape(vs, pp).sum(axis=0) does, so each table is bit for bit the same."""
+        ch = _Chunks(specs, self.nblocks, self._tied[2] if self._tied else 0.0)
+        pre = self._prefixes(ch.prefix_specs)
+        # Per chunk: fwd, bwd, rc, tp, ep, dense, expert, stored activations per sample, pipeline seconds.
+        per_chunk = np.empty((9, len(ch.starts)))
+        np.subtract(pre[:, ch.prefix, ch.ends], pre[:, ch.prefix, ch.starts], out=per_chunk[:8])
+        per_chunk[8] = self._pipeline_seconds(ch)
+        sums = ch.rank_sum(per_chunk)
+        largest, live, buf = ch.rank_max(ch.block_max())
+        b = ch.rank["b"]
+        out = np.zeros((len(RANK_FIELDS), ch.width))
         out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert
-        if shapes.pp.size > 1:
-            sizes = np.stack((whole_out, whole_in)) / send_div
-            if meta:  # step_time.rank_time: each transfer preceded by its meta tensor
-                sizes = np.concatenate((sizes, np.where(sizes > 0, meta, 0.0)))
-            priced = collective_time_array(self.cluster, "p2p", shapes.pp, sizes)
-            crosses, near = shapes.pp_hops
-            if near is not None:  # hops inside a node go over NVLink (estimate: Comms.pp_near)
-                near_priced = collective_time_array(self.cluster, "p2p", near, sizes)
-                rank = np.arange(len(parts)) % pp  # chunk k runs on rank k % pp
-                out_far = np.arange(len(sizes)) % 2 == 0  # rows: send, recv (, meta send, meta recv)
-                priced = np.where(out_far[:, None], np.where(crosses[rank], priced, near_priced),
-                                  np.where(crosses[(rank - 1) % pp], priced, near_priced))
-            send_t, recv_t = priced[0::2].sum(axis=0) * transfers, priced[1::2].sum(axis=0) * transfers
-            if gathers != (0, 0):  # frameworks.pp_boundary_gathers
-                g_out, g_in = collective_time_array(self.cluster, "allgather", shapes.tp, np.stack((whole_out, whole_in)))
-                send_t, recv_t = send_t + gathers[0] * g_out, recv_t + gathers[1] * g_in
-            out[7] = (send_t + recv_t).reshape(vs, pp).sum(axis=0)
-        out[8] = chunk_max(table.params + table.expert)  # largest
+        out[7] = sums[8]  # pp
+        out[8] = largest
         out[9] = sums[7] * b  # stored activations
-        if RECOMPUTES[mode] == "full":
-            out[10] = chunk_max(table.act_live) * b  # live
-        if pp > 1:
-            out[11] = 2.0 * chunk_max(table.pp_bytes) * b  # pipeline buffers
+        out[10] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # live, under full recompute
+        out[11] = np.where(ch.rank["pp"] > 1, 2.0 * buf * b, 0.0)  # pipeline buffers
         if self._tied is not None:
-            head, embed, size = self._tied
-            owner = {}
-            for s, (a, e) in enumerate(parts):
-                for i in (head, embed):
-                    if a <= i < e:
-                        owner[i] = s % pp
-            if owner[head] != owner[embed]:
-                out[5, owner[head]] += size / tp  # the head's copy of the embedding, on the dense row
-                out[12, owner[head]] = out[12, owner[embed]] = size / tp  # the tied pair
-        return out
+            self._tied_rows(out, ch)
+        return np.split(out, ch.rank_start[1:-1], axis=1)
+
+    def _pipeline_seconds(self, ch: "_Chunks") -> np.ndarray:
+        """Per chunk: one micro-batch's pipeline traffic, every spec's transfers priced in one
+        ``collective_times_by_row`` call. step_time.rank_time: each chunk sends its output
+        forward (unless it ends the model) and receives from the chunk before it (unless it
+        starts the model), each transfer preceded by its meta tensor where there is one;
+        frameworks.pp_boundary_gathers adds TP all-gathers of the whole boundary tensor."""
+        c = ch.chunk
+        pp_bytes = ch.block_arrays[2]
+        whole_out = np.where(ch.ends < self.nblocks, pp_bytes[ch.block_base + np.maximum(ch.ends - 1, 0)] * c["b"], 0.0)
+        whole_in = np.where(ch.starts > 0, pp_bytes[ch.block_base + np.maximum(ch.starts - 1, 0)] * c["b"], 0.0)
+        sent, received = whole_out / c["send_div"], whole_in / c["send_div"]
+        sizes = np.stack((sent, received, np.where(sent > 0, c["meta"], 0.0), np.where(received > 0, c["meta"], 0.0),
+                          whole_out, whole_in))
+        keys, which = self._pipeline_keys(ch)
+        p = collective_times_by_row(self.cluster, keys.__getitem__, which, sizes[..., None])[..., 0]
+        # No meta tensor or gather: its rows priced at zero seconds, added exactly.
+        send = (p[0] + p[2]) * c["transfers"] + c["gather_out"] * p[4]
+        recv = (p[1] + p[3]) * c["transfers"] + c["gather_in"] * p[5]
+        return send + recv
+
+    def _pipeline_keys(self, ch: "_Chunks") -> tuple[list[tuple[str, GroupShape]], np.ndarray]:
+        """The (op, shape) pairs of every spec's pipeline transfers and, per row of
+        ``_pipeline_seconds``' sizes and chunk, the pair that prices it (-1: nothing). A hop
+        inside a node goes over NVLink (estimate: Comms.pp_near): the send of a chunk on rank r
+        takes hop r, its receive hop r - 1 (placement.pipeline_hops)."""
+        pairs: dict[tuple[str, GroupShape], int] = {}
+        per_spec, crosses = [], []
+        for s in ch.specs:
+            if s.shapes.pp.size > 1:
+                hops, near = s.shapes.pp_hops
+                far = pairs.setdefault(("p2p", s.shapes.pp), len(pairs))
+                near_key = far if near is None else pairs.setdefault(("p2p", near), len(pairs))
+                gather = -1 if s.gathers == (0, 0) else pairs.setdefault(("allgather", s.shapes.tp), len(pairs))
+                per_spec.append((far, near_key, gather))
+                crosses.append(hops)
+            else:
+                per_spec.append((-1, -1, -1))
+                crosses.append(np.zeros(s.pp, dtype=bool))
+        far, near, gather = np.repeat(np.array(per_spec).T, ch.counts, axis=1)
+        hop = np.concatenate(crosses)
+        send, recv = np.where(hop[ch.column], far, near), np.where(hop[ch.previous_column], far, near)
+        return list(pairs), np.stack((send, recv, send, recv, gather, gather))
+
+    def _tied_rows(self, out: np.ndarray, ch: "_Chunks") -> None:
+        """estimate._tied_group: where a tied embedding's copy sits on another rank than the
+        embedding, the head's rank holds it on the dense row, and both ranks mark the pair."""
+        head, embed, _ = self._tied
+        heads, embeds = (ch.column[(ch.starts <= i) & (i < ch.ends)] for i in (head, embed))  # a chunk per spec
+        apart = heads != embeds
+        heads, embeds = heads[apart], embeds[apart]
+        copy = out[12, heads] = out[12, embeds] = ch.rank["tied_copy"][heads]
+        out[5, heads] += copy  # the head's copy of the embedding, on the dense row
 
     # -- the whole space ------------------------------------------------------------------
     def prepare(self, space: Space) -> "Prepared":
@@ -460,17 +579,20 @@ class Evaluator:
         """Full evaluation of the candidates of ``key_ids`` (all when None): (rows, results)."""
         c = prep.space.columns
         key_ids = np.arange(len(prep.keys)) if key_ids is None else np.asarray(key_ids)
-        groups: list[tuple[int, np.ndarray, tuple]] = []
+        todo: list[tuple[BlockTable, list[tuple[int, int]], tuple, bool]] = []
+        found: list[tuple[int, tuple]] = []
         for g in key_ids:
-            tp, sp, ep, b, mode, pp, vs, dp, fwi = (int(x) for x in prep.keys[g])
+            tp, sp, ep, b, mode, pp, vs, dp, fwi = key = tuple(int(x) for x in prep.keys[g])
             table = self.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
             pkey = (tp, sp, ep, b, mode, pp, vs)
             parts, gbot, obot = self.partition(table, pkey, mode, b, pp * vs)
             if pkey not in self._part_index:
                 self._part_index[pkey] = len(self.partitions)
                 self.partitions.append(parts)
-            ranks = self._key_ranks(table, parts, (tp, sp, ep, b, mode, pp, vs, dp, fwi), bool(prep.zero3[g]))
-            groups.append((int(g), ranks, (self._part_index[pkey], gbot, obot)))
+            todo.append((table, parts, key, bool(prep.zero3[g])))
+            found.append((int(g), (self._part_index[pkey], gbot, obot)))
+        # Every key's rank table in one pass (a few keys per call: numpy's cost per call dominates).
+        groups = [(g, ranks, meta) for (g, meta), ranks in zip(found, self._key_ranks(todo))]
         if not groups:
             empty = np.zeros(0)
             return np.zeros(0, dtype=np.int64), Evaluation(empty, empty, empty, empty.astype(bool),
@@ -547,19 +669,22 @@ class Evaluator:
             stacked = rank_fields(np.stack([ones[j][1] for j in js]))
             yield js, ones, assemble(self, {k: v[idx] for k, v in prep.space.columns.items()}, stacked, pp, detail=detail)
 
-    def _key_ranks(self, table: BlockTable, parts: list[tuple[int, int]], key: tuple, zero3: bool) -> np.ndarray:
-        """The rank table of one key (tp, sp, ep, b, mode, pp, vs, dp, framework) split as
-        ``parts``; the ZeRO-3 rows only when ``zero3`` (some candidate of it uses ZeRO-3)."""
-        tp, sp, ep, b, mode, pp, vs, dp, fwi = key
-        send = fw.traits(FRAMEWORKS[fwi]).pp_send
-        send_div = fw.pp_send_divisor(send, tp, bool(sp))
-        gathers = fw.pp_boundary_gathers(send, tp)
-        traits = fw.traits(FRAMEWORKS[fwi])
-        shapes = self.shapes(tp, ep, dp, pp)
-        z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
-              if zero3 else None)
-        return self.rank_table(table, parts, mode, b, pp, vs, tp, send_div, shapes, z3, gathers,
-                               fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp))
+    def _key_ranks(self, keys: list[tuple[BlockTable, list[tuple[int, int]], tuple, bool]]) -> list[np.ndarray]:
+        """The rank tables of keys (tp, sp, ep, b, mode, pp, vs, dp, framework), each given as
+        (block table, split, key, zero3), built together; the ZeRO-3 rows only when ``zero3``
+        (some candidate of the key uses ZeRO-3)."""
+        specs = []
+        for table, parts, key, zero3 in keys:
+            tp, sp, ep, b, mode, pp, vs, dp, fwi = key
+            traits = fw.traits(FRAMEWORKS[fwi])
+            send = traits.pp_send
+            shapes = self.shapes(tp, ep, dp, pp)
+            z3 = (self._z3_prefix(table, (tp, sp, ep, dp, pp, fwi), shapes, dp, ep, self._grad_bytes(fwi))
+                  if zero3 else None)
+            spec = RankSpec(table, parts, mode, b, pp, vs, tp, fw.pp_send_divisor(send, tp, bool(sp)), shapes,
+                            fw.pp_boundary_gathers(send, tp), fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp))
+            specs.append((spec, z3))
+        return self.rank_tables(specs)
 
     def _one(self, prep: "Prepared", i: int) -> tuple[list[tuple[int, int]], np.ndarray, int, tuple[float, float]]:
         """Candidate ``i``'s (partition, rank table, pp, (greedy, optimal) bottlenecks)."""
@@ -568,6 +693,6 @@ class Evaluator:
         parts, gbot, obot = self.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)
         if i in self.overrides:
             parts = self.overrides[i][0]
-        ranks = self._key_ranks(table, parts, (tp, sp, ep, b, mode, pp, vs, dp, fwi),
-                                prep.space.columns["zero"][i] == 3)
+        ranks = self._key_ranks([(table, parts, (tp, sp, ep, b, mode, pp, vs, dp, fwi),
+                                  bool(prep.space.columns["zero"][i] == 3))])[0]
         return parts, ranks, pp, (gbot, obot)
