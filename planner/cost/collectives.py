@@ -180,6 +180,28 @@ def collective_times_by_row(cluster: Cluster, key_of: Callable[[int], tuple[str,
                     times.min(axis=-1), 0.0)
 
 
+def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]], which: np.ndarray,
+                           sizes: np.ndarray) -> np.ndarray:
+    """``collective_time_array`` of each size with the (op, shape) ``pairs[which]`` (-1: nothing,
+    zero seconds), every pair in one pass. Made for a few candidates over many sizes: the
+    candidates lead, so the fastest is an elementwise minimum of a handful of arrays rather
+    than a reduction over a short last axis, where numpy's cost per output outweighs the
+    arithmetic. The same terms, elementwise, so equal to one call per pair."""
+    tables = [_term_table(cluster, op, shape, cluster.nvls) if shape.size > 1 else np.zeros((0, 5))
+              for op, shape in pairs]
+    width = max([len(t) for t in tables] + [1])
+    terms = np.zeros((5, width, len(pairs) + 1))  # zero seconds: a single rank, and the last pair (-1)
+    for j, t in enumerate(tables):
+        if len(t):
+            terms[:, :len(t), j] = t.T
+            terms[0, len(t):, j] = np.inf  # a padded candidate never wins
+    # np.take keeps each [candidate, *which.shape] term contiguous (fancy indexing would not).
+    gathered = np.take(terms.reshape(5 * width, -1), which, axis=1)
+    lat, spb, ramp, fill_spb, cap = gathered.reshape((5, width) + which.shape)
+    times = lat + spb * np.maximum(sizes, ramp) + fill_spb * np.minimum(sizes, cap)
+    return np.where(sizes > 0, functools.reduce(np.minimum, times), 0.0)
+
+
 @functools.lru_cache(maxsize=65536)
 def _term_table(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> np.ndarray:
     """``_plan``'s terms as a [candidates x 5] array."""

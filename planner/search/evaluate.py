@@ -30,7 +30,7 @@ import numpy as np
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
-from planner.cost.collectives import collective_time_array, collective_times_by_row
+from planner.cost.collectives import collective_time_array, collective_times_keyed
 from planner.cost.layers import layer_costs
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES, Workload
 from planner.hardware.cluster import Cluster
@@ -204,7 +204,9 @@ class _Chunks:
         self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
         self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
         self.counts, self.pps = counts, pps
-        bounds = np.array([x for s in specs for part in s.parts for x in part]).reshape(-1, 2)
+        chunks = int(counts.sum())
+        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(s.parts for s in specs))
+        bounds = np.fromiter(flat, dtype=np.int64, count=2 * chunks).reshape(chunks, 2)
         self.starts, self.ends = bounds[:, 0], bounds[:, 1]
         self.rank_start = np.concatenate(([0], np.cumsum(pps)))
         self.width = int(self.rank_start[-1])
@@ -481,7 +483,7 @@ class Evaluator:
 
     def _pipeline_seconds(self, ch: "_Chunks") -> np.ndarray:
         """Per chunk: one micro-batch's pipeline traffic, every spec's transfers priced in one
-        ``collective_times_by_row`` call. step_time.rank_time: each chunk sends its output
+        ``collective_times_keyed`` call. step_time.rank_time: each chunk sends its output
         forward (unless it ends the model) and receives from the chunk before it (unless it
         starts the model), each transfer preceded by its meta tensor where there is one;
         frameworks.pp_boundary_gathers adds TP all-gathers of the whole boundary tensor."""
@@ -493,7 +495,11 @@ class Evaluator:
         sizes = np.stack((sent, received, np.where(sent > 0, c["meta"], 0.0), np.where(received > 0, c["meta"], 0.0),
                           whole_out, whole_in))
         keys, which = self._pipeline_keys(ch)
-        p = collective_times_by_row(self.cluster, keys.__getitem__, which, sizes[..., None])[..., 0]
+        # Only the rows with something to price: meta tensors and TP gathers are DeepSpeed's.
+        used = (which >= 0).any(axis=1)
+        p = np.zeros_like(sizes)
+        if used.any():
+            p[used] = collective_times_keyed(self.cluster, keys, which[used], sizes[used])
         # No meta tensor or gather: its rows priced at zero seconds, added exactly.
         send = (p[0] + p[2]) * c["transfers"] + c["gather_out"] * p[4]
         recv = (p[1] + p[3]) * c["transfers"] + c["gather_in"] * p[5]
