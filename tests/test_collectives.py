@@ -185,28 +185,6 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("profile,nodes", [("dgx-a100-80g", 64), ("hgx-h200", 4)])
-def test_times_by_row_equal_one_call_per_key(profile, nodes):
-    """collective_times_by_row (every (op, shape) of a chunk in one pass) gives bit for bit what
-    collective_time_array gives per key, including zero sizes, one-rank groups and rows with
-    nothing to price (-1)."""
-    from planner.cost.collectives import collective_times_by_row
-    from planner.hardware.placement import strided_shape
-
-    cluster = Cluster.build(load_profile(profile), nodes)
-    shapes = [strided_shape(cluster, stride, size) for stride, size in ((1, 1), (1, 8), (2, 4), (8, 4), (1, 32), (16, 2))]
-    keys = [(op, shape) for op in ("allreduce", "reducescatter", "allgather", "p2p", "alltoall") for shape in shapes]
-    rng = np.random.default_rng(0)
-    which = rng.integers(-1, len(keys), size=(3, 40))
-    sizes = rng.choice([0.0, 1.0, 4096.0, 3e5, 7.7e6, 2.5e9], size=(3, 40, 5)) * rng.uniform(0.5, 2.0, size=(3, 40, 5))
-    got = collective_times_by_row(cluster, keys.__getitem__, which, sizes)
-    for q in range(3):
-        for row in range(40):
-            k = which[q, row]
-            want = np.zeros(5) if k < 0 else collective_time_array(cluster, *keys[k], sizes[q, row])
-            assert np.array_equal(got[q, row], want), (keys[k] if k >= 0 else None, sizes[q, row])
-
-
-@pytest.mark.parametrize("profile,nodes", [("dgx-a100-80g", 64), ("hgx-h200", 4)])
 def test_times_keyed_equal_one_call_per_key(profile, nodes):
     """collective_times_keyed (every (op, shape) pair in one pass, the candidates leading) gives
     bit for bit what collective_time_array gives per pair, including zero sizes, one-rank

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -150,34 +149,6 @@ def collective_times(cluster: Cluster, requests: list[tuple[str, GroupShape, np.
             out[i] = flat[pos:pos + a.size].reshape(a.shape)
             pos += a.size
     return out
-
-
-def collective_times_by_row(cluster: Cluster, key_of: Callable[[int], tuple[str, GroupShape]], which: np.ndarray,
-                            sizes: np.ndarray) -> np.ndarray:
-    """``collective_time_array`` of each row of ``sizes`` ([request x row x ...]) with the
-    (op, shape) ``key_of(which[request, row])`` (-1: nothing, zero seconds), every key in one
-    pass: the search prices a few dozen (op, shape) pairs per chunk of candidates, where a call
-    per pair costs more than its arithmetic. Each key's candidates (padded to the longest
-    list with ones that never win) are gathered per row; the same terms, elementwise, so equal
-    to one call per key. ``key_of`` is asked only for the keys ``which`` names."""
-    used = sorted(set(which.ravel().tolist()) - {-1})
-    tables = []
-    for k in used:
-        op, shape = key_of(k)
-        tables.append(_term_table(cluster, op, shape, cluster.nvls) if shape.size > 1 else np.zeros((0, 5)))
-    width = max([len(t) for t in tables] + [1])
-    table = np.zeros((len(used) + 1, width, 5))
-    table[:, :, 0] = np.inf  # a padded candidate (and the last row, nothing) never wins
-    for j, t in enumerate(tables):
-        table[j, :len(t)] = t
-    index = np.searchsorted(np.array(used, dtype=np.int64), which)
-    index[which < 0] = len(used)
-    priced = np.array([len(t) > 0 for t in tables] + [False])[index]  # not priced: zero seconds
-    terms = table[index][..., None, :, :]  # [request x row x 1 x candidate x 5]
-    s = sizes[..., None]
-    times = terms[..., 0] + terms[..., 1] * np.maximum(s, terms[..., 2]) + terms[..., 3] * np.minimum(s, terms[..., 4])
-    return np.where((sizes > 0) & priced.reshape(priced.shape + (1,) * (sizes.ndim - priced.ndim)),
-                    times.min(axis=-1), 0.0)
 
 
 def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]], which: np.ndarray,

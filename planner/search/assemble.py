@@ -16,7 +16,7 @@ from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost import step_time as st
-from planner.cost.collectives import collective_times_by_row
+from planner.cost.collectives import collective_times_keyed
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.hardware.placement import GroupShape
 
@@ -122,7 +122,7 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     """Per rank: the data-parallel traffic the backward pass does not hide (estimate.dp_exposed).
 
     Each row names its collectives by (tp, ep, dp, pp) layout and op (its DP, expert-DP and
-    pp group shapes), all priced in one pass (collective_times_by_row), and the rest is
+    pp group shapes), all priced in one pass (collective_times_keyed), and the rest is
     elementwise over every candidate at once."""
     zero, fwi = col["zero"], col["framework"]
     gbytes = np.array([ev._grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
@@ -148,7 +148,11 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
         np.where(engine & (r["tied"] > 0).any(axis=1), layout_of * 3 * ops + 2, -1),  # ReduceTiedGrads, whatever dp
     ))
     sizes = np.stack((gbytes * dense, gbytes * expert, 2 * dense, 2 * expert, gbytes * r["tied"]))
-    t_red, e_red, t_gat, e_gat, tied_t = collective_times_by_row(ev.cluster, key_of, which, sizes)
+    used = sorted(set(which.ravel().tolist()) - {-1})
+    pair = np.searchsorted(np.array(used, dtype=np.int64), which)
+    pair[which < 0] = -1
+    t_red, e_red, t_gat, e_gat, tied_t = collective_times_keyed(ev.cluster, [key_of(k) for k in used],
+                                                                pair[..., None], sizes)
     single = (col["dp"] == 1) & (col["ep"] == 1)  # nothing to reduce or gather
     reduce = np.where((~single & (red_op >= 0))[:, None],
                       np.where(has_edp[:, None], t_red + np.where(gbytes * expert > 0, e_red, 0.0), t_red), 0.0)
