@@ -6,6 +6,7 @@ the trainer read (planner/emit/plan_file.py), plus the predictions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +46,10 @@ class Plan:
     reason: str = ""
     notes: list[str] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def worst_stage(self) -> StagePlan:
+        """The stage with the highest peak (asked for by every memory figure: kept once found;
+        a frozen dataclass whose stages are not changed after it is built)."""
         return max(self.stages, key=lambda s: s.memory.peak)
 
     @property
@@ -58,7 +61,7 @@ class Plan:
         return (self.memory.peak <= self.capacity_bytes and self.cpu_bytes_per_node <= self.host_capacity_bytes
                 and not self.reason)
 
-    @property
+    @functools.cached_property
     def cpu_bytes_per_node(self) -> float:
         """Host memory per node for offloaded states (0 without offload)."""
         return max(s.memory.cpu_per_node for s in self.stages)
