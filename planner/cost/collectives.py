@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -133,24 +134,6 @@ def collective_time_array(
     return np.where(s > 0, times.min(axis=0).reshape(s.shape), 0.0)
 
 
-def collective_times(cluster: Cluster, requests: list[tuple[str, GroupShape, np.ndarray]]) -> list[np.ndarray]:
-    """``collective_time_array`` of each (op, shape, sizes) request, in one call per distinct
-    (op, shape): a search prices hundreds of small arrays, where numpy's fixed cost per call
-    outweighs the arithmetic. Elementwise, so equal to one call per request."""
-    by_key: dict[tuple[str, GroupShape], list[int]] = {}
-    for i, (op, shape, _) in enumerate(requests):
-        by_key.setdefault((op, shape), []).append(i)
-    out: list[np.ndarray] = [np.empty(0)] * len(requests)
-    for (op, shape), idx in by_key.items():
-        arrays = [np.asarray(requests[i][2], dtype=float) for i in idx]
-        flat = collective_time_array(cluster, op, shape, np.concatenate([a.ravel() for a in arrays]))
-        pos = 0
-        for i, a in zip(idx, arrays):
-            out[i] = flat[pos:pos + a.size].reshape(a.shape)
-            pos += a.size
-    return out
-
-
 def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]], which: np.ndarray,
                            sizes: np.ndarray) -> np.ndarray:
     """``collective_time_array`` of each size with the (op, shape) ``pairs[which]`` (-1: nothing,
@@ -171,6 +154,17 @@ def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]]
     lat, spb, ramp, fill_spb, cap = gathered.reshape((5, width) + which.shape)
     times = lat + spb * np.maximum(sizes, ramp) + fill_spb * np.minimum(sizes, cap)
     return np.where(sizes > 0, functools.reduce(np.minimum, times), 0.0)
+
+
+def collective_times_numbered(cluster: Cluster, key_of: Callable[[int], tuple[str, GroupShape]], which: np.ndarray,
+                              sizes: np.ndarray) -> np.ndarray:
+    """``collective_times_keyed`` with the (op, shape) pairs named by numbers: ``key_of(k)`` is
+    asked only for the numbers ``which`` holds (-1: nothing, zero seconds), so a caller can
+    number every pair it might price and build only the group shapes it needs."""
+    used = sorted(set(which.ravel().tolist()) - {-1})
+    pair = np.searchsorted(np.array(used, dtype=np.int64), which)
+    pair[which < 0] = -1
+    return collective_times_keyed(cluster, [key_of(k) for k in used], pair, sizes)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -16,7 +16,7 @@ from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost import step_time as st
-from planner.cost.collectives import collective_times_keyed
+from planner.cost.collectives import collective_times_numbered
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.hardware.placement import GroupShape
 
@@ -122,7 +122,7 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     """Per rank: the data-parallel traffic the backward pass does not hide (estimate.dp_exposed).
 
     Each row names its collectives by (tp, ep, dp, pp) layout and op (its DP, expert-DP and
-    pp group shapes), all priced in one pass (collective_times_keyed), and the rest is
+    pp group shapes), all priced in one pass (collective_times_numbered), and the rest is
     elementwise over every candidate at once."""
     zero, fwi = col["zero"], col["framework"]
     gbytes = np.array([ev._grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
@@ -135,9 +135,9 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     # Per row, the op that reduces its gradients (ZeRO-1/2 reduce-scatter or all-reduce, ZeRO-0
     # all-reduce; none under ZeRO-3) and whether it gathers 16-bit weights (ZeRO-1/2).
     red_op = np.where(zero == 0, 1, np.where(z12, np.where(allreduce, 1, 0), -1))
-    key_of, layout_of = _layout_keys(ev, col)
+    key_of, layout_of = layout_keys(ev, col)
     has_dp, has_edp = col["dp"] > 1, col["dp"] // col["ep"] > 1
-    ops = len(_DP_OPS)
+    ops = len(DP_OPS)
     # [request x row] key numbers of ``key_of`` (-1: nothing to price): dense parameters over the DP
     # group, expert parameters over the expert-DP group; ReduceTiedGrads over the pp group.
     which = np.stack((
@@ -148,11 +148,7 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
         np.where(engine & (r["tied"] > 0).any(axis=1), layout_of * 3 * ops + 2, -1),  # ReduceTiedGrads, whatever dp
     ))
     sizes = np.stack((gbytes * dense, gbytes * expert, 2 * dense, 2 * expert, gbytes * r["tied"]))
-    used = sorted(set(which.ravel().tolist()) - {-1})
-    pair = np.searchsorted(np.array(used, dtype=np.int64), which)
-    pair[which < 0] = -1
-    t_red, e_red, t_gat, e_gat, tied_t = collective_times_keyed(ev.cluster, [key_of(k) for k in used],
-                                                                pair[..., None], sizes)
+    t_red, e_red, t_gat, e_gat, tied_t = collective_times_numbered(ev.cluster, key_of, which[..., None], sizes)
     single = (col["dp"] == 1) & (col["ep"] == 1)  # nothing to reduce or gather
     reduce = np.where((~single & (red_op >= 0))[:, None],
                       np.where(has_edp[:, None], t_red + np.where(gbytes * expert > 0, e_red, 0.0), t_red), 0.0)
@@ -182,14 +178,14 @@ def _dp_exposed(ev: "Evaluator", col, r, pp: int, m, vs) -> np.ndarray:
     return out
 
 
-# The DP collectives of a layout, in the order ``_layout_keys`` lists them (op k: keys 3k,
+# The DP collectives of a layout, in the order ``layout_keys`` lists them (op k: keys 3k,
 # 3k + 1 over the DP and expert-DP groups; key 2 is the pipeline's p2p).
-_DP_OPS = ("reducescatter", "allreduce", "allgather")
+DP_OPS = ("reducescatter", "allreduce", "allgather")
 
 
-def _layout_keys(ev: "Evaluator", col) -> tuple[Callable[[int], tuple[str, GroupShape]], np.ndarray]:
+def layout_keys(ev: "Evaluator", col) -> tuple[Callable[[int], tuple[str, GroupShape]], np.ndarray]:
     """Numbers for the (op, group shape) pairs each (tp, ep, dp, pp) layout among the rows may
-    price, three per op of ``_DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
+    price, three per op of ``DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
     group; 2: the pp group's p2p), as a lookup that builds only the shapes asked for, and each
     row's layout number."""
     code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
@@ -198,11 +194,11 @@ def _layout_keys(ev: "Evaluator", col) -> tuple[Callable[[int], tuple[str, Group
     layouts = [tuple(int(col[k][i]) for k in ("tp", "ep", "dp", "pp")) for i in first.tolist()]
 
     def key_of(k: int) -> tuple[str, GroupShape]:
-        layout, slot = divmod(k, 3 * len(_DP_OPS))
+        layout, slot = divmod(k, 3 * len(DP_OPS))
         shapes = ev.shapes(*layouts[layout])
         if slot == 2:
             return "p2p", shapes.pp
-        return _DP_OPS[slot // 3], shapes.edp if slot % 3 else shapes.dp
+        return DP_OPS[slot // 3], shapes.edp if slot % 3 else shapes.dp
 
     return key_of, layout_of.reshape(-1)
 

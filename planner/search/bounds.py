@@ -12,9 +12,9 @@ import numpy as np
 
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
-from planner.cost.collectives import collective_times
+from planner.cost.collectives import collective_times_numbered
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
-from planner.search.assemble import optimizer_seconds
+from planner.search.assemble import DP_OPS, layout_keys, optimizer_seconds
 
 if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator, Prepared
@@ -230,27 +230,13 @@ def gather_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray,
     rows = np.flatnonzero(((col["zero"] == 1) | (col["zero"] == 2)) & ~hidden[col["framework"]] & (col["dp"] > 1))
     if not rows.size:
         return out
-    pp = col["pp"][rows].astype(float)
-    layout = (col["tp"][rows] * (col["ep"].max() + 1) + col["ep"][rows]) * (col["dp"].max() + 1) + col["dp"][rows]
-    layout = layout * (col["pp"].max() + 1) + col["pp"][rows]
-    requests, fills = [], []
-    for value in sorted(set(layout.tolist())):
-        s = layout == value
-        i = rows[int(np.argmax(s))]
-        tp, ep, dp, p = (int(col[k][i]) for k in ("tp", "ep", "dp", "pp"))
-        shapes = ev.shapes(tp, ep, dp, p)
-        requests.append(("allgather", shapes.dp, 2 * dense[rows[s]] / pp[s]))
-        fills.append((s, dp // ep > 1))
-        if dp // ep > 1:
-            requests.append(("allgather", shapes.edp, 2 * expert[rows[s]] / pp[s]))
-    priced = iter(collective_times(ev.cluster, requests))
-    vals = np.zeros(len(rows))
-    for s, has_edp in fills:
-        t = next(priced)
-        if has_edp:
-            t = np.maximum(t, next(priced))
-        vals[s] = t
-    out[rows] = vals * (1 - 1e-9)
+    sub = {k: v[rows] for k, v in col.items()}
+    key_of, layout_of = layout_keys(ev, sub)  # numbered as assemble._dp_exposed prices them
+    dense_gather = layout_of * 3 * len(DP_OPS) + 3 * DP_OPS.index("allgather")
+    which = np.stack((dense_gather, np.where(sub["dp"] // sub["ep"] > 1, dense_gather + 1, -1)))
+    pp = sub["pp"].astype(float)
+    t = collective_times_numbered(ev.cluster, key_of, which, np.stack((2 * dense[rows] / pp, 2 * expert[rows] / pp)))
+    out[rows] = t.max(axis=0) * (1 - 1e-9)
     return out
 
 

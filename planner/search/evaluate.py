@@ -262,7 +262,7 @@ class Evaluator:
         self._prefix: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
         self.model_flops: float | None = None  # flops_per_step, once asked
         self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
-        self._rank_base: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
+        self._rank_base: dict[tuple, tuple[BlockTable, np.ndarray]] = {}
         # Candidates whose time-balanced split ran out of memory and that were rebalanced under
         # a memory limit (planner/search/memfit.py): candidate -> (block ranges, bottleneck).
         self.overrides: dict[int, tuple[list[tuple[int, int]], float]] = {}
