@@ -10,7 +10,7 @@ tests/test_suggest.py checks the result against ``estimate``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,6 +37,9 @@ class BlockTable:
     act: np.ndarray  # [mode, block] stored bytes per sample
     act_live: np.ndarray  # per sample, 0 for blocks that are not checkpointed
     pp_bytes: np.ndarray  # per sample
+    # The [group, ...] arrays this table is row ``[1]`` of, when built beside others by one
+    # ``block_tables`` call (``stacked`` hands them back rather than stacking the rows again).
+    batch: tuple[dict[str, np.ndarray], int] | None = field(default=None, compare=False, repr=False)
 
     def b_index(self, b: int) -> int:
         return self.micro_batches.index(b)
@@ -195,4 +198,15 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     }
     if expand is not None:
         fields = {k: v[..., expand] for k, v in fields.items()}
-    return [BlockTable(tuple(micro_batches), **{k: v[g] for k, v in fields.items()}) for g in range(n_groups)]
+    return [BlockTable(tuple(micro_batches), **{k: v[g] for k, v in fields.items()}, batch=(fields, g))
+            for g in range(n_groups)]
+
+
+def stacked(tables: list[BlockTable], name: str) -> np.ndarray:
+    """``np.stack`` of field ``name`` over ``tables``: the arrays they were cut from when they
+    are, in order, every table of one ``block_tables`` call (no copy)."""
+    batch = tables[0].batch
+    if batch is not None and all(t.batch is not None and t.batch[0] is batch[0] and t.batch[1] == g
+                                 for g, t in enumerate(tables)) and len(batch[0][name]) == len(tables):
+        return batch[0][name]
+    return np.stack([getattr(t, name) for t in tables])

@@ -15,6 +15,7 @@ from planner.cost import memory as mem
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.search.assemble import DP_OPS, layout_keys, optimizer_seconds
+from planner.search.blocks import stacked
 
 if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator, Prepared
@@ -70,8 +71,8 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         sel = np.flatnonzero(np.isin(run_of, rs)) if len(rs) < len(tables) else slice(None)
         lr, mode = local[run_of[sel]], k[sel, 4]
         bi = np.searchsorted(np.array(sizes), k[sel, 3])
-        fb = np.stack([t.fwd + t.bwd for t in ts])  # [table, b, block]
-        rc, tpt, ept = (np.stack([getattr(t, f) for t in ts]) for f in ("rc", "tp", "ep"))  # [table, mode, b, block]
+        fb = stacked(ts, "fwd") + stacked(ts, "bwd")  # [table, b, block]
+        rc, tpt, ept = (stacked(ts, f) for f in ("rc", "tp", "ep"))  # [table, mode, b, block]
         rest = rc + tpt + ept
         # [table, mode, b] sums of per-block micro-batch time
         block_sum[sel] = (fb.sum(axis=2)[:, None, :] + rest.sum(axis=3))[lr, mode, bi]
@@ -86,7 +87,7 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         spread[sel] = spread_bound(units[lr[first], mode[first], bi[first]], pp[first])[inverse.reshape(-1)]
         per_sample[sel, 0] = np.array([t.params.sum() for t in ts])[lr]
         per_sample[sel, 1] = np.array([t.expert.sum() for t in ts])[lr]
-        per_sample[sel, 2] = np.stack([t.act.sum(axis=1) for t in ts])[lr, mode] * k[sel, 3]  # stored bytes
+        per_sample[sel, 2] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
     S = block_sum[prep.inverse]
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
