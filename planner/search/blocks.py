@@ -205,8 +205,17 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
 def stacked(tables: list[BlockTable], name: str) -> np.ndarray:
     """``np.stack`` of field ``name`` over ``tables``: the arrays they were cut from when they
     are, in order, every table of one ``block_tables`` call (no copy)."""
+    whole, rows = table_rows(tables, name)
+    if len(whole) == len(rows) and all(r == g for g, r in enumerate(rows.tolist())):
+        return whole
+    return whole[rows]
+
+
+def table_rows(tables: list[BlockTable], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """An array whose rows hold field ``name`` of ``tables`` (repeats allowed), and each
+    table's row in it: the [group, ...] array of their ``block_tables`` call when they all
+    come from one, so that a per-table reduction runs once over it, not once per table."""
     batch = tables[0].batch
-    if batch is not None and all(t.batch is not None and t.batch[0] is batch[0] and t.batch[1] == g
-                                 for g, t in enumerate(tables)) and len(batch[0][name]) == len(tables):
-        return batch[0][name]
-    return np.stack([getattr(t, name) for t in tables])
+    if batch is not None and all(t.batch is not None and t.batch[0] is batch[0] for t in tables):
+        return batch[0][name], np.array([t.batch[1] for t in tables], dtype=np.int64)
+    return np.stack([getattr(t, name) for t in tables]), np.arange(len(tables))

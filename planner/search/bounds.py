@@ -15,7 +15,7 @@ from planner.cost import memory as mem
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.search.assemble import DP_OPS, layout_keys, optimizer_seconds
-from planner.search.blocks import stacked
+from planner.search.blocks import stacked, table_rows
 
 if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator, Prepared
@@ -199,11 +199,10 @@ def _unit_types(ev: "Evaluator", prep: "Prepared", keys: np.ndarray) -> tuple[np
     units are of each type ([type]). Units equal in every group share a type: the 126 decoder
     layers of a dense model are one type, priced once."""
     starts = ev.unit_starts
-    per_block = []
-    for tp, sp, ep, _, mode, pp, _, dp, _ in keys.tolist():
-        table = ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep])
-        per_block.append((table.params, table.expert, table.act[mode]))
-    parts = [np.add.reduceat(np.stack([blocks[j] for blocks in per_block]), starts, axis=1) for j in range(3)]
+    tables = [ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep]) for tp, sp, ep, _, _, pp, _, dp, _ in keys.tolist()]
+    (params, rows), (expert, _), (act, _) = (table_rows(tables, f) for f in ("params", "expert", "act"))
+    parts = [np.add.reduceat(params, starts, axis=1)[rows], np.add.reduceat(expert, starts, axis=1)[rows],
+             np.add.reduceat(act, starts, axis=2)[rows, keys[:, 4]]]
     feats = np.concatenate(parts)  # [3 groups x unit]
     order = np.lexsort(feats)
     ordered = feats[:, order]
