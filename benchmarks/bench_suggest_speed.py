@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -68,12 +69,25 @@ def run_once(args: list[str]) -> tuple[float, float, dict]:
     return wall, cpu, json.loads(proc.stdout)
 
 
+def cpu_name() -> str:
+    """The processor, as /proc/cpuinfo names it (with its family and model, which tell
+    generations apart when the name does not), or what ``platform`` knows elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        return f"{fields['model name']}, family {fields['cpu family']} model {fields['model']}"
+    except (OSError, KeyError):
+        return platform.processor() or platform.machine() or "unknown processor"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     opts = parser.parse_args()
-    # Wall times depend on what else runs: say how busy the machine was.
-    print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min) on {os.cpu_count()} cores")
+    # Wall times depend on what else runs, and a per-core rate on the core: say both.
+    print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min) on {os.cpu_count()} cores"
+          f" ({cpu_name()})")
     print(f"{'case':<30} {'wall s':>7} {'cpu s':>6} {'target':>7} {'candidates':>11} {'in full':>8} "
           f"{'setup cpu s':>11} {'search cpu s':>12} {'search cand/s/core':>19} {'process cand/s/core':>20}")
     ok = True

@@ -42,3 +42,9 @@ def test_mosaic_rows_reproduce_the_published_shapes_and_fit():
     assert len(rows) == 18 and all(r["fits"] for r in rows)
     a100 = [r for r in rows if r["case"].endswith("A100")]
     assert len(a100) == 9 and max(abs(r["error"]) for r in a100) < 0.15
+
+
+def test_suggest_speed_names_the_processor_its_per_core_rate_was_measured_on():
+    """A per-core rate means little without the core: the benchmark prints which one."""
+    name = _load("bench_suggest_speed").cpu_name()
+    assert isinstance(name, str) and name.strip() and name != "unknown processor"
