@@ -11,7 +11,9 @@ SwiGLU = 3 matrices, MLA including its latent norms, MoE gate plus the ``noaux_t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Annotated, Any, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
@@ -362,6 +364,13 @@ class Positions(_Frozen):
         return str(kind) if kind is not None else None
 
 
+class _DecoderStack(NamedTuple):
+    """A spec's decoder blocks and the routed experts of its MoE layers (0: dense)."""
+
+    blocks: tuple[DecoderBlock, ...]
+    routed_experts: int
+
+
 class ModelSpec(_Frozen):
     """A model: identity, training facts, and the ordered block list."""
 
@@ -410,17 +419,36 @@ class ModelSpec(_Frozen):
             total += b.activated_params()
         return total
 
+    @cached_property
+    def _decoders(self) -> _DecoderStack:
+        """The decoder stack, found once per spec: the facts below are read per search, and a walk
+        of a 126-layer block list costs ~0.1 M instructions. A cached_property under a private
+        name stays out of ==, dict(), repr and model_dump (pydantic >= 2.6 compares fields only);
+        ``model_copy`` drops it."""
+        blocks = tuple(b for b in self.blocks if isinstance(b, DecoderBlock))
+        # By kind, not isinstance(b.mlp, MoEMLP): an isinstance that fails against a pydantic
+        # model class runs ABCMeta.__instancecheck__ (~2k instructions), here once per dense layer.
+        experts = next((b.mlp.routed_experts for b in blocks if b.mlp.kind == "moe"), 0)
+        return _DecoderStack(blocks, experts)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModelSpec:
+        """pydantic's copy without the cached decoder stack, which copies with ``__dict__`` and
+        would outlive an update of ``blocks``."""
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("_decoders", None)
+        return copied
+
     @property
     def decoder_blocks(self) -> list[DecoderBlock]:
-        return [b for b in self.blocks if isinstance(b, DecoderBlock)]
+        return list(self._decoders.blocks)
 
     @property
     def hidden(self) -> int:
-        return self.decoder_blocks[0].hidden
+        return self._decoders.blocks[0].hidden
 
     @property
     def num_layers(self) -> int:
-        return len(self.decoder_blocks)
+        return len(self._decoders.blocks)
 
     @property
     def vocab(self) -> int:
@@ -429,18 +457,15 @@ class ModelSpec(_Frozen):
     @property
     def routed_experts(self) -> int:
         """Routed experts per MoE layer (0 for a dense model)."""
-        for b in self.decoder_blocks:
-            if isinstance(b.mlp, MoEMLP):
-                return b.mlp.routed_experts
-        return 0
+        return self._decoders.routed_experts
 
     @property
     def attention_heads(self) -> int:
-        return self.decoder_blocks[0].attention.heads
+        return self._decoders.blocks[0].attention.heads
 
     @property
     def kv_heads(self) -> int:
-        return self.decoder_blocks[0].attention.kv_heads
+        return self._decoders.blocks[0].attention.kv_heads
 
     @property
     def is_moe(self) -> bool:

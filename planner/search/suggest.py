@@ -31,7 +31,7 @@ from planner.cost.plan import Plan
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.profile import HardwareProfile
-from planner.model.spec import ModelSpec, VisionBlock
+from planner.model.spec import ModelSpec
 from planner.search import rank as rk
 from planner.search.bounds import base_bounds, gather_bound, split_time_bound
 from planner.search.evaluate import Evaluator
@@ -127,7 +127,11 @@ def _profile(hardware: str | HardwareProfile, gpus_per_node: int | None) -> Hard
 
 
 def _facts(model: ModelSpec) -> ModelFacts:
-    vision_heads = {b.heads for b in model.blocks if isinstance(b, VisionBlock)}
+    """The model facts the space depends on. Only a vision-language model has vision blocks
+    (ModelSpec's validator), so only its block list is walked for their heads, and by kind:
+    isinstance(b, VisionBlock) fails on every decoder block through ABCMeta's Python-level
+    __instancecheck__."""
+    vision_heads = {b.heads for b in model.blocks if b.kind == "vision"} if model.is_vlm else set()
     return ModelFacts(heads=tuple(sorted({model.attention_heads} | vision_heads)), kv_heads=model.kv_heads,
                       routed_experts=model.routed_experts, units=model.num_layers)
 
