@@ -272,6 +272,9 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"--ep {c.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)"),
 )
 
+# The runtimes some rule is particular to (first_broken).
+_RULE_FRAMEWORKS = tuple(dict.fromkeys(r.framework for r in RULES if r.framework is not None))
+
 
 @dataclass(slots=True)
 class ConfigColumns:
@@ -308,11 +311,14 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
     (the first broken one), or -1 when the runtime runs it: the search's filter, one numpy
     pass per rule rather than one call per config, and the tally behind "most often"."""
     out = np.full(len(cols.tp), -1, dtype=np.int64)
+    # Which configs run on each runtime, compared once per runtime, not once per rule: numpy
+    # compares string columns character by character.
+    runs_on = {f: cols.framework == f for f in _RULE_FRAMEWORKS}
     for k in range(len(RULES) - 1, -1, -1):  # backwards, so the first broken rule writes last
         rule = RULES[k]
         hit = np.asarray(rule.broken(cols, facts), dtype=bool)
         if rule.framework is not None:
-            hit = hit & (cols.framework == rule.framework)
+            hit = hit & runs_on[rule.framework]
         out[hit] = k
     return out
 
