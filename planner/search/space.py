@@ -25,7 +25,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from planner.cost.frameworks import ConfigColumns
+from planner.cost.frameworks import Coded, ConfigColumns
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
 from planner.hardware.placement import splits_evenly
 
@@ -235,10 +235,10 @@ def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int
     tp, pp, vs, ga_ok, ep = np.repeat(deg.T, k, axis=1)
     z, o, r, sp, f = np.tile(st.T, n)
     valid = (sp == 0) | (tp > 1)  # sequence parallel only means something with tp > 1
-    cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=np.array(OFFLOADS)[o],
+    cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=Coded(o, OFFLOADS),
                          micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
-                         recompute=np.array(RECOMPUTES)[r], sequence_parallel=sp == 1, virtual_stages=vs,
-                         framework=np.array(FRAMEWORKS)[f])
+                         recompute=Coded(r, RECOMPUTES), sequence_parallel=sp == 1, virtual_stages=vs,
+                         framework=Coded(f, FRAMEWORKS))
     broken = np.where(valid, rule(cols), -1)
     ok = valid & (broken < 0)
     ok_at = np.flatnonzero(ok)  # row i * k + j: pattern i, setting j
