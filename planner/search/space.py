@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -136,16 +137,21 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
                         cons: Constraints) -> tuple[list[Degrees], int]:
     """Valid (dp, tp, pp, ep, vs) combinations and how many were rejected as indivisible.
 
-    Every (ep, vs) of a (tp, pp) breaking a tp, pp or batch rule is rejected at once, and the
-    virtual-stage counts a pp allows are found once per pp, not per ep."""
+    The divisors of a number and the virtual-stage counts a pp allows are found once, and the
+    rejected count is every combination the pins allow less the valid ones (not tallied per
+    (tp, pp, ep) in every branch)."""
     valid: list[Degrees] = []
-    rejected = 0
+    combos = 0  # (tp, pp, ep) combinations the pins allow, each with every count of vss
     vss = sorted({v for v in cons.virtual_stages or DEFAULT_VIRTUAL_STAGES if 1 <= v <= facts.units})
     experts = facts.routed_experts
     world_divisors = divisors(world)  # pp | world / tp and ep | dp divide the world too: filtered from these
+    found: dict[int, list[int]] = {}
+    pp_vss: dict[int, list[int]] = {}
 
     def divisors_of(n: int) -> list[int]:
-        return [d for d in world_divisors if n % d == 0]
+        if n not in found:  # an MoE model asks once per (tp, pp) for the eps of dp
+            found[n] = [d for d in world_divisors if n % d == 0]
+        return found[n]
 
     for tp in _allowed(world_divisors, cons.tp):
         tp_ok = all(h % tp == 0 for h in facts.heads) and facts.kv_heads % tp == 0
@@ -156,17 +162,15 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
                 continue
             # A dense model has no experts to shard: ep is 1, not a rejected candidate.
             eps = _allowed(divisors_of(dp), cons.ep) if experts else [1]
+            combos += len(eps)
             if not (tp_ok and pp <= facts.units and global_batch % dp == 0):
-                rejected += len(eps) * len(vss)
                 continue
-            pp_vss = [vs for vs in vss if pp * vs <= facts.units and (vs == 1 or pp > 1)]
+            if pp not in pp_vss:
+                pp_vss[pp] = [vs for vs in vss if pp * vs <= facts.units and (vs == 1 or pp > 1)]
             for ep in eps:
                 if (not experts or experts % ep == 0) and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp):
-                    valid += [Degrees(dp, tp, pp, ep, vs) for vs in pp_vss]
-                    rejected += len(vss) - len(pp_vss)
-                else:
-                    rejected += len(vss)
-    return valid, rejected
+                    valid += [Degrees(dp, tp, pp, ep, vs) for vs in pp_vss[pp]]
+    return valid, combos * len(vss) - len(valid)
 
 
 def _groups_split_evenly(gpus_per_node: int, tp: int, ep: int, dp: int, pp: int) -> bool:
@@ -189,12 +193,10 @@ def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
     recomputes = [RECOMPUTES.index(r) for r in _allowed(RECOMPUTES, cons.recompute)]
     sps = [int(s) for s in _allowed((False, True), cons.sequence_parallel)]
     frameworks = [FRAMEWORKS.index(f) for f in _allowed(FRAMEWORKS, cons.framework)]
-    out = []
-    for z, o, r, sp, fw in itertools.product(zeros, offloads, recomputes, sps, frameworks):
-        if (OFFLOADS[o] == "optimizer" and z == 0) or (OFFLOADS[o] == "optimizer+params" and z != 3):
-            continue
-        out.append((z, o, r, sp, fw))
-    return out
+    # The rule reads zero and offload only: checked per pair, not per setting.
+    pairs = [(z, o) for z in zeros for o in offloads
+             if not ((OFFLOADS[o] == "optimizer" and z == 0) or (OFFLOADS[o] == "optimizer+params" and z != 3))]
+    return [(z, o, r, sp, fw) for (z, o), r, sp, fw in itertools.product(pairs, recomputes, sps, frameworks)]
 
 
 def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
@@ -260,13 +262,12 @@ def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int
     return _Verdicts(np.ascontiguousarray(st.T)[:, ok_at % k], allowed, reasons)
 
 
-def _micro_splits(global_batch: int, dp: int, pp: int, pinned: Sequence[int] | None) -> list[tuple[bool, list[int]]]:
-    """The micro-batches of a (dp, pp), split by whether the accumulation reaches pp (True
-    first); a side left empty is left out."""
-    micro = _allowed(divisors(global_batch // dp), pinned)
-    reach = [b for b in micro if global_batch // (dp * b) >= pp]
-    short = [b for b in micro if global_batch // (dp * b) < pp]
-    return [(flag, mbs) for flag, mbs in ((True, reach), (False, short)) if mbs]
+def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, list[int]]]:
+    """The micro-batches ``micro`` (ascending, each dividing the per-DP-rank batch ``per_dp``)
+    split by whether the accumulation per_dp / b reaches pp (True first); a side left empty is
+    left out. It does for b <= per_dp // pp: a prefix."""
+    cut = bisect_right(micro, per_dp // pp)
+    return [(flag, mbs) for flag, mbs in ((True, micro[:cut]), (False, micro[cut:])) if mbs]
 
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
@@ -274,8 +275,9 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     """Every candidate, as columns; rejected counts by reason."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons)
     settings = allowed_settings(cons)
-    # Micro-batches split by whether the accumulation reaches pp: per (dp, pp), which many
-    # degree combinations share.
+    # Micro-batches per dp, and split by whether the accumulation reaches pp per (dp, pp), which
+    # many degree combinations share.
+    micro: dict[int, list[int]] = {}
     splits: dict[tuple[int, int], list[tuple[bool, list[int]]]] = {}
     patterns: dict[tuple, int] = {}
     reps: list[tuple[Degrees, bool]] = []
@@ -284,7 +286,9 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     for deg in degrees:
         split = splits.get((deg.dp, deg.pp))
         if split is None:
-            split = splits[deg.dp, deg.pp] = _micro_splits(global_batch, deg.dp, deg.pp, cons.micro_batch)
+            if deg.dp not in micro:
+                micro[deg.dp] = _allowed(divisors(global_batch // deg.dp), cons.micro_batch)
+            split = splits[deg.dp, deg.pp] = _micro_splits(micro[deg.dp], global_batch // deg.dp, deg.pp)
         if not split:
             indivisible += 1
             continue
