@@ -180,7 +180,9 @@ class RunFacts:
 class Rule:
     """One thing a runtime cannot run. ``broken`` is written with ``&``, ``|`` and comparisons
     only, so it answers for one ParallelConfig (a bool) and for ``ConfigColumns`` (a mask over
-    thousands of candidates) alike: the messages and the search's filter are one table."""
+    thousands of candidates) alike: the messages and the search's filter are one table. A
+    condition on the facts alone (a plain bool) comes first, joined with ``and``, so where the
+    model or workload rules a rule out it answers False without reading the config."""
 
     framework: str | None  # None: every runtime
     broken: Callable[[Any, RunFacts], Any]
@@ -190,13 +192,13 @@ class Rule:
 def _moe_zero3_rule(f: str) -> Rule:
     # DeepSpeed 0.19's engine asserts "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
     # (runtime/engine.py); Megatron-DeepSpeed's MoE layers are DeepSpeed's.
-    return Rule(f, lambda c, x: (c.zero_stage > 2) & x.is_moe,
+    return Rule(f, lambda c, x: x.is_moe and c.zero_stage > 2,
                 lambda c, x: f"framework {f}: DeepSpeed's MoE layers do not run under ZeRO-3 (DeepSpeed refuses "
                              "the engine); use --zero 1/2 or --framework megatron")
 
 
 def _alibi_rule(f: str, why: str) -> Rule:
-    return Rule(f, lambda c, x: (c.tp > 0) & (x.positions == "alibi"),
+    return Rule(f, lambda c, x: x.positions == "alibi" and c.tp > 0,
                 lambda c, x: f"framework {f} has no ALiBi position biases ({why}), so it cannot build this model; use "
                              "--framework deepspeed")
 
@@ -211,7 +213,7 @@ RULES: tuple[Rule, ...] = (
     # First, what the runtime cannot build at all, whatever the layout: the one thing to say.
     # deepspeedai/Megatron-DeepSpeed's model is Megatron's GPT of 2023: no MLA layer, and
     # positions are learned or rotary (megatron/arguments.py); ALiBi is in BigScience's fork.
-    Rule("megatron-deepspeed", lambda c, x: (c.tp > 0) & x.mla,
+    Rule("megatron-deepspeed", lambda c, x: x.mla and c.tp > 0,
          lambda c, x: "framework megatron-deepspeed has no multi-latent attention (MLA) layer; use --framework megatron "
                       "(Megatron-Core's --multi-latent-attention) or deepspeed"),
     _alibi_rule("megatron-deepspeed", "its positions are learned or rotary"),
@@ -219,7 +221,7 @@ RULES: tuple[Rule, ...] = (
     _alibi_rule("megatron", "--position-embedding-type offers learned_absolute, rope, mrope, relative and none"),
     # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
     # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
-    Rule(None, lambda c, x: (c.offload != "none") & (x.optimizer == "sgd"),
+    Rule(None, lambda c, x: x.optimizer == "sgd" and c.offload != "none",
          lambda c, x: f"framework {c.framework}: optimizer offload steps Adam on the CPU, not sgd; use --optimizer "
                       "adamw/adam or --offload none"),
     _moe_zero3_rule("deepspeed"),
@@ -234,7 +236,7 @@ RULES: tuple[Rule, ...] = (
     Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.pp > 1),
          lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) does not combine with "
                       f"PipelineModule (--pp {c.pp}); use --framework megatron-deepspeed for 3D parallelism"),
-    Rule("deepspeed", lambda c, x: (c.tp > 1) & x.is_moe,
+    Rule("deepspeed", lambda c, x: x.is_moe and c.tp > 1,
          lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) does not shard DeepSpeed MoE "
                       "layers; use --tp 1 with --ep, or --framework megatron-deepspeed"),
     Rule("deepspeed", lambda c, x: c.sequence_parallel == True,  # noqa: E712 (elementwise on columns)
@@ -255,12 +257,12 @@ RULES: tuple[Rule, ...] = (
     Rule("megatron", lambda c, x: c.zero_stage > 1,
          lambda c, x: f"framework megatron shards optimizer states only (distributed optimizer = --zero 1), not "
                       f"ZeRO-{c.zero_stage}; use --zero 0/1 or --framework deepspeed"),
-    Rule("megatron", lambda c, x: (c.offload == "optimizer") & (x.precision != "bf16"),
+    Rule("megatron", lambda c, x: x.precision != "bf16" and c.offload == "optimizer",
          lambda c, x: f"framework megatron: optimizer CPU offload (Megatron-Core's HybridDeviceOptimizer) is built "
                       f"for bf16 training, not {x.precision}; use --precision bf16, --offload none or --framework "
                       "deepspeed"),
-    Rule("megatron", lambda c, x: (c.virtual_stages > 1) & x.is_vlm
-         & (x.decoder_layers % (c.pp * c.virtual_stages) != 0),
+    Rule("megatron", lambda c, x: x.is_vlm
+         and (c.virtual_stages > 1) & (x.decoder_layers % (c.pp * c.virtual_stages) != 0),
          lambda c, x: f"framework megatron: interleaving a vision-language model needs its {x.decoder_layers} decoder "
                       f"layers divisible by --pp {c.pp} x --virtual-stages {c.virtual_stages} (Megatron's custom "
                       "pipeline layout has no vision-encoder layers)"),
@@ -268,7 +270,7 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"framework megatron: the interleaved schedule needs at least --pp {c.pp} micro-batches per "
                       f"step, not {c.grad_accum}; use a smaller --micro-batch or --dp, a larger --global-batch, or "
                       "--virtual-stages 1"),
-    Rule(None, lambda c, x: (c.ep > 1) & (not x.is_moe),
+    Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
          lambda c, x: f"--ep {c.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)"),
 )
 
@@ -335,7 +337,10 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
     runs_on = {f: cols.framework == f for f in _RULE_FRAMEWORKS}
     for k in range(len(RULES) - 1, -1, -1):  # backwards, so the first broken rule writes last
         rule = RULES[k]
-        hit = np.asarray(rule.broken(cols, facts), dtype=bool)
+        hit = rule.broken(cols, facts)
+        if hit is False:  # ruled out by the facts alone (Rule)
+            continue
+        hit = np.asarray(hit, dtype=bool)
         if rule.framework is not None:
             hit = hit & runs_on[rule.framework]
         out[hit] = k
