@@ -34,25 +34,11 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
     so their time, DP, optimizer and host parts are zero and never pass a real rank's (all
     non-negative); their peak (context and NCCL buffers) is masked out, and the bubble sums
     each depth's ranks alone, as a table of that depth would."""
-    w = ev.workload
-    dp, ep, tp, vs = (col[k][:, None].astype(float) for k in ("dp", "ep", "tp", "vs"))
+    vs = col["vs"][:, None].astype(float)
     m = col["grad_accum"][:, None].astype(float)
-    zero, off, fwi = col["zero"], col["offload"], col["framework"]
-    edp_n = np.maximum(col["dp"] // col["ep"], 1)[:, None].astype(float)
-    n = len(dp)
-    weights, grads, opt, cpu = (np.zeros((n, pp)) for _ in range(4))
-    code = (zero * 8 + off) * 8 + fwi
-    for value in np.flatnonzero(np.bincount(code)).tolist():  # the codes present, ascending (< 256)
-        z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
-        s = code == value
-        wd, gd, od, cd = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], dp[s], w.precision, w.optimizer_moments)
-        we, ge, oe, ce = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp_n[s], w.precision, w.optimizer_moments)
-        dense, expert = r["dense"][s], r["expert"][s]
-        live3 = 2.0 * r["largest"][s] if z == 3 else 0.0
-        weights[s] = wd * dense + we * expert + live3
-        grads[s] = gd * dense + ge * expert + live3
-        opt[s] = od * dense + oe * expert
-        cpu[s] = cd * dense + ce * expert
+    zero, fwi = col["zero"], col["framework"]
+    n = len(vs)
+    weights, grads, opt, cpu = _model_states(ev, col, r)
     rank = np.arange(pp)[None, :].astype(float)
     depths = _depths(col["pp"], pp)
     if pp == 1:
@@ -98,6 +84,35 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
                 "worst": worst, "bubble": bubble, "dp": dp_t, "opt": opt_t,
                 "step_time": step, "peak_bytes": peak.max(axis=1), "cpu_bytes": cpu_node}
     return step, peak.max(axis=1), cpu_node
+
+def _model_states(ev: "Evaluator", col, r) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank: weights, gradients, optimizer states and host bytes of the model states
+    (estimate: memory.model_states), dense parameters sharded over dp, experts over dp / ep.
+
+    ``mem.bytes_per_param`` is called once per distinct (framework, ZeRO, offload, group size)
+    among the rows, on Python numbers: the same divisions numpy would do, without numpy's
+    cost per call on a few rows at a time."""
+    w = ev.workload
+    factors: dict[tuple[int, int, int, int], tuple[float, float, float, float]] = {}
+
+    def per_param(f: int, z: int, o: int, size: int) -> tuple[float, float, float, float]:
+        hit = factors.get((f, z, o, size))
+        if hit is None:
+            hit = factors[f, z, o, size] = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], size, w.precision,
+                                                                w.optimizer_moments)
+        return hit
+
+    dp = col["dp"]
+    rows = [per_param(f, z, o, d) + per_param(f, z, o, e) for f, z, o, d, e in zip(
+        col["framework"].tolist(), col["zero"].tolist(), col["offload"].tolist(), dp.tolist(),
+        np.maximum(dp // col["ep"], 1).tolist())]
+    wd, gd, od, cd, we, ge, oe, ce = np.array(rows, dtype=float).reshape(-1, 8).T[:, :, None]
+    dense, expert = r["dense"], r["expert"]
+    z3 = col["zero"] == 3
+    live3 = np.where(z3[:, None], 2.0 * r["largest"], 0.0) if z3.any() else 0.0  # the gathered largest block
+    return (wd * dense + we * expert + live3, gd * dense + ge * expert + live3, od * dense + oe * expert,
+            cd * dense + ce * expert)
+
 
 def _depths(depth: np.ndarray, pp: int) -> list[int]:
     """The pipeline depths among the candidates (``pp`` alone when every table is that wide)."""
