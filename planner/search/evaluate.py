@@ -615,16 +615,19 @@ class Evaluator:
         parts_of = assemble(self, {k: v[rows] for k, v in c.items()}, rank_fields(stacked[local]), width, detail=True)
         step, peak, cpu = parts_of["step_time"], parts_of["peak_bytes"], parts_of["cpu_bytes"]
         details = self._detail_of(prep)
-        details.update(zip(rows.tolist(), zip(itertools.repeat(parts_of), range(len(rows)))))
-        meta = np.array([mt for _, _, mt in groups])[local]
+        metas = [mt for _, _, mt in groups]
+        details.update((i, (parts_of, n, groups[g][1], metas[g]))
+                       for i, n, g in zip(rows.tolist(), range(len(rows)), local.tolist()))
+        meta = np.array(metas)[local]
         capacity = self.cluster.profile.gpu.memory_bytes
         host = mem.host_capacity_bytes(self.cluster.profile.node.host_memory_GiB)
         return rows, Evaluation(step, peak, cpu, (peak <= capacity) & (cpu <= host), meta[:, 0].astype(np.int64), meta[:, 1], meta[:, 2],
                                 self.partitions)
 
-    def _detail_of(self, prep: "Prepared") -> dict[int, tuple[dict[str, np.ndarray], int]]:
+    def _detail_of(self, prep: "Prepared") -> dict[int, tuple[dict[str, np.ndarray], int, np.ndarray, tuple]]:
         """Per candidate of ``prep`` evaluated in full: its ``assemble`` detail (the arrays of its
-        chunk, and its position there), so building its Plan later assembles nothing again."""
+        chunk, and its position there), its key's rank table and (partition id, greedy and
+        optimal bottlenecks), so building its Plan later assembles nothing again."""
         if self._details[0] is not prep:
             self._details = (prep, {})
         return self._details[1]
@@ -637,19 +640,30 @@ class Evaluator:
                                                                           dict, tuple]]:
         """``candidate`` of many, assembled together per pipeline depth: one numpy pass per
         depth rather than per plan (``--top 1000`` builds a thousand)."""
+        return [(parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
+                for parts, ranks, d, n, bottlenecks in self.candidate_parts(prep, rows)]
+
+    def candidate_parts(self, prep: "Prepared", rows: list[int]) -> list[tuple[list[tuple[int, int]], np.ndarray,
+                                                                               dict[str, np.ndarray], int, tuple]]:
+        """``candidates`` unsliced: per row, (partition, [RANK_FIELDS x pp] rank table, the
+        ``assemble`` detail holding it, its position there, bottlenecks), for callers that read
+        a few numbers of each (plans.build_plans) rather than every array."""
         out: list = [None] * len(rows)
-        # Evaluated in full with their time-balanced split: the parts are known already.
+        # Evaluated in full with their time-balanced split: everything is known already.
         known = self._detail_of(prep)
+        zero = prep.space.columns["zero"]
         for j, i in enumerate(rows):
             if i in known and i not in self.overrides:
-                parts, ranks, _, bottlenecks = self._one(prep, i)
-                d, n = known[i]
-                out[j] = (parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
+                d, n, ranks, (pid, gbot, obot) = known[i]
+                if zero[i] != 3 and ranks[-2:].any():  # the key's ZeRO-3 rows, which this candidate's table has not
+                    ranks = ranks.copy()
+                    ranks[-2:] = 0.0
+                out[j] = (self.partitions[pid], ranks, d, n, (gbot, obot))
         rest = [j for j, o in enumerate(out) if o is None]
         for js, ones, d in self._by_depth(prep, [rows[j] for j in rest], detail=True):
             for n, j in enumerate(js):
                 parts, ranks, _, bottlenecks = ones[j]
-                out[rest[j]] = (parts, rank_fields(ranks), {k: v[n:n + 1] for k, v in d.items()}, bottlenecks)
+                out[rest[j]] = (parts, ranks, d, n, bottlenecks)
         return out
 
     def evaluate_one(self, prep: "Prepared", i: int) -> tuple[float, float, float]:

@@ -17,7 +17,7 @@ from planner.cost.memory import MemoryBreakdown
 from planner.cost.plan import Plan, StagePlan
 from planner.cost.step_time import MicroBatchTime, StepTime
 from planner.model.spec import ModelSpec
-from planner.search.evaluate import Evaluator, Prepared
+from planner.search.evaluate import RANK_FIELDS, Evaluator, Prepared
 
 
 def build_plan(ev: Evaluator, prep: Prepared, i: int) -> tuple[Plan, tuple[float, float]]:
@@ -28,7 +28,7 @@ def build_plan(ev: Evaluator, prep: Prepared, i: int) -> tuple[Plan, tuple[float
 def build_plans(ev: Evaluator, prep: Prepared, rows: list[int]) -> list[tuple[Plan, tuple[float, float]]]:
     """``build_plan`` of many candidates, their parts assembled together (Evaluator.candidates)."""
     facts = _block_facts(ev.model)
-    return [_plan(ev, prep, i, facts, *detail) for i, detail in zip(rows, ev.candidates(prep, rows))]
+    return [_plan(ev, prep, i, facts, *detail) for i, detail in zip(rows, ev.candidate_parts(prep, rows))]
 
 
 BlockFacts = tuple[list[int], list[tuple[int, int, str]], list[int]]
@@ -62,26 +62,31 @@ def _kind_counts(facts: BlockFacts, chunks: list[tuple[int, int]]) -> dict[str, 
     return counts
 
 
-def _plan(ev: Evaluator, prep: Prepared, i: int, facts: BlockFacts, parts, ranks, d,
+# The rank-table rows of a MicroBatchTime, in its field order.
+_TIME_ROWS = [RANK_FIELDS.index(k) for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")]
+
+
+def _plan(ev: Evaluator, prep: Prepared, i: int, facts: BlockFacts, parts, ranks, d, n: int,
           bottlenecks) -> tuple[Plan, tuple[float, float]]:
+    """Candidate ``i`` as a Plan from its rank table and its row ``n`` of ``assemble``'s detail."""
     cfg = prep.space.config(i)
     model, pp, m = ev.model, cfg.pp, cfg.grad_accum
     decoders = facts[2]
     # Per rank as plain floats: one conversion per array, not one numpy scalar per number.
-    memory_rows = zip(*(d[k][0].tolist() for k in ("weights", "grads", "optimizer", "activations", "buffers",
+    memory_rows = zip(*(d[k][n].tolist() for k in ("weights", "grads", "optimizer", "activations", "buffers",
                                                    "overhead", "cpu_per_node")))
-    time_rows = zip(*(ranks[k].tolist() for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")))
-    inflight = d["inflight"][0].tolist()
+    time_rows = zip(*ranks[_TIME_ROWS].tolist())
+    inflight = d["inflight"][n].tolist()
     stages = []
     for r, memory, mb in zip(range(pp), memory_rows, time_rows):
         chunks = [tuple(c) for c in parts[r::pp]]
         layers = sum(decoders[e] - decoders[a] for a, e in chunks)
         stages.append(StagePlan(r, list(chunks), layers, _kind_counts(facts, chunks),
                                 MemoryBreakdown(*memory), MicroBatchTime(*mb), float(inflight[r])))
-    w = stages[int(d["worst"][0])].microbatch
+    w = stages[int(d["worst"][n])].microbatch
     time = StepTime(compute=m * (w.fwd + w.bwd), recompute=m * w.recompute, tp_comm=m * w.tp,
-                    pp_bubble=float(d["bubble"][0]), pp_comm=m * w.pp, dp_comm=float(d["dp"][0].max()),
-                    ep_comm=m * w.ep, optimizer=float(d["opt"][0].max()))
+                    pp_bubble=float(d["bubble"][n]), pp_comm=m * w.pp, dp_comm=float(d["dp"][n].max()),
+                    ep_comm=m * w.ep, optimizer=float(d["opt"][n].max()))
     cluster = ev.cluster
     plan = Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=ev.workload, partition=list(parts),
