@@ -9,7 +9,6 @@ a 126-layer model.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 
 from planner.cost import memory as mem
@@ -31,34 +30,33 @@ def build_plans(ev: Evaluator, prep: Prepared, rows: list[int]) -> list[tuple[Pl
     return [_plan(ev, prep, i, facts, *detail) for i, detail in zip(rows, ev.candidate_parts(prep, rows))]
 
 
-BlockFacts = tuple[list[int], list[tuple[int, int, str]], list[int]]
+BlockFacts = tuple[list[int], list[tuple[int, str]]]
 
 
 def _block_facts(model: ModelSpec) -> BlockFacts:
-    """The runs of blocks of one kind, as (start, end, kind) and their starts, and how many
-    decoder blocks come before each block (a prefix count), so a stage's counts come from
-    the few runs its chunks overlap rather than a walk over its blocks."""
-    kinds = [b.kind for b in model.blocks]
-    runs, start = [], 0
-    for kind, same in itertools.groupby(kinds):
-        end = start + sum(1 for _ in same)
-        runs.append((start, end, kind))
-        start = end
-    decoders = [0, *itertools.accumulate(k == "decoder" for k in kinds)]  # DecoderBlock.kind
-    return [a for a, _, _ in runs], runs, decoders
+    """The runs of blocks of one kind, as (end, kind), and the run of each block, so a
+    stage's counts come from the few runs its chunks overlap rather than a walk over its
+    blocks."""
+    run_of: list[int] = []
+    runs: list[tuple[int, str]] = []
+    for kind, same in itertools.groupby(b.kind for b in model.blocks):
+        run_of.extend(itertools.repeat(len(runs), sum(1 for _ in same)))
+        runs.append((len(run_of), kind))
+    return run_of, runs
 
 
 def _kind_counts(facts: BlockFacts, chunks: list[tuple[int, int]]) -> dict[str, int]:
     """Blocks per kind over ``chunks``, keyed in the order the kinds first appear (as a Counter
-    over the chunks' blocks in turn would list them)."""
-    starts, runs, _ = facts
+    over the chunks' blocks in turn would list them): each chunk walks the runs it overlaps."""
+    run_of, runs = facts
     counts: dict[str, int] = {}
     for a, e in chunks:
-        j = bisect.bisect_right(starts, a) - 1
-        while a < e and j < len(runs) and runs[j][0] < e:
-            ra, re, kind = runs[j]
-            counts[kind] = counts.get(kind, 0) + min(e, re) - max(a, ra)
-            j += 1
+        j = run_of[a] if a < e else 0
+        while a < e:
+            end, kind = runs[j]
+            stop = end if end < e else e
+            counts[kind] = counts.get(kind, 0) + stop - a
+            a, j = stop, j + 1
     return counts
 
 
@@ -71,7 +69,6 @@ def _plan(ev: Evaluator, prep: Prepared, i: int, facts: BlockFacts, parts, ranks
     """Candidate ``i`` as a Plan from its rank table and its row ``n`` of ``assemble``'s detail."""
     cfg = prep.space.config(i)
     model, pp, m = ev.model, cfg.pp, cfg.grad_accum
-    decoders = facts[2]
     # Per rank as plain floats: one conversion per array, not one numpy scalar per number.
     memory_rows = zip(*(d[k][n].tolist() for k in ("weights", "grads", "optimizer", "activations", "buffers",
                                                    "overhead", "cpu_per_node")))
@@ -79,9 +76,9 @@ def _plan(ev: Evaluator, prep: Prepared, i: int, facts: BlockFacts, parts, ranks
     inflight = d["inflight"][n].tolist()
     stages = []
     for r, memory, mb in zip(range(pp), memory_rows, time_rows):
-        chunks = [tuple(c) for c in parts[r::pp]]
-        layers = sum(decoders[e] - decoders[a] for a, e in chunks)
-        stages.append(StagePlan(r, list(chunks), layers, _kind_counts(facts, chunks),
+        chunks = list(map(tuple, parts[r::pp]))
+        kinds = _kind_counts(facts, chunks)
+        stages.append(StagePlan(r, chunks, kinds.get("decoder", 0), kinds,  # DecoderBlock.kind: its layers
                                 MemoryBreakdown(*memory), MicroBatchTime(*mb), float(inflight[r])))
     w = stages[int(d["worst"][n])].microbatch
     time = StepTime(compute=m * (w.fwd + w.bwd), recompute=m * w.recompute, tp_comm=m * w.tp,
