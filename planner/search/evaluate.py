@@ -86,6 +86,7 @@ def pipeline_units(model: ModelSpec) -> list[tuple[int, int]]:
 # the ZeRO-3 per-block gathers and reduce-scatters.
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
                "tied", "z3_gather", "z3_reduce")
+_Z3_ROWS = [RANK_FIELDS.index("z3_gather"), RANK_FIELDS.index("z3_reduce")]  # zero unless the candidate runs ZeRO-3
 
 
 def _padded(tables: list[np.ndarray]) -> tuple[np.ndarray, int]:
@@ -655,9 +656,9 @@ class Evaluator:
         for j, i in enumerate(rows):
             if i in known and i not in self.overrides:
                 d, n, ranks, (pid, gbot, obot) = known[i]
-                if zero[i] != 3 and ranks[-2:].any():  # the key's ZeRO-3 rows, which this candidate's table has not
+                if zero[i] != 3 and ranks[_Z3_ROWS].any():  # the key's ZeRO-3 rows, which this candidate's table has not
                     ranks = ranks.copy()
-                    ranks[-2:] = 0.0
+                    ranks[_Z3_ROWS] = 0.0
                 out[j] = (self.partitions[pid], ranks, d, n, (gbot, obot))
         rest = [j for j, o in enumerate(out) if o is None]
         for js, ones, d in self._by_depth(prep, [rows[j] for j in rest], detail=True):

@@ -400,18 +400,19 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
                 bottlenecks["memory_constrained"] = float(ev.overrides[i][1])
             value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
             result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value, [FRAMEWORKS[f] for f in alts]))
-        best_json = result.plans[0].plan.to_json()
+        jsons = [rp.plan.to_json() for rp in result.plans]  # each once: the lines below read them again
+        best_json = jsons[0]
         if len(result.plans) > 1:
             # The runner-up worth explaining: the first plan that predicts differently (plans that
             # tie on every number, e.g. the same layout under two runtimes, say nothing).
             best = result.plans[0].plan
-            runner = next((rp.plan for rp in result.plans[1:]
+            runner = next((j for rp, j in zip(result.plans[1:], jsons[1:])
                            if abs(rp.plan.step_time_s - best.step_time_s) > 1e-9 * best.step_time_s
                            or abs(rp.plan.memory.peak - best.memory.peak) > 1e-9 * best.memory.peak),
-                          result.plans[1].plan)
-            result.why = rk.why_better(best_json, runner.to_json(), objective, describe)
-            for rp in result.plans[1:]:
-                rp.why = rk.why_behind(best_json, rp.plan.to_json(), objective)
+                          jsons[1])
+            result.why = rk.why_better(best_json, runner, objective, describe)
+            for rp, j in zip(result.plans[1:], jsons[1:]):
+                rp.why = rk.why_behind(best_json, j, objective)
         elif idx.size > 1 or pruned:  # --top 1: others fit (or may: pruned ones were not evaluated)
             result.why = "ranked first (--top 2 or more names the runner-up and why it lost)"
         else:
