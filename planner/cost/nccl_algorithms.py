@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from planner.hardware.cluster import Cluster
 from planner.hardware.placement import GroupShape
-from planner.hardware.routing import intra_routes
+from planner.hardware.routing import alltoall_s_per_peer_byte, ring_routes
 
 MiB = 2**20
 CALL_OVERHEAD_S = 35e-6
@@ -96,7 +96,6 @@ class Links:
 
     intra_ring_bw: float
     intra_p2p_bw: float
-    a2a_intra_s_per_peer_byte: float
     inter_bw: float  # per rank, across nodes: NICs shared by the groups of a node, spine ratio
     intra_lat: float
     net_lat: float
@@ -114,16 +113,16 @@ def links_for(cluster: Cluster, shape: GroupShape) -> Links:
 def _links_for(cluster: Cluster, shape: GroupShape) -> Links:
     p = cluster.profile
     if shape.ranks_per_node > 1:
-        routes = intra_routes(cluster.key[0], shape.local_groups(cluster.gpus_per_node))
-        ring, p2p, a2a, edge = routes.ring_bw, routes.p2p_bw, routes.alltoall_s_per_peer_byte, routes.bottleneck
+        routes = ring_routes(cluster.key[0], shape.local_groups(cluster.gpus_per_node))
+        ring, p2p, edge = routes.ring_bw, routes.p2p_bw, routes.bottleneck
     else:
-        ring, p2p, a2a, edge = math.inf, math.inf, 0.0, ""
+        ring, p2p, edge = math.inf, math.inf, ""
     spine = p.fabric.oversubscription if shape.crosses_spine else 1.0
     inter = shape.ranks_per_node * cluster.nic_bw_per_gpu / spine if shape.crosses_nodes else math.inf
     if shape.crosses_nodes and inter * NET_EFFICIENCY < ring * SIMPLE.efficiency:
         edge = "network (NIC" + (f", spine {spine:g}:1)" if spine > 1 else ")")
     net_lat = cluster.net_latency_s(shape.crosses_spine, shape.pods > 1)
-    return Links(ring, p2p, a2a, inter, cluster.intra_latency_s, net_lat, edge)
+    return Links(ring, p2p, inter, cluster.intra_latency_s, net_lat, edge)
 
 
 def _step(proto: Protocol, link_latency: float) -> float:
@@ -162,7 +161,7 @@ def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
                 bw = links.inter_bw / r * proto.net_efficiency()
             out.append(Candidate("p2p", proto.name, step, 1.0 / bw))
     if op == "alltoall":
-        out.append(_alltoall(links, n, r, m))
+        out.append(_alltoall(links, _alltoall_intra(cluster, shape), n, r, m))
     if op == "allreduce" and nvls and cluster.nvls and r > 1:
         spb = 1.0 / (cluster.intra_bw * NVLS_EFFICIENCY)
         lat = 2 * links.intra_lat
@@ -188,9 +187,16 @@ def _multinode_allreduce(links: Links, proto: Protocol, n: int, r: int, m: int, 
     return [tree, Candidate("hierarchical", proto.name, lat, spb, ramp)]
 
 
-def _alltoall(links: Links, n: int, r: int, m: int) -> Candidate:
+def _alltoall_intra(cluster: Cluster, shape: GroupShape) -> float:
+    """Seconds per byte to each peer inside a node (routed for all-to-alls only: other ops never ask)."""
+    if shape.ranks_per_node == 1:
+        return 0.0
+    return alltoall_s_per_peer_byte(cluster.key[0], shape.local_groups(cluster.gpus_per_node))
+
+
+def _alltoall(links: Links, intra_s_per_peer_byte: float, n: int, r: int, m: int) -> Candidate:
     """Every rank sends S/n to each peer at once: intra-node pairs over the node fabric, the rest over NICs."""
-    intra = links.a2a_intra_s_per_peer_byte / n / SIMPLE.efficiency
+    intra = intra_s_per_peer_byte / n / SIMPLE.efficiency
     inter = (n - r) / n / (links.inter_bw / r * NET_EFFICIENCY) if m > 1 else 0.0
     lat = _step(SIMPLE, links.net_lat if m > 1 else links.intra_lat) + (n - 1) * ALLTOALL_PEER_S
     return Candidate("direct", "Simple", lat, max(intra, inter))

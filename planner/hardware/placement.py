@@ -54,15 +54,21 @@ class GroupShape:
 
     def local_groups(self, gpus_per_node: int) -> tuple[tuple[int, ...], ...]:
         """Local GPU indices of every group of this shape on one node (for link contention)."""
-        r = self.ranks_per_node
-        if r == 1:
-            return tuple((i,) for i in range(gpus_per_node))
-        span = self.stride * r
-        groups = []
-        for block in range(0, gpus_per_node, span):
-            for off in range(self.stride):
-                groups.append(tuple(block + off + j * self.stride for j in range(r)))
-        return tuple(groups)
+        return _local_groups(gpus_per_node, self.stride, self.ranks_per_node)
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_groups(gpus_per_node: int, stride: int, r: int) -> tuple[tuple[int, ...], ...]:
+    """``GroupShape.local_groups``: the same for every shape of one stride and ranks per node,
+    so built once for the many shapes (sizes across nodes, ops) a search prices."""
+    if r == 1:
+        return tuple((i,) for i in range(gpus_per_node))
+    span = stride * r
+    groups = []
+    for block in range(0, gpus_per_node, span):
+        for off in range(stride):
+            groups.append(tuple(block + off + j * stride for j in range(r)))
+    return tuple(groups)
 
 
 class Placement:

@@ -6,6 +6,10 @@ of its bandwidth. Results are cached per (profile, local groups); the graph is a
 vertices, so this runs once per group shape, never per query. It reads the plain-data
 ``NodeFabric`` rather than the networkx graph: importing networkx alone would cost ``dsplan
 suggest`` a fifth of its one-second budget.
+
+Rings (every collective) and all-to-alls (MoE only) are routed separately, and each route
+between two GPUs is found when first asked for: a dense model's search routes a few ring
+neighbours, not every pair of GPUs.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from dataclasses import dataclass
 
 from planner.hardware.cluster import NodeFabric, node_fabric
 
-Flows = dict[tuple[str, str], float]
+Edge = tuple[str, str]
+Flows = dict[Edge, float]
 
 
 @dataclass(frozen=True)
@@ -28,31 +33,35 @@ class IntraRoutes:
     bottleneck: str  # the edge that limits the ring, as "u->v"
 
 
+@dataclass(frozen=True)
+class RingRoutes:
+    """``IntraRoutes`` without the all-to-all: what every collective but all-to-all reads."""
+
+    ring_bw: float
+    p2p_bw: float
+    bottleneck: str
+
+
 def intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> IntraRoutes:
     """Route the rings, neighbour sends and all-to-alls of ``groups`` (local GPU indices)."""
-    return _intra_routes(profile_json, groups)
+    ring = ring_routes(profile_json, groups)
+    return IntraRoutes(ring.ring_bw, ring.p2p_bw, alltoall_s_per_peer_byte(profile_json, groups), ring.bottleneck)
 
 
 @functools.lru_cache(maxsize=4096)
-def _intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> IntraRoutes:
-    g = node_fabric(profile_json)
-    paths = _paths(profile_json)
-    mesh = not g.with_role("nvswitch", "pcie_switch")
+def ring_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> RingRoutes:
+    """Route the rings and neighbour sends of ``groups`` (local GPU indices)."""
     size = len(groups[0])
     if size < 2:
-        return IntraRoutes(float("inf"), float("inf"), 0.0, "")
+        return RingRoutes(float("inf"), float("inf"), "")
+    g = node_fabric(profile_json)
     ring: Flows = {}
-    a2a: Flows = {}
     for members in groups:
-        names = [f"n0.gpu{i}" for i in members]
-        for k, src in enumerate(names):
-            _add_path(ring, paths[src][names[(k + 1) % size]], 1.0)
-            for dst in names:
-                if dst != src:
-                    _add_path(a2a, paths[src][dst], 1.0)
+        for k, src in enumerate(members):
+            _add_path(ring, _route(profile_json, src, members[(k + 1) % size]))
     ring_bw, edge = _bottleneck(g, ring)
     p2p_bw = ring_bw
-    if mesh:
+    if not g.with_role("nvswitch", "pcie_switch"):
         # Point-to-point meshes: NCCL/RCCL run one ring per link permutation, so a rank's ring
         # bandwidth is the sum of its direct links to the other members; a single send uses one.
         src = f"n0.gpu{groups[0][0]}"
@@ -61,29 +70,42 @@ def _intra_routes(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> Int
         ring_bw = max(ring_bw, sum(direct)) if direct else ring_bw
         nxt = f"n0.gpu{groups[0][1]}"
         p2p_bw = g.edge(src, nxt)["bw"] if g.has_edge(src, nxt) else p2p_bw
-    a2a_spb = max(load / g.edge(u, v)["bw"] for (u, v), load in a2a.items())
-    return IntraRoutes(ring_bw, p2p_bw, a2a_spb, edge)
+    return RingRoutes(ring_bw, p2p_bw, edge)
+
+
+@functools.lru_cache(maxsize=4096)
+def alltoall_s_per_peer_byte(profile_json: str, groups: tuple[tuple[int, ...], ...]) -> float:
+    """All-to-all of ``groups``, intra-node part: seconds per byte each rank sends to each peer."""
+    if len(groups[0]) < 2:
+        return 0.0
+    g = node_fabric(profile_json)
+    a2a: Flows = {}
+    for members in groups:
+        for src in members:
+            for dst in members:
+                if dst != src:
+                    _add_path(a2a, _route(profile_json, src, dst))
+    return max(load / g.edge(u, v)["bw"] for (u, v), load in a2a.items())
 
 
 def path_kinds(profile_json: str, members: tuple[int, ...]) -> list[str]:
     """Edge kinds on the routes between the members of one local group (e.g. ["pcie", "socket"])."""
-    g, paths = node_fabric(profile_json), _paths(profile_json)
-    names = [f"n0.gpu{i}" for i in members]
-    kinds = {g.edge(u, v)["kind"] for a in names for b in names if a != b for u, v in zip(paths[a][b], paths[a][b][1:])}
+    g = node_fabric(profile_json)
+    kinds = {g.edge(u, v)["kind"] for a in members for b in members if a != b for u, v in _route(profile_json, a, b)}
     order = ("nvlink", "xgmi", "pcie", "socket")
     return sorted(kinds, key=lambda k: order.index(k) if k in order else len(order))
 
 
-@functools.lru_cache(maxsize=32)
-def _paths(profile_json: str) -> dict[str, dict[str, list[str]]]:
-    g = node_fabric(profile_json)
-    gpus = g.with_role("gpu")
-    return {s: {d: g.shortest_path(s, d) for d in gpus} for s in gpus}
+@functools.lru_cache(maxsize=4096)
+def _route(profile_json: str, src: int, dst: int) -> tuple[Edge, ...]:
+    """The edges of the shortest path from local GPU ``src`` to ``dst``, found on first use."""
+    path = node_fabric(profile_json).shortest_path(f"n0.gpu{src}", f"n0.gpu{dst}")
+    return tuple(zip(path, path[1:]))
 
 
-def _add_path(flows: Flows, path: list[str], amount: float) -> None:
-    for u, v in zip(path, path[1:]):
-        flows[(u, v)] = flows.get((u, v), 0.0) + amount
+def _add_path(flows: Flows, edges: tuple[Edge, ...]) -> None:
+    for e in edges:
+        flows[e] = flows.get(e, 0.0) + 1.0
 
 
 def _bottleneck(g: NodeFabric, flows: Flows) -> tuple[float, str]:
