@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.cost import efficiency as eff
-from planner.cost.collectives import collective_time_array
+from planner.cost.collectives import collective_times_keyed
 from planner.cost.layers import LayerCost
 from planner.cost.parallel import RECOMPUTES
 from planner.hardware.cluster import Cluster
@@ -91,16 +91,18 @@ def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, fl
     """[job, b, block] seconds of each job: a group shape and each block's list of (collective,
     bytes per sample).
 
-    One ``collective_time_array`` call per (shape, collective) over every distinct (bytes x
-    micro-batch) size of every job at once: the time is elementwise in the size, so this
-    equals one call per size, and the dozens of (tp, sp, ep) tables of a search share a
-    handful of TP and EP shapes. The sums per block are one ``bincount`` over every (job,
-    micro-batch, block) cell, which adds a block's collectives in the order their (collective,
-    bytes) first appear in its job, as one addition per distinct size would.
+    Every distinct (shape, collective, bytes) of every job is priced at every micro-batch in
+    one ``collective_times_keyed`` call: the time is elementwise in the size, so this equals
+    one call per size, and the dozens of (tp, sp, ep) tables of a search share a handful of
+    TP and EP shapes. The sums per block are one ``bincount`` over every (job, micro-batch,
+    block) cell, which adds a block's collectives in the order their (collective, bytes) first
+    appear in its job, as one addition per distinct size would.
     """
     n_blocks = len(jobs[0][1]) if jobs else 0
-    wanted: dict[tuple[GroupShape, str], dict[float, int]] = {}  # per (shape, op): size -> row
-    adds: list[tuple[int, list[int], tuple[GroupShape, str], int]] = []  # (job, blocks, (shape, op), row)
+    pairs: dict[tuple[str, GroupShape], int] = {}  # (op, shape) -> its number in the pricing call
+    rows: dict[tuple[int, float], int] = {}  # (pair, bytes) -> row of the priced sizes
+    cell: list[int] = []  # (job, block) of each addition, in adding order
+    row: list[int] = []  # the priced row it adds
     for job, (shape, ops) in enumerate(jobs):
         if shape.size <= 1:
             continue
@@ -109,17 +111,16 @@ def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, fl
             for op, nbytes in block_ops:
                 distinct.setdefault((op, float(nbytes)), []).append(j)  # a block may list an op twice
         for (op, nbytes), blocks in distinct.items():
-            rows = wanted.setdefault((shape, op), {})
-            adds.append((job, blocks, (shape, op), rows.setdefault(nbytes, len(rows))))
-    offset, times, n_rows = {}, [np.zeros((0, len(bs)))], 0  # every (shape, op)'s rows, stacked
-    for (shape, op), rows in wanted.items():
-        offset[shape, op], n_rows = n_rows, n_rows + len(rows)
-        sizes = np.fromiter(rows, dtype=float, count=len(rows))
-        times.append(collective_time_array(cluster, op, shape, sizes[:, None] * bs[None, :]))
-    cell = [job * n_blocks + j for job, blocks, _, _ in adds for j in blocks]  # (job, block), in adding order
-    row = [offset[key] + r for _, blocks, key, r in adds for _ in blocks]
+            r = rows.setdefault((pairs.setdefault((op, shape), len(pairs)), nbytes), len(rows))
+            cell += [job * n_blocks + j for j in blocks]
+            row += [r] * len(blocks)
+    times = np.zeros((0, len(bs)))
+    if rows:
+        which = np.fromiter((p for p, _ in rows), dtype=np.int64, count=len(rows))[:, None]
+        sizes = np.fromiter((nbytes for _, nbytes in rows), dtype=float, count=len(rows))
+        times = collective_times_keyed(cluster, list(pairs), which, sizes[:, None] * bs[None, :])
     at = (np.arange(len(bs))[:, None] * (len(jobs) * n_blocks) + np.array(cell, dtype=np.int64)[None, :]).ravel()
-    per_size = np.concatenate(times)[np.array(row, dtype=np.int64)].T.ravel()  # [b, adds]
+    per_size = times[np.array(row, dtype=np.int64)].T.ravel()  # [b, adds]
     # Cells ordered (b, job, block), each summed in adding order: then [job, b, block].
     sums = np.bincount(at, weights=per_size, minlength=len(bs) * len(jobs) * n_blocks)
     return sums.reshape(len(bs), len(jobs), n_blocks).transpose(1, 0, 2)
