@@ -14,6 +14,7 @@ that is a handful of multiply-adds, and ``collective_time_array`` does many size
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,18 +142,16 @@ def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]]
     candidates lead, so the fastest is an elementwise minimum of a handful of arrays rather
     than a reduction over a short last axis, where numpy's cost per output outweighs the
     arithmetic. The same terms, elementwise, so equal to one call per pair."""
-    tables = [_term_table(cluster, op, shape, cluster.nvls) if shape.size > 1 else np.zeros((0, 5))
-              for op, shape in pairs]
-    width = max([len(t) for t in tables] + [1])
-    terms = np.zeros((5, width, len(pairs) + 1))  # zero seconds: a single rank, and the last pair (-1)
-    for j, t in enumerate(tables):
-        if len(t):
-            terms[:, :len(t), j] = t.T
-            terms[0, len(t):, j] = np.inf  # a padded candidate never wins
-    # np.take keeps each [candidate, *which.shape] term contiguous (fancy indexing would not).
-    gathered = np.take(terms.reshape(5 * width, -1), which, axis=1)
-    lat, spb, ramp, fill_spb, cap = gathered.reshape((5, width) + which.shape)
-    times = lat + spb * np.maximum(sizes, ramp) + fill_spb * np.minimum(sizes, cap)
+    nvls = cluster.nvls
+    columns = [_term_rows(cluster, op, shape, nvls) if shape.size > 1 else _NO_TERMS for op, shape in pairs]
+    width = max([n for n, _, _ in columns] + [1])
+    # [pair, candidate, term], the last pair (-1) costing nothing; np.take of its [term, candidate,
+    # pair] view keeps each [candidate, *which.shape] term contiguous (fancy indexing would not).
+    rows = np.concatenate([r for _, _, r in columns] + [_NO_TERMS[2]]).reshape(len(pairs) + 1, _MAX_CANDIDATES, 5)
+    lat, spb, ramp, fill_spb, cap = np.take(rows[:, :width].transpose(2, 1, 0), which, axis=2)
+    times = lat + spb * np.maximum(sizes, ramp)
+    if any(fill for _, fill, _ in columns):  # NVLS's pipeline fill; zero seconds for every other candidate
+        times += fill_spb * np.minimum(sizes, cap)
     return np.where(sizes > 0, functools.reduce(np.minimum, times), 0.0)
 
 
@@ -171,6 +170,24 @@ def collective_times_numbered(cluster: Cluster, key_of: Callable[[int], tuple[st
 def _term_table(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> np.ndarray:
     """``_plan``'s terms as a [candidates x 5] array."""
     return np.array(_plan(cluster, op, shape, nvls)[1], dtype=float)
+
+
+# The most candidates one (op, shape) has: 3 protocols x (ring, tree, hierarchical), and NVLS
+# (more would fail the reshape in collective_times_keyed).
+_MAX_CANDIDATES = 10
+_PADDING = np.array((math.inf, 0.0, 0.0, 0.0, 0.0) * _MAX_CANDIDATES)  # candidates that never win: infinite latency
+_NO_TERMS = (0, False, np.zeros(5 * _MAX_CANDIDATES))  # zero seconds: a single rank, or nothing to send
+
+
+@functools.lru_cache(maxsize=65536)
+def _term_rows(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tuple[int, bool, np.ndarray]:
+    """``_plan``'s terms as ``collective_times_keyed`` stacks them: _MAX_CANDIDATES rows of 5,
+    padded, flat; with the candidate count and whether any has a pipeline fill. Built once per
+    pair, not on every call."""
+    terms = _plan(cluster, op, shape, nvls)[1]
+    rows = _PADDING.copy()
+    rows[:5 * len(terms)] = sum(terms, ())
+    return len(terms), any(fill_spb for _, _, _, fill_spb, _ in terms), rows
 
 
 @functools.lru_cache(maxsize=65536)
