@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,8 +20,7 @@ from planner.hardware.cluster import Cluster
 DEFAULT_ORDER = ("tp", "ep", "dp", "pp")
 
 
-@dataclass(frozen=True)
-class GroupShape:
+class GroupShape(NamedTuple):
     """What one process group looks like on the machine (the same for every group of a dim).
 
     size: ranks in the group; stride: rank distance between consecutive members;
@@ -29,6 +28,9 @@ class GroupShape:
     groups_per_node: groups of this dimension with members on one node, all communicating at
     once and so sharing that node's NICs; leaf_blocks: leaf blocks (fat-tree) it touches;
     pods: spine pods it touches (3-level fabrics).
+
+    A named tuple, immutable as a frozen dataclass: the collective model's caches hash it on
+    every lookup, and a tuple hashes in C where a dataclass's ``__hash__`` is a Python call.
     """
 
     size: int
