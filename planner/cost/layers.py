@@ -16,7 +16,10 @@ every TP rank; split by t only under sequence parallelism) and *sharded* (split 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
 
 from planner.cost.parallel import Workload
 from planner.errors import UserError
@@ -37,10 +40,13 @@ from planner.model.spec import (
 ACT = 2  # bytes of a bf16/fp16 activation
 MASK = 1  # bytes of a dropout mask element (Korthikanti: "sbh" for a mask of s*b*h)
 RECOMPUTE_MODES = ("none", "selective", "full")
+_NO_EXTRA: Mapping[str, float] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
-class Gemm:
+# Gemm, AttnCore and LayerCost are NamedTuples, immutable as a frozen dataclass but built in one
+# tuple allocation: a search prices each block once per (tp, sp, ep), too few calls for the
+# interpreter to specialise a frozen dataclass's __init__ (one object.__setattr__ per field).
+class Gemm(NamedTuple):
     """``batch`` GEMMs of (tokens*b x k) @ (k x n) per sample; ``tokens`` scales with b."""
 
     tokens: float
@@ -53,8 +59,7 @@ class Gemm:
         return 2.0 * self.tokens * self.n * self.k * self.batch
 
 
-@dataclass(frozen=True, slots=True)
-class AttnCore:
+class AttnCore(NamedTuple):
     """Scores and attention-over-values: ``seqs`` sequences of ``seq`` tokens, ``heads`` per GPU."""
 
     seqs: int  # independent sequences per sample (1 for text, the tiles for a ViT)
@@ -72,8 +77,7 @@ class AttnCore:
         return 2.0 * self.seqs * self.seq**2 * self.heads * (self.qk_dim + self.v_dim)
 
 
-@dataclass(frozen=True, slots=True)
-class LayerCost:
+class LayerCost(NamedTuple):
     """Per-GPU, per-sample cost of one block (see the module docstring)."""
 
     index: int
@@ -93,7 +97,7 @@ class LayerCost:
     ep_a2a: float  # bytes one GPU sends per all-to-all (dispatch; combine is the same)
     ep_a2a_count: int  # all-to-alls forward (dispatch + combine); backward repeats them
     checkpointed: bool  # full recompute applies (transformer layers only, as in Megatron)
-    extra: dict[str, float] = field(default_factory=dict)
+    extra: Mapping[str, float] = _NO_EXTRA
 
     @property
     def gemm_flops(self) -> float:
@@ -179,7 +183,7 @@ def _block_cost(model: ModelSpec, i: int, b: object, s: int, tiles: int, ctx: _C
                 cost = _vision(i, b, tiles, model.vision.patches_per_tile, ctx)
             if seen is not None:
                 seen[b] = cost
-        return cost if cost.index == i else replace(cost, index=i)
+        return cost if cost.index == i else cost._replace(index=i)
     if isinstance(b, VisionEmbedBlock):
         assert model.vision is not None
         return _vision_embed(i, b, tiles * model.vision.patches_per_tile, ctx)
