@@ -49,12 +49,14 @@ class BlockTable:
         return self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + self.tp[mode, bi] + self.ep[mode, bi]
 
 
-def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device, backward: bool) -> np.ndarray:
-    """[b, block] attention-core seconds (step_time.attention_time over many b).
+def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> tuple[np.ndarray, np.ndarray]:
+    """[b, block] attention-core seconds forward and backward (step_time.attention_time over many b).
 
-    FlashAttention blocks sharing a head dim and causality go through one ``flash_time`` call.
+    FlashAttention blocks sharing a head dim and causality go through one ``flash_time`` call
+    per direction; both directions come from one walk over the blocks.
     """
     out = np.zeros((len(bs), len(costs)))
+    back = np.zeros_like(out)
     flash: dict[tuple[int, bool], list[int]] = {}
     for j, c in enumerate(costs):
         a = c.attn
@@ -65,11 +67,13 @@ def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device, backward
         else:
             batch = a.heads * a.seqs * bs
             fwd = eff.gemm_time(a.seq, a.seq, a.qk_dim, dev, batch) + eff.gemm_time(a.seq, a.v_dim, a.seq, dev, batch)
-            out[:, j] = 2.0 * fwd if backward else fwd
+            out[:, j] = fwd
+            back[:, j] = 2.0 * fwd
     for (qk, causal), idx in flash.items():
-        flops = np.array([costs[j].attn.flops for j in idx])  # type: ignore[union-attr]
-        out[:, idx] = eff.flash_time(flops[None, :] * bs[:, None], qk, causal, dev, backward)
-    return out
+        flops = np.array([costs[j].attn.flops for j in idx])[None, :] * bs[:, None]  # type: ignore[union-attr]
+        out[:, idx] = eff.flash_time(flops, qk, causal, dev, False)
+        back[:, idx] = eff.flash_time(flops, qk, causal, dev, True)
+    return out, back
 
 
 def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarray:
@@ -132,15 +136,15 @@ def block_table(costs: list[LayerCost], micro_batches: tuple[int, ...], dev: eff
 
 
 def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], micro_batches: tuple[int, ...],
-                 dev: eff.Device, cluster: Cluster, expand: np.ndarray | None = None) -> list[BlockTable]:
+                 dev: eff.Device, cluster: Cluster, runs: np.ndarray | None = None) -> list[BlockTable]:
     """One table per (layer costs, TP shape, EP shape) group, over the same micro-batches.
 
     The groups list the same blocks (one model under different tp, sp, ep). Every quantity is
     elementwise in (group, micro-batch, block), so all groups go through the kernels side by
     side as [group x micro-batch x block] arrays (a search needs dozens of groups); the
     collectives, which depend on each group's process-group shapes, are priced once per
-    (shape, collective). ``expand``: for each block of the tables, the priced block it copies
-    (runs of identical blocks are priced once, then widened here in one index per array)."""
+    (shape, collective). ``runs``: how many consecutive blocks of the tables each priced block
+    stands for (runs of identical blocks are priced once, then widened here: ``_widen``)."""
     bs = np.asarray(micro_batches, dtype=float)
     n_groups, n_blocks = len(groups), len(groups[0][0])
     if any(len(group) != n_blocks for group, _, _ in groups):
@@ -164,8 +168,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
 
     gemm = _gemms(uniq, bs, dev)
     hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in uniq])[None, :] * bs[:, None], dev)
-    attn_f = _attention(uniq, bs, dev, False)
-    attn_b = _attention(uniq, bs, dev, True)
+    attn_f, attn_b = _attention(uniq, bs, dev)
     fwd = spread(gemm + attn_f + hbm_t)
     bwd = spread(2.0 * gemm + attn_b + 2.0 * hbm_t)
     score = spread(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in uniq])[None, :] * bs[:, None], dev))
@@ -179,15 +182,15 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
                  (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
     comms = _comm(cluster, jobs, bs)
     base_tp, again_tp, a2a = (comms[k::3] for k in range(3))  # [group, b, block]
+    full = RECOMPUTES.index("full")
     rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
-    rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
+    rc[:, full] = np.where(ckpt[:, None, :], fwd, 0.0)
     rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], attn + score, 0.0)
-    tp = np.zeros_like(rc)
-    ep = np.zeros_like(rc)
-    for mode, name in enumerate(RECOMPUTES):
-        again = (name == "full") & ckpt
-        tp[:, mode] = base_tp + np.where(again[:, None, :], again_tp, 0.0)
-        ep[:, mode] = (2.0 + again.astype(float))[:, None, :] * count[:, None, :] * a2a
+    # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
+    again = np.zeros((n_groups, len(RECOMPUTES), 1, n_blocks), dtype=bool)
+    again[:, full, 0] = ckpt
+    tp = base_tp[:, None] + np.where(again, again_tp[:, None], 0.0)
+    ep = (2.0 + again) * count[:, None, None, :] * a2a[:, None]
     fields = {
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep,
         "params": per_block([c.params_rank for c in costs]),
@@ -197,10 +200,20 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         "act_live": per_block([c.act_live if c.checkpointed else 0.0 for c in costs]),
         "pp_bytes": per_block([c.pp_bytes for c in costs]),
     }
-    if expand is not None:
-        fields = {k: v[..., expand] for k, v in fields.items()}
+    if runs is not None:
+        fields = {k: _widen(v, runs) for k, v in fields.items()}
     return [BlockTable(tuple(micro_batches), **{k: v[g] for k, v in fields.items()}, batch=(fields, g))
             for g in range(n_groups)]
+
+
+def _widen(a: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """``a`` with its last (block) axis entry ``j`` repeated ``runs[j]`` times: one ``np.repeat``
+    copying whole slabs, where the fancy index ``a[..., index]`` copied element by element.
+    Laid out block-major (the block axis outermost in memory) as that index left it: sums over
+    blocks downstream (bounds.py) then still add block by block, where a C-ordered copy would
+    switch numpy to pairwise sums and move the last bits."""
+    block_first = a.transpose(a.ndim - 1, *range(a.ndim - 1))
+    return block_first.repeat(runs, axis=0).transpose(*range(1, a.ndim), 0)
 
 
 def stacked(tables: list[BlockTable], name: str) -> np.ndarray:

@@ -342,7 +342,7 @@ class Evaluator:
         short, pos = self._run_model()
         groups = [(layer_costs(short, self.workload, tp, sp, ep, self._layer_memo), shapes.tp, shapes.ep)
                   for tp, sp, ep, shapes in specs]
-        return block_tables(groups, mbs, self.dev, self.cluster, expand=pos)
+        return block_tables(groups, mbs, self.dev, self.cluster, runs=np.bincount(pos))
 
     def _run_model(self) -> tuple[ModelSpec, np.ndarray]:
         """The model with each run of identical consecutive blocks cut to its first block, and
