@@ -24,6 +24,7 @@ from typing import NamedTuple
 from planner.cost.parallel import Workload
 from planner.errors import UserError
 from planner.model.spec import (
+    Block,
     DecoderBlock,
     DenseMLP,
     EmbeddingBlock,
@@ -161,7 +162,7 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
         if memo is None:
             out.append(_block_cost(model, i, b, s, tiles, ctx, seen))
             continue
-        key = (i, tp, sp, ep if isinstance(b, DecoderBlock) and isinstance(b.mlp, MoEMLP) else 1)
+        key = (i, tp, sp, ep if b.kind == "decoder" and b.mlp.kind == "moe" else 1)
         cost = memo.get(key)
         if cost is None:  # priced directly: hashing a layer for ``seen`` costs about as much
             cost = memo[key] = _block_cost(model, i, b, s, tiles, ctx, None)
@@ -169,11 +170,15 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     return out
 
 
-def _block_cost(model: ModelSpec, i: int, b: object, s: int, tiles: int, ctx: _Ctx,
+def _block_cost(model: ModelSpec, i: int, b: Block, s: int, tiles: int, ctx: _Ctx,
                 seen: dict[object, LayerCost] | None) -> LayerCost:
     """Block ``i``'s cost; a transformer layer equal to one in ``seen`` (when given) is that
-    one renumbered."""
-    if isinstance(b, (DecoderBlock, VisionBlock)):
+    one renumbered.
+
+    Dispatched on the blocks' ``kind`` tag: a failing isinstance against a pydantic model class
+    runs ABCMeta's Python-level __instancecheck__, and a norm failed five before it matched."""
+    kind = b.kind
+    if kind == "decoder" or kind == "vision":
         cost = seen.get(b) if seen is not None else None
         if cost is None:
             if isinstance(b, DecoderBlock):
@@ -184,18 +189,21 @@ def _block_cost(model: ModelSpec, i: int, b: object, s: int, tiles: int, ctx: _C
             if seen is not None:
                 seen[b] = cost
         return cost if cost.index == i else cost._replace(index=i)
-    if isinstance(b, VisionEmbedBlock):
-        assert model.vision is not None
+    if kind == "vision_embed":
+        assert isinstance(b, VisionEmbedBlock) and model.vision is not None
         return _vision_embed(i, b, tiles * model.vision.patches_per_tile, ctx)
-    if isinstance(b, ProjectorBlock):
-        assert model.vision is not None
+    if kind == "projector":
+        assert isinstance(b, ProjectorBlock) and model.vision is not None
         return _projector(i, b, tiles * model.vision.patches_per_tile, ctx)
-    if isinstance(b, EmbeddingBlock):
+    if kind == "embedding":
+        assert isinstance(b, EmbeddingBlock)
         return _embedding(i, b, s, ctx)
-    if isinstance(b, NormBlock):
+    if kind == "norm":
+        assert isinstance(b, NormBlock)
         tokens = tiles * model.vision.patches_per_tile if (model.vision and _in_vision_tower(model, i)) else s
         return _norm(i, b, tokens, ctx)
-    if isinstance(b, LMHeadBlock):
+    if kind == "lm_head":
+        assert isinstance(b, LMHeadBlock)
         return _lm_head(i, b, s, ctx)
     raise TypeError(f"unknown block {type(b).__name__}")  # pragma: no cover - the Block union is closed
 
@@ -372,14 +380,14 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     per_tok += score_tok
     nbytes = tokens * h * ACT
     tp = ctx.tp_pair(nbytes) * 2
-    bwd = tuple((_mirror(op), n) for op, n in tp)
+    bwd = tuple([(_MIRROR.get(op, op), n) for op, n in tp])
     return LayerCost(i, kind, params, repl_params + shard_params / t, expert_rank, tokens, h, tuple(gemms), core,
                      per_tok * tokens, act, stored_none * tokens, tp, bwd, a2a, a2a_count, True,
                      {"score_hbm": score_tok * tokens})
 
 
-def _mirror(op: str) -> str:
-    return {"allgather": "reducescatter", "reducescatter": "allgather"}.get(op, op)
+# A collective's backward partner (an all-reduce is its own).
+_MIRROR = {"allgather": "reducescatter", "reducescatter": "allgather"}
 
 
 # -- the other blocks -------------------------------------------------------------------
