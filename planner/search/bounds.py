@@ -43,8 +43,6 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     in-flight count of the last rank (the smallest).
     """
     c = prep.space.columns
-    w = ev.workload
-    n = len(prep.space)
     block_sum = np.zeros(len(prep.keys))
     spread = np.zeros(len(prep.keys))  # a bound on the slowest rank's compute from the unit sizes
     per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
@@ -93,16 +91,7 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     m = c["grad_accum"].astype(float)
     dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
     time_lb = np.maximum(S / pp, spread[prep.inverse]) * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
-    per_dense, per_expert = np.zeros(n), np.zeros(n)  # model-state bytes per dense / expert parameter
-    edp = np.maximum(c["dp"] // c["ep"], 1).astype(float)
-    code = (c["zero"] * 8 + c["offload"]) * 8 + c["framework"]
-    for value in np.flatnonzero(np.bincount(code)).tolist():  # the codes present, ascending (< 256)
-        z, o, f = int(value // 64), int(value // 8 % 8), int(value % 8)
-        s = code == value
-        wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], c["dp"][s].astype(float), w.precision,
-                                            w.optimizer_moments)
-        we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], edp[s], w.precision, w.optimizer_moments)
-        per_dense[s], per_expert[s] = wd + gd + od, we + ge + oe
+    per_dense, per_expert = _state_bytes(ev, c)  # model-state bytes per dense / expert parameter
     states = per_dense * dense + per_expert * expert
     last = pp - 1
     inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(last, pp, vs, m, mem.microbatch_groups(c["pp"], c["grad_accum"])))
@@ -115,6 +104,26 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     allocated = held + mem.NCCL_BYTES_PER_GROUP * groups
     mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
     return time_lb, mem_lb, dense, expert
+
+
+def _state_bytes(ev: "Evaluator", c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate: GPU model-state bytes (weights, gradients, optimizer) per dense parameter
+    (sharded over dp) and per expert parameter (over dp / ep). ``memory.bytes_per_param`` runs
+    once per (framework, ZeRO, offload) present, over the group sizes present, not over every
+    candidate of each setting; one lookup in the [setting x size] table hands out both values."""
+    w = ev.workload
+    setting = (c["framework"] * 8 + c["zero"]) * 8 + c["offload"]
+    size = np.concatenate((c["dp"], np.maximum(c["dp"] // c["ep"], 1)))  # dense, then expert group sizes
+    sizes = np.flatnonzero(np.bincount(size))  # (np.unique of ints costs ~12 ms on first call)
+    table, n = np.zeros((int(setting.max()) + 1, len(sizes))), sizes.astype(float)
+    for code in np.flatnonzero(np.bincount(setting)).tolist():
+        weights, grads, opt, _ = mem.bytes_per_param(FRAMEWORKS[code // 64], code // 8 % 8, OFFLOADS[code % 8],
+                                                     n, w.precision, w.optimizer_moments)
+        table[code] = weights + grads + opt
+    column = np.zeros(sizes[-1] + 1, dtype=np.intp)
+    column[sizes] = np.arange(len(sizes))
+    dense, expert = table.ravel()[column[size].reshape(2, -1) + setting * len(sizes)]
+    return dense, expert
 
 
 def spread_bound(units: np.ndarray, pp: np.ndarray) -> np.ndarray:
