@@ -13,9 +13,9 @@ import numpy as np
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.collectives import collective_times_numbered
-from planner.cost.parallel import FRAMEWORKS, OFFLOADS
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
 from planner.search.assemble import DP_OPS, layout_keys, optimizer_seconds
-from planner.search.blocks import stacked, table_rows
+from planner.search.blocks import BlockTable, stacked, table_rows
 
 if TYPE_CHECKING:
     from planner.search.evaluate import Evaluator, Prepared
@@ -99,7 +99,7 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     deep = np.nonzero(c["pp"] > 1)[0]
     if deep.size:
         held[deep] = np.maximum(held[deep], _pipeline_held(ev, prep, deep, per_dense[deep], per_expert[deep],
-                                                           states[deep], stored[deep]))
+                                                           states[deep], stored[deep], tables, run_of))
     groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
     allocated = held + mem.NCCL_BYTES_PER_GROUP * groups
     mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
@@ -144,7 +144,8 @@ def spread_bound(units: np.ndarray, pp: np.ndarray) -> np.ndarray:
 
 
 def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dense: np.ndarray,
-                   per_expert: np.ndarray, states: np.ndarray, stored: np.ndarray) -> np.ndarray:
+                   per_expert: np.ndarray, states: np.ndarray, stored: np.ndarray, tables: list[BlockTable],
+                   table_of: np.ndarray) -> np.ndarray:
     """For pipelines: model states plus in-flight activations on the fullest rank, bounded
     over every split of the pipeline units (rank r keeps k_r micro-batches of its stage:
     min(pp - r, m) under 1F1B, memory.inflight_array's count when interleaved).
@@ -157,7 +158,8 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dens
     array operations per candidate. For
     uniform layers it is about the balanced split's value; the mean-rank bound is pp / H(pp)
     lower when activations dominate (13x at pp 64), which made deep pipelines look like they fit.
-    ``per_dense`` / ``per_expert``: model-state bytes per parameter of each row."""
+    ``per_dense`` / ``per_expert``: model-state bytes per parameter of each row; ``tables``: the
+    block tables of the (tp, sp, ep) groups, ``table_of`` each key's."""
     c = prep.space.columns
     pp = c["pp"][rows].astype(float)
     m = c["grad_accum"][rows].astype(float)
@@ -171,19 +173,19 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dens
     if inter.size:  # interleaved: the ranks' counts follow no such run, so sum them exactly
         least[inter], top[inter], z[inter] = _interleaved_inflight(c, rows[inter], sigma[inter])
     # Units priced alike (the 126 decoder layers of a dense model) collapse into one type with
-    # a count: [row x type] arrays stay small.
-    key = prep.keys[prep.inverse[rows]]  # (tp, sp, ep, micro_batch, recompute, pp, vs, dp, framework)
-    group = key[:, [0, 1, 2, 4]]
-    radix = group.max(axis=0) + 1
-    _, first, gi, _ = np.unique(((group[:, 0] * radix[1] + group[:, 1]) * radix[2] + group[:, 2]) * radix[3]
-                                + group[:, 3], return_index=True, return_inverse=True, return_counts=True)
-    dense_t, expert_t, act_t, count_t = _unit_types(ev, prep, key[first])
-    gi = gi.reshape(-1)
-    s_u = per_dense[:, None] * dense_t[gi] + per_expert[:, None] * expert_t[gi]  # [row x type]
-    a_u = act_t[gi] * key[:, 3].astype(float)[:, None]
-    sg, lo, t = sigma[:, None], least[:, None], top[:, None]
-    g = np.minimum((s_u + a_u * lo) / (sg + lo), (s_u + a_u * t) / (sg + t))
-    out = (g @ count_t) / z
+    # a count: [type x row] arrays stay small. Groups: (table, recompute), numbered in key order.
+    modes = len(RECOMPUTES)
+    key = prep.inverse[rows]
+    group = (table_of * modes + prep.keys[:, 4])[key]
+    present = np.flatnonzero(np.bincount(group))
+    rank = np.zeros(present[-1] + 1, dtype=np.intp)
+    rank[present] = np.arange(len(present))
+    dense_t, expert_t, act_t, count_t = _unit_types(ev, tables, present // modes, present % modes)
+    gi = rank[group]
+    s_u = per_dense * np.take(dense_t.T, gi, axis=1) + per_expert * np.take(expert_t.T, gi, axis=1)
+    a_u = np.take(act_t.T, gi, axis=1) * prep.keys[key, 3].astype(float)
+    g = np.minimum((s_u + a_u * least) / (sigma + least), (s_u + a_u * top) / (sigma + top))  # [type x row]
+    out = (np.ascontiguousarray(g.T) @ count_t) / z
     return out * (1 - 1e-9)  # summation order must not lift the bound
 
 
@@ -202,16 +204,17 @@ def _interleaved_inflight(c: dict[str, np.ndarray], rows: np.ndarray,
     return least, most, z
 
 
-def _unit_types(ev: "Evaluator", prep: "Prepared", keys: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per (tp, sp, ep, recompute) group of ``keys`` and type of pipeline unit: dense and expert
-    parameters and stored activation bytes per sample ([group x type] each), and how many
-    units are of each type ([type]). Units equal in every group share a type: the 126 decoder
-    layers of a dense model are one type, priced once."""
+def _unit_types(ev: "Evaluator", tables: list[BlockTable], table: np.ndarray,
+                mode: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per group (``tables[table]`` under recompute ``mode``) and type of pipeline unit: dense
+    and expert parameters and stored activation bytes per sample ([group x type] each), and how
+    many units are of each type ([type]). Units equal in every group share a type: the 126
+    decoder layers of a dense model are one type, priced once."""
     starts = ev.unit_starts
-    tables = [ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep]) for tp, sp, ep, _, _, pp, _, dp, _ in keys.tolist()]
     (params, rows), (expert, _), (act, _) = (table_rows(tables, f) for f in ("params", "expert", "act"))
+    rows = rows[table]
     parts = [np.add.reduceat(params, starts, axis=1)[rows], np.add.reduceat(expert, starts, axis=1)[rows],
-             np.add.reduceat(act, starts, axis=2)[rows, keys[:, 4]]]
+             np.add.reduceat(act, starts, axis=2)[rows, mode]]
     feats = np.concatenate(parts)  # [3 groups x unit]
     order = np.lexsort(feats)
     ordered = feats[:, order]
