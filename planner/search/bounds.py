@@ -77,12 +77,12 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         # [table, mode, b, unit] seconds per micro-batch of each pipeline unit, largest first
         whole = np.zeros(rest.shape[:3] + (rest.shape[3] + 1,))
         np.cumsum(fb[:, None] + rc + tpt + ept, axis=3, out=whole[..., 1:])
-        units = -np.sort(-(whole[..., ev.unit_ends] - whole[..., ev.unit_starts]), axis=3)
-        # per distinct (table, mode, b, pp): the keys add dp, vs and the framework
+        units = np.sort(whole[..., ev.unit_ends] - whole[..., ev.unit_starts], axis=3)[..., ::-1]
+        # [depth, table, mode, b]: the keys add dp, vs and the framework, which leave it alone
         pp = k[sel, 5]
-        code = ((lr * units.shape[1] + mode) * units.shape[2] + bi) * (pp.max() + 1) + pp
-        distinct, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-        spread[sel] = spread_bound(units[lr[first], mode[first], bi[first]], pp[first])[inverse.reshape(-1)]
+        depths = sorted(set(pp.tolist()))
+        by_depth = np.stack([_heads_bound(units, p) for p in depths]) * (1 - 1e-9)
+        spread[sel] = by_depth[np.searchsorted(depths, pp), lr, mode, bi]
         per_sample[sel, 0] = np.array([t.params.sum() for t in ts])[lr]
         per_sample[sel, 1] = np.array([t.expert.sum() for t in ts])[lr]
         per_sample[sel, 2] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
@@ -134,13 +134,18 @@ def spread_bound(units: np.ndarray, pp: np.ndarray) -> np.ndarray:
     pipelines of uneven units (a VLM's first and last units) far above S / pp."""
     pp = np.asarray(pp)
     out = np.empty(len(units))
-    # Within a run of j sharing ceil(j / pp) = q the largest unit comes first, so only
-    # j = 1, pp + 1, 2 pp + 1, ... can give the maximum: one strided slice per pipeline depth.
     for p in set(pp.tolist()):  # (numpy 2.4's plain np.unique of ints costs ~12 ms on first call)
         rows = pp == p
-        heads = units[rows][:, ::int(p)]
-        out[rows] = (np.arange(1, heads.shape[1] + 1, dtype=float) * heads).max(axis=-1)
+        out[rows] = _heads_bound(units[rows], int(p))
     return out * (1 - 1e-9)
+
+
+def _heads_bound(units: np.ndarray, pp: int) -> np.ndarray:
+    """``spread_bound`` along the last axis of ``units`` (largest first) at one depth, without
+    its margin. Within a run of j sharing ceil(j / pp) = q the largest unit comes first, so
+    only j = 1, pp + 1, 2 pp + 1, ... can give the maximum: one strided slice."""
+    heads = units[..., ::pp]
+    return (np.arange(1, heads.shape[-1] + 1, dtype=float) * heads).max(axis=-1)
 
 
 def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dense: np.ndarray,
