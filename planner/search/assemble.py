@@ -235,14 +235,19 @@ def optimizer_seconds(ev: "Evaluator", col, dense: np.ndarray, expert: np.ndarra
     local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)
     step_bytes = eff.SGD_STEP_BYTES if w.optimizer == "sgd" else eff.ADAM_STEP_BYTES
     gpu = eff.hbm_time(local * step_bytes, ev.dev)
-    if not col["offload"].any():  # no offload (index 0) among them: the host terms are not needed
-        return gpu
+    # Each host term only where some row offloads that way (most spaces have no parameter offload).
     node = ev.cluster.profile.node
-    off = np.array(OFFLOADS)[col["offload"]][:, None]
-    cpu_opt = st.cpu_optimizer_time(local, ev.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
-                                    False, m)
-    cpu_par = st.cpu_optimizer_time(local, ev.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
-                                    True, m)
-    hybrid = st.hybrid_optimizer_time(local, ev.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9)
-    cpu_opt = np.where((col["framework"] == FRAMEWORKS.index("megatron"))[:, None], hybrid, cpu_opt)
-    return np.where(off == "none", gpu, np.where(off == "optimizer", cpu_opt, cpu_par))
+    host = (ev.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9)
+    off = col["offload"][:, None]
+    out = gpu
+    optimizer = off == OFFLOADS.index("optimizer")
+    if optimizer.any():
+        cpu_opt = st.cpu_optimizer_time(local, *host, False, m)
+        megatron = (col["framework"] == FRAMEWORKS.index("megatron"))[:, None]
+        if (megatron & optimizer).any():
+            cpu_opt = np.where(megatron, st.hybrid_optimizer_time(local, *host), cpu_opt)
+        out = np.where(optimizer, cpu_opt, out)
+    params = off == OFFLOADS.index("optimizer+params")
+    if params.any():
+        out = np.where(params, st.cpu_optimizer_time(local, *host, True, m), out)
+    return out
