@@ -43,20 +43,17 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     in-flight count of the last rank (the smallest).
     """
     c = prep.space.columns
-    block_sum = np.zeros(len(prep.keys))
-    spread = np.zeros(len(prep.keys))  # a bound on the slowest rank's compute from the unit sizes
-    per_sample = np.zeros((len(prep.keys), 3))  # dense params, expert params, stored act bytes
     k = prep.keys
+    block_sum = np.zeros(len(k))
+    spread = np.zeros(len(k))  # a bound on the slowest rank's compute from the unit sizes
+    params, expert_params, act = np.zeros(len(k)), np.zeros(len(k)), np.zeros(len(k))  # per sample
     # Keys are sorted by a code whose leading digits are (tp, sp, ep): each group is one run.
-    cuts = np.concatenate(([0], np.flatnonzero(np.any(np.diff(k[:, :3], axis=0) != 0, axis=1)) + 1, [len(k)]))
-    runs = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-    groups = {}
-    for a, _ in runs:
-        tp, sp, ep = (int(x) for x in k[a, :3])
-        groups[tp, sp, ep] = (int(k[a, 7]), int(k[a, 5]), prep.micro[tp, sp, ep])
+    new = np.ones(len(k), dtype=bool)
+    np.any(k[1:, :3] != k[:-1, :3], axis=1, out=new[1:])
+    run_of = np.cumsum(new) - 1  # per key: its group's table
+    groups = {(tp, sp, ep): (dp, pp, prep.micro[tp, sp, ep]) for tp, sp, ep, _, _, pp, _, dp, _ in k[new].tolist()}
     ev.tables(groups)  # every group's table in one pass
     tables = [ev.table(tp, sp, ep, *groups[tp, sp, ep]) for tp, sp, ep in groups]
-    run_of = np.repeat(np.arange(len(runs)), [b - a for a, b in runs])  # per key: its group's table
     # Tables built in one pass share their micro-batch sizes: stack them, so each quantity below
     # is one numpy call over [table, mode, micro-batch, ...] rather than one per table.
     by_sizes: dict[tuple[int, ...], list[int]] = {}
@@ -75,7 +72,8 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         # [table, mode, b] sums of per-block micro-batch time
         block_sum[sel] = (fb.sum(axis=2)[:, None, :] + rest.sum(axis=3))[lr, mode, bi]
         # [table, mode, b, unit] seconds per micro-batch of each pipeline unit, largest first
-        whole = np.zeros(rest.shape[:3] + (rest.shape[3] + 1,))
+        whole = np.empty(rest.shape[:3] + (rest.shape[3] + 1,))
+        whole[..., 0] = 0.0
         np.cumsum(fb[:, None] + rc + tpt + ept, axis=3, out=whole[..., 1:])
         units = np.sort(whole[..., ev.unit_ends] - whole[..., ev.unit_starts], axis=3)[..., ::-1]
         # [depth, table, mode, b]: the keys add dp, vs and the framework, which leave it alone
@@ -83,13 +81,13 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         depths = sorted(set(pp.tolist()))
         by_depth = np.stack([_heads_bound(units, p) for p in depths]) * (1 - 1e-9)
         spread[sel] = by_depth[np.searchsorted(depths, pp), lr, mode, bi]
-        per_sample[sel, 0] = np.array([t.params.sum() for t in ts])[lr]
-        per_sample[sel, 1] = np.array([t.expert.sum() for t in ts])[lr]
-        per_sample[sel, 2] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
+        params[sel] = np.array([t.params.sum() for t in ts])[lr]
+        expert_params[sel] = np.array([t.expert.sum() for t in ts])[lr]
+        act[sel] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
     S = block_sum[prep.inverse]
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
-    dense, expert, stored = (per_sample[prep.inverse, j] for j in range(3))
+    dense, expert, stored = params[prep.inverse], expert_params[prep.inverse], act[prep.inverse]
     time_lb = np.maximum(S / pp, spread[prep.inverse]) * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
     per_dense, per_expert = _state_bytes(ev, c)  # model-state bytes per dense / expert parameter
     states = per_dense * dense + per_expert * expert
@@ -115,12 +113,12 @@ def _state_bytes(ev: "Evaluator", c: dict[str, np.ndarray]) -> tuple[np.ndarray,
     setting = (c["framework"] * 8 + c["zero"]) * 8 + c["offload"]
     size = np.concatenate((c["dp"], np.maximum(c["dp"] // c["ep"], 1)))  # dense, then expert group sizes
     sizes = np.flatnonzero(np.bincount(size))  # (np.unique of ints costs ~12 ms on first call)
-    table, n = np.zeros((int(setting.max()) + 1, len(sizes))), sizes.astype(float)
+    table, n = np.zeros((int(setting.max(initial=0)) + 1, len(sizes))), sizes.astype(float)
     for code in np.flatnonzero(np.bincount(setting)).tolist():
         weights, grads, opt, _ = mem.bytes_per_param(FRAMEWORKS[code // 64], code // 8 % 8, OFFLOADS[code % 8],
                                                      n, w.precision, w.optimizer_moments)
         table[code] = weights + grads + opt
-    column = np.zeros(sizes[-1] + 1, dtype=np.intp)
+    column = np.zeros(sizes.max(initial=0) + 1, dtype=np.intp)
     column[sizes] = np.arange(len(sizes))
     dense, expert = table.ravel()[column[size].reshape(2, -1) + setting * len(sizes)]
     return dense, expert
