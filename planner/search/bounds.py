@@ -91,8 +91,12 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     time_lb = np.maximum(S / pp, spread[prep.inverse]) * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
     per_dense, per_expert = _state_bytes(ev, c)  # model-state bytes per dense / expert parameter
     states = per_dense * dense + per_expert * expert
-    last = pp - 1
-    inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(last, pp, vs, m, mem.microbatch_groups(c["pp"], c["grad_accum"])))
+    # The last rank keeps one micro-batch in flight under 1F1B (min(pp - (pp - 1), m)) and without
+    # a pipeline: only interleaved schedules need memory.inflight_array.
+    inflight_last = np.ones(len(pp))
+    if (c["vs"] > 1).any():
+        group = mem.microbatch_groups(c["pp"], c["grad_accum"])
+        inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(pp - 1, pp, vs, m, group))
     held = (states + stored * inflight_last) / pp
     deep = np.nonzero(c["pp"] > 1)[0]
     if deep.size:
@@ -186,7 +190,7 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dens
     dense_t, expert_t, act_t, count_t = _unit_types(ev, tables, present // modes, present % modes)
     gi = rank[group]
     s_u = per_dense * np.take(dense_t.T, gi, axis=1) + per_expert * np.take(expert_t.T, gi, axis=1)
-    a_u = np.take(act_t.T, gi, axis=1) * prep.keys[key, 3].astype(float)
+    a_u = np.take(act_t.T, gi, axis=1) * c["micro_batch"][rows].astype(float)
     g = np.minimum((s_u + a_u * least) / (sigma + least), (s_u + a_u * top) / (sigma + top))  # [type x row]
     out = (np.ascontiguousarray(g.T) @ count_t) / z
     return out * (1 - 1e-9)  # summation order must not lift the bound
@@ -215,16 +219,20 @@ def _unit_types(ev: "Evaluator", tables: list[BlockTable], table: np.ndarray,
     decoder layers of a dense model are one type, priced once."""
     starts = ev.unit_starts
     (params, rows), (expert, _), (act, _) = (table_rows(tables, f) for f in ("params", "expert", "act"))
-    rows = rows[table]
-    parts = [np.add.reduceat(params, starts, axis=1)[rows], np.add.reduceat(expert, starts, axis=1)[rows],
-             np.add.reduceat(act, starts, axis=2)[rows, mode]]
-    feats = np.concatenate(parts)  # [3 groups x unit]
+    # Parameters do not depend on the recompute mode: one row per table (``table`` is sorted).
+    # A key equal to its neighbour breaks no tie, so lexsort orders the units as with every group's.
+    once = np.concatenate(([True], table[1:] != table[:-1]))
+    of_group = np.cumsum(once) - 1
+    dense = np.add.reduceat(params, starts, axis=1)[rows[table[once]]]
+    expert = np.add.reduceat(expert, starts, axis=1)[rows[table[once]]]
+    act = np.add.reduceat(act, starts, axis=2)[rows[table], mode]
+    feats = np.concatenate((dense, expert, act))  # [table + table + group x unit]
     order = np.lexsort(feats)
     ordered = feats[:, order]
     first = np.concatenate(([True], np.any(np.diff(ordered, axis=1) != 0, axis=0)))
     counts = np.diff(np.concatenate((np.flatnonzero(first), [ordered.shape[1]]))).astype(float)
     rep = order[first]
-    return parts[0][:, rep], parts[1][:, rep], parts[2][:, rep], counts
+    return dense[:, rep][of_group], expert[:, rep][of_group], act[:, rep], counts
 
 
 def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
