@@ -69,18 +69,24 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         fb = stacked(ts, "fwd") + stacked(ts, "bwd")  # [table, b, block]
         rc, tpt, ept = (stacked(ts, f) for f in ("rc", "tp", "ep"))  # [table, mode, b, block]
         rest = rc + tpt + ept
-        # [table, mode, b] sums of per-block micro-batch time
-        block_sum[sel] = (fb.sum(axis=2)[:, None, :] + rest.sum(axis=3))[lr, mode, bi]
-        # [table, mode, b, unit] seconds per micro-batch of each pipeline unit, largest first
-        whole = np.empty(rest.shape[:3] + (rest.shape[3] + 1,))
-        whole[..., 0] = 0.0
-        np.cumsum(fb[:, None] + rc + tpt + ept, axis=3, out=whole[..., 1:])
-        units = np.sort(whole[..., ev.unit_ends] - whole[..., ev.unit_starts], axis=3)[..., ::-1]
-        # [depth, table, mode, b]: the keys add dp, vs and the framework, which leave it alone
+        _, modes, nb, blocks = rest.shape
+        row = (lr * modes + mode) * nb + bi  # per key: its (table, mode, b) row
+        # sums of per-block micro-batch time
+        block_sum[sel] = (fb.sum(axis=2)[:, None, :] + rest.sum(axis=3)).ravel()[row]
+        # [row, unit] seconds per micro-batch of each pipeline unit, largest first, on the rows
+        # some key reads (``at``: each row's place among them)
+        used = np.flatnonzero(np.bincount(row))
+        at = np.zeros(used[-1] + 1, dtype=np.intp)
+        at[used] = np.arange(len(used))
+        whole = np.empty((len(used), blocks + 1))
+        whole[:, 0] = 0.0
+        np.cumsum((fb[:, None] + rc + tpt + ept).reshape(-1, blocks)[used], axis=1, out=whole[:, 1:])
+        units = np.sort(whole[:, ev.unit_ends] - whole[:, ev.unit_starts], axis=1)[:, ::-1]
+        # [depth, row]: the keys add dp, vs and the framework, which leave it alone
         pp = k[sel, 5]
         depths = sorted(set(pp.tolist()))
         by_depth = np.stack([_heads_bound(units, p) for p in depths]) * (1 - 1e-9)
-        spread[sel] = by_depth[np.searchsorted(depths, pp), lr, mode, bi]
+        spread[sel] = by_depth[np.searchsorted(depths, pp), at[row]]
         params[sel] = np.array([t.params.sum() for t in ts])[lr]
         expert_params[sel] = np.array([t.expert.sum() for t in ts])[lr]
         act[sel] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
