@@ -85,13 +85,16 @@ def assemble(ev: "Evaluator", col: dict[str, np.ndarray], r: dict[str, np.ndarra
                 "step_time": step, "peak_bytes": peak.max(axis=1), "cpu_bytes": cpu_node}
     return step, peak.max(axis=1), cpu_node
 
+
 def _model_states(ev: "Evaluator", col, r) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per rank: weights, gradients, optimizer states and host bytes of the model states
     (estimate: memory.model_states), dense parameters sharded over dp, experts over dp / ep.
 
     ``mem.bytes_per_param`` is called once per distinct (framework, ZeRO, offload, group size)
     among the rows, on Python numbers: the same divisions numpy would do, without numpy's
-    cost per call on a few rows at a time."""
+    cost per call on a few rows at a time. (bounds._state_bytes does the same for every
+    candidate of a space at once with a [setting x size] table: there numpy's per-call cost is
+    spread over thousands of rows, here a table costs more than the rows.)"""
     w = ev.workload
     factors: dict[tuple[int, int, int, int], tuple[float, float, float, float]] = {}
 
