@@ -224,9 +224,71 @@ def _fast_time_only(costs: Sequence[float], stages: int, upper: float | None = N
     # The optimum lies between max(max cost, mean per stage) and any achievable bottleneck.
     lower = max(largest, total / stages) * (1 - 1e-12)
     top = total if upper is None else upper * (1 + 1e-12)
-    sums = _sums_within(arr, lower, top)
+    sums = _bracketed_sums(arr, prefix, lower, top, stages) if len(prefix) > _BRACKET_MIN_UNITS else None
+    if sums is None:
+        sums = _sums_within(arr, lower, top)
     ends = _even_ends(prefix, sums[_first_feasible(prefix, sums, stages, None)], stages)
     return tuple(e - s for s, e in zip([0] + ends[:-1], ends))
+
+
+_PROBES = 3  # pack walks before giving up on a bracket
+_BRACKET_MIN_UNITS = 100  # below, the whole table of sums is the cheaper way (vl2, deepseek-v3: ~60 units)
+
+
+def _bracketed_sums(arr: np.ndarray, prefix: list[float], lower: float, top: float,
+                    stages: int) -> list[float] | None:
+    """The segment sums in [lower, top] that can still be the optimum, or None when no small
+    bracket is found: every sum up to a limit the pack fails at is infeasible, so only those
+    from that limit to a feasible sum matter, and the same first feasible sum is found in them.
+
+    Exact whatever the probes are (feasibility is monotone in the limit); they only decide
+    how narrow the bracket is. Each is the smallest sum that lets some stage of the failed
+    pack reach one layer further (below it the pack is the same, so it fails too): on
+    llama-3.1-405b the first probe is already the optimum, and the O(n^2) table is never built."""
+    if not lower > 0:
+        return None
+    low = lower
+    for _ in range(_PROBES):
+        probe = _next_limit(prefix, low, stages)
+        if probe is None or probe > top:
+            return None
+        if _time_pack_fits(prefix, probe, stages):
+            return _sums_between(arr, low, probe)
+        low = probe
+    return None
+
+
+def _next_limit(prefix: list[float], limit: float, stages: int) -> float | None:
+    """The smallest segment sum that extends a stage of the max-pack at ``limit`` (the same
+    walk as ``_time_pack_fits``), or None when the pack fits at ``limit``."""
+    n = len(prefix) - 1
+    eps = 1e-12 * max(1.0, abs(limit))
+    start, best = 0, float("inf")
+    for s in range(stages - 1):
+        base = prefix[start]
+        end = bisect_right(prefix, base + limit + eps, start) - 1
+        cap = n - (stages - s - 1)
+        if end > cap:
+            end = cap
+        if end <= start:
+            return min(best, prefix[start + 1] - base)
+        if end < cap:
+            best = min(best, prefix[end + 1] - base)
+        start = end
+    rest = prefix[n] - prefix[start]
+    return min(best, rest) if rest > limit + eps else None
+
+
+def _sums_between(arr: np.ndarray, low: float, high: float) -> list[float]:
+    """``_sums_within(arr, low, high)`` for ``low > 0`` from the pairs whose end lies near the
+    window (at most ``width`` per start, located with one sorted search per bound), not from
+    all O(n^2) pairs."""
+    slack = 1e-14 * (float(arr[-1]) + high)  # far more than the rounding of arr[i] + bound
+    firsts = np.searchsorted(arr, arr + (low - slack), side="left")
+    width = int((np.searchsorted(arr, arr + (high + slack), side="right") - firsts).max())
+    ends = np.minimum(firsts[:, None] + np.arange(width), len(arr) - 1)
+    d = arr[ends] - arr[:, None]
+    return sorted(set(d[(d >= low) & (d <= high)].tolist()))
 
 
 def _even_ends(prefix: list[float], limit: float, stages: int) -> list[int]:
