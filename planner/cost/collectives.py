@@ -145,14 +145,40 @@ def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]]
     nvls = cluster.nvls
     columns = [_term_rows(cluster, op, shape, nvls) if shape.size > 1 else _NO_TERMS for op, shape in pairs]
     width = max([n for n, _, _ in columns] + [1])
-    # [pair, candidate, term], the last pair (-1) costing nothing; np.take of its [term, candidate,
-    # pair] view keeps each [candidate, *which.shape] term contiguous (fancy indexing would not).
+    fill = any(f for _, f, _ in columns)  # NVLS's pipeline fill; zero seconds for every other candidate
+    # [pair, term, candidate], the last pair (-1) costing nothing; the fill terms only if some pair has one.
     rows = np.concatenate([r for _, _, r in columns] + [_NO_TERMS[2]]).reshape(len(pairs) + 1, _MAX_CANDIDATES, 5)
-    lat, spb, ramp, fill_spb, cap = np.take(rows[:, :width].transpose(2, 1, 0), which, axis=2)
+    terms = rows.transpose(0, 2, 1)[:, :5 if fill else 3, :width]
+    live = sizes > 0
+    if sizes.size < _COMPRESS_MIN:
+        full = which if which.shape == sizes.shape else np.broadcast_to(which, sizes.shape)
+        return np.where(live, _fastest(np.take(terms.transpose(1, 2, 0), full, axis=2), sizes), 0.0)
+    return _fastest_live(terms, which, sizes, live)
+
+
+# Sizes from which collective_times_keyed prices only the positive sizes: most of a large
+# request is zero bytes (no experts, no tied weights), and gathering the rest costs less than
+# broadcasting every candidate over all of it (numpy buffers a broadcast operand).
+_COMPRESS_MIN = 1024
+
+
+def _fastest_live(terms: np.ndarray, which: np.ndarray, sizes: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """``collective_times_keyed`` over the ``live`` sizes only, as flat arrays; zero elsewhere.
+    The pairs' rows are taken whole (one copy each) and turned candidate-major in one copy."""
+    full = np.empty(sizes.shape, dtype=np.int64)
+    full[...] = which
+    out = np.zeros(sizes.shape)
+    out[live] = _fastest(np.take(terms, full[live], axis=0).transpose(1, 2, 0).copy(), sizes[live])
+    return out
+
+
+def _fastest(terms: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The fastest candidate's seconds per size; ``terms`` is [term, candidate, *sizes.shape]."""
+    lat, spb, ramp, *fill = terms
     times = lat + spb * np.maximum(sizes, ramp)
-    if any(fill for _, fill, _ in columns):  # NVLS's pipeline fill; zero seconds for every other candidate
-        times += fill_spb * np.minimum(sizes, cap)
-    return np.where(sizes > 0, functools.reduce(np.minimum, times), 0.0)
+    if fill:
+        times += fill[0] * np.minimum(sizes, fill[1])
+    return np.minimum.reduce(times, axis=0)
 
 
 def collective_times_numbered(cluster: Cluster, key_of: Callable[[int], tuple[str, GroupShape]], which: np.ndarray,
