@@ -192,12 +192,6 @@ def collective_times_numbered(cluster: Cluster, key_of: Callable[[int], tuple[st
     return collective_times_keyed(cluster, [key_of(k) for k in used], pair, sizes)
 
 
-@functools.lru_cache(maxsize=65536)
-def _term_table(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> np.ndarray:
-    """``_plan``'s terms as a [candidates x 5] array."""
-    return np.array(_plan(cluster, op, shape, nvls)[1], dtype=float)
-
-
 # The most candidates one (op, shape) has: 3 protocols x (ring, tree, hierarchical), and NVLS
 # (more would fail the reshape in collective_times_keyed).
 _MAX_CANDIDATES = 10
@@ -219,7 +213,7 @@ def _term_rows(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
 @functools.lru_cache(maxsize=65536)
 def _term_arrays(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tuple[np.ndarray, ...]:
     """``_plan``'s terms as [candidates x 1] columns: one broadcast per array of sizes."""
-    terms = _term_table(cluster, op, shape, nvls)
+    terms = np.array(_plan(cluster, op, shape, nvls)[1], dtype=float)  # [candidates x 5]
     return tuple(terms[:, k:k + 1] for k in range(5))
 
 
