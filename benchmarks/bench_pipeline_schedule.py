@@ -21,8 +21,9 @@ from planner.cost.memory import microbatch_group
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search.evaluate import Evaluator
-from planner.search.schedule_check import chunk_times, formula_and_replay
+from planner.cost.block_times import BlockTables
+from planner.cost.efficiency import device
+from planner.cost.schedule_check import chunk_times, formula_and_replay
 from planner.search.space import Constraints
 from planner.search.suggest import suggest
 
@@ -53,11 +54,12 @@ def main() -> int:
         if c.pp == 1:
             print(f"{name + ' on ' + str(nodes):<34} no pipeline")
             continue
-        ev = Evaluator(load_model(plan.model), Cluster.build(load_profile(plan.hardware), plan.nodes), plan.workload)
-        fwd, bwd = chunk_times(ev, c, plan.partition)
+        cluster = Cluster.build(load_profile(plan.hardware), plan.nodes)
+        tables = BlockTables(load_model(plan.model), cluster, plan.workload, device(cluster.profile, plan.workload.precision))
+        fwd, bwd = chunk_times(tables, c, plan.partition)
         m, v = c.grad_accum, c.virtual_stages
         g = microbatch_group(c.pp, m) if v > 1 else c.pp
-        times = formula_and_replay(ev, c, plan.partition)
+        times = formula_and_replay(tables, c, plan.partition)
         if times is None:
             print(f"{name + ' on ' + str(nodes):<34} schedule too long to replay")
             continue

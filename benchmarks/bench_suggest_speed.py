@@ -119,9 +119,10 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
     from planner.model.catalog import load_model
-    from planner.search.evaluate import Evaluator
-    from planner.search.space import Constraints, default_global_batch
     from planner.model.vision_inputs import vision_inputs
+    from planner.search.evaluate import Pricing, evaluate_keys
+    from planner.search.keys import group_by_key
+    from planner.search.space import Constraints, default_global_batch
     from planner.search.suggest import _space
 
     model = load_model(model_name)
@@ -131,9 +132,8 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     workload = Workload(global_batch=gb, seq_len=model.train_seq_len, images_per_sample=images, tiles_per_image=tiles)
     start = time.process_time()
     space = _space(model, cluster, workload, Constraints())
-    ev = Evaluator(model, cluster, workload)
-    rows, _ = ev.evaluate(ev.prepare(space))
-    return len(rows), time.process_time() - start
+    res = evaluate_keys(Pricing.of(model, cluster, workload), group_by_key(space))
+    return len(res.rows), time.process_time() - start
 
 
 if __name__ == "__main__":

@@ -95,21 +95,20 @@ def candidates(model: Any, cluster: Any, *, workload: Any = None, balancer: str 
     """
     import numpy as np
 
-    from planner.cost.efficiency import device
-    from planner.cost.estimate import model_flops
+    from planner.cost.candidates import take
     from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
-    from planner.search.evaluate import Evaluator
+    from planner.search.evaluate import Pricing, evaluate_keys
+    from planner.search.keys import group_by_key
     from planner.search.suggest import _space
 
     spec = api.load_model(model)
     wl = workload if workload is not None else api.make_workload(spec, gpus=cluster.num_gpus)
     space = _space(spec, cluster, wl, api.constraints(**axes))
-    evaluator = Evaluator(spec, cluster, wl, balancer)
-    idx, res = evaluator.evaluate(evaluator.prepare(space))
-    col = {k: v[idx] for k, v in space.columns.items()}
+    pricing = Pricing.of(spec, cluster, wl, balancer)
+    res = evaluate_keys(pricing, group_by_key(space))
+    col = take(space.columns, res.rows)
     tokens = wl.global_batch * wl.seq_len / res.step_time
-    peak_flops = device(cluster.profile, wl.precision).peak_flops
-    mfu = model_flops(spec, wl) / res.step_time / cluster.num_gpus / peak_flops
+    mfu = pricing.tables.runs.flops_per_step() / res.step_time / cluster.num_gpus / pricing.ctx.dev.peak_flops
     capacity = cluster.profile.gpu.memory_bytes
     base = {"model": spec.name, "hardware": cluster.profile.name, "nodes": cluster.nodes, "gpus": cluster.num_gpus,
             "global_batch": wl.global_batch, "seq_len": wl.seq_len, "capacity_bytes": capacity}
@@ -201,17 +200,13 @@ def zero_stages(model: Any, cluster: Any, *, stages: Sequence[int] = (0, 1, 2, 3
 def block_seconds(model: Any, cluster: Any, workload: Any, cfg: Any) -> list[float]:
     """Seconds of one micro-batch (forward, backward, recompute, TP and EP collectives) per
     block of ``model`` under ``cfg``: the cost the layer balancers balance."""
-    from planner.cost import step_time as st
+    from planner.cost.block_times import BlockTables
     from planner.cost.efficiency import device
-    from planner.cost.estimate import build_comms
-    from planner.cost.layers import layer_costs
+    from planner.cost.parallel import RECOMPUTES
 
-    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep)
-    dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
-    comms = build_comms(cluster, cfg)
-    b, rc = cfg.micro_batch, cfg.recompute
-    return [st.forward_time(c, b, dev) + st.backward_time(c, b, dev) + st.recompute_time(c, b, dev, rc)
-            + st.tp_time(c, b, comms, rc) + st.ep_time(c, b, comms, rc) for c in costs]
+    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision))
+    table = tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
+    return table.total(RECOMPUTES.index(cfg.recompute), table.b_index(cfg.micro_batch)).tolist()
 
 
 def partition_comparison(model: Any, cluster: Any, *, pp: int, workload: Any = None,
@@ -229,7 +224,7 @@ def partition_comparison(model: Any, cluster: Any, *, pp: int, workload: Any = N
     >>> sorted({r["balancer"] for r in rows})
     ['greedy', 'optimal']
     """
-    from planner.search.evaluate import pipeline_units
+    from planner.search.splits import pipeline_units
     from planner.search.partition import greedy_partition, optimal_partition
 
     if pp < 2:

@@ -1,15 +1,21 @@
-"""A small search space, prepared for the evaluator: what several search tests start from."""
+"""A small search space, grouped and ready to price: what several search tests start from, and
+a candidate's cost-model detail as the tests read it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
+
+from planner.cost.assemble import Assembly
 from planner.cost.parallel import Workload
+from planner.cost.rank_tables import Split, rank_fields
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.model.spec import ModelSpec
-from planner.search.evaluate import Evaluator, Prepared
+from planner.search.evaluate import Detail, Pricing, candidate_details, evaluate_rows
+from planner.search.keys import KeyedSpace, group_by_key
 from planner.search.space import Constraints, Space
 from planner.search.suggest import _space
 
@@ -20,16 +26,39 @@ class Case:
     cluster: Cluster
     workload: Workload
     space: Space
-    ev: Evaluator
-    prep: Prepared
+    p: Pricing
+    ks: KeyedSpace
 
 
-def prepared(name: str, nodes: int, cons: Constraints, global_batch: int = 64, seq_len: int = 4096) -> Case:
-    """``name`` on ``nodes`` dgx-a100-80g nodes (one image of two tiles per sample for a VLM)."""
+def prepared(name: str, nodes: int, cons: Constraints, global_batch: int = 64, seq_len: int = 4096,
+             profile: str = "dgx-a100-80g", balancer: str = "optimal") -> Case:
+    """``name`` on ``nodes`` nodes of ``profile`` (one image of two tiles per sample for a VLM)."""
     model = load_model(name)
-    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    cluster = Cluster.build(load_profile(profile), nodes)
     images, tiles = (1, 2) if model.is_vlm else (0, 0)
     workload = Workload(global_batch=global_batch, seq_len=seq_len, images_per_sample=images, tiles_per_image=tiles)
     space = _space(model, cluster, workload, cons)
-    ev = Evaluator(model, cluster, workload)
-    return Case(model, cluster, workload, space, ev, ev.prepare(space))
+    return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer), group_by_key(space))
+
+
+def case_of(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str = "optimal") -> Case:
+    return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer), group_by_key(space))
+
+
+def detail_row(asm: Assembly, n: int) -> dict[str, np.ndarray]:
+    """Row ``n`` of an Assembly, every field as a one-row array."""
+    return {f.name: getattr(asm, f.name)[n:n + 1] for f in fields(asm)}
+
+
+def candidate(case: Case, i: int, known: dict[int, Detail] | None = None,
+              overrides: dict[int, Split] | None = None) -> tuple[Split, dict, dict, tuple[float, float]]:
+    """Candidate ``i`` in detail: its split, named rank-table rows, assembled row, bottlenecks."""
+    overrides = overrides or {}
+    (d,) = candidate_details(case.p, case.ks, [i], known or {}, overrides)
+    return (overrides.get(i, d.split.parts), rank_fields(d.ranks), detail_row(d.asm, d.n),
+            (d.split.greedy, d.split.optimal))
+
+
+def evaluate_one(case: Case, i: int, parts: Split | None = None) -> tuple[float, float, float]:
+    """Candidate ``i``'s (step time, peak bytes, CPU bytes per node), with ``parts`` as its split if given."""
+    return evaluate_rows(case.p, case.ks, [i], {} if parts is None else {i: parts})[i]

@@ -3,8 +3,8 @@
 Each test picks a small configuration, works the expected number out in its comments from
 first principles and published inputs (parameter counts of the presets, bytes moved per
 collective, Adam's traffic per parameter, Korthikanti et al. 2022's activation tensors, the
-1F1B schedule) and asserts that ``estimate`` (planner/cost) and its vectorised twin in the
-search (planner/search) both give that number. The only inputs read from the project are
+1F1B schedule) and asserts that ``estimate`` and the search's evaluation of the same candidate
+(one array cost model, applied to one candidate and to a space) both give that number. The only inputs read from the project are
 what is tested elsewhere against measurements: the time of a collective of given bytes over
 a given group (planner/cost/collectives.py, tests/test_collectives.py), the per-micro-batch
 compute times (tests/test_layer_costs.py, tests/test_step_time.py) and the HBM bandwidth of
@@ -28,15 +28,16 @@ import pytest
 
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_time_for_size
-from planner.cost.estimate import build_comms, estimate
+from planner.cost.estimate import estimate
 from planner.cost.layers import layer_costs
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.load import load_model
-from planner.search.evaluate import Evaluator
 from planner.search.space import Constraints
 from planner.search.suggest import _space
+from tests.scalar_oracle import build_comms
+from tests.search_cases import candidate, case_of
 
 PROFILE = "dgx-a100-80g"
 
@@ -46,8 +47,8 @@ def _cluster(nodes: int) -> Cluster:
 
 
 def _twin(model_name: str, nodes: int, w: Workload, cfg: ParallelConfig):
-    """``cfg`` through the search's vectorised path, and ``estimate`` on the partition the
-    search chose: (plan, partition, per-rank table, assembled per-rank detail)."""
+    """``cfg`` through the search's evaluation, and ``estimate`` on the partition the search
+    chose: (plan, partition, per-rank table, assembled per-rank detail)."""
     model, cluster = load_model(model_name), _cluster(nodes)
     cons = Constraints(dp=(cfg.dp,), tp=(cfg.tp,), pp=(cfg.pp,), ep=(cfg.ep,), zero=(cfg.zero_stage,),
                        offload=(cfg.offload,), micro_batch=(cfg.micro_batch,), recompute=(cfg.recompute,),
@@ -56,8 +57,7 @@ def _twin(model_name: str, nodes: int, w: Workload, cfg: ParallelConfig):
     space = _space(model, cluster, w, cons)
     rows = [i for i in range(len(space)) if space.config(i) == cfg]
     assert len(rows) == 1
-    ev = Evaluator(model, cluster, w)
-    parts, ranks, detail, _ = ev.candidate(ev.prepare(space), rows[0])
+    parts, ranks, detail, _ = candidate(case_of(model, cluster, w, space), rows[0])
     plan = estimate(model, cluster, w, cfg, partition=parts)
     return plan, parts, ranks, detail
 

@@ -11,11 +11,12 @@ deadlocks, which is why Megatron refuses it and why the group has to be emitted.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from planner.cost import schedule_replay
 from planner.cost.memory import inflight_microbatches, microbatch_group, microbatch_groups
-from planner.cost.step_time import MicroBatchTime, pipeline
+from planner.cost.step_time import pipeline
 
 
 def replay(pp: int, v: int, m: int, g: int, fwd: float = 1.0, bwd: float = 1.0) -> tuple[float, list[int]]:
@@ -26,11 +27,8 @@ def replay(pp: int, v: int, m: int, g: int, fwd: float = 1.0, bwd: float = 1.0) 
 def planned_step(pp: int, v: int, m: int, fwd: float, bwd: float) -> float:
     """step_time's interleaved step for equal ranks: m x T + bubble, T a rank's v chunks."""
     per_rank = v * (fwd + bwd)
-    ranks = [MicroBatchTime(fwd=v * fwd, bwd=v * bwd, recompute=0.0, tp=0.0, ep=0.0, pp=0.0)
-             for _ in range(pp)]
-    assert all(abs(r.total - per_rank) < 1e-12 for r in ranks)
-    _, bubble = pipeline(ranks, m, v)
-    return m * per_rank + bubble
+    _, bubble = pipeline(np.full((1, pp), per_rank), np.array([pp]), np.array([float(v)]))
+    return m * per_rank + float(bubble[0])
 
 
 CASES = [(pp, v, m) for pp in (2, 3, 4, 5) for v in (2, 3, 4) for m in range(pp, 3 * pp + 3)]

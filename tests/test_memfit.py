@@ -12,10 +12,10 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search import memfit
-from planner.search.evaluate import Evaluator
+from planner.search.evaluate import evaluate_keys
 from planner.search.space import Constraints
 from planner.search.suggest import NoPlanFits, _space, suggest
-from tests.search_cases import prepared
+from tests.search_cases import case_of, evaluate_one, prepared
 
 # DeepSeek-VL2 on one node, four pipeline stages, Megatron's distributed optimizer: the split
 # that balances time runs a stage out of memory; moving layers fits them all.
@@ -33,12 +33,12 @@ def _rebalanced_is_estimates_and_its_time_split_does_not_fit(name: str, nodes: i
     assert again.fits
     assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
     assert again.memory.peak == pytest.approx(plan.memory.peak, rel=1e-9)
-    ev = Evaluator(model, cluster, plan.workload)
     space = _space(model, cluster, plan.workload, cons)
-    rows, out = ev.evaluate(ev.prepare(space))
-    same = [j for j, i in enumerate(rows) if space.config(int(i)) == plan.cfg]
+    case = case_of(model, cluster, plan.workload, space)
+    out = evaluate_keys(case.p, case.ks)
+    same = [j for j, i in enumerate(out.rows) if space.config(int(i)) == plan.cfg]
     assert same and not out.fits[same[0]]
-    time_split = out.partitions[out.partition_id[same[0]]]
+    time_split = case.p.splits.all[out.split_id[same[0]]]
     assert time_split != plan.partition
     assert not estimate(model, cluster, plan.workload, plan.cfg, partition=time_split).fits
     return out, same[0]
@@ -73,17 +73,18 @@ def test_time_balanced_split_runs_out_of_memory_but_a_rebalanced_one_fits(monkey
 def test_stage_memory_bounds_the_real_stage_peak_from_above(name: str, cons: Constraints) -> None:
     """Any split that fits StageMemory fits for real: the bound holds on many random splits."""
     case = prepared(name, 1, cons)
-    model, cluster, wl, space, ev, prep = case.model, case.cluster, case.workload, case.space, case.ev, case.prep
+    model, cluster, wl, space = case.model, case.cluster, case.workload, case.space
     rng = np.random.default_rng(0)
-    units = len(ev.units)
+    blocks = case.p.splits.units.blocks
+    units = len(case.p.splits.units.ranges)
     checked = 0
     for i in range(len(space)):
         cfg = space.config(i)
-        sm = memfit.stage_memory(ev, prep, i)
+        sm = memfit.stage_memory(case.p, case.ks, i)
         for _ in range(5):
             cuts = np.sort(rng.choice(np.arange(1, units), cfg.pp - 1, replace=False))
             counts = np.diff(np.concatenate(([0], cuts, [units])))
-            parts = ev._blocks(tuple(int(c) for c in counts))
+            parts = blocks(tuple(int(c) for c in counts))
             plan = estimate(model, cluster, wl, cfg, partition=parts)
             start = 0
             for s, c in enumerate(counts):
@@ -109,43 +110,32 @@ def test_split_time_bound_holds_for_every_split(name: str, nodes: int, cons: Con
     from planner.search.bounds import lower_bounds, split_time_bound
 
     case = prepared(name, nodes, cons)
-    space, ev, prep = case.space, case.ev, case.prep
-    rows, out = ev.evaluate(prep)
+    space, p, ks = case.space, case.p, case.ks
+    out = evaluate_keys(p, ks)
+    rows = out.rows
     pipelined = rows[space.columns["pp"][rows] > 1]
-    bound = split_time_bound(ev, prep, pipelined)
-    time_lb, _ = lower_bounds(ev, prep)
+    bound = split_time_bound(p, ks, pipelined)
+    time_lb, _ = lower_bounds(p, ks)
     step = dict(zip(rows.tolist(), out.step_time.tolist()))
     assert len(pipelined) >= 9
     assert np.all(bound >= time_lb[pipelined] * (1 - 1e-8))  # never looser than the generic bound
     assert np.any(bound > time_lb[pipelined] * 1.01)  # and tighter somewhere
     rng = np.random.default_rng(1)
-    units = len(ev.units)
+    blocks = p.splits.units.blocks
+    units = len(p.splits.units.ranges)
     for j, i in enumerate(pipelined.tolist()):
         assert bound[j] <= step[i]
         pp = int(space.columns["pp"][i]) * int(space.columns["vs"][i])  # chunks
         for _ in range(3):  # any other contiguous split is slower than the bound as well
             cuts = np.sort(rng.choice(np.arange(1, units), pp - 1, replace=False))
             counts = np.diff(np.concatenate(([0], cuts, [units])))
-            ev.overrides[i] = (ev._blocks(tuple(int(c) for c in counts)), 0.0)
-            assert bound[j] <= ev.evaluate_one(prep, i)[0]
-        del ev.overrides[i]
-        mem = memfit.stage_memory(ev, prep, i)
-        part = memfit.optimal_partition(ev.unit_costs(ev.table(*_table_args(prep, i)), *_mode_b(prep, i)), pp,
+            assert bound[j] <= evaluate_one(case, i, blocks(tuple(int(c) for c in counts)))[0]
+        mem = memfit.stage_memory(p, ks, i)
+        key = ks.key_of(i)
+        part = memfit.optimal_partition(p.splits.unit_costs(p.table(ks, key), key.recompute, key.micro_batch), pp,
                                         memory=mem)
         if part.fits:
-            ev.overrides[i] = (ev._blocks(part.counts), part.bottleneck)
-            assert bound[j] <= ev.evaluate_one(prep, i)[0]
-            del ev.overrides[i]
-
-
-def _table_args(prep, i: int) -> tuple:
-    tp, sp, ep, _, _, pp, _, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
-    return tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)]
-
-
-def _mode_b(prep, i: int) -> tuple[int, int]:
-    _, _, _, b, mode, *_ = (int(x) for x in prep.keys[prep.inverse[i]])
-    return mode, b
+            assert bound[j] <= evaluate_one(case, i, blocks(part.counts))[0]
 
 
 @pytest.mark.parametrize(("name", "nodes", "top"), [("deepseek-v3", 128, 5), ("deepseek-v2", 32, 5), ("vl2", 1, 3)])
@@ -181,9 +171,9 @@ def test_memory_objective_rebalances_only_what_can_enter_the_top_k(monkeypatch, 
     calls = {"rows": 0}
     real = memfit.rebalance
 
-    def counted(ev, prep, rows, bar=float("inf")):
+    def counted(p, ks, rows, bar=float("inf")):
         calls["rows"] += len(rows)
-        return real(ev, prep, rows, bar)
+        return real(p, ks, rows, bar)
 
     monkeypatch.setattr(memfit, "rebalance", counted)
     fast = suggest(name, nodes=nodes, objective="memory", top=5)
@@ -205,30 +195,32 @@ def test_pipeline_memory_bound_holds_for_every_split_and_is_tighter(name: str, n
     time-balanced split or of random splits (so memory-limited rebalancing cannot beat it
     either), and it is far tighter than the mean-rank bound on deep pipelines, where the first
     rank keeps pp micro-batches in flight."""
+    from planner.search.bounds import lower_bounds
+
     case = prepared(name, nodes, cons)
-    space, ev, prep = case.space, case.ev, case.prep
-    _, mem_lb = ev.lower_bounds(prep)
-    rows, out = ev.evaluate(prep)
+    space, p, ks = case.space, case.p, case.ks
+    _, mem_lb = lower_bounds(p, ks)
+    out = evaluate_keys(p, ks)
+    rows = out.rows
     c = space.columns
     assert (c["pp"][rows] >= 8).any()
     assert np.all(mem_lb[rows] <= out.peak_bytes * (1 + 1e-12))
     rng = np.random.default_rng(2)
-    units = len(ev.units)
+    blocks = p.splits.units.blocks
+    units = len(p.splits.units.ranges)
     for i in rng.choice(rows, size=min(60, len(rows)), replace=False).tolist():
         chunks = int(c["pp"][i] * c["vs"][i])
         for _ in range(3):
             cuts = np.sort(rng.choice(np.arange(1, units), chunks - 1, replace=False))
             counts = np.diff(np.concatenate(([0], cuts, [units])))
-            ev.overrides[i] = (ev._blocks(tuple(int(x) for x in counts)), 0.0)
-            assert mem_lb[i] <= ev.evaluate_one(prep, i)[1] * (1 + 1e-12)
-        del ev.overrides[i]
+            assert mem_lb[i] <= evaluate_one(case, i, blocks(tuple(int(x) for x in counts)))[1] * (1 + 1e-12)
     # Against the mean-rank bound alone (model states and the last rank's in-flight share).
     from planner.search import bounds
 
     monkey = bounds._pipeline_held
     try:
-        bounds._pipeline_held = lambda ev, prep, rows, *rest: np.zeros(len(rows))
-        _, mean_rank = ev.lower_bounds(prep)
+        bounds._pipeline_held = lambda ks, units, rows, *rest: np.zeros(len(rows))
+        _, mean_rank = lower_bounds(p, ks)
     finally:
         bounds._pipeline_held = monkey
     deep = rows[c["pp"][rows] >= 8]
@@ -247,19 +239,19 @@ def test_interleaved_stage_memory_bounds_each_rank_from_above() -> None:
     cons = Constraints(pp=(2, 4), virtual_stages=(2, 3), framework=("megatron",), micro_batch=(1, 2),
                        recompute=("none", "selective", "full"))
     case = prepared("llama-3.1-8b", 2, cons, global_batch=48)
-    model, cluster, wl, space, ev, prep = case.model, case.cluster, case.workload, case.space, case.ev, case.prep
+    model, cluster, wl, space = case.model, case.cluster, case.workload, case.space
     rng = np.random.default_rng(2)
-    units = len(ev.units)
+    units = len(case.p.splits.units.ranges)
     checked = odd = 0
     for i in rng.choice(len(space), 60, replace=False).tolist():
         cfg = space.config(i)
         pp, vs = cfg.pp, cfg.virtual_stages
         odd += cfg.grad_accum % pp != 0
-        sm = memfit.stage_memory(ev, prep, i)
+        sm = memfit.stage_memory(case.p, case.ks, i)
         assert len(sm.inflight) == len(sm.base) == pp * vs
         cuts = np.sort(rng.choice(np.arange(1, units), pp * vs - 1, replace=False))
         bounds = np.concatenate(([0], cuts, [units]))
-        plan = estimate(model, cluster, wl, cfg, partition=ev._blocks(tuple(int(c) for c in np.diff(bounds))))
+        plan = estimate(model, cluster, wl, cfg, partition=case.p.splits.units.blocks(tuple(int(c) for c in np.diff(bounds))))
         for r in range(pp):
             rank_bound = sum(sm.stage_bytes(k, int(bounds[k]), int(bounds[k + 1])) for k in range(r, pp * vs, pp)) / vs
             assert rank_bound >= plan.stages[r].memory.peak * (1 - 1e-12), (cfg, r)

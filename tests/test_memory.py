@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 
+import numpy as np
 import pytest
 
 from planner.cost import memory as mem
+from planner.cost.parallel import FRAMEWORKS
 
 
 def test_zero_paper_fig1_example(reference_dir):
@@ -77,7 +79,11 @@ def test_inflight_capped_by_microbatches():
 
 def test_deepspeed_buckets_and_allowances():
     """overlap_comm keeps 4.5x both buckets in 16-bit elements (DeepSpeed docs)."""
-    big = mem.buffer_bytes("deepspeed", 2, 1e10, groups=1)
+    deepspeed, megatron = FRAMEWORKS.index("deepspeed"), FRAMEWORKS.index("megatron")
+    big = mem.buffer_bytes(np.array(deepspeed), np.array(2), 1e10, groups=1)
     assert big == pytest.approx(mem.NCCL_BYTES_PER_GROUP + 4.5 * 2 * (2e8 + 2e8))
-    assert mem.buffer_bytes("megatron", 1, 1e10, groups=2) == 2 * mem.NCCL_BYTES_PER_GROUP
+    assert mem.buffer_bytes(np.array(megatron), np.array(1), 1e10, groups=2) == 2 * mem.NCCL_BYTES_PER_GROUP
+    # ZeRO-3 keeps the prefetch and reduce buckets; a small stage holds no more than itself.
+    assert mem.buffer_bytes(np.array(deepspeed), np.array(3), 1e6, groups=0) == pytest.approx(2 * 1e6 + 2 * 1e6)
+    assert mem.buffer_bytes(np.array(deepspeed), np.array(3), np.inf, groups=0) == pytest.approx(2 * 5e7 + 2 * 2e8)
     assert mem.overhead_bytes(10 * 2**30) == pytest.approx(2**30 + 0.05 * 10 * 2**30)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from planner.cost.collectives import collective_seconds
-from planner.cost.estimate import build_comms, estimate
+from planner.cost.estimate import estimate
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
+from tests.scalar_oracle import build_comms
 from planner.hardware.placement import Placement, pipeline_hops
 from planner.model.catalog import load_model
 from planner.search.space import Constraints

@@ -1,20 +1,22 @@
-"""The fast path (bounds + branch and bound + vectorised twin) ranks first the plan that an
-exhaustive scalar search ranks first: ``estimate`` called on every candidate of the space."""
+"""The fast path (bounds + branch and bound + the array cost model) ranks first the plan that an
+exhaustive scalar search ranks first: the scalar oracle (tests/scalar_oracle.py) called on
+every candidate of the space."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from planner.cost.estimate import estimate
 from planner.cost.parallel import Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search.evaluate import Evaluator
+from planner.search.bounds import lower_bounds
+from planner.search.evaluate import evaluate_keys
 from planner.search.space import Constraints
 from planner.search.suggest import _scalar_key, _space, suggest
-from tests.search_cases import prepared
+from tests.scalar_oracle import oracle_estimate
+from tests.search_cases import case_of, prepared
 
 CASES = [
     # (model, nodes, global batch, seq, constraints, objective)
@@ -43,19 +45,20 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
     fast = suggest(model, nodes=nodes, global_batch=gb, seq_len=seq, images_per_sample=images if model.is_vlm else None,
                    tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1)
 
-    # Exhaustive: every candidate through the scalar estimate, with the balancer's partition.
+    # Exhaustive: every candidate through the scalar oracle, with the balancer's partition.
     space = _space(model, cluster, workload, cons)
-    ev = Evaluator(model, cluster, workload)
-    rows, res = ev.evaluate(ev.prepare(space))
+    case = case_of(model, cluster, workload, space)
+    res = evaluate_keys(case.p, case.ks)
     plans = []
-    for j, i in enumerate(rows):
-        plan = estimate(model, cluster, workload, space.config(int(i)), partition=res.partitions[res.partition_id[j]])
+    for j, i in enumerate(res.rows):
+        plan = oracle_estimate(model, cluster, workload, space.config(int(i)),
+                               partition=case.p.splits.all[res.split_id[j]])
         if plan.fits:
             plans.append(plan)
     assert plans, "the case must have plans that fit"
     best = min(plans, key=lambda p: _scalar_key(objective, p, cluster.num_gpus))
     got = fast.plans[0].plan
-    # Equal up to summation order (the vectorised twin and estimate add the same terms differently).
+    # Equal up to summation order (the array model and the scalar walk add the same terms differently).
     assert _scalar_key(objective, got, cluster.num_gpus) == pytest.approx(_scalar_key(objective, best, cluster.num_gpus),
                                                                           rel=1e-12)
     if objective != "cost":
@@ -78,13 +81,14 @@ def test_lower_bounds_never_exceed_any_candidates_evaluation(name, nodes, cons) 
     """Every candidate's time and memory bounds (compute, pipeline, optimizer step) are at or
     below its full evaluation: ZeRO 0-3, offloads, pipelines, interleaving, experts."""
     case = prepared(name, nodes, cons)
-    space, ev, prep = case.space, case.ev, case.prep
-    time_lb, mem_lb = ev.lower_bounds(prep)
-    rows, res = ev.evaluate(prep)
+    space = case.space
+    time_lb, mem_lb = lower_bounds(case.p, case.ks)
+    res = evaluate_keys(case.p, case.ks)
+    rows = res.rows
     assert len(rows) == len(space) > 300
     c = space.columns
     # DeepSpeed's MoE layers refuse ZeRO-3, and Megatron shards no further than ZeRO-1
-    stages = {0, 1, 2} if case.ev.model.is_moe else {0, 1, 2, 3}
+    stages = {0, 1, 2} if case.model.is_moe else {0, 1, 2, 3}
     assert set(c["zero"][rows].tolist()) == stages and (c["offload"][rows] > 0).any() and (c["pp"] > 1).any()
     assert np.all(time_lb[rows] <= res.step_time * (1 + 1e-12))
     assert np.all(mem_lb[rows] <= res.peak_bytes * (1 + 1e-12))
@@ -98,32 +102,31 @@ def test_gather_bound_is_the_mean_ranks_exposed_weight_gather() -> None:
     group, at or below the slowest rank's exposed DP time in full evaluation; zero where
     Megatron hides it behind the first forward, and for ZeRO-0/3."""
     from planner.cost.collectives import collective_time
-    from planner.search.assemble import assemble
+    from planner.cost.layout import layout
     from planner.search.bounds import base_bounds, gather_bound
-    from planner.search.evaluate import rank_fields
+    from planner.search.evaluate import evaluate_rows
 
     case = prepared("llama-3.1-8b", 4, Constraints(tp=(2,), pp=(4,), micro_batch=(1,), virtual_stages=(1,),
                                                     recompute=("none",), offload=("none",)))
-    space, ev, prep = case.space, case.ev, case.prep
+    space = case.space
     c = space.columns
-    _, _, dense, expert = base_bounds(ev, prep)
-    bound = gather_bound(ev, c, dense, expert)
+    _, _, dense, expert = base_bounds(case.p, case.ks)
+    bound = gather_bound(case.p.ctx, c, dense, expert)
     megatron = c["framework"] == 2
     z12 = (c["zero"] == 1) | (c["zero"] == 2)
     assert (z12 & ~megatron).any() and (z12 & megatron).any()
     assert np.all(bound[megatron | ~z12] == 0.0)
     i = int(np.flatnonzero(z12 & ~megatron)[0])
-    dp_shape = ev.shapes(2, 1, int(c["dp"][i]), 4).dp
+    dp_shape = layout(case.cluster, 2, 1, int(c["dp"][i]), 4).dp
     expected = collective_time(case.cluster, "allgather", dp_shape, 2 * dense[i] / 4).time_s
     assert bound[i] == pytest.approx(expected, rel=1e-8) and expected > 1e-3
     # At or below what the full evaluation exposes on its slowest DP rank
-    rows = np.flatnonzero(z12 & ~megatron)
-    ranks = []
-    for j in rows:
-        _, r, _, _ = ev._one(prep, int(j))
-        ranks.append(r)
-    d = assemble(ev, {k: v[rows] for k, v in c.items()}, rank_fields(np.stack(ranks)), 4, detail=True)
-    assert np.all(bound[rows] <= d["dp"].max(axis=1))
+    rows = np.flatnonzero(z12 & ~megatron).tolist()
+    from planner.search.evaluate import candidate_details
+
+    details = candidate_details(case.p, case.ks, rows, {}, {})
+    assert np.all(bound[rows] <= [d.asm.dp[d.n].max() for d in details])
+    assert evaluate_rows(case.p, case.ks, rows[:1], {})[rows[0]][0] > bound[rows[0]]
 
 
 def test_spread_bound_counts_units_per_rank() -> None:
@@ -146,12 +149,13 @@ def test_spread_bound_binds_where_one_unit_outweighs_a_stage() -> None:
     case = prepared("deepseek-vl2-tiny", 1, Constraints(pp=(8,), tp=(1,), micro_batch=(1,), virtual_stages=(1,),
                                                         recompute=("none",), zero=(1,), offload=("none",),
                                                         framework=("megatron",)))
-    ev, prep = case.ev, case.prep
-    time_lb, _, _, _ = base_bounds(ev, prep)
-    rows, res = ev.evaluate(prep)
-    tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[0])
-    table = ev.table(tp, sp, ep, dp, pp, prep.micro[tp, sp, ep])
-    costs = ev.unit_costs(table, mode, b)
+    p, ks = case.p, case.ks
+    time_lb, _, _, _ = base_bounds(p, ks)
+    res = evaluate_keys(p, ks)
+    rows = res.rows
+    key = ks.key(0)
+    pp = key.pp
+    costs = p.splits.unit_costs(p.table(ks, key), key.recompute, key.micro_batch)
     assert max(costs) > sum(costs) / pp  # the case is one where the largest unit binds
     m = int(case.space.columns["grad_accum"][rows[0]])
     assert np.all(time_lb[rows] >= (m - 1) * max(costs) * (1 - 1e-6))

@@ -15,8 +15,9 @@ from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search import schedule_check as sc
-from planner.search.evaluate import Evaluator
+from planner.cost import schedule_check as sc
+from planner.cost.block_times import BlockTables
+from planner.cost.efficiency import device
 
 # llama-3-70b (embedding, 80 decoders, norm, head: 83 blocks) on pp 4 x v 5: a split with the
 # optimal slowest chunk that packs five decoders into 15 chunks and one or two into the rest
@@ -33,7 +34,7 @@ def setting():
     model = load_model("llama-3-70b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 8)
     workload = Workload(global_batch=512, seq_len=model.train_seq_len)
-    return model, cluster, workload, Evaluator(model, cluster, workload)
+    return model, cluster, workload, BlockTables(model, cluster, workload, device(cluster.profile))
 
 
 def test_uneven_chunks_replay_slower_than_the_formula_and_get_a_note(setting) -> None:

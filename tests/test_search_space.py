@@ -135,47 +135,50 @@ def test_block_table_per_run_of_identical_blocks_equals_the_direct_call(name: st
     from planner.cost.parallel import Workload
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
-    from planner.search.blocks import block_table
-    from planner.search.evaluate import Evaluator
+    from planner.cost.block_times import BlockTables, block_table
+    from planner.cost.efficiency import device
+    from planner.cost.layout import layout
 
     model = load_preset(name)
     vlm = model.vision is not None
     wl = Workload(global_batch=8, seq_len=2048, images_per_sample=1 if vlm else 0, tiles_per_image=2 if vlm else 0)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 2)
-    ev = Evaluator(model, cluster, wl)
+    dev = device(cluster.profile)
     for tp, sp, ep in ((1, False, 1), (2, True, 2 if model.is_moe else 1)):
         if model.attention_heads % tp or model.kv_heads % tp:
             continue
-        shapes = ev.shapes(tp, ep, 16 // tp, 1)
-        fast = ev._block_table(tp, sp, ep, (1, 2), shapes)
-        direct = block_table(layer_costs(model, wl, tp, sp, ep), (1, 2), ev.dev, cluster, shapes.tp, shapes.ep)
+        shapes = layout(cluster, tp, ep, 16 // tp, 1)
+        fast = BlockTables(model, cluster, wl, dev).table(tp, int(sp), ep, (1, 2))
+        direct = block_table(layer_costs(model, wl, tp, sp, ep), (1, 2), dev, cluster, shapes.tp, shapes.ep)
         for f in ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live", "pp_bytes"):
             assert np.array_equal(getattr(fast, f), getattr(direct, f)), f
 
 
 @pytest.mark.parametrize("name", ["deepseek-vl2", "mixtral-8x7b", "llama-3-8b"])
 def test_tables_built_in_one_pass_equal_one_at_a_time(name: str) -> None:
-    """Evaluator.tables prices many (tp, sp, ep) groups side by side over the union of their
+    """BlockTables.prepare prices many (tp, sp, ep) groups side by side over the union of their
     micro-batch sizes; each table must hold exactly what building it alone gives."""
+    from planner.cost.block_times import BlockTables
+    from planner.cost.efficiency import device
     from planner.cost.parallel import Workload
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
-    from planner.search.evaluate import Evaluator
 
     model = load_preset(name)
     vlm = model.vision is not None
     wl = Workload(global_batch=64, seq_len=2048, images_per_sample=1 if vlm else 0, tiles_per_image=2 if vlm else 0)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 8)
     eps = (1, 2, 8) if model.is_moe else (1,)
-    groups = {(tp, sp, ep): (64 // tp, 1, micro)
+    groups = {(tp, sp, ep): micro
               for tp, sp in ((1, 0), (2, 0), (2, 1), (8, 1)) for ep in eps
               for micro in [(1, 2) if tp == 1 else (2, 4, 8)]}
-    together = Evaluator(model, cluster, wl)
-    together.tables(groups)
-    for (tp, sp, ep), (dp, pp, micro) in groups.items():
-        wide = together.table(tp, sp, ep, dp, pp, micro)
+    dev = device(cluster.profile)
+    together = BlockTables(model, cluster, wl, dev)
+    together.prepare(groups)
+    for (tp, sp, ep), micro in groups.items():
+        wide = together.table(tp, sp, ep, micro)
         assert wide.micro_batches == (1, 2, 4, 8)  # the union
-        alone = Evaluator(model, cluster, wl).table(tp, sp, ep, dp, pp, micro)
+        alone = BlockTables(model, cluster, wl, dev).table(tp, sp, ep, micro)
         for b in micro:
             i, j = wide.b_index(b), alone.b_index(b)
             for f in ("fwd", "bwd"):
@@ -190,12 +193,9 @@ def test_tables_built_in_one_pass_equal_one_at_a_time(name: str) -> None:
 def test_flops_per_step_per_run_of_identical_blocks_equals_model_flops(name: str) -> None:
     from planner.cost.estimate import model_flops
     from planner.cost.parallel import Workload
-    from planner.hardware.cluster import Cluster
-    from planner.hardware.load import load_profile
-    from planner.search.evaluate import Evaluator
+    from tests.scalar_oracle import model_flops as walked_flops
 
     model = load_preset(name)
     vlm = model.vision is not None
     wl = Workload(global_batch=32, seq_len=4096, images_per_sample=2 if vlm else 0, tiles_per_image=3 if vlm else 0)
-    ev = Evaluator(model, Cluster.build(load_profile("dgx-h100"), 4), wl)
-    assert ev.flops_per_step() == model_flops(model, wl)  # bitwise: same numbers, same order
+    assert model_flops(model, wl) == walked_flops(model, wl)  # bitwise: same numbers, same order

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from planner.cost import efficiency as eff
 from planner.cost import memory as mem
 from planner.cost import step_time as st
 from planner.cost.estimate import estimate
-from planner.cost.parallel import ParallelConfig, Workload
+from planner.cost.parallel import FRAMEWORKS, ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.load import load_model
@@ -68,8 +69,8 @@ def test_flash_attention_on_hopper_is_flashattention2s_35_percent(a100):
 
 
 def _times(total: list[float], m: int, v: int = 1):
-    ranks = [st.MicroBatchTime(t, 0, 0, 0, 0, 0) for t in total]
-    return st.pipeline(ranks, m, v)
+    worst, bubble = st.pipeline(np.array([total]), np.array([len(total)]), np.array([float(v)]))
+    return int(worst[0]), float(bubble[0])
 
 
 def test_pipeline_bubble_1f1b_and_interleaved():
@@ -82,13 +83,29 @@ def test_pipeline_bubble_1f1b_and_interleaved():
     assert worst == 2 and bubble == pytest.approx(3.0)
 
 
+def _exposed(framework: str, zero: int, reduce: list[float], gather: list[float], fwd: list[float], bwd: list[float],
+             m: int = 1, z3: tuple[float, float] = (0.0, 0.0)) -> list[float]:
+    """step_time.dp_exposed of one candidate on dp 8 with the given per-rank collective seconds."""
+    pp = len(reduce)
+    col = {"zero": np.array([zero]), "framework": np.array([FRAMEWORKS.index(framework)]), "grad_accum": np.array([m]),
+           "vs": np.array([1]), "pp": np.array([pp]), "dp": np.array([8]), "ep": np.array([1])}
+    zeros = [[0.0] * pp]
+    r = {"fwd": np.array([fwd]), "bwd": np.array([bwd]), "rc": np.array(zeros), "tied": np.array(zeros),
+         "z3_gather": np.full((1, pp), z3[0]), "z3_reduce": np.full((1, pp), z3[1])}
+    return st.dp_exposed(col, r, np.array([reduce]), np.array([gather]), np.array(zeros))[0].tolist()
+
+
 def test_dp_overlap_hides_only_what_fits():
-    assert st.dp_exposed(1.0, 0.0, overlap=True, last_bwd_s=0.4, first_fwd_s=0.0, cooldown_s=0.0) == pytest.approx(0.6)
-    assert st.dp_exposed(1.0, 0.0, overlap=False, last_bwd_s=0.4, first_fwd_s=0.0, cooldown_s=0.0) == pytest.approx(1.0)
-    assert st.dp_exposed(1.0, 0.5, overlap=True, last_bwd_s=2.0, first_fwd_s=0.2, cooldown_s=0.0) == pytest.approx(0.3)
+    # Megatron buckets the reduction into the last backward, and hides the gather behind the first forward.
+    assert _exposed("megatron", 0, [1.0], [0.0], fwd=[0.0], bwd=[0.4]) == pytest.approx([0.6])
+    assert _exposed("megatron", 1, [1.0], [0.5], fwd=[0.2], bwd=[2.0]) == pytest.approx([0.3])
+    # DeepSpeed's PipelineEngine reduces after the drain: rank 0 hides nothing, rank 1 rank 0's cool-down.
+    assert _exposed("deepspeed", 0, [1.0, 1.0], [0.0, 0.0], fwd=[0.0, 0.0], bwd=[0.4, 0.4]) == pytest.approx([1.0, 0.6])
+    # DeepSpeed's gather after the step hides nowhere.
+    assert _exposed("deepspeed", 1, [1.0], [0.5], fwd=[0.2], bwd=[2.0]) == pytest.approx([0.5])
     # ZeRO-3: per micro-batch gathers hide under compute until they do not
-    assert st.zero3_exposed(0.1, 0.1, fwd_s=1.0, bwd_s=2.0, microbatches=4) == 0.0
-    assert st.zero3_exposed(1.5, 1.0, fwd_s=1.0, bwd_s=2.0, microbatches=2) == pytest.approx(2 * (0.5 + 0.5))
+    assert _exposed("deepspeed", 3, [0.0], [0.0], fwd=[1.0], bwd=[2.0], m=4, z3=(0.1, 0.1)) == [0.0]
+    assert _exposed("deepspeed", 3, [0.0], [0.0], fwd=[1.0], bwd=[2.0], m=2, z3=(1.5, 1.0)) == pytest.approx([2.0])
 
 
 def _plan(model="llama-3-8b", nodes=1, **kw):

@@ -1,5 +1,5 @@
-"""suggest(): the vectorised twin equals estimate, returned plans are estimate's Plans, ranking,
-balancers, nothing-fits advice and bad input."""
+"""suggest(): the array cost model agrees with the scalar oracle (tests/scalar_oracle.py) and with
+estimate, returned plans are estimate's Plans, ranking, balancers, nothing-fits advice and bad input."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search.evaluate import Evaluator, pipeline_units
+from planner.search.evaluate import evaluate_keys
 from planner.search.partition import greedy_partition
 from planner.search.space import Constraints
+from planner.search.splits import pipeline_units
 from planner.search.suggest import NoPlanFits, _space, suggest
+from tests.scalar_oracle import oracle_estimate
+from tests.search_cases import case_of
 
 
 def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0, tiles: int = 0,
@@ -24,8 +27,9 @@ def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0,
     cluster = Cluster.build(load_profile(profile), nodes)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles)
     space = _space(model, cluster, workload, Constraints())
-    ev = Evaluator(model, cluster, workload)
-    rows, res = ev.evaluate(ev.prepare(space))
+    case = case_of(model, cluster, workload, space)
+    res = evaluate_keys(case.p, case.ks)
+    rows = res.rows
     c = {k: v[rows] for k, v in space.columns.items()}
     # One candidate per (framework, zero, offload, recompute, pp>1, vs>1, sp, ep>1) stratum.
     strata = np.column_stack([c["framework"], c["zero"], c["offload"], c["recompute"], c["pp"] > 1, c["vs"] > 1,
@@ -33,26 +37,28 @@ def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0,
     _, first = np.unique(strata, axis=0, return_index=True)
     for j in first:
         cfg = space.config(int(rows[j]))
-        plan = estimate(model, cluster, workload, cfg, partition=res.partitions[res.partition_id[j]])
-        assert res.step_time[j] == pytest.approx(plan.step_time_s, rel=1e-9), cfg
-        assert res.peak_bytes[j] == pytest.approx(plan.memory.peak, rel=1e-9), cfg
+        split = case.p.splits.all[res.split_id[j]]
+        oracle = oracle_estimate(model, cluster, workload, cfg, partition=split)
+        assert res.step_time[j] == pytest.approx(oracle.step_time_s, rel=1e-9), cfg
+        assert res.peak_bytes[j] == pytest.approx(oracle.memory.peak, rel=1e-9), cfg
         if cfg.offload != "none":
-            assert res.cpu_bytes[j] == pytest.approx(plan.cpu_bytes_per_node, rel=1e-9), cfg
-        assert bool(res.fits[j]) == plan.fits, cfg
+            assert res.cpu_bytes[j] == pytest.approx(oracle.cpu_bytes_per_node, rel=1e-9), cfg
+        assert bool(res.fits[j]) == oracle.fits, cfg
+        _same_plan(oracle.to_json(), estimate(model, cluster, workload, cfg, partition=split).to_json())
     return len(first)
 
 
-def test_twin_equals_estimate_dense() -> None:
+def test_search_equals_oracle_dense() -> None:
     strata = _twin_vs_estimate("llama-3.1-8b", 2, 64, 4096)
     assert strata > 40  # every framework, ZeRO stage, offload, recompute, pipeline shape
 
 
-def test_twin_equals_estimate_on_hopper() -> None:
-    """Hopper's lower FlashAttention level (gpu.flash_attention_efficiency) reaches both paths."""
+def test_search_equals_oracle_on_hopper() -> None:
+    """Hopper's lower FlashAttention level (gpu.flash_attention_efficiency) reaches both."""
     assert _twin_vs_estimate("llama-3.1-8b", 2, 64, 8192, profile="dgx-h100") > 40
 
 
-def test_twin_equals_estimate_moe_vision() -> None:
+def test_search_equals_oracle_moe_vision() -> None:
     strata = _twin_vs_estimate("deepseek-vl2-tiny", 2, 64, 4096, images=1, tiles=2)
     assert strata > 60
 
@@ -67,6 +73,8 @@ def test_returned_plans_are_estimates_and_ranked() -> None:
     for rp in res.plans:
         again = estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
         _same_plan(again.to_json(), rp.plan.to_json())
+        oracle = oracle_estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
+        _same_plan(oracle.to_json(), rp.plan.to_json())
         assert rp.plan.fits
     # Every candidate is either evaluated in full, pruned by the time bound, or proven out of
     # memory by the memory bound (counted with out_of_memory).
@@ -76,7 +84,7 @@ def test_returned_plans_are_estimates_and_ranked() -> None:
 
 
 def _same_plan(a, b, path: str = "") -> None:
-    """Equal structure and values (floats to 1e-9: the twin sums in another order)."""
+    """Equal structure and values (floats to 1e-9: the oracle sums in another order)."""
     if isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:
@@ -102,7 +110,7 @@ def test_plans_equal_estimate_across_shapes(name: str, nodes: int, cons: Constra
     model = load_model(name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     for rp in res.plans:
-        again = estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
+        again = oracle_estimate(model, cluster, rp.plan.workload, rp.plan.cfg, partition=rp.plan.partition)
         _same_plan(again.to_json(), rp.plan.to_json())
 
 
@@ -137,8 +145,10 @@ def test_greedy_balancer_is_used_when_asked() -> None:
     assert cfg.pp == 4
     # Rebuild greedy's partition from the per-block costs at this plan's settings.
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
-    ev = Evaluator(model, cluster, plan.workload, "greedy")
-    table = ev.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, cfg.dp, cfg.pp, (cfg.micro_batch,))
+    from planner.search.evaluate import Pricing
+
+    table = Pricing.of(model, cluster, plan.workload, "greedy").tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep,
+                                                                            (cfg.micro_batch,))
     per_block = table.total(2, table.b_index(cfg.micro_batch))  # recompute "full"
     units = pipeline_units(model)
     unit_costs = [float(per_block[a:e].sum()) for a, e in units]
@@ -223,7 +233,7 @@ def test_layouts_with_uneven_groups_are_left_out() -> None:
     """384 GPUs admit dp 3 x tp 4, whose DP groups (ranks 0, 4, 8) put two ranks on one node
     and one on the next: the collective model has no shape for that, so the space leaves such
     layouts out (counted as indivisible) instead of failing the whole search."""
-    from planner.search.evaluate import Shapes
+    from planner.cost.layout import Layout
 
     model = load_model("qwen2.5-72b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 48)
@@ -231,7 +241,7 @@ def test_layouts_with_uneven_groups_are_left_out() -> None:
     c = space.columns
     layouts = {(int(c["tp"][i]), int(c["ep"][i]), int(c["dp"][i]), int(c["pp"][i])) for i in range(len(space))}
     for tp, ep, dp, pp in layouts:  # every shape of every layout can be priced
-        shapes = Shapes(cluster, tp, ep, dp, pp)
+        shapes = Layout(cluster, tp, ep, dp, pp)
         assert shapes.tp and shapes.ep and shapes.edp and shapes.pp and shapes.dp
     assert not any(dp == 3 and tp == 4 for tp, _, dp, _ in layouts)
     assert any(dp == 6 and tp == 4 for tp, _, dp, _ in layouts)  # ranks 0, 4, ..., 20: two on each of 3 nodes

@@ -119,12 +119,10 @@ def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int 
     # The same notes as suggest's best plan: what the batch holds back, and where Megatron's
     # interleaved schedule replayed over these chunks disagrees with the pipeline formula.
     from planner.cost.notes import batch_notes
-    from planner.search.evaluate import Evaluator
-    from planner.search.schedule_check import schedule_notes
+    from planner.cost.schedule_check import plan_schedule_notes
 
-    notes = batch_notes(plan.to_json(), seq)
-    if cfg.virtual_stages > 1:
-        notes += schedule_notes(Evaluator(model, cluster, workload), cfg, plan.partition, plan.step_time_s)
+    notes = batch_notes(plan.to_json(), seq) + plan_schedule_notes(model, cluster, workload, cfg, plan.partition,
+                                                                   plan.step_time_s)
     return dataclasses.replace(plan, notes=notes)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cost import frameworks as fw
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 
 GiB = 2**30
 # Allowances (documented estimates, not calibrated): the CUDA context with cuBLAS/cuDNN
@@ -182,34 +183,77 @@ def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: 
     return w, g, 0.0, cpu
 
 
+def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray, largest: np.ndarray,
+                precision: str, moments: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate and rank ([candidate x rank] ``dense`` and ``expert`` parameters, the
+    ``largest`` block's): weights, gradients, optimizer states and host bytes of the model
+    states. Dense parameters shard over dp, routed experts over dp / ep; with ZeRO-3 the
+    largest block is gathered whole (weights and gradients, 2 + 2 bytes per parameter) while
+    it runs, as in DeepSpeed's estimator.
+
+    ``bytes_per_param`` is asked once per distinct (framework, ZeRO, offload, group size)
+    among the candidates, on Python numbers."""
+    factors: dict[tuple[int, int, int, int], tuple[float, float, float, float]] = {}
+
+    def per_param(f: int, z: int, o: int, size: int) -> tuple[float, float, float, float]:
+        hit = factors.get((f, z, o, size))
+        if hit is None:
+            hit = factors[f, z, o, size] = bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], size, precision, moments)
+        return hit
+
+    dp = col["dp"]
+    rows = [per_param(f, z, o, d) + per_param(f, z, o, e) for f, z, o, d, e in zip(
+        col["framework"].tolist(), col["zero"].tolist(), col["offload"].tolist(), dp.tolist(),
+        np.maximum(dp // col["ep"], 1).tolist())]
+    wd, gd, od, cd, we, ge, oe, ce = np.array(rows, dtype=float).reshape(-1, 8).T[:, :, None]
+    z3 = col["zero"] == 3
+    live3 = np.where(z3[:, None], 2.0 * largest, 0.0) if z3.any() else 0.0  # the gathered largest block
+    return (wd * dense + we * expert + live3, gd * dense + ge * expert + live3, od * dense + oe * expert,
+            cd * dense + ce * expert)
+
+
 def model_states(dense_params: float, expert_params: float, *, framework: str, zero: int, offload: str,
                  dp: int, ep: int, precision: str = "bf16", moments: int = 2,
                  live_layer_params: float = 0.0) -> ModelStates:
-    """Model states on one GPU: dense parameters shard over dp, routed experts over dp/ep.
-
-    ``live_layer_params``: with ZeRO-3 the largest layer is gathered whole (weights and
-    gradients, 4 bytes per parameter) while it runs, as in DeepSpeed's estimator.
-    """
-    wd, gd, od, cd = bytes_per_param(framework, zero, offload, dp, precision, moments)
-    we, ge, oe, ce = bytes_per_param(framework, zero, offload, max(dp // ep, 1), precision, moments)
-    weights = wd * dense_params + we * expert_params
-    grads = gd * dense_params + ge * expert_params
-    if zero == 3:
-        weights += 2 * live_layer_params
-        grads += 2 * live_layer_params
-    return ModelStates(weights, grads, od * dense_params + oe * expert_params, cd * dense_params + ce * expert_params)
+    """``state_bytes`` of one GPU holding ``dense_params`` and ``expert_params`` (``live_layer_params``:
+    its largest layer), for one configuration."""
+    col = {"framework": np.array([FRAMEWORKS.index(framework)]), "zero": np.array([zero]),
+           "offload": np.array([OFFLOADS.index(offload)]), "dp": np.array([dp]), "ep": np.array([ep])}
+    one = np.array([[float(x)] for x in (dense_params, expert_params, live_layer_params)])
+    return ModelStates(*(float(x[0, 0]) for x in state_bytes(col, *one[:, None], precision, moments)))
 
 
-def buffer_bytes(framework: str, zero: int, stage_params: float, groups: int, pp_buffer: float = 0.0) -> float:
-    """Communication buffers: DeepSpeed's ZeRO buckets, ZeRO-3 prefetch, NCCL, PP receive buffers."""
-    t = fw.traits(framework)
-    out = NCCL_BYTES_PER_GROUP * groups + pp_buffer
-    if t.zero_buckets and zero in (1, 2):
-        buckets = min(fw.REDUCE_BUCKET_SIZE, stage_params) + min(fw.ALLGATHER_BUCKET_SIZE, stage_params)
-        out += fw.OVERLAP_COMM_FACTOR * 2 * buckets  # 16-bit elements
-    elif t.zero_buckets and zero == 3:
-        out += 2 * min(fw.STAGE3_PREFETCH_BUCKET_SIZE, stage_params) + 2 * min(fw.REDUCE_BUCKET_SIZE, stage_params)
-    return out
+# Per framework (in FRAMEWORKS order): whether it keeps DeepSpeed's ZeRO bucket buffers.
+_ZERO_BUCKETS = np.array([fw.traits(f).zero_buckets for f in FRAMEWORKS])
+
+
+def process_groups(col: dict[str, np.ndarray]) -> np.ndarray:
+    """Per candidate, the parallel dimensions with a process group of more than one rank (each
+    holds NCCL buffers)."""
+    return sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
+
+
+def buffer_bytes(framework: np.ndarray, zero: np.ndarray, stage_params: np.ndarray, groups: np.ndarray,
+                 pp_buffer: np.ndarray | float = 0.0) -> np.ndarray:
+    """Communication buffers: NCCL's per process group, the pipeline receive buffers, and
+    DeepSpeed's ZeRO buckets (ZeRO-1/2: reduce and all-gather buckets of 16-bit elements, 4.5x
+    with overlap_comm; ZeRO-3: the prefetch and reduce buckets), none larger than the stage.
+    Elementwise over arrays that broadcast together (``framework``: FRAMEWORKS codes);
+    ``stage_params`` of inf gives the most the buckets can take."""
+    buckets = _ZERO_BUCKETS[framework]
+    z12 = buckets & ((zero == 1) | (zero == 2))
+    z3 = buckets & (zero == 3)
+    out = np.zeros(np.broadcast_shapes(np.shape(z12), np.shape(stage_params)))
+    out = np.where(z12, fw.OVERLAP_COMM_FACTOR * 2 * (np.minimum(fw.REDUCE_BUCKET_SIZE, stage_params)
+                                                      + np.minimum(fw.ALLGATHER_BUCKET_SIZE, stage_params)), out)
+    out = np.where(z3, 2 * np.minimum(fw.STAGE3_PREFETCH_BUCKET_SIZE, stage_params)
+                   + 2 * np.minimum(fw.REDUCE_BUCKET_SIZE, stage_params), out)
+    return nccl_bytes(groups) + pp_buffer + out
+
+
+def nccl_bytes(groups):
+    """NCCL's buffers for ``groups`` process groups."""
+    return NCCL_BYTES_PER_GROUP * groups
 
 
 def microbatch_group(pp: int, microbatches: int) -> int:
@@ -277,13 +321,23 @@ def inflight_array(rank, pp, virtual, microbatches, group):
     return np.where(virtual == 1, one_f1b, chunks / virtual)
 
 
-def activation_bytes(stored_per_mb: float, live_extra_per_mb: float, inflight: float) -> float:
+def activation_bytes(stored_per_mb, live_extra_per_mb, inflight):
     """Activations at the peak: in-flight micro-batches plus one layer being recomputed."""
     return stored_per_mb * inflight + live_extra_per_mb
 
 
-def overhead_bytes(allocated: float) -> float:
+def overhead_bytes(allocated):
+    """The CUDA context and the caching allocator's fragmentation on top of ``allocated``."""
     return CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated
+
+
+def peak_bytes(allocated):
+    """A GPU's peak: what it allocates plus ``overhead_bytes``."""
+    return allocated + CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated
+
+
+# peak_bytes is affine: CUDA_CONTEXT_BYTES with nothing allocated, GROWTH per byte allocated.
+GROWTH = 1.0 + FRAGMENTATION
 
 
 # Host memory an offloading job may use: the rest goes to the OS, the page cache, data-loader

@@ -1,26 +1,26 @@
-"""Step time: per-stage micro-batch times, the pipeline schedule, DP traffic, the optimizer.
+"""Step time over [candidate x pipeline rank] arrays: the pipeline, exposed data-parallel
+traffic and the optimizer step.
 
-Assembly (all functions pure; ``Comms`` carries the collective timings of this placement):
-
-1. per pipeline rank and micro-batch: forward, backward and recompute compute (efficiency.py),
-   TP collectives (forward + backward, again for a recomputed forward), EP all-to-alls, and
-   the point-to-point sends at its chunk boundaries. Nothing of these overlaps by default:
-   Megatron's TP all-reduces sit between dependent GEMMs, DeepSpeed MoE's all-to-alls too,
-   and 1F1B's sends are on the critical path (DeepSpeed's PipelineEngine makes two blocking
-   transfers per neighbour where Megatron's batched exchange makes one).
-2. the pipeline: ``T = m * T_max + (sum_r T_r - T_max) / v`` for m micro-batches over p ranks
-   with v chunks each (1F1B: (m + p - 1) T for equal stages; interleaving divides the bubble
-   by v, Narayanan et al. 2021 Sec 2.2). Unequal stages run at the pace of the slowest.
-3. data parallelism: gradient reduction per rank (all-reduce; ZeRO/distributed optimizer:
-   reduce-scatter + all-gather of the updated 16-bit weights; DeepSpeed's ZeRO-1/2
-   all-reduce), overlapped with the last micro-batch's backward where the runtime buckets it
-   (not in DeepSpeed's PipelineEngine), and with the cool-down of the pipeline (rank r
-   finishes r backward chunks before rank 0; not for ranks a tied-weight all-reduce with
-   rank 0 holds back). ZeRO-3 all-gathers the
-   weights per layer in every forward and backward and reduce-scatters gradients per
-   micro-batch, overlapped with compute by prefetching; only the excess shows.
-4. the optimizer: fused Adam over the local shard from HBM, or DeepSpeedCPUAdam on the host
-   plus the PCIe copies when offloading.
+1. The pipeline: ``T = m * T_max + (sum_r T_r - T_max) / v`` for m micro-batches over p ranks
+   with v chunks each, T_r rank r's micro-batch over all its chunks (rank_tables.py): 1F1B's
+   (m + p - 1) T for equal stages; interleaving divides the bubble by v (Narayanan et al. 2021
+   Sec 2.2). Unequal stages run at the pace of the slowest.
+2. Data parallelism: gradient reduction per rank (all-reduce; ZeRO / the distributed
+   optimizer: reduce-scatter and an all-gather of the updated 16-bit weights; DeepSpeed's
+   ZeRO-1/2 all-reduce their buckets), started during the last micro-batch's backward where
+   the runtime buckets it (not in DeepSpeed's PipelineEngine, which reduces after the drain),
+   and hidden by the pipeline cool-down too: after rank r's last backward the gradient still
+   runs back through ranks r-1 .. 0 (their last chunk, 1/v of a micro-batch's backward each).
+   The weight all-gather hides behind the next step's first forward on Megatron
+   (--overlap-param-gather) and nowhere on DeepSpeed. DeepSpeed's PipelineEngine first
+   all-reduces a tied embedding's gradient between the two ranks holding it
+   (ReduceTiedGrads), which leaves those ranks no cool-down. DeepSpeed's ZeRO-2 reduces every
+   micro-batch's gradients in that micro-batch's backward (zero/stage_1_and_2.py
+   reduce_ready_partitions_and_remove_grads), ZeRO-1 once per step. ZeRO-3 gathers each
+   block's weights in every forward and backward and reduce-scatters its gradients per
+   micro-batch, prefetched under compute: only the excess shows.
+3. The optimizer: fused Adam over the local shard from HBM, or on the host when offloading
+   (DeepSpeedCPUAdam plus the PCIe copies; Megatron-Core's HybridDeviceOptimizer).
 """
 
 from __future__ import annotations
@@ -31,26 +31,11 @@ from typing import Callable
 import numpy as np
 
 from planner.cost import efficiency as eff
-from planner.cost.layers import AttnCore, LayerCost
-
-CommFn = Callable[[str, float], float]  # (collective, bytes per rank) -> seconds
-
-
-@dataclass(frozen=True)
-class Comms:
-    """Collective timings for one placement: tp, ep, dp (dense grads), edp (experts), pp."""
-
-    tp: CommFn
-    ep: CommFn
-    dp: CommFn
-    edp: CommFn
-    pp: Callable[[float], float]  # point-to-point send of bytes between adjacent stages
-    # The same send between stages on one node (placement.pipeline_hops), where the pp group
-    # spans nodes but not every hop does; None: every hop is priced by ``pp``.
-    pp_near: Callable[[float], float] | None = None
-
-    def hop(self, crosses: bool) -> Callable[[float], float]:
-        return self.pp if crosses or self.pp_near is None else self.pp_near
+from planner.cost import frameworks as fw
+from planner.cost.collectives import collective_times_numbered
+from planner.cost.context import CostContext
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS
+from planner.hardware.placement import GroupShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,99 +52,6 @@ class MicroBatchTime:
     @property
     def total(self) -> float:
         return self.fwd + self.bwd + self.recompute + self.tp + self.ep + self.pp
-
-
-# -- compute -------------------------------------------------------------------------------
-
-
-def attention_time(core: AttnCore, b: int, dev: eff.Device, backward: bool = False) -> float:
-    """FlashAttention, or the unfused score and value GEMMs (their softmax is HBM traffic)."""
-    if core.seqs == 0 or core.seq == 0:
-        return 0.0
-    if core.flash:
-        return float(eff.flash_time(core.flops * b, core.qk_dim, core.causal, dev, backward))
-    batch = core.heads * core.seqs * b
-    fwd = float(eff.gemm_time(core.seq, core.seq, core.qk_dim, dev, batch) + eff.gemm_time(core.seq, core.v_dim, core.seq, dev, batch))
-    return 2.0 * fwd if backward else fwd
-
-
-def forward_time(c: LayerCost, b: int, dev: eff.Device) -> float:
-    t = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
-    if c.attn is not None:
-        t += attention_time(c.attn, b, dev)
-    return t + float(eff.hbm_time(c.hbm_fwd * b, dev))
-
-
-def backward_time(c: LayerCost, b: int, dev: eff.Device) -> float:
-    """Data and weight gradients: two GEMMs of each forward shape, twice the HBM traffic."""
-    t = 2.0 * sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
-    if c.attn is not None:
-        t += attention_time(c.attn, b, dev, backward=True)
-    return t + 2.0 * float(eff.hbm_time(c.hbm_fwd * b, dev))
-
-
-def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str) -> float:
-    """Full: the checkpointed layer's forward again. Selective (Korthikanti Sec 4.1): the
-    attention core (scores, softmax, dropout, values)."""
-    if mode == "full" and c.checkpointed:
-        return forward_time(c, b, dev)
-    if mode == "selective" and c.attn is not None:
-        return attention_time(c.attn, b, dev) + float(eff.hbm_time(c.extra.get("score_hbm", 0.0) * b, dev))
-    return 0.0
-
-
-def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
-    ops = c.tp_fwd + c.tp_bwd + (c.tp_fwd if (recompute == "full" and c.checkpointed) else ())
-    return sum(comms.tp(op, n * b) for op, n in ops)
-
-
-def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
-    if not c.ep_a2a_count:
-        return 0.0
-    passes = 2 + (1 if (recompute == "full" and c.checkpointed) else 0)
-    return passes * c.ep_a2a_count * comms.ep("alltoall", c.ep_a2a * b)
-
-
-def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev: eff.Device, comms: Comms,
-              recompute: str, pp_send_divisor: int, last_block: int,
-              boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
-              transfers: int = 1, meta_bytes: float = 0.0) -> MicroBatchTime:
-    """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
-    TP all-gathers of a whole boundary tensor on the sending and receiving side of each
-    boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication.
-    ``crossing``: whether the hop to the next rank and the one from the previous leave the
-    node (placement.pipeline_hops). ``transfers``: transfers per neighbour and micro-batch on
-    each side of a boundary (frameworks.pp_transfers), each preceded by a ``meta_bytes``
-    transfer where the runtime sends one (frameworks.pp_meta_bytes)."""
-    f = bw = rc = tp = ep = pp = 0.0
-    send, recv = comms.hop(crossing[0]), comms.hop(crossing[1])
-
-    def hop(fn: Callable[[float], float], nbytes: float) -> float:
-        return transfers * (fn(nbytes) + (fn(meta_bytes) if meta_bytes else 0.0))
-    for first, last in chunks:
-        for c in costs[first:last]:
-            f += forward_time(c, b, dev)
-            bw += backward_time(c, b, dev)
-            rc += recompute_time(c, b, dev, recompute)
-            tp += tp_time(c, b, comms, recompute)
-            ep += ep_time(c, b, comms, recompute)
-        # Each chunk boundary costs one transfer per micro-batch on each side: the activation
-        # sent forward after the chunk (unless it ends the model) and the gradient sent back
-        # before it (unless it starts the model). Megatron pairs a send with the opposite
-        # receive (send_forward_recv_backward), so a pair costs one transfer on a full-duplex
-        # link; DeepSpeed's PipelineEngine sends and receives one after the other (transfers 2).
-        if last < last_block:
-            pp += hop(send, costs[last - 1].pp_bytes * b / pp_send_divisor)
-            if boundary_gathers[0]:
-                pp += boundary_gathers[0] * comms.tp("allgather", costs[last - 1].pp_bytes * b)
-        if first > 0:
-            pp += hop(recv, costs[first - 1].pp_bytes * b / pp_send_divisor)
-            if boundary_gathers[1]:
-                pp += boundary_gathers[1] * comms.tp("allgather", costs[first - 1].pp_bytes * b)
-    return MicroBatchTime(f, bw, rc, tp, ep, pp)
-
-
-# -- the step ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,66 +71,184 @@ class StepTime:
                 + self.ep_comm + self.optimizer)
 
 
-def pipeline(ranks: list[MicroBatchTime], microbatches: int, virtual: int) -> tuple[int, float]:
-    """(bottleneck rank, bubble seconds) of 1F1B / interleaved 1F1B."""
-    totals = [r.total for r in ranks]
-    worst = max(range(len(ranks)), key=totals.__getitem__)
-    bubble = (sum(totals) - totals[worst]) / virtual
-    return worst, bubble
+# -- the pipeline ----------------------------------------------------------------------------
 
 
-def dp_exposed(reduce_s: float, gather_s: float, overlap: bool, last_bwd_s: float, first_fwd_s: float,
-               cooldown_s: float) -> float:
-    """Gradient reduction (and the ZeRO/distributed-optimizer weight all-gather) left exposed.
-
-    Bucketed reduction starts during the last micro-batch's backward and may also run during
-    the pipeline cool-down this rank does not take part in; the all-gather of updated weights
-    overlaps the next step's first forward (Megatron --overlap-param-gather, DeepSpeed's
-    allgather after step is not overlapped).
-    """
-    window = (last_bwd_s if overlap else 0.0) + cooldown_s
-    return max(0.0, reduce_s - window) + max(0.0, gather_s - (first_fwd_s if overlap and gather_s else 0.0))
+def pipeline(total: np.ndarray, depth: np.ndarray, vs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate: (the slowest rank, the bubble) of 1F1B / interleaved 1F1B, from each
+    rank's micro-batch seconds ``total`` ([candidate x rank], zero past a candidate's ``depth``
+    ranks) and the virtual stages ``vs``."""
+    worst = np.argmax(total, axis=1)
+    slowest = total[np.arange(len(total)), worst]
+    return worst, (_rank_sums(total, depth) - slowest) / vs
 
 
-def earlier_microbatch_reductions(reduce_s: float, overlap: bool, bwd_s: float, microbatches: int) -> float:
-    """What DeepSpeed's ZeRO-2 leaves exposed by reducing the gradients of each of the first
-    m - 1 micro-batches in that micro-batch's own backward (Traits.zero2_reduces_every_microbatch;
-    the last one is ``dp_exposed``'s)."""
-    return (microbatches - 1) * max(0.0, reduce_s - (bwd_s if overlap else 0.0))
+def depths(depth: np.ndarray, width: int) -> list[int]:
+    """The pipeline depths among the candidates (``width`` alone when every one is that deep)."""
+    if not len(depth) or bool((depth == width).all()):
+        return [width]
+    return sorted(set(depth.tolist()))
 
 
-def tied_allreduce_time(p2p: Callable[[float], float], nbytes: float) -> float:
-    """All-reduce of a tied weight's gradient (``nbytes`` per GPU) between the two pipeline
-    ranks holding its copies: a two-rank ring sends half the tensor each way in its
-    reduce-scatter and again in its all-gather, ``nbytes`` per direction in all, as one
-    point-to-point transfer of ``nbytes`` on a full-duplex link does."""
-    return p2p(nbytes) if nbytes else 0.0
+def _rank_sums(x: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Each row's sum over its own ranks: per depth over [rows x depth], the very sum a table
+    of that depth gives (numpy sums a longer row in another order)."""
+    found = depths(depth, x.shape[1])
+    if len(found) == 1:
+        return x.sum(axis=1)
+    out = np.empty(len(x))
+    for p in found:
+        rows = depth == p
+        out[rows] = x[rows, :p].sum(axis=1)
+    return out
 
 
-def zero3_exposed(gather_s: float, reduce_s: float, fwd_s: float, bwd_s: float, microbatches: int) -> float:
-    """ZeRO-3 per micro-batch: weights gathered for the forward and again for the backward,
-    gradients reduce-scattered during it; prefetching hides what fits under compute."""
-    per_mb = max(0.0, gather_s - fwd_s) + max(0.0, gather_s + reduce_s - bwd_s)
-    return microbatches * per_mb
+# -- data parallelism ------------------------------------------------------------------------
+
+# The DP collectives of a layout, in the order ``layout_keys`` numbers them (op k: keys 3k,
+# 3k + 1 over the DP and expert-DP groups; key 2 is the pipeline's p2p).
+DP_OPS = ("reducescatter", "allreduce", "allgather")
+_TRAITS = [fw.traits(f) for f in FRAMEWORKS]
+_ALLREDUCE = np.array([t.zero_grad_allreduce for t in _TRAITS])  # ZeRO-1/2 gradients all-reduced
+_PIPE_ENGINE = np.array([t.pipe_engine for t in _TRAITS])
+_OVERLAPS = np.array([[fw.grad_reduce_overlaps(t, pp) for t in _TRAITS] for pp in (1, 2)])  # [deep, framework]
+_EVERY_MICROBATCH = np.array([t.zero2_reduces_every_microbatch for t in _TRAITS])
+MEGATRON = FRAMEWORKS.index("megatron")
 
 
-def gpu_optimizer_time(local_params: float, dev: eff.Device, sgd: bool = False) -> float:
-    return float(eff.hbm_time(local_params * (eff.SGD_STEP_BYTES if sgd else eff.ADAM_STEP_BYTES), dev))
+def layout_keys(ctx: CostContext, col: dict[str, np.ndarray]) -> tuple[Callable[[int], tuple[str, GroupShape]],
+                                                                          np.ndarray]:
+    """Numbers for the (op, group shape) pairs each (tp, ep, dp, pp) layout among the rows may
+    price, three per op of ``DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
+    group; 2: the pp group's p2p), as a lookup that builds only the shapes asked for, and each
+    row's layout number."""
+    code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
+    code = code * (col["pp"].max() + 1) + col["pp"]
+    _, first, layout_of = np.unique(code, return_index=True, return_inverse=True)
+    layouts = [tuple(int(col[k][i]) for k in ("tp", "ep", "dp", "pp")) for i in first.tolist()]
+
+    def key_of(k: int) -> tuple[str, GroupShape]:
+        layout, slot = divmod(k, 3 * len(DP_OPS))
+        shapes = ctx.layout(*layouts[layout])
+        if slot == 2:
+            return "p2p", shapes.pp
+        return DP_OPS[slot // 3], shapes.edp if slot % 3 else shapes.dp
+
+    return key_of, layout_of.reshape(-1)
 
 
-def cpu_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes_per_s: float,
-                       pcie_bytes_per_s: float, params_on_cpu: bool, microbatches: int) -> float:
+def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
+                   r: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank: seconds of the gradient reduction, of the ZeRO-1/2 weight all-gather (dense
+    parameters over the DP group plus routed experts over the expert-DP group) and of
+    DeepSpeed's ReduceTiedGrads, every collective of every row priced in one pass."""
+    zero, fwi = col["zero"], col["framework"]
+    gbytes = np.array([ctx.grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
+    dense, expert = r["dense"], r["expert"]
+    engine = _PIPE_ENGINE[fwi] & (col["pp"] > 1)
+    z12 = (zero == 1) | (zero == 2)
+    # Per row, the op that reduces its gradients (ZeRO-1/2 reduce-scatter or all-reduce, ZeRO-0
+    # all-reduce; none under ZeRO-3) and whether it gathers 16-bit weights (ZeRO-1/2).
+    red_op = np.where(zero == 0, 1, np.where(z12, np.where(_ALLREDUCE[fwi], 1, 0), -1))
+    key_of, layout_of = layout_keys(ctx, col)
+    has_dp, has_edp = col["dp"] > 1, col["dp"] // col["ep"] > 1
+    ops = len(DP_OPS)
+    # [request x row] key numbers of ``key_of`` (-1: nothing to price): dense parameters over the DP
+    # group, expert parameters over the expert-DP group; ReduceTiedGrads over the pp group.
+    which = np.stack((
+        np.where(has_dp & (red_op >= 0), layout_of * 3 * ops + 3 * np.maximum(red_op, 0), -1),
+        np.where(has_edp & (red_op >= 0), layout_of * 3 * ops + 3 * np.maximum(red_op, 0) + 1, -1),
+        np.where(has_dp & z12, layout_of * 3 * ops + 3 * 2, -1),
+        np.where(has_edp & z12, layout_of * 3 * ops + 3 * 2 + 1, -1),
+        np.where(engine & (r["tied"] > 0).any(axis=1), layout_of * 3 * ops + 2, -1),  # ReduceTiedGrads, whatever dp
+    ))
+    sizes = np.stack((gbytes * dense, gbytes * expert, 2 * dense, 2 * expert, gbytes * r["tied"]))
+    t_red, e_red, t_gat, e_gat, tied = collective_times_numbered(ctx.cluster, key_of, which[..., None], sizes)
+    single = (col["dp"] == 1) & (col["ep"] == 1)  # nothing to reduce or gather
+    reduce = np.where((~single & (red_op >= 0))[:, None],
+                      np.where(has_edp[:, None], t_red + np.where(gbytes * expert > 0, e_red, 0.0), t_red), 0.0)
+    gather = np.where((~single & z12)[:, None],
+                      np.where(has_edp[:, None], t_gat + np.where(2 * expert > 0, e_gat, 0.0), t_gat), 0.0)
+    return reduce, gather, tied
+
+
+def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.ndarray, gather: np.ndarray,
+               tied: np.ndarray) -> np.ndarray:
+    """Per rank: the data-parallel traffic (``dp_collectives``' seconds) the backward pass, the
+    pipeline cool-down and the first forward do not hide."""
+    zero, fwi = col["zero"], col["framework"]
+    m = col["grad_accum"][:, None].astype(float)
+    vs = col["vs"][:, None].astype(float)
+    deep = col["pp"] > 1
+    engine = _PIPE_ENGINE[fwi] & deep
+    fwd, bwd = r["fwd"], r["bwd"] + r["rc"]
+    overlap = _OVERLAPS[deep.astype(int), fwi][:, None]
+    # The earlier ranks' backward of the last micro-batch (1/v of it each), none on the ranks a
+    # PipelineEngine's ReduceTiedGrads holds until rank 0 is done.
+    cooldown = np.where(engine[:, None] & (r["tied"] > 0), 0.0, (np.cumsum(bwd, axis=1) - bwd) / vs)
+    first_fwd = np.where((fwi == MEGATRON)[:, None], fwd, 0.0)
+    window = np.where(overlap, bwd, 0.0) + cooldown
+    hide = np.where((gather > 0) & overlap, first_fwd, 0.0)
+    out = tied + np.maximum(0.0, reduce - window) + np.maximum(0.0, gather - hide)
+    every = _EVERY_MICROBATCH[fwi] & (zero == 2)
+    if every.any():  # DeepSpeed's ZeRO-2: each earlier micro-batch reduced in its own backward
+        out[every] += (m[every] - 1.0) * np.maximum(0.0, reduce[every] - np.where(overlap[every], bwd[every], 0.0))
+    z3 = (zero == 3) & ((col["dp"] > 1) | (col["ep"] > 1))
+    if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute, per micro-batch
+        g3, r3 = r["z3_gather"][z3], r["z3_reduce"][z3]
+        out[z3] = m[z3] * (np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 - bwd[z3]))
+    alone = (col["dp"] == 1) & (col["ep"] == 1)
+    out[alone] = tied[alone]
+    return out
+
+
+# -- the optimizer ---------------------------------------------------------------------------
+
+
+def optimizer_seconds(ctx: CostContext, col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray,
+                      m: np.ndarray) -> np.ndarray:
+    """The optimizer step of ranks holding ``dense`` and ``expert`` parameters ([candidate x
+    rank]): fused Adam over HBM, or when offloading DeepSpeedCPUAdam (DeepSpeed engines) or
+    Megatron-Core's HybridDeviceOptimizer (megatron). Linear in the parameters (the hybrid
+    step is the larger of two terms proportional to them), so the mean rank's time bounds the
+    slowest rank's (planner/search/bounds.py)."""
+    sharded = (col["zero"] >= 1)[:, None]
+    dp = col["dp"][:, None].astype(float)
+    edp = np.maximum(col["dp"] // col["ep"], 1)[:, None].astype(float)
+    local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)
+    step_bytes = eff.SGD_STEP_BYTES if ctx.workload.optimizer == "sgd" else eff.ADAM_STEP_BYTES
+    out = eff.hbm_time(local * step_bytes, ctx.dev)
+    # Each host term only where some row offloads that way (most spaces have no parameter offload).
+    node = ctx.cluster.profile.node
+    host = (ctx.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9)
+    off = col["offload"][:, None]
+    optimizer = off == OFFLOADS.index("optimizer")
+    if optimizer.any():
+        cpu_opt = cpu_optimizer_time(local, *host, False, m)
+        megatron = (col["framework"] == MEGATRON)[:, None]
+        if (megatron & optimizer).any():
+            cpu_opt = np.where(megatron, hybrid_optimizer_time(local, *host), cpu_opt)
+        out = np.where(optimizer, cpu_opt, out)
+    params = off == OFFLOADS.index("optimizer+params")
+    if params.any():
+        out = np.where(params, cpu_optimizer_time(local, *host, True, m), out)
+    return out
+
+
+def cpu_optimizer_time(params_per_gpu, gpus_per_node: int, cpu_adam_bytes_per_s: float, pcie_bytes_per_s: float,
+                       params_on_cpu: bool, microbatches):
     """DeepSpeedCPUAdam over the node's partitions (fp32 params/s of the host), plus copying
     the updated 16-bit weights back over PCIe (the 16-bit gradients go down during backward).
-    With parameter offload every micro-batch also fetches its 16-bit weights twice."""
+    With parameter offload every micro-batch also fetches its 16-bit weights twice.
+    Elementwise over arrays."""
     cpu = 4.0 * params_per_gpu * gpus_per_node / cpu_adam_bytes_per_s
     h2d = 2.0 * params_per_gpu / pcie_bytes_per_s
     fetch = microbatches * 2 * 2.0 * params_per_gpu / pcie_bytes_per_s if params_on_cpu else 0.0
     return cpu + (0.0 if params_on_cpu else h2d) + fetch
 
 
-def hybrid_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes_per_s: float,
-                          pcie_bytes_per_s: float) -> np.ndarray | float:
+def hybrid_optimizer_time(params_per_gpu, gpus_per_node: int, cpu_adam_bytes_per_s: float,
+                          pcie_bytes_per_s: float):
     """Megatron-Core's HybridDeviceOptimizer with ``--overlap-cpu-optimizer-d2h-h2d``: one torch
     fused AdamW per parameter tensor, so copying the fp32 gradients down (4 bytes), stepping on
     the host and copying the updated weights up (converted to bf16 on the host first, as torch
@@ -248,7 +258,7 @@ def hybrid_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_by
     The host rate is the profile's ``cpu_adam_GBps``: both kernels stream ~28-30 bytes per
     parameter, and on this project's 2-core host torch's fused AdamW stepped 1.3-1.45x faster
     than DeepSpeedCPUAdam (benchmarks/bench_cpu_adam.py), so the rate errs slow for it.
-    Works elementwise on arrays."""
+    Elementwise over arrays."""
     cpu = 4.0 * params_per_gpu * gpus_per_node / cpu_adam_bytes_per_s
     d2h = 4.0 * params_per_gpu / pcie_bytes_per_s  # the 2-byte upload on the other direction takes less
     return np.maximum(cpu, d2h)

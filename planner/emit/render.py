@@ -145,13 +145,12 @@ def _notes(plan: PlanFile, model: ModelSpec, profile: HardwareProfile) -> list[s
         except (TypeError, ValueError):  # a hand-edited plan.json with odd predictions: no notes
             pass
         if plan.virtual_stages > 1 and plan.stage_blocks:
+            from planner.cost.schedule_check import plan_schedule_notes
             from planner.hardware.cluster import Cluster
-            from planner.search.evaluate import Evaluator
-            from planner.search.schedule_check import schedule_notes
 
             cluster = Cluster.build(profile.with_gpus_per_node(plan.gpus_per_node), plan.nodes)
-            out += schedule_notes(Evaluator(model, cluster, plan.workload()), plan.parallel_config(),
-                                  [tuple(b) for b in plan.stage_blocks], float(extra["step_time_s"]))
+            out += plan_schedule_notes(model, cluster, plan.workload(), plan.parallel_config(),
+                                       [tuple(b) for b in plan.stage_blocks], float(extra["step_time_s"]))
     return out
 
 

@@ -6,29 +6,29 @@ and reject candidates that cannot fit in memory, before partitioning or assembli
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
+from planner.cost.block_times import BlockTable, stacked, table_rows
+from planner.cost.candidates import take
 from planner.cost.collectives import collective_times_numbered
+from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
-from planner.search.assemble import DP_OPS, layout_keys, optimizer_seconds
-from planner.search.blocks import BlockTable, stacked, table_rows
+from planner.cost.step_time import DP_OPS, MEGATRON, layout_keys, optimizer_seconds
+from planner.search.evaluate import Pricing
+from planner.search.keys import KeyedSpace
+from planner.search.splits import Units
 
-if TYPE_CHECKING:
-    from planner.search.evaluate import Evaluator, Prepared
 
-
-def lower_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarray]:
+def lower_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray]:
     """Per candidate, a step time and a peak memory no partition can beat (``base_bounds``
     with every candidate's ``gather_bound`` added; the search adds it lazily)."""
-    time_lb, mem_lb, dense, expert = base_bounds(ev, prep)
-    return time_lb + gather_bound(ev, prep.space.columns, dense, expert), mem_lb
+    time_lb, mem_lb, dense, expert = base_bounds(p, ks)
+    return time_lb + gather_bound(p.ctx, ks.columns, dense, expert), mem_lb
 
 
-def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per candidate: a step time and a peak memory no partition can beat, but for the
     exposed weight all-gather (``gather_bound``, which needs each layout's DP group priced:
     the search adds it only to the candidates it is about to evaluate), and the dense and
@@ -42,8 +42,8 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     Memory: the worst rank holds at least the mean over ranks; activations at least the
     in-flight count of the last rank (the smallest).
     """
-    c = prep.space.columns
-    k = prep.keys
+    c = ks.columns
+    k = ks.keys
     block_sum = np.zeros(len(k))
     spread = np.zeros(len(k))  # a bound on the slowest rank's compute from the unit sizes
     params, expert_params, act = np.zeros(len(k)), np.zeros(len(k)), np.zeros(len(k))  # per sample
@@ -51,9 +51,10 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     new = np.ones(len(k), dtype=bool)
     np.any(k[1:, :3] != k[:-1, :3], axis=1, out=new[1:])
     run_of = np.cumsum(new) - 1  # per key: its group's table
-    groups = {(tp, sp, ep): (dp, pp, prep.micro[tp, sp, ep]) for tp, sp, ep, _, _, pp, _, dp, _ in k[new].tolist()}
-    ev.tables(groups)  # every group's table in one pass
-    tables = [ev.table(tp, sp, ep, *groups[tp, sp, ep]) for tp, sp, ep in groups]
+    groups = {(tp, sp, ep): ks.micro[tp, sp, ep] for tp, sp, ep in k[new, :3].tolist()}
+    p.tables.prepare(groups)  # every group's table in one pass
+    tables = [p.tables.table(tp, sp, ep, groups[tp, sp, ep]) for tp, sp, ep in groups]
+    units = p.splits.units
     # Tables built in one pass share their micro-batch sizes: stack them, so each quantity below
     # is one numpy call over [table, mode, micro-batch, ...] rather than one per table.
     by_sizes: dict[tuple[int, ...], list[int]] = {}
@@ -81,21 +82,21 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
         whole = np.empty((len(used), blocks + 1))
         whole[:, 0] = 0.0
         np.cumsum((fb[:, None] + rc + tpt + ept).reshape(-1, blocks)[used], axis=1, out=whole[:, 1:])
-        units = np.sort(whole[:, ev.unit_ends] - whole[:, ev.unit_starts], axis=1)[:, ::-1]
+        unit_s = np.sort(whole[:, units.ends] - whole[:, units.starts], axis=1)[:, ::-1]
         # [depth, row]: the keys add dp, vs and the framework, which leave it alone
         pp = k[sel, 5]
         depths = sorted(set(pp.tolist()))
-        by_depth = np.stack([_heads_bound(units, p) for p in depths]) * (1 - 1e-9)
+        by_depth = np.stack([_heads_bound(unit_s, d) for d in depths]) * (1 - 1e-9)
         spread[sel] = by_depth[np.searchsorted(depths, pp), at[row]]
         params[sel] = np.array([t.params.sum() for t in ts])[lr]
         expert_params[sel] = np.array([t.expert.sum() for t in ts])[lr]
         act[sel] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
-    S = block_sum[prep.inverse]
+    S = block_sum[ks.inverse]
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
-    dense, expert, stored = params[prep.inverse], expert_params[prep.inverse], act[prep.inverse]
-    time_lb = np.maximum(S / pp, spread[prep.inverse]) * (m - 1.0 / vs) + S / vs + optimizer_bound(ev, c, dense, expert)
-    per_dense, per_expert = _state_bytes(ev, c)  # model-state bytes per dense / expert parameter
+    dense, expert, stored = params[ks.inverse], expert_params[ks.inverse], act[ks.inverse]
+    time_lb = np.maximum(S / pp, spread[ks.inverse]) * (m - 1.0 / vs) + S / vs + optimizer_bound(p.ctx, c, dense, expert)
+    per_dense, per_expert = _state_bytes(p.ctx, c)  # model-state bytes per dense / expert parameter
     states = per_dense * dense + per_expert * expert
     # The last rank keeps one micro-batch in flight under 1F1B (min(pp - (pp - 1), m)) and without
     # a pipeline: only interleaved schedules need memory.inflight_array.
@@ -106,20 +107,18 @@ def base_bounds(ev: "Evaluator", prep: "Prepared") -> tuple[np.ndarray, np.ndarr
     held = (states + stored * inflight_last) / pp
     deep = np.nonzero(c["pp"] > 1)[0]
     if deep.size:
-        held[deep] = np.maximum(held[deep], _pipeline_held(ev, prep, deep, per_dense[deep], per_expert[deep],
+        held[deep] = np.maximum(held[deep], _pipeline_held(ks, units, deep, per_dense[deep], per_expert[deep],
                                                            states[deep], stored[deep], tables, run_of))
-    groups = sum((c[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
-    allocated = held + mem.NCCL_BYTES_PER_GROUP * groups
-    mem_lb = allocated * (1 + mem.FRAGMENTATION) + mem.CUDA_CONTEXT_BYTES
+    mem_lb = mem.peak_bytes(held + mem.nccl_bytes(mem.process_groups(c)))  # buckets and pipeline buffers: >= 0
     return time_lb, mem_lb, dense, expert
 
 
-def _state_bytes(ev: "Evaluator", c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def _state_bytes(ctx: CostContext, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per candidate: GPU model-state bytes (weights, gradients, optimizer) per dense parameter
     (sharded over dp) and per expert parameter (over dp / ep). ``memory.bytes_per_param`` runs
     once per (framework, ZeRO, offload) present, over the group sizes present, not over every
     candidate of each setting; one lookup in the [setting x size] table hands out both values."""
-    w = ev.workload
+    w = ctx.workload
     setting = (c["framework"] * 8 + c["zero"]) * 8 + c["offload"]
     size = np.concatenate((c["dp"], np.maximum(c["dp"] // c["ep"], 1)))  # dense, then expert group sizes
     sizes = np.flatnonzero(np.bincount(size))  # (np.unique of ints costs ~12 ms on first call)
@@ -156,7 +155,7 @@ def _heads_bound(units: np.ndarray, pp: int) -> np.ndarray:
     return (np.arange(1, heads.shape[-1] + 1, dtype=float) * heads).max(axis=-1)
 
 
-def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dense: np.ndarray,
+def _pipeline_held(ks: KeyedSpace, units: Units, rows: np.ndarray, per_dense: np.ndarray,
                    per_expert: np.ndarray, states: np.ndarray, stored: np.ndarray, tables: list[BlockTable],
                    table_of: np.ndarray) -> np.ndarray:
     """For pipelines: model states plus in-flight activations on the fullest rank, bounded
@@ -173,7 +172,7 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dens
     lower when activations dominate (13x at pp 64), which made deep pipelines look like they fit.
     ``per_dense`` / ``per_expert``: model-state bytes per parameter of each row; ``tables``: the
     block tables of the (tp, sp, ep) groups, ``table_of`` each key's."""
-    c = prep.space.columns
+    c = ks.columns
     pp = c["pp"][rows].astype(float)
     m = c["grad_accum"][rows].astype(float)
     least, top = np.ones(len(rows)), np.minimum(pp, m)
@@ -188,12 +187,12 @@ def _pipeline_held(ev: "Evaluator", prep: "Prepared", rows: np.ndarray, per_dens
     # Units priced alike (the 126 decoder layers of a dense model) collapse into one type with
     # a count: [type x row] arrays stay small. Groups: (table, recompute), numbered in key order.
     modes = len(RECOMPUTES)
-    key = prep.inverse[rows]
-    group = (table_of * modes + prep.keys[:, 4])[key]
+    key = ks.inverse[rows]
+    group = (table_of * modes + ks.keys[:, 4])[key]
     present = np.flatnonzero(np.bincount(group))
     rank = np.zeros(present[-1] + 1, dtype=np.intp)
     rank[present] = np.arange(len(present))
-    dense_t, expert_t, act_t, count_t = _unit_types(ev, tables, present // modes, present % modes)
+    dense_t, expert_t, act_t, count_t = _unit_types(units, tables, present // modes, present % modes)
     gi = rank[group]
     s_u = per_dense * np.take(dense_t.T, gi, axis=1) + per_expert * np.take(expert_t.T, gi, axis=1)
     a_u = np.take(act_t.T, gi, axis=1) * c["micro_batch"][rows].astype(float)
@@ -217,13 +216,13 @@ def _interleaved_inflight(c: dict[str, np.ndarray], rows: np.ndarray,
     return least, most, z
 
 
-def _unit_types(ev: "Evaluator", tables: list[BlockTable], table: np.ndarray,
+def _unit_types(units: Units, tables: list[BlockTable], table: np.ndarray,
                 mode: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per group (``tables[table]`` under recompute ``mode``) and type of pipeline unit: dense
     and expert parameters and stored activation bytes per sample ([group x type] each), and how
     many units are of each type ([type]). Units equal in every group share a type: the 126
     decoder layers of a dense model are one type, priced once."""
-    starts = ev.unit_starts
+    starts = units.starts
     (params, rows), (expert, _), (act, _) = (table_rows(tables, f) for f in ("params", "expert", "act"))
     # Parameters do not depend on the recompute mode: one row per table (``table`` is sorted).
     # A key equal to its neighbour breaks no tie, so lexsort orders the units as with every group's.
@@ -241,42 +240,40 @@ def _unit_types(ev: "Evaluator", tables: list[BlockTable], table: np.ndarray,
     return dense[:, rep][of_group], expert[:, rep][of_group], act[:, rep], counts
 
 
-def optimizer_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
+def optimizer_bound(ctx: CostContext, col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
     """The optimizer step no partition can beat: its time is linear in a rank's parameters,
     so the slowest rank takes at least what the mean rank (the model's ``dense`` and
     ``expert`` parameters per TP rank, over pp) takes. Without it, plans whose step is mostly
     a ZeRO-0 optimizer over a whole model look as fast as their compute."""
     pp = col["pp"].astype(float)
     m = col["grad_accum"].astype(float)
-    return optimizer_seconds(ev, col, (dense / pp)[:, None], (expert / pp)[:, None], m[:, None])[:, 0]
+    return optimizer_seconds(ctx, col, (dense / pp)[:, None], (expert / pp)[:, None], m[:, None])[:, 0]
 
 
-def gather_bound(ev: "Evaluator", col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
+def gather_bound(ctx: CostContext, col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray) -> np.ndarray:
     """The ZeRO-1/2 weight all-gather no partition can hide where nothing overlaps it
-    (assemble._dp_exposed: hidden only behind Megatron's first forward): each rank's
+    (step_time.dp_exposed: hidden only behind Megatron's first forward): each rank's
     exposed DP time is at least its own gather, the all-gather time grows with the bytes
     (every algorithm's term does), and the fullest rank holds at least the mean, ``dense / pp``
     (``expert / pp``) parameters, so the slowest rank's DP time is at least the gather of that.
     Dense and expert gathers run over different groups: the larger of the two is the bound."""
     n = len(col["dp"])
     out = np.zeros(n)
-    traits = [fw.traits(f) for f in FRAMEWORKS]
-    megatron = FRAMEWORKS.index("megatron")
-    hidden = np.array([f == megatron and fw.grad_reduce_overlaps(t, 2) for f, t in enumerate(traits)])
+    hidden = np.array([f == MEGATRON and fw.grad_reduce_overlaps(fw.traits(name), 2) for f, name in enumerate(FRAMEWORKS)])
     rows = np.flatnonzero(((col["zero"] == 1) | (col["zero"] == 2)) & ~hidden[col["framework"]] & (col["dp"] > 1))
     if not rows.size:
         return out
-    sub = {k: v[rows] for k, v in col.items()}
-    key_of, layout_of = layout_keys(ev, sub)  # numbered as assemble._dp_exposed prices them
+    sub = take(col, rows)
+    key_of, layout_of = layout_keys(ctx, sub)  # numbered as step_time.dp_collectives prices them
     dense_gather = layout_of * 3 * len(DP_OPS) + 3 * DP_OPS.index("allgather")
     which = np.stack((dense_gather, np.where(sub["dp"] // sub["ep"] > 1, dense_gather + 1, -1)))
     pp = sub["pp"].astype(float)
-    t = collective_times_numbered(ev.cluster, key_of, which, np.stack((2 * dense[rows] / pp, 2 * expert[rows] / pp)))
+    t = collective_times_numbered(ctx.cluster, key_of, which, np.stack((2 * dense[rows] / pp, 2 * expert[rows] / pp)))
     out[rows] = t.max(axis=0) * (1 - 1e-9)
     return out
 
 
-def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.ndarray:
+def split_time_bound(p: Pricing, ks: KeyedSpace, rows: np.ndarray) -> np.ndarray:
     """A step-time bound for pipelined candidates whose time-optimal split is known, valid for
     every other split too (the memory-limited ones of planner/search/memfit.py).
 
@@ -289,18 +286,19 @@ def split_time_bound(ev: "Evaluator", prep: "Prepared", rows: np.ndarray) -> np.
     (whatever the split): never looser than ``lower_bounds``'s ``(m - 1/v) max(S / pp, spread)
     + S / v``, and for 1F1B (v = 1, where B >= S / pp) ``(m - 1) B + S``.
     """
-    c = prep.space.columns
+    c = ks.columns
     out = np.empty(len(rows))
     dense, expert = np.empty(len(rows)), np.empty(len(rows))
     for j, i in enumerate(rows):
-        tp, sp, ep, b, mode, pp, vs, dp, _ = (int(x) for x in prep.keys[prep.inverse[i]])
-        table = ev.table(tp, sp, ep, dp, pp, prep.micro[(tp, sp, ep)])
-        costs = ev.unit_costs(table, mode, b)
-        bottleneck = ev.partition(table, (tp, sp, ep, b, mode, pp, vs), mode, b, pp * vs)[2]
+        key = ks.key_of(i)
+        pp, vs = key.pp, key.vs
+        table = p.table(ks, key)
+        costs = p.splits.unit_costs(table, key.recompute, key.micro_batch)
+        bottleneck = p.splits.split(table, key.split).optimal
         total = float(sum(costs))
         spread = float(spread_bound(np.sort(costs)[None, ::-1], np.array([pp]))[0])
         out[j] = (int(c["grad_accum"][i]) - 1 / vs) * max(bottleneck, total / pp, spread) + total / vs
         dense[j], expert[j] = float(table.params.sum()), float(table.expert.sum())
-    cols = {k: v[rows] for k, v in c.items()}
-    out += optimizer_bound(ev, cols, dense, expert) + gather_bound(ev, cols, dense, expert)
+    cols = take(c, rows)
+    out += optimizer_bound(p.ctx, cols, dense, expert) + gather_bound(p.ctx, cols, dense, expert)
     return out * (1 - 1e-9)  # rounding between the two sums must not lift the bound

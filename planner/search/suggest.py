@@ -22,28 +22,26 @@ from typing import Any, Callable
 
 import numpy as np
 
+from planner.cost.candidates import take
 from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken, model_facts
 from planner.cost.memory import host_capacity_bytes
-from planner.model.vision_inputs import vision_inputs
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, ParallelConfig, Workload, check_against_model
 from planner.cost.plan import Plan
+from planner.cost.schedule_check import schedule_notes
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
+from planner.model.vision_inputs import vision_inputs
 from planner.search import rank as rk
-from planner.search.bounds import base_bounds, gather_bound, split_time_bound
-from planner.search.evaluate import Evaluator
-from planner.search import memfit
-from planner.search.plans import build_plan, build_plans
-from planner.search.schedule_check import schedule_notes
+from planner.search.branch_and_bound import Outcome, search
+from planner.search.evaluate import Pricing, build_plans, evaluate_keys
+from planner.search.keys import KeyedSpace, group_by_key
+from planner.search.splits import BALANCERS
 from planner.search.space import Constraints, ModelFacts, Space, allowed_settings, default_global_batch, divisors, \
     enumerate_space
 
-BALANCERS = ("greedy", "optimal")
-# Keys evaluated in full before the first look at the bar (then twice as many each round).
-FIRST_CHUNK = 8
 
 
 @dataclass
@@ -315,169 +313,74 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
             top: int, inputs: dict, progress) -> SuggestResult:
-    ev = Evaluator(model, cluster, workload, balancer)
-    prep = ev.prepare(space)
-    time_lb, mem_lb, dense, expert = base_bounds(ev, prep)
-    capacity = cluster.profile.gpu.memory_bytes
-    host_capacity = host_capacity_bytes(cluster.profile.node.host_memory_GiB)
-    certain_oom = mem_lb > capacity
-    by_memory = objective == "memory"
-    lb = mem_lb if by_memory else time_lb
-    alive = ~certain_oom
-    key_lb = np.full(len(prep.keys), np.inf)
-    np.minimum.at(key_lb, prep.inverse[alive], lb[alive])
-    # The time bound's exposed-gather term is added to a key's candidates when the key comes up
-    # for evaluation (its DP group is priced then, as evaluating it would): a key whose bound
-    # rises goes back in line, and keys never reached are never priced.
-    refined = np.full(len(prep.keys), by_memory)
-
-    n = len(space)
-    step = np.full(n, np.inf)
-    peak = np.where(certain_oom, mem_lb, np.inf)
-    cpu = np.zeros(n)
-    done = np.zeros(n, dtype=bool)
-    pid = np.full(n, -1, dtype=np.int64)
-    # Keys in bound order, a chunk at a time (doubling: numpy's per-call cost wants chunks, the
-    # stop wants them small). Once K plans are known, only keys whose bound is within the K-th
-    # value can enter the top K: ``bar``.
-    pending = np.isfinite(key_lb)
-    total = max(int(pending.sum()), 1)
-    batch, bar = FIRST_CHUNK, np.inf
-    while True:
-        left = np.flatnonzero(pending & (key_lb <= bar))
-        if not left.size:
-            break
-        chunk = left[np.argsort(key_lb[left], kind="stable")[:batch]]
-        raw = chunk[~refined[chunk]]
-        if raw.size:
-            rows = np.concatenate([prep.order[prep.starts[g]:prep.starts[g + 1]] for g in raw.tolist()])
-            rows = rows[alive[rows]]
-            time_lb[rows] += gather_bound(ev, {k: v[rows] for k, v in space.columns.items()}, dense[rows],
-                                          expert[rows])
-            key_lb[raw] = np.inf
-            np.minimum.at(key_lb, prep.inverse[rows], time_lb[rows])
-            refined[raw] = True
-            continue
-        rows, res = ev.evaluate(prep, chunk)
-        step[rows], peak[rows], cpu[rows], done[rows] = res.step_time, res.peak_bytes, res.cpu_bytes, True
-        pid[rows] = res.partition_id
-        pending[chunk] = False
-        batch *= 2
-        fits = done & (peak <= capacity) & (cpu <= host_capacity)
-        if fits.sum() >= top:
-            # Distinct values: identical predictions collapse into one plan (rank.distinct_top),
-            # so the K-th distinct value is the bar (never lower than the true K-th plan's).
-            vals = _distinct(peak[fits] if by_memory else step[fits])
-            # Ties may reorder plans within a hair.
-            if len(vals) >= top:
-                bar = vals[top - 1] * (1 + 2e-3)
-        if progress is not None:  # keys evaluated, of those evaluated or still within the bar
-            evaluated = total - int(pending.sum())
-            progress(evaluated / (evaluated + int((pending & (key_lb <= bar)).sum())))
-    if progress is not None:
-        progress(1.0)
-
-    _rebalance_oom(ev, prep, space, step, peak, cpu, done, certain_oom, time_lb, mem_lb, capacity, host_capacity,
-                   objective, top)
-    fits = done & (peak <= capacity) & (cpu <= host_capacity)
-    oom = int(certain_oom.sum() + (done & ~certain_oom & ~fits).sum())
+    p = Pricing.of(model, cluster, workload, balancer)
+    ks = group_by_key(space)
+    out = search(p, ks, objective, top, progress)
+    fitting = out.fitting(p)
+    done, certain_oom = out.done, out.certain_oom
+    oom = int(certain_oom.sum() + (done & ~certain_oom & ~fitting).sum())
     pruned = int((~done & ~certain_oom).sum())
     rejected = {"out_of_memory": oom, "indivisible": space.rejected["indivisible"], "framework": space.rejected["framework"]}
-    result = SuggestResult([], n, rejected, int(done.sum()), pruned, inputs, objective)
-    idx = np.nonzero(fits)[0]
+    result = SuggestResult([], len(space), rejected, int(done.sum()), pruned, inputs, objective)
+    overrides = {i: parts for i, (parts, _) in out.overrides.items()}
+    idx = np.nonzero(fitting)[0]
+    if not idx.size:
+        result.closest = _closest(p, ks, out, overrides)
+        return result
     gpus = cluster.num_gpus
-    if idx.size:
-        tps = workload.global_batch * workload.seq_len / step[idx]
-        cols = {k: v[idx] for k, v in space.columns.items()}
-        ranked = idx[rk.order(objective, cols, tps, peak[idx], cpu[idx], gpus)]
-        chosen = rk.distinct_top(ranked, space.columns, step, peak, top)
-        plans = [((i, alts), *built) for (i, alts), built in zip(chosen, build_plans(ev, prep, [i for i, _ in chosen]))]
-        plans.sort(key=lambda ip: _scalar_key(objective, ip[1], gpus))
-        for k, ((i, alts), plan, (g, o)) in enumerate(plans):
-            bottlenecks = ({"greedy": float(g), "optimal": float(o)} if plan.cfg.pp > 1
-                           else {"greedy": None, "optimal": None})
-            if i in ev.overrides:  # the time-balanced split ran out of memory: the split used instead
-                bottlenecks["memory_constrained"] = float(ev.overrides[i][1])
-            value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
-            result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value, [FRAMEWORKS[f] for f in alts]))
-        jsons = [rp.plan.to_json() for rp in result.plans]  # each once: the lines below read them again
-        best_json = jsons[0]
-        if len(result.plans) > 1:
-            # The runner-up worth explaining: the first plan that predicts differently (plans that
-            # tie on every number, e.g. the same layout under two runtimes, say nothing).
-            best = result.plans[0].plan
-            runner = next((j for rp, j in zip(result.plans[1:], jsons[1:])
-                           if abs(rp.plan.step_time_s - best.step_time_s) > 1e-9 * best.step_time_s
-                           or abs(rp.plan.memory.peak - best.memory.peak) > 1e-9 * best.memory.peak),
-                          jsons[1])
-            result.why = rk.why_better(best_json, runner, objective, describe)
-            for rp, j in zip(result.plans[1:], jsons[1:]):
-                rp.why = rk.why_behind(best_json, j, objective)
-        elif idx.size > 1 or pruned:  # --top 1: others fit (or may: pruned ones were not evaluated)
-            result.why = "ranked first (--top 2 or more names the runner-up and why it lost)"
-        else:
-            result.why = "the only plan that fits"
-        result.plans[0].why = result.why
-        best = result.plans[0].plan
-        result.notes = batch_notes(best_json, workload.seq_len) + schedule_notes(ev, best.cfg, best.partition,
-                                                                                 best.step_time_s)
-    else:
-        if not done.any():  # every candidate was ruled out by its memory bound: look closer at the nearest
-            near_keys = np.unique(prep.inverse[np.argsort(mem_lb, kind="stable")[:64]], return_counts=True)[0]
-            rows, res = ev.evaluate(prep, near_keys)
-            peak[rows], pid[rows], done[rows] = res.peak_bytes, res.partition_id, True
-        near = np.nonzero(done)[0]
-        i = int(near[np.argmin(peak[near])])
-        result.closest = build_plan(ev, prep, i)[0]
+    tps = workload.global_batch * workload.seq_len / out.step[idx]
+    ranked = idx[rk.order(objective, take(space.columns, idx), tps, out.peak[idx], out.cpu[idx], gpus)]
+    chosen = rk.distinct_top(ranked, space.columns, out.step, out.peak, top)
+    built = build_plans(p, ks, [i for i, _ in chosen], out.details, overrides)
+    plans = sorted(zip(chosen, built), key=lambda ip: _scalar_key(objective, ip[1][0], gpus))
+    for k, ((i, alts), (plan, (g, o))) in enumerate(plans):
+        bottlenecks = ({"greedy": float(g), "optimal": float(o)} if plan.cfg.pp > 1
+                       else {"greedy": None, "optimal": None})
+        if i in out.overrides:  # the time-balanced split ran out of memory: the split used instead
+            bottlenecks["memory_constrained"] = float(out.overrides[i][1])
+        value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
+        result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value, [FRAMEWORKS[f] for f in alts]))
+    best_json = _explain(result, objective, idx.size > 1 or pruned > 0)
+    best = result.plans[0].plan
+    result.notes = batch_notes(best_json, workload.seq_len) + schedule_notes(p.tables, best.cfg, best.partition,
+                                                                             best.step_time_s)
     return result
 
 
-def _rebalance_oom(ev: Evaluator, prep, space: Space, step, peak, cpu, done, certain_oom, time_lb, mem_lb,
-                   capacity: float, host_capacity: float, objective: str, top: int) -> None:
-    """Pipelines that ran out of memory with the time-balanced split but whose memory bound fits
-    and whose bound on the objective could still reach the top K: rebalance under the memory
-    limit (planner/search/memfit.py) and take the exact re-evaluation (arrays updated in place).
-
-    The bound is the one no split can beat: step time (bounds.split_time_bound) for throughput
-    and cost, which rank by step time on a fixed GPU count; the memory bound for memory."""
-    c = space.columns
-    by_memory = objective == "memory"
-    value = peak if by_memory else step
-
-    def bar() -> float:
-        """The K-th best distinct value so far (as in the main loop), or inf."""
-        fits = done & (peak <= capacity) & (cpu <= host_capacity)
-        vals = _distinct(value[fits])
-        return vals[top - 1] * (1 + 2e-3) if len(vals) >= top else np.inf
-
-    rows = np.nonzero(done & ~certain_oom & (peak > capacity) & (c["pp"] > 1))[0]
-    if by_memory:
-        bound = mem_lb[rows]
+def _explain(result: SuggestResult, objective: str, others: bool) -> dict:
+    """Why #1 beat the runner-up, and why each other plan ranks below it; #1's JSON."""
+    jsons = [rp.plan.to_json() for rp in result.plans]  # each once: the lines below read them again
+    best_json = jsons[0]
+    if len(result.plans) > 1:
+        # The runner-up worth explaining: the first plan that predicts differently (plans that
+        # tie on every number, e.g. the same layout under two runtimes, say nothing).
+        best = result.plans[0].plan
+        runner = next((j for rp, j in zip(result.plans[1:], jsons[1:])
+                       if abs(rp.plan.step_time_s - best.step_time_s) > 1e-9 * best.step_time_s
+                       or abs(rp.plan.memory.peak - best.memory.peak) > 1e-9 * best.memory.peak),
+                      jsons[1])
+        result.why = rk.why_better(best_json, runner, objective, describe)
+        for rp, j in zip(result.plans[1:], jsons[1:]):
+            rp.why = rk.why_behind(best_json, j, objective)
+    elif others:  # --top 1: others fit (or may: pruned ones were not evaluated)
+        result.why = "ranked first (--top 2 or more names the runner-up and why it lost)"
     else:
-        rows = rows[time_lb[rows] <= bar()]
-        # Their time-optimal split is known now, which bounds every other split more tightly.
-        bound = np.maximum(time_lb[rows], split_time_bound(ev, prep, rows))
-    keep = bound <= bar()
-    rows, bound = rows[keep], bound[keep]
-    if not rows.size:
-        return
-    # Best bound first, a few at a time: once the bound of the next one passes the K-th plan
-    # found so far, no later one can enter the top K (the same test as the main loop).
-    order = np.argsort(bound, kind="stable")[:memfit.MAX_REBALANCED]
-    rows, bound = rows[order], bound[order]
-    pos, batch = 0, 32
-    while pos < len(rows) and bound[pos] <= (limit := bar()):
-        # A time bar lets memfit skip candidates no split within memory makes fast enough.
-        for i, s, p, u in memfit.rebalance(ev, prep, rows[pos:pos + batch], np.inf if by_memory else limit):
-            step[i], peak[i], cpu[i] = s, p, u
-        pos += batch
+        result.why = "the only plan that fits"
+    result.plans[0].why = result.why
+    return best_json
 
 
-def _distinct(values: np.ndarray) -> np.ndarray:
-    """The distinct values, ascending: ``np.unique`` (sort, then drop repeats) without its
-    per-call overhead, which the search pays once per chunk."""
-    v = np.sort(values)
-    return v[np.concatenate(([True], v[1:] != v[:-1]))] if v.size else v
+def _closest(p: Pricing, ks: KeyedSpace, out: Outcome, overrides: dict) -> Plan:
+    """Nothing fits: the evaluated plan nearest to fitting (when every candidate was ruled out by
+    its memory bound, the keys of the 64 nearest by that bound are evaluated first)."""
+    if not out.done.any():
+        near_keys = np.unique(ks.inverse[np.argsort(out.mem_lb, kind="stable")[:64]])
+        res = evaluate_keys(p, ks, near_keys)
+        out.peak[res.rows], out.done[res.rows] = res.peak_bytes, True
+        out.details.update(res.details)
+    near = np.nonzero(out.done)[0]
+    i = int(near[np.argmin(out.peak[near])])
+    return build_plans(p, ks, [i], out.details, overrides)[0][0]
 
 
 def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:

@@ -1,11 +1,23 @@
-"""Per-block costs for many micro-batch sizes at once: the vectorised twin of step_time.py.
+"""Per-block time, parameters and activations for many micro-batch sizes at once.
 
-``estimate`` walks the blocks of one configuration with scalar calls; the search needs the
-same numbers for every (tp, sequence parallel, ep) group and every micro-batch size. This
-module builds ``layer_costs`` once per group and evaluates planner/cost/efficiency.py's
-(array-capable) kernels over a (micro-batch x block) grid, mirroring
-``step_time.forward_time / backward_time / recompute_time / tp_time / ep_time`` term by term.
-tests/test_suggest.py checks the result against ``estimate``.
+The cost model's per-block terms, written once over a (micro-batch x block) grid: for one
+(tp, sequence parallel, ep) group, ``layer_costs`` gives each block's GEMM shapes, attention
+core, memory-bound bytes and collectives per sample, and this module prices them with
+planner/cost/efficiency.py's kernels and the collective model at every micro-batch size:
+
+- forward: the block's GEMMs, its attention core (FlashAttention, or the unfused score and
+  value GEMMs whose softmax is HBM traffic) and its HBM-bound work;
+- backward: two GEMMs of each forward shape (data and weight gradients), the attention
+  core's backward, twice the HBM traffic;
+- recompute: under full recomputation the checkpointed block's forward again; under
+  selective recomputation (Korthikanti et al. 2022 Sec 4.1) the attention core (scores,
+  softmax, dropout, values);
+- TP collectives forward and backward (again for a recomputed forward), EP all-to-alls
+  (2 per pass, 3 when recomputed), nothing of them overlapped: Megatron's TP all-reduces sit
+  between dependent GEMMs, DeepSpeed MoE's all-to-alls too.
+
+``estimate`` builds one table for its configuration's group and micro-batch; the search
+builds one per group over every micro-batch size it tries (``BlockTables`` keeps them).
 """
 
 from __future__ import annotations
@@ -16,10 +28,11 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_times_keyed
-from planner.cost.layers import LayerCost
-from planner.cost.parallel import RECOMPUTES
+from planner.cost.layers import LayerCost, layer_costs
+from planner.cost.parallel import RECOMPUTES, Workload
 from planner.hardware.cluster import Cluster
-from planner.hardware.placement import GroupShape
+from planner.hardware.placement import GroupShape, strided_shape
+from planner.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -233,3 +246,76 @@ def table_rows(tables: list[BlockTable], name: str) -> tuple[np.ndarray, np.ndar
     if batch is not None and all(t.batch is not None and t.batch[0] is batch[0] for t in tables):
         return batch[0][name], np.array([t.batch[1] for t in tables], dtype=np.int64)
     return np.stack([getattr(t, name) for t in tables]), np.arange(len(tables))
+
+
+class RunModel:
+    """A model with each run of identical consecutive blocks cut to its first block, and the
+    layer costs of that short model, kept per (block, tp, sp, ep).
+
+    A block's cost depends on the block, the workload and (for a norm) whether the block
+    before it is a vision block, so the first block of each run stands for the run: the 27
+    SigLIP blocks or 126 Llama layers are priced once, and per-block arrays are widened
+    afterwards (``block_tables(..., runs=)``). Equal to pricing every block
+    (tests/test_search_space.py)."""
+
+    def __init__(self, model: ModelSpec, workload: Workload) -> None:
+        self.model, self.workload = model, workload
+        blocks = model.blocks
+        # Most copies are one object: ``is`` answers before pydantic's field-by-field ==.
+        keep = [i for i in range(len(blocks))
+                if i == 0 or (blocks[i] is not blocks[i - 1] and blocks[i] != blocks[i - 1])]
+        self.positions = np.searchsorted(keep, np.arange(len(blocks)), side="right") - 1
+        self.runs = np.bincount(self.positions)
+        self.short = model.model_copy(update={"blocks": [blocks[i] for i in keep]})
+        self._memo: dict = {}
+        self._flops: float | None = None
+
+    def layer_costs(self, tp: int, sp: bool, ep: int) -> list[LayerCost]:
+        return layer_costs(self.short, self.workload, tp, sp, ep, self._memo)
+
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one step: 3x the forward (backward = 2x), no recomputation, attention
+        at full s^2 (the Megatron/Korthikanti convention); each block's own forward, summed in
+        model order."""
+        if self._flops is None:
+            fwd = [c.fwd_flops for c in self.layer_costs(1, False, 1)]
+            self._flops = 3.0 * sum(fwd[j] for j in self.positions.tolist()) * self.workload.global_batch
+        return self._flops
+
+
+class BlockTables:
+    """The block tables of one (model, cluster, workload), one per (tp, sp, ep) group, each
+    covering every micro-batch size asked for so far (the kernels are elementwise in the size,
+    so a wider table holds the same numbers for the sizes a group uses)."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, workload: Workload, dev: eff.Device) -> None:
+        self.cluster, self.dev = cluster, dev
+        self.runs = RunModel(model, workload)
+        self._tables: dict[tuple[int, int, int], BlockTable] = {}
+
+    def table(self, tp: int, sp: int, ep: int, micro: tuple[int, ...]) -> BlockTable:
+        """The table of (tp, sp, ep) covering the micro-batch sizes ``micro``."""
+        t = self._tables.get((tp, sp, ep))
+        if t is not None and (t.micro_batches == micro or set(micro) <= set(t.micro_batches)):
+            return t
+        mbs = tuple(sorted(set(micro) | set(t.micro_batches if t else ())))
+        t = self._tables[tp, sp, ep] = self._build([(tp, sp, ep)], mbs)[0]
+        return t
+
+    def prepare(self, groups: dict[tuple[int, int, int], tuple[int, ...]]) -> None:
+        """Build the missing tables of many (tp, sp, ep) groups (to the micro-batch sizes each
+        needs) in one pass; every table built covers the union of the sizes."""
+        todo = [key for key, micro in groups.items()
+                if key not in self._tables or not set(micro) <= set(self._tables[key].micro_batches)]
+        if not todo:
+            return
+        mbs = tuple(sorted({b for micro in groups.values() for b in micro}))
+        for key, table in zip(todo, self._build(todo, mbs)):
+            self._tables[key] = table
+
+    def _build(self, keys: list[tuple[int, int, int]], mbs: tuple[int, ...]) -> list[BlockTable]:
+        """``block_tables`` of the run model's layer costs per (tp, sp, ep): the TP group is the
+        innermost tp ranks, the EP group the next ep (cost/layout.py), whatever dp and pp are."""
+        groups = [(self.runs.layer_costs(tp, bool(sp), ep), strided_shape(self.cluster, 1, tp, "tp"),
+                   strided_shape(self.cluster, tp, ep, "ep")) for tp, sp, ep in keys]
+        return block_tables(groups, mbs, self.dev, self.cluster, runs=self.runs.runs)

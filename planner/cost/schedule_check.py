@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner.cost.block_times import BlockTables
+from planner.cost.efficiency import device
 from planner.cost.memory import microbatch_group
-from planner.cost.parallel import RECOMPUTES, ParallelConfig
+from planner.cost.parallel import RECOMPUTES, ParallelConfig, Workload
 from planner.cost.schedule_replay import replay
-from planner.cost.step_time import MicroBatchTime, pipeline
-from planner.search.evaluate import Evaluator
+from planner.cost.step_time import pipeline
+from planner.hardware.cluster import Cluster
+from planner.model.spec import ModelSpec
 
 # A replay steps ~650,000 ops/s here (a 405b plan's 4,096 ops: ~6 ms); bigger schedules
 # (2 x pp x v x m ops) are not checked.
@@ -29,12 +32,12 @@ MAX_REPLAY_OPS = 40_000
 NOTE_GAP = 0.01
 
 
-def chunk_times(ev: Evaluator, cfg: ParallelConfig,
+def chunk_times(tables: BlockTables, cfg: ParallelConfig,
                 partition: list[tuple[int, int]]) -> tuple[list[list[float]], list[list[float]]]:
     """Per rank and chunk on it (model chunk k runs on rank k mod pp as its chunk k // pp), one
-    micro-batch's forward and backward seconds from the search's block tables: backward with
+    micro-batch's forward and backward seconds from the block tables: backward with
     recomputation, TP and EP traffic split evenly between the two."""
-    table = ev.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, cfg.dp, cfg.pp, (cfg.micro_batch,))
+    table = tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
     bi, mode = table.b_index(cfg.micro_batch), RECOMPUTES.index(cfg.recompute)
     comm = (table.tp[mode, bi] + table.ep[mode, bi]) / 2
     f_block, b_block = table.fwd[bi] + comm, table.bwd[bi] + table.rc[mode, bi] + comm
@@ -46,35 +49,35 @@ def chunk_times(ev: Evaluator, cfg: ParallelConfig,
     return fwd, bwd
 
 
-def formula_and_replay(ev: Evaluator, cfg: ParallelConfig,
+def formula_and_replay(tables: BlockTables, cfg: ParallelConfig,
                        partition: list[tuple[int, int]]) -> tuple[float, float] | None:
     """(closed-form, replayed) seconds of the pipeline's compute and bubble over the same chunk
     times, sends free; None without a pipeline or past MAX_REPLAY_OPS."""
-    out = _replayed(ev, cfg, partition)
+    out = _replayed(tables, cfg, partition)
     return None if out is None else out[:2]
 
 
-def _replayed(ev: Evaluator, cfg: ParallelConfig,
+def _replayed(tables: BlockTables, cfg: ParallelConfig,
               partition: list[tuple[int, int]]) -> tuple[float, float, list[float]] | None:
     """``formula_and_replay`` and every chunk's forward-plus-backward seconds."""
     pp, v, m = cfg.pp, cfg.virtual_stages, cfg.grad_accum
     if pp == 1 or 2 * pp * v * m > MAX_REPLAY_OPS or len(partition) != pp * v:
         return None
-    fwd, bwd = chunk_times(ev, cfg, partition)
-    ranks = [MicroBatchTime(fwd=sum(f), bwd=sum(b), recompute=0.0, tp=0.0, ep=0.0, pp=0.0) for f, b in zip(fwd, bwd)]
-    worst, bubble = pipeline(ranks, m, v)  # the model's own formula
+    fwd, bwd = chunk_times(tables, cfg, partition)
+    totals = np.array([[sum(f) + sum(b) for f, b in zip(fwd, bwd)]])
+    worst, bubble = pipeline(totals, np.array([pp]), np.array([float(v)]))  # the model's own formula
     replayed, _ = replay(pp, v, m, microbatch_group(pp, m) if v > 1 else pp, fwd, bwd)
     chunks = [f + b for fr, br in zip(fwd, bwd) for f, b in zip(fr, br)]
-    return m * ranks[worst].total + bubble, replayed, chunks
+    return m * float(totals[0, worst[0]]) + float(bubble[0]), replayed, chunks
 
 
-def schedule_notes(ev: Evaluator, cfg: ParallelConfig, partition: list[tuple[int, int]], step_s: float) -> list[str]:
+def schedule_notes(tables: BlockTables, cfg: ParallelConfig, partition: list[tuple[int, int]], step_s: float) -> list[str]:
     """A note when Megatron's interleaved schedule, replayed over this plan's chunks, differs
     from the pipeline formula by more than NOTE_GAP of the step. Only interleaved plans: on
     1F1B the formula is within 0.5% of the replay on every benchmarked plan."""
     if cfg.virtual_stages == 1 or step_s <= 0:
         return []
-    out = _replayed(ev, cfg, partition)
+    out = _replayed(tables, cfg, partition)
     if out is None:
         return []
     formula, replayed, chunks = out
@@ -90,3 +93,12 @@ def schedule_notes(ev: Evaluator, cfg: ParallelConfig, partition: list[tuple[int
             f"({min(chunks) * 1e3:.0f}-{max(chunks) * 1e3:.0f} ms each per micro-batch), takes {abs(gap):.3g} s "
             f"{'more' if gap > 0 else 'less'} than the pipeline formula: {gap / step_s:+.1%} on the predicted "
             f"step ({why})"]
+
+
+def plan_schedule_notes(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
+                        partition: list[tuple[int, int]], step_s: float) -> list[str]:
+    """``schedule_notes`` of one plan, with the block tables of its own configuration."""
+    if cfg.virtual_stages == 1:
+        return []
+    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision))
+    return schedule_notes(tables, cfg, partition, step_s)

@@ -1,0 +1,87 @@
+"""Memory and step time of candidates from their rank tables: the last step of the cost model.
+
+Per candidate and pipeline rank ([candidate x rank] arrays, rank_tables.py): model states
+under ZeRO / offload, activations of the in-flight micro-batches, buffers and allowances
+(memory.py); then the pipeline, exposed data-parallel traffic and the optimizer step
+(step_time.py). Row by row: a candidate's numbers do not depend on which others are assembled
+with it, so ``estimate`` (one candidate) and the search (thousands) get the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.cost import memory as mem
+from planner.cost import step_time as st
+from planner.cost.context import CostContext
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """Per candidate (``step_time``, ``peak_bytes``, ``cpu_bytes``, ``worst``, ``bubble``) or per
+    candidate and rank (the rest) of one ``assemble`` call."""
+
+    weights: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    activations: np.ndarray
+    buffers: np.ndarray
+    overhead: np.ndarray
+    cpu_per_node: np.ndarray  # host bytes of each rank's node, had every rank its offload
+    inflight: np.ndarray
+    dp: np.ndarray  # exposed data-parallel seconds
+    opt: np.ndarray  # optimizer seconds
+    worst: np.ndarray  # the slowest rank
+    bubble: np.ndarray
+    step_time: np.ndarray
+    peak_bytes: np.ndarray  # the fullest rank's
+    cpu_bytes: np.ndarray  # host bytes per node of the rank offloading the most (what must fit)
+
+
+def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarray], pp: int) -> Assembly:
+    """Memory and step time of candidates ``col`` whose rank tables ``r`` are ``pp`` wide.
+
+    Candidates of several pipeline depths go together (one pass, not one per depth): a table
+    shallower than ``pp`` is padded with zeros past its last rank. Padded ranks hold nothing,
+    so their time, DP, optimizer and host parts are zero and never pass a real rank's (all
+    non-negative); their peak (context and NCCL buffers) is masked out, and the bubble sums
+    each depth's ranks alone, as a table of that depth would."""
+    w, gpus_per_node = ctx.workload, ctx.cluster.gpus_per_node
+    vs = col["vs"].astype(float)
+    m = col["grad_accum"][:, None].astype(float)
+    weights, grads, opt, cpu = mem.state_bytes(col, r["dense"], r["expert"], r["largest"], w.precision,
+                                               w.optimizer_moments)
+    inflight = _inflight(col, pp)
+    acts = mem.activation_bytes(r["stored"], r["live"], inflight)
+    buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],
+                               mem.process_groups(col)[:, None], r["ppbuf"])
+    allocated = weights + grads + opt + acts + buffers
+    peak = mem.peak_bytes(allocated)
+    cpu_node = mem.cpu_bytes_per_node(cpu, gpus_per_node)
+
+    total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"]
+    worst, bubble = st.pipeline(total, col["pp"], vs)
+    body = m[:, 0] * total[np.arange(len(total)), worst]
+    dp_t = st.dp_exposed(col, r, *st.dp_collectives(ctx, col, r))
+    opt_t = st.optimizer_seconds(ctx, col, r["dense"], r["expert"], m)
+    step = body + bubble + dp_t.max(axis=1) + opt_t.max(axis=1)
+    if len(st.depths(col["pp"], pp)) > 1:  # padded ranks: context and NCCL buffers only, never a candidate's peak
+        peak = np.where(np.arange(pp)[None, :] < col["pp"][:, None], peak, -np.inf)
+    return Assembly(weights, grads, opt, acts, buffers, mem.overhead_bytes(allocated), cpu_node, inflight, dp_t, opt_t,
+                    worst, bubble, step, peak.max(axis=1), cpu_node.max(axis=1))
+
+
+def _inflight(col: dict[str, np.ndarray], pp: int) -> np.ndarray:
+    """Micro-batches of activations each rank holds at its peak (memory.inflight_array)."""
+    if pp == 1:
+        return np.ones((len(col["pp"]), 1))
+    found = st.depths(col["pp"], pp)
+    depth = pp if len(found) == 1 else col["pp"][:, None]
+    rank = np.arange(pp)[None, :].astype(float)
+    inflight = mem.inflight_array(rank, depth, col["vs"][:, None].astype(float), col["grad_accum"][:, None].astype(float),
+                                  mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None])
+    if 1 in found:
+        inflight = np.where(col["pp"][:, None] == 1, 1.0, inflight)
+    return inflight

@@ -1,0 +1,47 @@
+"""Candidates as columns: the form every array formula of the cost model reads.
+
+A set of parallel configurations is a dict of equal-length int arrays, one per field of
+``COLUMNS`` (offload, recompute and framework as indices into the tuples of parallel.py).
+``estimate`` prices one configuration as a set of one; the search prices thousands.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+
+COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum")
+
+Columns = dict[str, np.ndarray]
+
+
+def columns_of(configs: Iterable[ParallelConfig]) -> Columns:
+    """The columns of ``configs``, in order."""
+    rows = [(c.dp, c.tp, c.pp, c.ep, c.virtual_stages, c.zero_stage, OFFLOADS.index(c.offload),
+             RECOMPUTES.index(c.recompute), int(c.sequence_parallel), FRAMEWORKS.index(c.framework), c.micro_batch,
+             c.grad_accum) for c in configs]
+    table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    return {name: table[:, k].copy() for k, name in enumerate(COLUMNS)}
+
+
+def config_of(row: dict[str, int]) -> ParallelConfig:
+    """One row of columns (index codes) as a ParallelConfig."""
+    return ParallelConfig(
+        dp=row["dp"], tp=row["tp"], pp=row["pp"], ep=row["ep"], zero_stage=row["zero"],  # type: ignore[arg-type]
+        offload=OFFLOADS[row["offload"]], micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],  # type: ignore[arg-type]
+        recompute=RECOMPUTES[row["recompute"]], sequence_parallel=bool(row["sp"]),  # type: ignore[arg-type]
+        virtual_stages=row["vs"], framework=FRAMEWORKS[row["framework"]],  # type: ignore[arg-type]
+    )
+
+
+def config_at(columns: Columns, i: int) -> ParallelConfig:
+    """Candidate ``i`` of ``columns`` as a ParallelConfig."""
+    return config_of({k: int(v[i]) for k, v in columns.items()})
+
+
+def take(columns: Columns, rows: np.ndarray) -> Columns:
+    """The candidates ``rows`` of ``columns``."""
+    return {k: v[rows] for k, v in columns.items()}

@@ -1,0 +1,33 @@
+"""What the cost model reads besides the model and the candidates: the cluster, the workload
+and the GPU's numbers, as one frozen value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost import frameworks as fw
+from planner.cost.efficiency import Device, device
+from planner.cost.layout import Layout, layout
+from planner.cost.parallel import FRAMEWORKS, Workload
+from planner.hardware.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class CostContext:
+    cluster: Cluster
+    workload: Workload
+    dev: Device
+
+    @classmethod
+    def of(cls, cluster: Cluster, workload: Workload) -> "CostContext":
+        return cls(cluster, workload, device(cluster.profile, workload.precision))
+
+    def layout(self, tp: int, ep: int, dp: int, pp: int) -> Layout:
+        return layout(self.cluster, tp, ep, dp, pp)
+
+    def grad_bytes(self, framework: int) -> int:
+        """Bytes per gradient element on the wire: fp32 for fp32 training and for Megatron's
+        fp32 main_grad buffer under bf16 (frameworks.Traits.fp32_grad_buffer), else 2."""
+        precision = self.workload.precision
+        fp32_buffer = fw.traits(FRAMEWORKS[framework]).fp32_grad_buffer
+        return 4 if (precision == "fp32" or (fp32_buffer and precision == "bf16")) else 2

@@ -1,0 +1,63 @@
+"""The process groups of one parallel layout on a cluster, as the cost model lays ranks out.
+
+Rank order is TP innermost, then EP, then the rest of DP, then PP (Megatron's and DeepSpeed's
+order); EP ranks are part of the DP group, so the dense DP group spans both. Each group is
+summarised as a ``GroupShape`` (placement.py), which is what the collective model prices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from planner.hardware.cluster import Cluster
+from planner.hardware.placement import GroupShape, Placement, pipeline_hops
+
+
+class Layout:
+    """The TP, EP, expert-DP, dense-DP and PP group shapes of (tp, ep, dp, pp) on a cluster.
+
+    Each shape is found on first use: block costs need only tp and ep, and on thousands of
+    GPUs a shape costs a sort over every rank."""
+
+    def __init__(self, cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> None:
+        self.cluster = cluster
+        self._full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp},
+                               order=("tp", "ep", "dp", "pp"))
+        self._dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
+
+    @functools.cached_property
+    def tp(self) -> GroupShape:
+        return self._full.group("tp")
+
+    @functools.cached_property
+    def ep(self) -> GroupShape:
+        return self._full.group("ep")
+
+    @functools.cached_property
+    def edp(self) -> GroupShape:
+        """The group a routed expert's replicas reduce over (dp / ep ranks)."""
+        return self._full.group("dp")
+
+    @functools.cached_property
+    def pp(self) -> GroupShape:
+        return self._full.group("pp")
+
+    @functools.cached_property
+    def dp(self) -> GroupShape:
+        """The group dense parameters reduce over (all dp ranks, EP included)."""
+        return self._dense.group("dp")
+
+    @functools.cached_property
+    def pp_hops(self) -> tuple[np.ndarray, GroupShape | None]:
+        """placement.pipeline_hops of the pp dimension: which rank's hop to the next leaves the
+        node, and the shape that prices the others (None: every hop priced alike)."""
+        crosses, near = pipeline_hops(self.cluster, self._full.stride("pp"), self._full.dims["pp"])
+        return np.array(crosses, dtype=bool), near
+
+
+@functools.lru_cache(maxsize=4096)
+def layout(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> Layout:
+    """The one ``Layout`` of (tp, ep, dp, pp) on ``cluster`` (its shapes are found once)."""
+    return Layout(cluster, tp, ep, dp, pp)

@@ -1,0 +1,348 @@
+"""Per pipeline rank, one micro-batch's work and the stage's contents: the rank table.
+
+A pipeline split is ``pp * v`` contiguous block ranges (chunks); rank r runs chunks r, r + pp,
+... (Megatron's model chunks). Its table sums, over its chunks, the block tables' seconds of
+forward, backward, recompute, TP and EP traffic for its micro-batch size and recompute mode,
+the parameters and stored activations, and adds what the split itself decides:
+
+- the pipeline sends: each chunk sends its output forward (unless it ends the model) and
+  receives from the chunk before it (unless it starts the model), one transfer per
+  micro-batch on each side. Megatron pairs a send with the opposite receive
+  (send_forward_recv_backward): one transfer on a full-duplex link; DeepSpeed's PipelineEngine
+  sends and receives one after the other (frameworks.pp_transfers), a partitioned tensor after
+  its meta tensor (frameworks.pp_meta_bytes), and all-gathers the boundary over TP
+  (frameworks.pp_boundary_gathers). A hop inside a node goes over NVLink, one that leaves it
+  over the network (placement.pipeline_hops);
+- the largest block (ZeRO-3 gathers it whole), a fully recomputed block's live activations,
+  the pipeline receive buffers;
+- a tied LM head on another rank than the embedding: that rank keeps its own copy of the word
+  embeddings (Megatron allocates it on the last stage and all-reduces the two gradients), and
+  both ranks are marked for DeepSpeed's ReduceTiedGrads;
+- under ZeRO-3, each block's weight all-gather and gradient reduce-scatter over the DP and
+  expert-DP groups, one collective per block (its per-call latency counts once per layer).
+
+``RankTables`` builds the tables of many splits at once: every split's chunks laid end to end,
+so each quantity is one numpy call for all of them, and a rank's chunks are added in chunk
+order, so a table is bit for bit the same however many are built together.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import numpy as np
+
+from planner.cost import frameworks as fw
+from planner.cost.block_times import BlockTable
+from planner.cost.collectives import collective_time_array, collective_times_keyed
+from planner.cost.context import CostContext
+from planner.cost.layout import Layout
+from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
+from planner.hardware.placement import GroupShape
+from planner.model.spec import ModelSpec
+
+Split = list[tuple[int, int]]
+
+# Rows of a rank table: per pipeline rank, one micro-batch's seconds of forward, backward,
+# recompute, TP, EP and pipeline traffic; the stage's dense and expert parameters, its largest
+# block, stored and live activation bytes and pipeline buffers; the parameters of a tied
+# embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and reduce-scatters.
+RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
+               "tied", "z3_gather", "z3_reduce")
+ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
+Z3_ROWS = [ROW["z3_gather"], ROW["z3_reduce"]]  # zero unless the candidate runs ZeRO-3
+TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")]  # MicroBatchTime's fields, in order
+
+
+def rank_fields(ranks: np.ndarray) -> dict[str, np.ndarray]:
+    """Name the rows of rank tables ([..., field, rank] -> {field: [..., rank]}), as views."""
+    return {name: ranks[..., k, :] for k, name in enumerate(RANK_FIELDS)}
+
+
+def padded(tables: list[np.ndarray]) -> tuple[np.ndarray, int]:
+    """Rank tables of several depths as one [table x field x widest] array, zeros past each
+    table's ranks (assemble reads no padded rank), and that width."""
+    width = max(t.shape[1] for t in tables)
+    if all(t.shape[1] == width for t in tables):
+        return np.stack(tables), width
+    out = np.zeros((len(tables), len(RANK_FIELDS), width))
+    for i, t in enumerate(tables):
+        out[i, :, :t.shape[1]] = t
+    return out, width
+
+
+class RankSpec(NamedTuple):
+    """What one rank table depends on: the block table, the split, the micro-batch and
+    recompute mode, the pipeline shape and how the runtime sends across stages; and, for its
+    ZeRO-3 rows (``zero3``), the data-parallel degree and the framework."""
+
+    table: BlockTable
+    parts: Split
+    mode: int
+    b: int
+    pp: int
+    vs: int
+    tp: int
+    ep: int
+    dp: int
+    framework: int
+    send_div: int
+    layout: Layout
+    gathers: tuple[int, int] = (0, 0)
+    transfers: int = 1
+    meta: float = 0.0
+    zero3: bool = False
+
+    @classmethod
+    def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
+              ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None) -> "RankSpec":
+        """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``)."""
+        traits = fw.traits(FRAMEWORKS[framework])
+        send = send or traits.pp_send
+        return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, fw.pp_send_divisor(send, tp, sp), layout,
+                   fw.pp_boundary_gathers(send, tp), fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp), zero3)
+
+    def base_key(self) -> tuple:
+        """What the rows but the ZeRO-3 ones depend on (not dp or the framework beyond its sends)."""
+        return (id(self.table), tuple(self.parts), self.mode, self.b, self.pp, self.vs, self.tp, self.send_div,
+                self.gathers, self.transfers, self.meta, self.layout.pp)
+
+
+class _Chunks:
+    """The chunks of several specs laid end to end, spec after spec (chunk k of a spec runs on
+    its rank k % pp), and the specs' ranks side by side as columns."""
+
+    # Per-spec numbers, repeated per chunk (``chunk``) and per rank (``rank``).
+    VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy")
+
+    def __init__(self, specs: list[RankSpec], nblocks: int, tied_size: float) -> None:
+        self.specs = specs
+        tables: dict[int, tuple[int, BlockTable]] = {}
+        prefixes: dict[tuple, tuple[int, RankSpec]] = {}
+        for s in specs:
+            tables.setdefault(id(s.table), (len(tables), s.table))
+            prefixes.setdefault((id(s.table), s.mode, s.b), (len(prefixes), s))
+        self.prefix_specs = [s for _, s in prefixes.values()]  # one per distinct (table, mode, b)
+        stride = nblocks + 1  # a table's blocks and one padding block (an end index stays in bounds)
+        counts, pps, prefix, base = np.array([(len(s.parts), s.pp, prefixes[id(s.table), s.mode, s.b][0],
+                                               tables[id(s.table)][0] * stride) for s in specs]).T
+        values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, RECOMPUTES[s.mode] == "full", s.pp,
+                            tied_size / s.tp) for s in specs], dtype=float).T
+        self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
+        self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
+        self.counts, self.pps = counts, pps
+        chunks = int(counts.sum())
+        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(s.parts for s in specs))
+        bounds = np.fromiter(flat, dtype=np.int64, count=2 * chunks).reshape(chunks, 2)
+        self.starts, self.ends = bounds[:, 0], bounds[:, 1]
+        self.rank_start = np.concatenate(([0], np.cumsum(pps)))
+        self.width = int(self.rank_start[-1])
+        pp, first_chunk, first_rank, self.prefix, self.block_base = np.repeat(
+            np.stack((pps, np.cumsum(counts) - counts, self.rank_start[:-1], prefix, base)), counts, axis=1)
+        k = np.arange(len(bounds)) - first_chunk
+        rank, self.virtual = k % pp, k // pp
+        self.column, self.previous_column = first_rank + rank, first_rank + (rank - 1) % pp
+        # The distinct tables' largest-block candidates (params + expert), live activations and
+        # pipeline bytes per sample: [3 x table and block].
+        arrays = np.zeros((3, len(tables), stride))
+        for j, t in tables.values():
+            arrays[:, j, :nblocks] = (t.params + t.expert, t.act_live, t.pp_bytes)
+        self.block_arrays = arrays.reshape(3, -1)
+
+    def rank_sum(self, x: np.ndarray) -> np.ndarray:
+        """[rows x chunk] -> [rows x rank]: each rank's chunks added in chunk order (np.bincount
+        adds in input order, as reshape(vs, pp).sum(axis=0) adds the virtual stages in turn)."""
+        rows = len(x)
+        index = (np.arange(rows)[:, None] * self.width + self.column).ravel()
+        return np.bincount(index, weights=x.ravel(), minlength=rows * self.width).reshape(rows, self.width)
+
+    def rank_max(self, x: np.ndarray) -> np.ndarray:
+        """[rows x chunk] -> [rows x rank]: each rank's largest chunk value (values >= 0)."""
+        grid = np.zeros((len(x), int(self.virtual.max()) + 1, self.width))
+        grid[:, self.virtual, self.column] = x
+        return grid.max(axis=1)
+
+    def block_max(self) -> np.ndarray:
+        """Per chunk, its largest block in each row of ``block_arrays``: [3 x chunk]."""
+        index = np.stack((self.starts + self.block_base, self.ends + self.block_base), axis=1).ravel()
+        return np.maximum.reduceat(self.block_arrays, index, axis=1)[:, ::2]  # odd entries: between chunks
+
+
+class TiedEmbedding(NamedTuple):
+    """A tied LM head: its block, the embedding's block and the shared matrix's parameters."""
+
+    head: int
+    embed: int
+    params: float
+
+
+def tied_embedding(model: ModelSpec) -> TiedEmbedding | None:
+    """The model's tied LM head and embedding, or None when the head has its own weights."""
+    blocks = model.blocks
+    kinds = [b.kind for b in blocks]  # LMHeadBlock.kind, EmbeddingBlock.kind
+    heads = [i for i, k in enumerate(kinds) if k == "lm_head" and blocks[i].tied]
+    embeds = [i for i, k in enumerate(kinds) if k == "embedding"]
+    if not heads or not embeds:
+        return None
+    head = blocks[heads[0]]
+    return TiedEmbedding(heads[0], embeds[0], float(head.vocab * head.hidden))
+
+
+class RankTables:
+    """The rank tables of one model's splits, kept per spec: a search asks again for the splits
+    its candidates share (every ZeRO stage, offload and dp of one key)."""
+
+    def __init__(self, model: ModelSpec, ctx: CostContext) -> None:
+        self.ctx = ctx
+        self.nblocks = len(model.blocks)
+        self.tied = tied_embedding(model)
+        self._prefix: dict[tuple, tuple[BlockTable, np.ndarray]] = {}
+        self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
+        self._base: dict[tuple, tuple[BlockTable, np.ndarray]] = {}
+
+    def tables(self, specs: list[RankSpec]) -> list[np.ndarray]:
+        """Per spec, one micro-batch's time parts and the stage's contents per pipeline rank, as a
+        [RANK_FIELDS x pp] matrix (``rank_fields`` names its rows). The ones not built before are
+        built together; the ZeRO-3 rows only for specs that ask for them."""
+        keys = [spec.base_key() for spec in specs]
+        missing: dict[tuple, RankSpec] = {}
+        for key, spec in zip(keys, specs):
+            hit = self._base.get(key)
+            if hit is None or hit[0] is not spec.table:
+                missing[key] = spec
+        if missing:
+            for (key, spec), ranks in zip(missing.items(), self._base_tables(list(missing.values()))):
+                self._base[key] = (spec.table, ranks)  # holding the table keeps its id unique
+        return [self._with_z3(self._base[key][1], spec) for key, spec in zip(keys, specs)]
+
+    def _with_z3(self, base: np.ndarray, spec: RankSpec) -> np.ndarray:
+        """``base`` with its ZeRO-3 rows summed over each rank's blocks (a copy; ``base`` itself
+        when the spec has none)."""
+        z3 = self._z3_prefix(spec) if spec.zero3 else None
+        if not z3:
+            return base
+        out = base.copy()
+        starts = np.array([a for a, _ in spec.parts])
+        ends = np.array([e for _, e in spec.parts])
+        for row, name in ((-2, "z3_gather"), (-1, "z3_reduce")):
+            out[row] = (z3[name][ends] - z3[name][starts]).reshape(spec.vs, spec.pp).sum(axis=0)
+        return out
+
+    def _z3_prefix(self, spec: RankSpec) -> dict[str, np.ndarray] | None:
+        """ZeRO-3 collectives one block at a time (gather 16-bit weights, reduce-scatter
+        gradients), as prefix sums over blocks; None when there is no DP group to talk to."""
+        dp, ep, table = spec.dp, spec.ep, spec.table
+        if dp == 1 and ep == 1:
+            return None
+        key = (id(table), spec.tp, ep, dp, spec.pp, spec.framework)
+        hit = self._z3.get(key)
+        if hit is not None and hit[0] is table:
+            return hit[1]
+        edp, cluster, layout = dp // ep, self.ctx.cluster, spec.layout
+        gbytes = self.ctx.grad_bytes(spec.framework)
+
+        def on(op: str, d: np.ndarray, e: np.ndarray) -> np.ndarray:
+            t = collective_time_array(cluster, op, layout.dp, d) if dp > 1 else np.zeros_like(d)
+            if edp > 1:
+                t = t + np.where(e > 0, collective_time_array(cluster, op, layout.edp, e), 0.0)
+            return t
+
+        gather = on("allgather", 2 * table.params, 2 * table.expert)
+        reduce = on("reducescatter", gbytes * table.params, gbytes * table.expert)
+        out = {"z3_gather": np.concatenate(([0.0], np.cumsum(gather))),
+               "z3_reduce": np.concatenate(([0.0], np.cumsum(reduce)))}
+        self._z3[key] = (table, out)
+        return out
+
+    def _prefixes(self, specs: list[RankSpec]) -> np.ndarray:
+        """Prefix sums over blocks of fwd, bwd, rc, tp, ep, dense, expert, act of each spec's
+        (table, mode, micro-batch): [8 x spec x blocks + 1]; the missing ones in one cumsum."""
+        keys = [(id(s.table), s.mode, s.table.b_index(s.b)) for s in specs]
+        todo = [(key, s) for key, s in zip(keys, specs)
+                if (hit := self._prefix.get(key)) is None or hit[0] is not s.table]
+        if todo:
+            series = np.stack([row for (_, mode, bi), s in todo for row in (
+                s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
+                s.table.params, s.table.expert, s.table.act[mode])])
+            sums = np.zeros((len(todo), 8, series.shape[1] + 1))
+            np.cumsum(series.reshape(len(todo), 8, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
+            for (key, s), one in zip(todo, sums):
+                self._prefix[key] = (s.table, one)  # holding the table keeps its id unique
+        return np.stack([self._prefix[key][1] for key in keys], axis=1)
+
+    def _base_tables(self, specs: list[RankSpec]) -> list[np.ndarray]:
+        """The rank tables of many specs, ZeRO-3 rows left at zero, built together."""
+        ch = _Chunks(specs, self.nblocks, self.tied.params if self.tied else 0.0)
+        pre = self._prefixes(ch.prefix_specs)
+        # Per chunk: fwd, bwd, rc, tp, ep, dense, expert, stored activations per sample, pipeline seconds.
+        per_chunk = np.empty((9, len(ch.starts)))
+        np.subtract(pre[:, ch.prefix, ch.ends], pre[:, ch.prefix, ch.starts], out=per_chunk[:8])
+        per_chunk[8] = self._pipeline_seconds(ch)
+        sums = ch.rank_sum(per_chunk)
+        largest, live, buf = ch.rank_max(ch.block_max())
+        b = ch.rank["b"]
+        out = np.zeros((len(RANK_FIELDS), ch.width))
+        out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert
+        out[ROW["pp"]] = sums[8]
+        out[ROW["largest"]] = largest
+        out[ROW["stored"]] = sums[7] * b
+        out[ROW["live"]] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # under full recompute
+        out[ROW["ppbuf"]] = np.where(ch.rank["pp"] > 1, 2.0 * buf * b, 0.0)  # pipeline receive buffers
+        if self.tied is not None:
+            self._tied_rows(out, ch)
+        return np.split(out, ch.rank_start[1:-1], axis=1)
+
+    def _pipeline_seconds(self, ch: _Chunks) -> np.ndarray:
+        """Per chunk: one micro-batch's pipeline traffic, every spec's transfers priced in one
+        ``collective_times_keyed`` call."""
+        c = ch.chunk
+        pp_bytes = ch.block_arrays[2]
+        whole_out = np.where(ch.ends < self.nblocks, pp_bytes[ch.block_base + np.maximum(ch.ends - 1, 0)] * c["b"], 0.0)
+        whole_in = np.where(ch.starts > 0, pp_bytes[ch.block_base + np.maximum(ch.starts - 1, 0)] * c["b"], 0.0)
+        sent, received = whole_out / c["send_div"], whole_in / c["send_div"]
+        sizes = np.stack((sent, received, np.where(sent > 0, c["meta"], 0.0), np.where(received > 0, c["meta"], 0.0),
+                          whole_out, whole_in))
+        keys, which = _pipeline_keys(ch)
+        # Only the rows with something to price: meta tensors and TP gathers are DeepSpeed's.
+        used = (which >= 0).any(axis=1)
+        p = np.zeros_like(sizes)
+        if used.any():
+            p[used] = collective_times_keyed(self.ctx.cluster, keys, which[used], sizes[used])
+        # No meta tensor or gather: its rows priced at zero seconds, added exactly.
+        send = (p[0] + p[2]) * c["transfers"] + c["gather_out"] * p[4]
+        recv = (p[1] + p[3]) * c["transfers"] + c["gather_in"] * p[5]
+        return send + recv
+
+    def _tied_rows(self, out: np.ndarray, ch: _Chunks) -> None:
+        """Where a tied embedding's copy sits on another rank than the embedding, the head's rank
+        holds it on the dense row, and both ranks mark the pair."""
+        head, embed, _ = self.tied  # type: ignore[misc]
+        heads, embeds = (ch.column[(ch.starts <= i) & (i < ch.ends)] for i in (head, embed))  # a chunk per spec
+        apart = heads != embeds
+        heads, embeds = heads[apart], embeds[apart]
+        copy = out[ROW["tied"], heads] = out[ROW["tied"], embeds] = ch.rank["tied_copy"][heads]
+        out[ROW["dense"], heads] += copy  # the head's copy of the embedding, on the dense row
+
+
+def _pipeline_keys(ch: _Chunks) -> tuple[list[tuple[str, GroupShape]], np.ndarray]:
+    """The (op, shape) pairs of every spec's pipeline transfers and, per row of
+    ``_pipeline_seconds``' sizes and chunk, the pair that prices it (-1: nothing). The send of
+    a chunk on rank r takes hop r, its receive hop r - 1 (placement.pipeline_hops)."""
+    pairs: dict[tuple[str, GroupShape], int] = {}
+    per_spec, crosses = [], []
+    for s in ch.specs:
+        if s.layout.pp.size > 1:
+            hops, near = s.layout.pp_hops
+            far = pairs.setdefault(("p2p", s.layout.pp), len(pairs))
+            near_key = far if near is None else pairs.setdefault(("p2p", near), len(pairs))
+            gather = -1 if s.gathers == (0, 0) else pairs.setdefault(("allgather", s.layout.tp), len(pairs))
+            per_spec.append((far, near_key, gather))
+            crosses.append(hops)
+        else:
+            per_spec.append((-1, -1, -1))
+            crosses.append(np.zeros(s.pp, dtype=bool))
+    far, near, gather = np.repeat(np.array(per_spec).T, ch.counts, axis=1)
+    hop = np.concatenate(crosses)
+    send, recv = np.where(hop[ch.column], far, near), np.where(hop[ch.previous_column], far, near)
+    return list(pairs), np.stack((send, recv, send, recv, gather, gather))

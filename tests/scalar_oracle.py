@@ -1,0 +1,504 @@
+"""The cost model as a scalar walk, one block and one pipeline rank at a time: an oracle for tests.
+
+planner/cost is array-first: every formula is written once over numpy arrays of candidates,
+and ``estimate`` is that model applied to one. This module is the scalar walk the model was
+before that (per GEMM, per block, per rank, per collective call), kept frozen under tests/ so
+the array model (``estimate`` and the search alike) is checked against an independent
+computation of the same physics: tests/test_suggest.py, tests/test_cost_worked_cases.py and
+others compare the two to 1e-9. A term added to planner/cost is added here only where a test
+checks it against this walk.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+
+from planner.cost import efficiency as eff
+from planner.cost import frameworks as fw
+from planner.cost import memory as mem
+from planner.cost.efficiency import Device, device
+from planner.cost.layers import AttnCore, LayerCost, layer_costs
+from planner.cost.memory import ModelStates, bytes_per_param, microbatch_group, inflight_array
+from planner.cost.estimate import check_plan
+from planner.cost.parallel import ParallelConfig, Workload
+from planner.cost.partition import Partition, check_partition, default_partition, rank_chunks
+from planner.cost.plan import Plan, StagePlan
+from planner.cost.step_time import MicroBatchTime, StepTime
+from planner.hardware.cluster import Cluster
+from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelSpec
+
+CommFn = Callable[[str, float], float]  # (collective, bytes per rank) -> seconds
+
+
+@dataclass(frozen=True)
+class Comms:
+    """Collective timings for one placement: tp, ep, dp (dense grads), edp (experts), pp."""
+
+    tp: CommFn
+    ep: CommFn
+    dp: CommFn
+    edp: CommFn
+    pp: Callable[[float], float]  # point-to-point send of bytes between adjacent stages
+    # The same send between stages on one node (placement.pipeline_hops), where the pp group
+    # spans nodes but not every hop does; None: every hop is priced by ``pp``.
+    pp_near: Callable[[float], float] | None = None
+
+    def hop(self, crosses: bool) -> Callable[[float], float]:
+        return self.pp if crosses or self.pp_near is None else self.pp_near
+
+
+# -- compute -------------------------------------------------------------------------------
+
+
+def attention_time(core: AttnCore, b: int, dev: eff.Device, backward: bool = False) -> float:
+    """FlashAttention, or the unfused score and value GEMMs (their softmax is HBM traffic)."""
+    if core.seqs == 0 or core.seq == 0:
+        return 0.0
+    if core.flash:
+        return float(eff.flash_time(core.flops * b, core.qk_dim, core.causal, dev, backward))
+    batch = core.heads * core.seqs * b
+    fwd = float(eff.gemm_time(core.seq, core.seq, core.qk_dim, dev, batch) + eff.gemm_time(core.seq, core.v_dim, core.seq, dev, batch))
+    return 2.0 * fwd if backward else fwd
+
+
+def forward_time(c: LayerCost, b: int, dev: eff.Device) -> float:
+    t = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
+    if c.attn is not None:
+        t += attention_time(c.attn, b, dev)
+    return t + float(eff.hbm_time(c.hbm_fwd * b, dev))
+
+
+def backward_time(c: LayerCost, b: int, dev: eff.Device) -> float:
+    """Data and weight gradients: two GEMMs of each forward shape, twice the HBM traffic."""
+    t = 2.0 * sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
+    if c.attn is not None:
+        t += attention_time(c.attn, b, dev, backward=True)
+    return t + 2.0 * float(eff.hbm_time(c.hbm_fwd * b, dev))
+
+
+def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str) -> float:
+    """Full: the checkpointed layer's forward again. Selective (Korthikanti Sec 4.1): the
+    attention core (scores, softmax, dropout, values)."""
+    if mode == "full" and c.checkpointed:
+        return forward_time(c, b, dev)
+    if mode == "selective" and c.attn is not None:
+        return attention_time(c.attn, b, dev) + float(eff.hbm_time(c.extra.get("score_hbm", 0.0) * b, dev))
+    return 0.0
+
+
+def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
+    ops = c.tp_fwd + c.tp_bwd + (c.tp_fwd if (recompute == "full" and c.checkpointed) else ())
+    return sum(comms.tp(op, n * b) for op, n in ops)
+
+
+def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
+    if not c.ep_a2a_count:
+        return 0.0
+    passes = 2 + (1 if (recompute == "full" and c.checkpointed) else 0)
+    return passes * c.ep_a2a_count * comms.ep("alltoall", c.ep_a2a * b)
+
+
+def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev: eff.Device, comms: Comms,
+              recompute: str, pp_send_divisor: int, last_block: int,
+              boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
+              transfers: int = 1, meta_bytes: float = 0.0) -> MicroBatchTime:
+    """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
+    TP all-gathers of a whole boundary tensor on the sending and receiving side of each
+    boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication.
+    ``crossing``: whether the hop to the next rank and the one from the previous leave the
+    node (placement.pipeline_hops). ``transfers``: transfers per neighbour and micro-batch on
+    each side of a boundary (frameworks.pp_transfers), each preceded by a ``meta_bytes``
+    transfer where the runtime sends one (frameworks.pp_meta_bytes)."""
+    f = bw = rc = tp = ep = pp = 0.0
+    send, recv = comms.hop(crossing[0]), comms.hop(crossing[1])
+
+    def hop(fn: Callable[[float], float], nbytes: float) -> float:
+        return transfers * (fn(nbytes) + (fn(meta_bytes) if meta_bytes else 0.0))
+    for first, last in chunks:
+        for c in costs[first:last]:
+            f += forward_time(c, b, dev)
+            bw += backward_time(c, b, dev)
+            rc += recompute_time(c, b, dev, recompute)
+            tp += tp_time(c, b, comms, recompute)
+            ep += ep_time(c, b, comms, recompute)
+        # Each chunk boundary costs one transfer per micro-batch on each side: the activation
+        # sent forward after the chunk (unless it ends the model) and the gradient sent back
+        # before it (unless it starts the model). Megatron pairs a send with the opposite
+        # receive (send_forward_recv_backward), so a pair costs one transfer on a full-duplex
+        # link; DeepSpeed's PipelineEngine sends and receives one after the other (transfers 2).
+        if last < last_block:
+            pp += hop(send, costs[last - 1].pp_bytes * b / pp_send_divisor)
+            if boundary_gathers[0]:
+                pp += boundary_gathers[0] * comms.tp("allgather", costs[last - 1].pp_bytes * b)
+        if first > 0:
+            pp += hop(recv, costs[first - 1].pp_bytes * b / pp_send_divisor)
+            if boundary_gathers[1]:
+                pp += boundary_gathers[1] * comms.tp("allgather", costs[first - 1].pp_bytes * b)
+    return MicroBatchTime(f, bw, rc, tp, ep, pp)
+
+
+# -- the step ------------------------------------------------------------------------------
+
+
+def pipeline(ranks: list[MicroBatchTime], microbatches: int, virtual: int) -> tuple[int, float]:
+    """(bottleneck rank, bubble seconds) of 1F1B / interleaved 1F1B."""
+    totals = [r.total for r in ranks]
+    worst = max(range(len(ranks)), key=totals.__getitem__)
+    bubble = (sum(totals) - totals[worst]) / virtual
+    return worst, bubble
+
+
+def dp_exposed(reduce_s: float, gather_s: float, overlap: bool, last_bwd_s: float, first_fwd_s: float,
+               cooldown_s: float) -> float:
+    """Gradient reduction (and the ZeRO/distributed-optimizer weight all-gather) left exposed.
+
+    Bucketed reduction starts during the last micro-batch's backward and may also run during
+    the pipeline cool-down this rank does not take part in; the all-gather of updated weights
+    overlaps the next step's first forward (Megatron --overlap-param-gather, DeepSpeed's
+    allgather after step is not overlapped).
+    """
+    window = (last_bwd_s if overlap else 0.0) + cooldown_s
+    return max(0.0, reduce_s - window) + max(0.0, gather_s - (first_fwd_s if overlap and gather_s else 0.0))
+
+
+def earlier_microbatch_reductions(reduce_s: float, overlap: bool, bwd_s: float, microbatches: int) -> float:
+    """What DeepSpeed's ZeRO-2 leaves exposed by reducing the gradients of each of the first
+    m - 1 micro-batches in that micro-batch's own backward (Traits.zero2_reduces_every_microbatch;
+    the last one is ``dp_exposed``'s)."""
+    return (microbatches - 1) * max(0.0, reduce_s - (bwd_s if overlap else 0.0))
+
+
+def tied_allreduce_time(p2p: Callable[[float], float], nbytes: float) -> float:
+    """All-reduce of a tied weight's gradient (``nbytes`` per GPU) between the two pipeline
+    ranks holding its copies: a two-rank ring sends half the tensor each way in its
+    reduce-scatter and again in its all-gather, ``nbytes`` per direction in all, as one
+    point-to-point transfer of ``nbytes`` on a full-duplex link does."""
+    return p2p(nbytes) if nbytes else 0.0
+
+
+def zero3_exposed(gather_s: float, reduce_s: float, fwd_s: float, bwd_s: float, microbatches: int) -> float:
+    """ZeRO-3 per micro-batch: weights gathered for the forward and again for the backward,
+    gradients reduce-scattered during it; prefetching hides what fits under compute."""
+    per_mb = max(0.0, gather_s - fwd_s) + max(0.0, gather_s + reduce_s - bwd_s)
+    return microbatches * per_mb
+
+
+def gpu_optimizer_time(local_params: float, dev: eff.Device, sgd: bool = False) -> float:
+    return float(eff.hbm_time(local_params * (eff.SGD_STEP_BYTES if sgd else eff.ADAM_STEP_BYTES), dev))
+
+
+def cpu_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes_per_s: float,
+                       pcie_bytes_per_s: float, params_on_cpu: bool, microbatches: int) -> float:
+    """DeepSpeedCPUAdam over the node's partitions (fp32 params/s of the host), plus copying
+    the updated 16-bit weights back over PCIe (the 16-bit gradients go down during backward).
+    With parameter offload every micro-batch also fetches its 16-bit weights twice."""
+    cpu = 4.0 * params_per_gpu * gpus_per_node / cpu_adam_bytes_per_s
+    h2d = 2.0 * params_per_gpu / pcie_bytes_per_s
+    fetch = microbatches * 2 * 2.0 * params_per_gpu / pcie_bytes_per_s if params_on_cpu else 0.0
+    return cpu + (0.0 if params_on_cpu else h2d) + fetch
+
+
+def hybrid_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes_per_s: float,
+                          pcie_bytes_per_s: float) -> np.ndarray | float:
+    """Megatron-Core's HybridDeviceOptimizer with ``--overlap-cpu-optimizer-d2h-h2d``: one torch
+    fused AdamW per parameter tensor, so copying the fp32 gradients down (4 bytes), stepping on
+    the host and copying the updated weights up (converted to bf16 on the host first, as torch
+    does for a cross-device copy that changes dtype: 2 bytes) run as a pipeline, and the
+    slowest of the three sets the time (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py).
+
+    The host rate is the profile's ``cpu_adam_GBps``: both kernels stream ~28-30 bytes per
+    parameter, and on this project's 2-core host torch's fused AdamW stepped 1.3-1.45x faster
+    than DeepSpeedCPUAdam (benchmarks/bench_cpu_adam.py), so the rate errs slow for it.
+    Works elementwise on arrays."""
+    cpu = 4.0 * params_per_gpu * gpus_per_node / cpu_adam_bytes_per_s
+    d2h = 4.0 * params_per_gpu / pcie_bytes_per_s  # the 2-byte upload on the other direction takes less
+    return np.maximum(cpu, d2h)
+
+
+
+# -- memory (scalar) --
+
+
+def model_states(dense_params: float, expert_params: float, *, framework: str, zero: int, offload: str,
+                 dp: int, ep: int, precision: str = "bf16", moments: int = 2,
+                 live_layer_params: float = 0.0) -> ModelStates:
+    """Model states on one GPU: dense parameters shard over dp, routed experts over dp/ep.
+
+    ``live_layer_params``: with ZeRO-3 the largest layer is gathered whole (weights and
+    gradients, 4 bytes per parameter) while it runs, as in DeepSpeed's estimator.
+    """
+    wd, gd, od, cd = bytes_per_param(framework, zero, offload, dp, precision, moments)
+    we, ge, oe, ce = bytes_per_param(framework, zero, offload, max(dp // ep, 1), precision, moments)
+    weights = wd * dense_params + we * expert_params
+    grads = gd * dense_params + ge * expert_params
+    if zero == 3:
+        weights += 2 * live_layer_params
+        grads += 2 * live_layer_params
+    return ModelStates(weights, grads, od * dense_params + oe * expert_params, cd * dense_params + ce * expert_params)
+
+
+def buffer_bytes(framework: str, zero: int, stage_params: float, groups: int, pp_buffer: float = 0.0) -> float:
+    """Communication buffers: DeepSpeed's ZeRO buckets, ZeRO-3 prefetch, NCCL, PP receive buffers."""
+    t = fw.traits(framework)
+    out = mem.NCCL_BYTES_PER_GROUP * groups + pp_buffer
+    if t.zero_buckets and zero in (1, 2):
+        buckets = min(fw.REDUCE_BUCKET_SIZE, stage_params) + min(fw.ALLGATHER_BUCKET_SIZE, stage_params)
+        out += fw.OVERLAP_COMM_FACTOR * 2 * buckets  # 16-bit elements
+    elif t.zero_buckets and zero == 3:
+        out += 2 * min(fw.STAGE3_PREFETCH_BUCKET_SIZE, stage_params) + 2 * min(fw.REDUCE_BUCKET_SIZE, stage_params)
+    return out
+
+
+def activation_bytes(stored_per_mb: float, live_extra_per_mb: float, inflight: float) -> float:
+    """Activations at the peak: in-flight micro-batches plus one layer being recomputed."""
+    return stored_per_mb * inflight + live_extra_per_mb
+
+
+def overhead_bytes(allocated: float) -> float:
+    return mem.CUDA_CONTEXT_BYTES + mem.FRAGMENTATION * allocated
+
+
+def inflight_microbatches(rank: int, pp: int, virtual: int, microbatches: int) -> float:
+    """Micro-batches of activations a pipeline rank holds at its peak, in units of its whole
+    stage (all its chunks).
+
+    1F1B: rank r runs p - r forwards before its first backward (Narayanan et al. 2021).
+    Interleaved: Megatron's warm-up runs (p - r - 1) x 2 + (v - 1) x G chunk-forwards (G the
+    ``microbatch_group``, p unless M is not a multiple of p), plus the one in steady state,
+    each 1/v of the stage: with G = p rank 0 holds L(1 + (p-1)/(p v)) layers' worth,
+    Korthikanti et al. Sec 4.2.3. tests/test_interleaved_schedule.py replays the schedule.
+    """
+    if pp == 1:
+        return 1.0
+    group = microbatch_group(pp, microbatches) if virtual > 1 else pp
+    return float(inflight_array(rank, pp, virtual, microbatches, group))
+
+
+# -- the walk --
+
+
+def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
+             partition: Partition | None = None, pp_send: str | None = None) -> Plan:
+    """Memory per GPU and step time of ``cfg`` training ``model`` on ``cluster``.
+
+    ``pp_send`` overrides how the runtime sends across pipeline stages (frameworks.PP_SENDS;
+    the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
+    check_plan(model, cluster, workload, cfg)
+    stages = cfg.pp * cfg.virtual_stages
+    parts = default_partition(model, stages) if partition is None else check_partition(partition, len(model.blocks), stages)
+    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep)
+    dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
+    comms = build_comms(cluster, cfg)
+    traits = fw.traits(cfg.framework)
+    chunks = rank_chunks(parts, cfg.pp)
+    b, m = cfg.micro_batch, cfg.grad_accum
+    send = pp_send or traits.pp_send
+    if send not in fw.PP_SENDS:
+        raise ValueError(f"pp_send {send!r}: one of {', '.join(fw.PP_SENDS)}")
+    send_div = fw.pp_send_divisor(send, cfg.tp, cfg.sequence_parallel)
+    gathers = fw.pp_boundary_gathers(send, cfg.tp)
+    transfers, meta = fw.pp_transfers(traits), fw.pp_meta_bytes(send, cfg.tp)
+    crosses = pp_hops(cluster, cfg)
+    times = [rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
+                          (crosses[r], crosses[r - 1]), transfers, meta) for r, ch in enumerate(chunks)]
+    worst, bubble = pipeline(times, m, cfg.virtual_stages)
+    tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)
+    tied_ranks = _tied_group(model, chunks, cfg.tp)
+
+    stage_plans, dp_exposed, opt_time = [], [], []
+    for r, ch in enumerate(chunks):
+        blocks = [c for a, e in ch for c in costs[a:e]]
+        dense = sum(c.params_rank for c in blocks) + tied_copy[r]
+        expert = sum(c.expert_params_rank for c in blocks)
+        stage_plans.append(_stage_plan(model, r, ch, blocks, dense, expert, cfg, workload, cluster, times[r]))
+        # After rank r's last backward, the gradient still runs back through ranks r-1 .. 0
+        # (their last chunk, 1/v of a micro-batch's backward each): that cool-down hides rank
+        # r's reduction.
+        cooldown = sum(t.bwd + t.recompute for t in times[:r]) / cfg.virtual_stages
+        tied = 0.0
+        if traits.pipe_engine and r in tied_ranks:
+            # DeepSpeed's ReduceTiedGrads: the two copies' gradients all-reduced before ReduceGrads,
+            # which waits for rank 0's last backward: no cool-down left to hide this rank's reduction.
+            tied_bytes = _grad_comm_bytes(cfg, workload, traits) * tied_ranks[r]
+            tied, cooldown = tied_allreduce_time(comms.pp, tied_bytes), 0.0
+        dp_exposed.append(tied + _dp_time(dense, expert, cfg, workload, traits, comms, times[r], cooldown, blocks))
+        opt_time.append(_optimizer_time(dense, expert, cfg, workload, cluster, dev))
+
+    t = times[worst]
+    time = StepTime(compute=m * (t.fwd + t.bwd), recompute=m * t.recompute, tp_comm=m * t.tp, pp_bubble=bubble,
+                       pp_comm=m * t.pp, dp_comm=max(dp_exposed), ep_comm=m * t.ep, optimizer=max(opt_time))
+    return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+                cfg=cfg, workload=workload, partition=parts, stages=stage_plans, time=time,
+                capacity_bytes=cluster.profile.gpu.memory_bytes,
+                host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB), model_flops_per_step=model_flops(model, workload),
+                peak_flops=dev.peak_flops)
+
+
+def model_flops(model: ModelSpec, workload: Workload) -> float:
+    """Model FLOPs of one step: 3x the forward (backward = 2x), no recomputation; attention
+    at full s^2 (the Megatron/Korthikanti convention)."""
+    costs = layer_costs(model, workload)
+    return 3.0 * sum(c.fwd_flops for c in costs) * workload.global_batch
+
+
+def _tied_owners(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> tuple[int, int, float] | None:
+    """(rank of the embedding, rank of the tied LM head, the copy's parameters per GPU after TP)
+    when a tied head sits on another pipeline rank than the embedding, else None."""
+    heads = [i for i, blk in enumerate(model.blocks) if isinstance(blk, LMHeadBlock) and blk.tied]
+    embeds = [i for i, blk in enumerate(model.blocks) if isinstance(blk, EmbeddingBlock)]
+    if not heads or not embeds:
+        return None
+    owner = {i: r for r, ch in enumerate(chunks) for a, e in ch for i in range(a, e)}
+    if owner[heads[0]] == owner[embeds[0]]:
+        return None
+    head = model.blocks[heads[0]]
+    return owner[embeds[0]], owner[heads[0]], head.vocab * head.hidden / tp
+
+
+def _tied_embedding_copy(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> list[float]:
+    """A tied LM head on another pipeline rank keeps its own copy of the word embeddings
+    (Megatron allocates it on the last stage and all-reduces the two gradients)."""
+    out = [0.0] * len(chunks)
+    tied = _tied_owners(model, chunks, tp)
+    if tied is not None:
+        out[tied[1]] = tied[2]
+    return out
+
+
+def _tied_group(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> dict[int, float]:
+    """The pipeline ranks holding the two copies of a tied embedding when they differ (the
+    embedding's and the LM head's), each with the copy's parameters per GPU (after TP)."""
+    tied = _tied_owners(model, chunks, tp)
+    return {} if tied is None else {tied[0]: tied[2], tied[1]: tied[2]}
+
+
+def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: float, expert: float,
+                cfg: ParallelConfig, w: Workload, cluster: Cluster, t: MicroBatchTime) -> StagePlan:
+    b = cfg.micro_batch
+    largest = max((c.params_rank + c.expert_params_rank for c in blocks), default=0.0)
+    states = model_states(dense, expert, framework=cfg.framework, zero=cfg.zero_stage, offload=cfg.offload,
+                              dp=cfg.dp, ep=cfg.ep, precision=w.precision, moments=w.optimizer_moments,
+                              live_layer_params=largest)
+    stored = sum(c.act[cfg.recompute] for c in blocks) * b
+    live = max((c.act_live for c in blocks if c.checkpointed), default=0.0) * b if cfg.recompute == "full" else 0.0
+    inflight = inflight_microbatches(r, cfg.pp, cfg.virtual_stages, cfg.grad_accum)
+    acts = activation_bytes(stored, live, inflight)
+    groups = sum(1 for d in (cfg.tp, cfg.pp, cfg.dp, cfg.ep) if d > 1)
+    pp_buffer = 2 * max(c.pp_bytes for c in blocks) * b if cfg.pp > 1 else 0.0
+    buffers = buffer_bytes(cfg.framework, cfg.zero_stage, dense + expert, groups, pp_buffer)
+    allocated = states.gpu + acts + buffers
+    breakdown = mem.MemoryBreakdown(states.weights, states.grads, states.optimizer, acts, buffers,
+                                    overhead_bytes(allocated),
+                                    mem.cpu_bytes_per_node(states.cpu, cluster.gpus_per_node))
+    kinds = Counter(model.blocks[i].kind for a, e in ch for i in range(a, e))
+    decoders = sum(1 for a, e in ch for i in range(a, e) if isinstance(model.blocks[i], DecoderBlock))
+    return StagePlan(r, list(ch), decoders, dict(kinds), breakdown, t, inflight)
+
+
+def _grad_comm_bytes(cfg: ParallelConfig, w: Workload, traits: fw.Traits) -> int:
+    if w.precision == "fp32" or (traits.fp32_grad_buffer and w.precision == "bf16"):
+        return 4
+    return 2
+
+
+def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, traits: fw.Traits, comms: Comms,
+             t: MicroBatchTime, cooldown: float, blocks: list[LayerCost]) -> float:
+    """Exposed data-parallel time of one pipeline rank (see step_time.dp_exposed)."""
+    if cfg.dp == 1 and cfg.ep == 1:
+        return 0.0
+    gb = _grad_comm_bytes(cfg, w, traits)
+    edp = cfg.dp // cfg.ep
+
+    def on(op: str, nbytes_dense: float, nbytes_expert: float) -> float:
+        out = comms.dp(op, nbytes_dense) if cfg.dp > 1 else 0.0
+        return out + (comms.edp(op, nbytes_expert) if (edp > 1 and nbytes_expert) else 0.0)
+
+    if cfg.zero_stage == 3:
+        # DeepSpeed ZeRO-3 gathers each layer's weights before it runs (forward, and again in
+        # backward) and reduce-scatters its gradients after: one collective per block, so the
+        # per-call latency counts once per layer, not once per stage.
+        gather = sum(on("allgather", 2 * c.params_rank, 2 * c.expert_params_rank) for c in blocks)
+        reduce = sum(on("reducescatter", gb * c.params_rank, gb * c.expert_params_rank) for c in blocks)
+        return zero3_exposed(gather, reduce, t.fwd, t.bwd + t.recompute, cfg.grad_accum)
+    if cfg.zero_stage >= 1:
+        reduce = on("allreduce" if traits.zero_grad_allreduce else "reducescatter", gb * dense, gb * expert)
+        gather = on("allgather", 2 * dense, 2 * expert)
+    else:
+        reduce, gather = on("allreduce", gb * dense, gb * expert), 0.0
+    first_fwd = t.fwd if cfg.framework == "megatron" else 0.0
+    overlap = fw.grad_reduce_overlaps(traits, cfg.pp)
+    exposed = dp_exposed(reduce, gather, overlap, t.bwd + t.recompute, first_fwd, cooldown)
+    if cfg.zero_stage == 2 and traits.zero2_reduces_every_microbatch:
+        exposed += earlier_microbatch_reductions(reduce, overlap, t.bwd + t.recompute, cfg.grad_accum)
+    return exposed
+
+
+def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, cluster: Cluster,
+                    dev: Device) -> float:
+    sharded = cfg.zero_stage >= 1
+    local = dense / (cfg.dp if sharded else 1) + expert / (max(cfg.dp // cfg.ep, 1) if sharded else 1)
+    if cfg.offload == "none":
+        return gpu_optimizer_time(local, dev, sgd=w.optimizer == "sgd")
+    node = cluster.profile.node
+    if cfg.framework == "megatron":
+        return float(hybrid_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9,
+                                              node.pcie_GBps * 1e9))
+    return cpu_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
+                                 cfg.offload == "optimizer+params", cfg.grad_accum)
+
+
+# -- collectives over this placement -------------------------------------------------------
+
+
+def build_comms(cluster: Cluster, cfg: ParallelConfig) -> Comms:
+    """Collective timings of the TP, EP, DP, expert-DP and PP groups of ``cfg`` on ``cluster``.
+
+    Rank order is TP innermost, then EP, then the rest of DP, then PP (Megatron and DeepSpeed
+    order); EP ranks are part of the DP group, so the dense DP group spans both.
+    """
+    return _comms_cached(cluster, cfg.tp, cfg.ep, cfg.dp, cfg.pp)
+
+
+@lru_cache(maxsize=256)
+def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> Comms:
+    from planner.cost.collectives import collective_seconds
+    from planner.hardware.placement import Placement, pipeline_hops
+
+    full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}, order=("tp", "ep", "dp", "pp"))
+    dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
+    shapes = {"tp": full.group("tp"), "ep": full.group("ep"), "edp": full.group("dp"), "dp": dense.group("dp"),
+              "pp": full.group("pp")}
+    # hops inside a node of a pp group that spans nodes (placement.pipeline_hops)
+    near = pipeline_hops(cluster, full.stride("pp"), pp)[1] if shapes["pp"].crosses_nodes else None
+    if near is not None:
+        shapes["pp_near"] = near
+
+    def fn(dim: str):
+        shape = shapes[dim]
+        if shape.size == 1:
+            return lambda op, nbytes: 0.0
+
+        @lru_cache(maxsize=4096)
+        def timed(op: str, nbytes: float) -> float:
+            return float(collective_seconds(cluster, op, shape, nbytes))
+
+        return timed
+
+    pp_fn = fn("pp")
+    near_fn = fn("pp_near") if near is not None else None
+    return Comms(tp=fn("tp"), ep=fn("ep"), dp=fn("dp"), edp=fn("edp"),
+                    pp=lambda nbytes: pp_fn("p2p", nbytes),
+                    pp_near=None if near_fn is None else (lambda nbytes: near_fn("p2p", nbytes)))
+
+
+def pp_hops(cluster: Cluster, cfg: ParallelConfig) -> tuple[bool, ...]:
+    """Per pipeline rank, whether its hop to the next rank leaves the node (build_comms' layout:
+    the pp stride is tp x dp)."""
+    from planner.hardware.placement import pipeline_hops
+
+    return pipeline_hops(cluster, cfg.tp * cfg.dp, cfg.pp)[0]
