@@ -31,7 +31,8 @@ from planner.model.spec import (
     VisionTiling,
 )
 from planner.run.processes import remove_shm_buffers
-from planner.run.rundir import default_ds_config, write_run_dir, PlanFile
+from planner.run.rundir import PlanFile
+from tests.handwritten_run_dir import default_ds_config, write_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

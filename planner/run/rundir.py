@@ -1,4 +1,4 @@
-"""The run-directory contract the reference trainer reads, and a writer for tests.
+"""The run-directory contract the reference trainer reads.
 
 A run directory (written by ``dsplan generate``) holds ``ds_config.json`` (a standard
 DeepSpeed config) and ``plan.json`` (the planner's decision). The trainer needs only a few
@@ -148,34 +148,3 @@ def write_json_atomic(path: Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomically(path, (json.dumps(data, indent=2) + "\n").encode(), fsync=True)
-
-
-def default_ds_config(plan: PlanFile, *, offload_optimizer: bool = False, lr: float = 1e-3) -> dict[str, Any]:
-    """A DeepSpeed config matching ``plan`` (fp32 on CPU); what generate writes, in miniature."""
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": plan.zero_stage},
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000000,
-        "wall_clock_breakdown": False,
-    }
-    if offload_optimizer:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    if plan.tp > 1:
-        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
-    if plan.pp > 1:
-        cfg["pipeline"] = {"stages": plan.pp, "partition": "planner"}
-    return cfg
-
-
-def write_run_dir(run_dir: Path, plan: dict[str, Any], ds_config: dict[str, Any] | None = None) -> Path:
-    """Create a run directory with ``plan.json`` and ``ds_config.json`` (tests, until generate)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    parsed = PlanFile.model_validate(plan)
-    write_json_atomic(run_dir / PLAN_FILE, plan)
-    write_json_atomic(run_dir / DS_CONFIG_FILE, ds_config if ds_config is not None else default_ds_config(parsed))
-    return run_dir
