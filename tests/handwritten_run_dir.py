@@ -2,7 +2,8 @@
 
 ``write_run_dir`` writes ``plan.json`` and ``ds_config.json`` (the two files the reference
 trainer reads) and nothing else: no launch scripts, no entry.sh, so ``dsplan run`` would not
-take it; the tests start the ``deepspeed`` launcher themselves. ``default_ds_config`` is what
+take it; the tests start the ``deepspeed`` launcher themselves. ``plan.json`` is in the one
+schema generate writes (planner.emit.plan_file), so a plan needs every field that has no default. ``default_ds_config`` is what
 generate's DeepSpeed config comes to for such a plan, in miniature (fp32, for CPU).
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from planner.run.rundir import DS_CONFIG_FILE, PLAN_FILE, PlanFile, write_json_atomic
+from planner.emit.plan_file import PlanFile, plan_from_dict
+from planner.run.rundir import DS_CONFIG_FILE, PLAN_FILE, write_json_atomic
 
 
 def default_ds_config(plan: PlanFile, *, offload_optimizer: bool = False, lr: float = 1e-3) -> dict[str, Any]:
@@ -36,10 +38,10 @@ def default_ds_config(plan: PlanFile, *, offload_optimizer: bool = False, lr: fl
 
 
 def write_run_dir(run_dir: Path, plan: dict[str, Any], ds_config: dict[str, Any] | None = None) -> Path:
-    """Create ``run_dir`` with ``plan.json`` (validated first) and ``ds_config.json``."""
+    """Create ``run_dir`` with ``plan.json`` (validated first, as run/ reads it) and ``ds_config.json``."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    parsed = PlanFile.model_validate(plan)
+    parsed = plan_from_dict(plan, f"{run_dir}/{PLAN_FILE}")
     write_json_atomic(run_dir / PLAN_FILE, plan)
     write_json_atomic(run_dir / DS_CONFIG_FILE, ds_config if ds_config is not None else default_ds_config(parsed))
     return run_dir

@@ -68,6 +68,7 @@ def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo
     """Read a run directory written by ``dsplan generate``; anything else, or a plan its
     reference-trainer entry cannot run, is a UserError."""
     from planner.emit.plan_file import plan_from_dict
+    from planner.run.rundir import REGENERATE
 
     run_dir = Path(path).expanduser()
     if not run_dir.is_dir():
@@ -78,16 +79,15 @@ def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo
         raise UserError(f"{path}: not a run directory (missing {', '.join(missing)}); "
                         f"create one with `dsplan generate --out {path}` (or regenerate it)")
     data = _read_json(run_dir / "plan.json")
-    plan = plan_from_dict(data, str(run_dir / "plan.json"))
+    plan = plan_from_dict(data, str(run_dir / "plan.json"), REGENERATE)
     ds_config = _read_json(run_dir / "ds_config.json")
     entry = (run_dir / "entry.sh").read_text(encoding="utf-8", errors="replace")
     builtin = "-m planner.run.trainer" in entry
     if builtin:  # what every rank of the trainer would refuse, refused before any rank starts
-        from planner.run.rundir import check_reference_trainer, parse_plan
+        from planner.run.rundir import check_reference_trainer
         from planner.run.trainer import resolve_model
 
-        trainer_plan = parse_plan(data, run_dir / "plan.json")
-        check_reference_trainer(trainer_plan, ds_config, resolve_model(trainer_plan.model, run_dir).is_moe)
+        check_reference_trainer(plan, ds_config, resolve_model(plan.model, run_dir).is_moe)
     steps = _entry_int(entry, "--steps") if builtin else None
     return RunDirInfo(
         path=run_dir, plan=data, nodes=plan.nodes, gpus_per_node=plan.gpus_per_node, builtin=builtin,

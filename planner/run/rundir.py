@@ -1,8 +1,8 @@
 """The run-directory contract the reference trainer reads.
 
 A run directory (written by ``dsplan generate``) holds ``ds_config.json`` (a standard
-DeepSpeed config) and ``plan.json`` (the planner's decision). The trainer needs only a few
-plan fields, so ``PlanFile`` names those and lets everything else through untouched.
+DeepSpeed config) and ``plan.json`` (the planner's decision, in the one schema
+planner.emit.plan_file defines: generate writes it, run/ reads it back with the same checks).
 
 Metrics: one JSON line per step and rank in ``<log stem>.rank<R><suffix>`` (for the default
 ``DIR/metrics.jsonl``: ``DIR/metrics.rank0.jsonl``, ...); ``metrics_path`` is the one place
@@ -13,63 +13,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from typing import Any
 
 from planner.atomic import write_bytes_atomically
-from planner.errors import UserError, describe_validation_error
+from planner.emit.plan_file import PlanFile, plan_from_dict
+from planner.errors import UserError
 
 PLAN_FILE = "plan.json"
 DS_CONFIG_FILE = "ds_config.json"
 DEFAULT_LOG = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
-
-
-class PlanFile(BaseModel):
-    """The fields of ``plan.json`` the trainer follows; other fields pass through."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    model: str
-    dp: PositiveInt = 1
-    tp: PositiveInt = 1
-    pp: PositiveInt = 1
-    ep: PositiveInt = 1
-    zero_stage: int = Field(0, ge=0, le=3)
-    micro_batch: PositiveInt = 1
-    grad_accum: PositiveInt = 1
-    seq_len: PositiveInt = 64
-    recompute: Literal["none", "selective", "full"] = "none"
-    virtual_stages: PositiveInt = 1
-    framework: str = "deepspeed"
-    stage_blocks: list[tuple[int, int]] = Field(default_factory=list)
-    images_per_sample: int = Field(0, ge=0)
-    tiles_per_image: int = Field(0, ge=0)
-
-    @field_validator("stage_blocks", mode="before")
-    @classmethod
-    def _none_is_no_partition(cls, value: Any) -> Any:
-        """generate's plan.json may say ``null`` (no pipeline partition given), as its PlanFile allows."""
-        return [] if value is None else value
-
-    @model_validator(mode="after")
-    def _check(self) -> "PlanFile":
-        if self.stage_blocks:
-            if len(self.stage_blocks) not in (self.pp, self.pp * self.virtual_stages):
-                raise ValueError(f"stage_blocks has {len(self.stage_blocks)} stages but pp is {self.pp}")
-            prev_end = self.stage_blocks[0][0]
-            if prev_end != 0:
-                raise ValueError("stage_blocks must start at block 0")
-            for first, last in self.stage_blocks:
-                if first != prev_end or last <= first:
-                    raise ValueError("stage_blocks must be contiguous, non-empty [first, last) ranges")
-                prev_end = last
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+REGENERATE = "regenerate the run directory with `dsplan generate`"
 
 
 def read_plan(run_dir: Path) -> PlanFile:
@@ -81,15 +35,7 @@ def read_plan(run_dir: Path) -> PlanFile:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); regenerate it with `dsplan generate`")
-    return parse_plan(data, path)
-
-
-def parse_plan(data: Any, path: Path) -> PlanFile:
-    """``plan.json``'s parsed contents as the trainer reads them; a UserError naming ``path`` if invalid."""
-    try:
-        return PlanFile.model_validate(data)
-    except ValidationError as err:
-        raise UserError(describe_validation_error(str(path), err))
+    return plan_from_dict(data, str(path), REGENERATE)
 
 
 def _megatron_hint(framework: str) -> str:
@@ -120,8 +66,6 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
     if tp_cfg != plan.tp:
         raise UserError(f"ds_config.json: tensor_parallel.autotp_size is {tp_cfg} but plan.json has tp={plan.tp}; "
                         "regenerate the run directory")
-    if plan.ep > 1 and plan.dp % plan.ep:
-        raise UserError(f"plan.json: ep={plan.ep} must divide the data-parallel degree")
 
 
 def read_ds_config(path: Path) -> dict[str, Any]:

@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.model.spec import ModelSpec, VisionEmbedBlock
 from planner.run.rundir import (
     CHECKPOINT_DIR,
     DEFAULT_LOG,
     DS_CONFIG_FILE,
-    PlanFile,
     check_reference_trainer,
     metrics_path,
     read_ds_config,
