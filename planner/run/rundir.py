@@ -1,33 +1,115 @@
-"""The run-directory contract the reference trainer reads.
+"""The run-directory contract: what a run directory holds, and how planner.run reads it.
 
-A run directory (written by ``dsplan generate``) holds ``ds_config.json`` (a standard
-DeepSpeed config) and ``plan.json`` (the planner's decision, in the one schema
-planner.emit.plan_file defines: generate writes it, run/ reads it back with the same checks).
+A run directory (written by ``dsplan generate``) holds ``plan.json`` (the planner's decision,
+in the one schema planner.emit.plan_file defines: generate writes it, run/ reads it back with
+the same checks), ``ds_config.json`` (a standard DeepSpeed config), ``entry.sh`` (what every
+rank runs) and one launch script per launcher. ``dsplan run`` adds ``.dsplan-run/`` (its
+runtime files) and ``report.json``; the reference trainer adds per-rank metrics,
+``run_info.rank<R>.json`` and ``checkpoints/``.
 
 Metrics: one JSON line per step and rank in ``<log stem>.rank<R><suffix>`` (for the default
 ``DIR/metrics.jsonl``: ``DIR/metrics.rank0.jsonl``, ...); ``metrics_path`` is the one place
 that rule lives so the supervisor reads what the trainer writes.
+
+Everything run/ needs from a run directory lives here, so the modules that launch a job
+(job, local, supervisor) and the trainer that runs in it import it and never each other.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from planner.atomic import write_bytes_atomically
 from planner.emit.plan_file import PlanFile, plan_from_dict
 from planner.errors import UserError
+from planner.model.spec import ModelSpec
 
 PLAN_FILE = "plan.json"
 DS_CONFIG_FILE = "ds_config.json"
+ENTRY_FILE = "entry.sh"
+REQUIRED = (PLAN_FILE, DS_CONFIG_FILE, ENTRY_FILE)
+SCRIPTS = {"deepspeed": "launch_deepspeed.sh", "torchrun": "launch_torchrun.sh", "slurm": "slurm.sbatch"}
 DEFAULT_LOG = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
+RUNTIME_DIR = ".dsplan-run"  # files dsplan run writes while running (rank wrapper, local hostfile, config)
+REPORT_FILE = "report.json"
+BUILTIN_ENTRY_MARK = "-m planner.run.trainer"  # in entry.sh when it runs the reference trainer
 REGENERATE = "regenerate the run directory with `dsplan generate`"
 
 
+@dataclass(frozen=True)
+class RunDirInfo:
+    """A generated run directory: the plan (as written, predictions included) and the entry's settings."""
+
+    path: Path
+    plan: dict[str, Any]
+    nodes: int
+    gpus_per_node: int
+    builtin: bool  # the entry is dsplan's reference trainer (it writes per-rank metrics)
+    steps: int | None  # the trainer's --steps in entry.sh
+    checkpoint_every: int
+    fp16: bool  # ds_config.json trains in fp16
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def metrics_log(self) -> Path:
+        return self.path / DEFAULT_LOG
+
+    def checkpoint_dir(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
+
+def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo:
+    """Read a run directory written by ``dsplan generate``; anything else, or a plan its
+    reference-trainer entry cannot run, is a UserError."""
+    run_dir = Path(path).expanduser()
+    if not run_dir.is_dir():
+        raise UserError(f"{path}: no such directory; create a run directory with `dsplan generate --out {path}`")
+    run_dir = run_dir.resolve()
+    missing = [name for name in (*REQUIRED, SCRIPTS[launcher]) if not (run_dir / name).is_file()]
+    if missing:
+        raise UserError(f"{path}: not a run directory (missing {', '.join(missing)}); "
+                        f"create one with `dsplan generate --out {path}` (or regenerate it)")
+    data = _read_json(run_dir / PLAN_FILE)
+    plan = plan_from_dict(data, str(run_dir / PLAN_FILE), REGENERATE)
+    ds_config = _read_json(run_dir / DS_CONFIG_FILE)
+    entry = (run_dir / ENTRY_FILE).read_text(encoding="utf-8", errors="replace")
+    builtin = BUILTIN_ENTRY_MARK in entry
+    if builtin:  # what every rank of the trainer would refuse, refused before any rank starts
+        check_reference_trainer(plan, ds_config, resolve_model(plan.model, run_dir).is_moe)
+    steps = _entry_int(entry, "--steps") if builtin else None
+    return RunDirInfo(
+        path=run_dir, plan=data, nodes=plan.nodes, gpus_per_node=plan.gpus_per_node, builtin=builtin,
+        steps=steps, checkpoint_every=(_entry_int(entry, "--checkpoint-every") or 0) if builtin else 0,
+        fp16=bool(isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled")),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read it ({err}); regenerate the run directory with `dsplan generate`") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); regenerate it with `dsplan generate`") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object; regenerate it with `dsplan generate`")
+    return data
+
+
+def _entry_int(entry: str, flag: str) -> int | None:
+    match = re.search(rf"^\s*{re.escape(flag)} (\d+)\s*$", entry, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
 def read_plan(run_dir: Path) -> PlanFile:
-    """Load ``plan.json``; a missing or malformed file is the user's to fix (exit 2)."""
+    """Load ``plan.json`` for the trainer; a missing or malformed file is the user's to fix (exit 2)."""
     path = Path(run_dir) / PLAN_FILE
     if not path.is_file():
         raise UserError(f"{run_dir}: not a run directory (no {PLAN_FILE}); create one with `dsplan generate`")
@@ -36,6 +118,21 @@ def read_plan(run_dir: Path) -> PlanFile:
     except json.JSONDecodeError as err:
         raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); regenerate it with `dsplan generate`")
     return plan_from_dict(data, str(path), REGENERATE)
+
+
+def resolve_model(name: str, run_dir: Path) -> ModelSpec:
+    """plan.json's ``model``: a ModelSpec JSON file, else a catalog name or Hugging Face config path
+    (paths may be relative to the run directory)."""
+    from planner.model.load import load_model
+
+    for candidate in (Path(name), run_dir / name):
+        if candidate.is_file() and candidate.suffix == ".json":
+            data = json.loads(candidate.read_text())
+            if isinstance(data, dict) and "blocks" in data:
+                return ModelSpec.model_validate(data)
+        if candidate.exists():
+            return load_model(candidate)
+    return load_model(name)
 
 
 def _megatron_hint(framework: str) -> str:

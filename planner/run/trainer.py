@@ -37,6 +37,7 @@ from planner.run.rundir import (
     metrics_path,
     read_ds_config,
     read_plan,
+    resolve_model,
     write_json_atomic,
 )
 
@@ -67,21 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.checkpoint_every < 0:
         raise UserError(f"--checkpoint-every {args.checkpoint_every}: must be 0 (never) or positive")
     return args
-
-
-def resolve_model(name: str, run_dir: Path) -> ModelSpec:
-    """A ModelSpec JSON file, else a catalog name or Hugging Face config path (paths may be relative
-    to the run directory)."""
-    from planner.model.load import load_model
-
-    for candidate in (Path(name), run_dir / name):
-        if candidate.is_file() and candidate.suffix == ".json":
-            data = json.loads(candidate.read_text())
-            if isinstance(data, dict) and "blocks" in data:
-                return ModelSpec.model_validate(data)
-        if candidate.exists():
-            return load_model(candidate)
-    return load_model(name)
 
 
 def peak_memory_bytes() -> int:
