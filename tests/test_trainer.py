@@ -23,7 +23,8 @@ from planner.run import checkpoint
 from planner.run.data import SyntheticData
 from planner.run.model_scale import SMALL, TINY, parse_scale, scale_spec
 from planner.emit.plan_file import PlanFile
-from planner.run.rundir import metrics_path, read_plan
+from planner.run.metrics import metrics_path
+from planner.run.rundir import read_plan
 from tests.conftest_deepspeed import (
     DEEPSPEED,
     LAUNCH_TIMEOUT_S,

@@ -4,12 +4,8 @@ A run directory (written by ``dsplan generate``) holds ``plan.json`` (the planne
 in the one schema planner.emit.plan_file defines: generate writes it, run/ reads it back with
 the same checks), ``ds_config.json`` (a standard DeepSpeed config), ``entry.sh`` (what every
 rank runs) and one launch script per launcher. ``dsplan run`` adds ``.dsplan-run/`` (its
-runtime files) and ``report.json``; the reference trainer adds per-rank metrics,
-``run_info.rank<R>.json`` and ``checkpoints/``.
-
-Metrics: one JSON line per step and rank in ``<log stem>.rank<R><suffix>`` (for the default
-``DIR/metrics.jsonl``: ``DIR/metrics.rank0.jsonl``, ...); ``metrics_path`` is the one place
-that rule lives so the supervisor reads what the trainer writes.
+runtime files) and ``report.json``; the reference trainer adds per-rank metrics (named by
+planner.run.metrics), ``run_info.rank<R>.json`` and ``checkpoints/``.
 
 Everything run/ needs from a run directory lives here, so the modules that launch a job
 (job, local, supervisor) and the trainer that runs in it import it and never each other.
@@ -176,12 +172,6 @@ def read_ds_config(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: a DeepSpeed config must be a JSON object")
     return data
-
-
-def metrics_path(log: Path, rank: int) -> Path:
-    """Per-rank metrics file: ``metrics.jsonl`` -> ``metrics.rank3.jsonl``."""
-    log = Path(log)
-    return log.with_name(f"{log.stem}.rank{rank}{log.suffix or '.jsonl'}")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
