@@ -31,7 +31,8 @@ from planner.model.spec import (
     VisionTiling,
 )
 from planner.run.processes import remove_shm_buffers
-from planner.run.rundir import default_ds_config, write_run_dir, PlanFile
+from planner.emit.plan_file import plan_from_dict
+from tests.handwritten_run_dir import default_ds_config, write_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -88,7 +89,11 @@ def make_run_dir(path: Path, spec: ModelSpec, ds_overrides: dict[str, Any] | Non
             "grad_accum": 1, "seq_len": 32, "recompute": "none", "stage_blocks": [[0, len(spec.blocks)]],
             "images_per_sample": 0, "tiles_per_image": 0}
     full.update(plan)
-    cfg = default_ds_config(PlanFile.model_validate(full))
+    # plan.json's schema (planner.emit.plan_file) also wants the cluster shape and the global batch
+    full.setdefault("nodes", 1)
+    full.setdefault("gpus_per_node", full["dp"] * full["tp"] * full["pp"] // full["nodes"])
+    full.setdefault("global_batch", full["micro_batch"] * full["grad_accum"] * full["dp"])
+    cfg = default_ds_config(plan_from_dict(full))
     for key, value in (ds_overrides or {}).items():
         cfg[key] = value
     return write_run_dir(path, full, cfg)

@@ -9,11 +9,11 @@ import pytest
 from planner.search.partition import (
     StageMemory,
     balance,
-    brute_force_partition,
     fits_within,
     greedy_partition,
     optimal_partition,
 )
+from tests.partition_oracle import brute_force_partition
 
 
 def vl2_like_costs() -> list[float]:

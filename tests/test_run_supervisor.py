@@ -265,7 +265,8 @@ def test_a_signal_is_acted_on_at_the_next_check_not_where_it_lands(tmp_path):
     check. Raised from the handler, the exception could land inside MetricsTail.poll after it
     had consumed lines, losing the steps they record (a Ctrl-C once left report.json with no
     last step although both ranks had logged two)."""
-    from planner.run.supervisor import JobInterrupted, MetricsTail, Supervisor
+    from planner.run.metrics import MetricsTail
+    from planner.run.supervisor import JobInterrupted, Supervisor
 
     sup = Supervisor(job=None)  # type: ignore[arg-type]
     previous = sup._install_signals()

@@ -22,7 +22,9 @@ from planner.model.load import load_model
 from planner.run import checkpoint
 from planner.run.data import SyntheticData
 from planner.run.model_scale import SMALL, TINY, parse_scale, scale_spec
-from planner.run.rundir import PlanFile, metrics_path, read_plan
+from planner.emit.plan_file import PlanFile
+from planner.run.metrics import metrics_path
+from planner.run.rundir import read_plan
 from tests.conftest_deepspeed import (
     DEEPSPEED,
     LAUNCH_TIMEOUT_S,
@@ -112,10 +114,14 @@ def test_synthetic_data_is_a_function_of_step_micro_and_dp_rank():
 
 
 def test_plan_file_validation_and_metrics_names(tmp_path):
-    plan = PlanFile.model_validate({"model": "m", "pp": 2, "stage_blocks": [[0, 3], [3, 7]], "planner_extra": 1})
+    fields = {"model": "m", "nodes": 1, "gpus_per_node": 2, "dp": 1, "pp": 2, "micro_batch": 1, "global_batch": 1,
+              "seq_len": 32}
+    plan = PlanFile.model_validate({**fields, "stage_blocks": [[0, 3], [3, 7]], "planner_extra": 1})
     assert plan.stage_blocks == [(0, 3), (3, 7)] and plan.world_size == 2
     with pytest.raises(ValueError, match="contiguous"):
-        PlanFile.model_validate({"model": "m", "pp": 2, "stage_blocks": [[0, 3], [4, 7]]})
+        PlanFile.model_validate({**fields, "stage_blocks": [[0, 3], [4, 7]]})
+    with pytest.raises(ValueError, match="start at block 0"):
+        PlanFile.model_validate({**fields, "stage_blocks": [[1, 3], [3, 7]]})
     assert metrics_path(tmp_path / "metrics.jsonl", 3) == tmp_path / "metrics.rank3.jsonl"
     (tmp_path / "plan.json").write_text("{not json")
     with pytest.raises(UserError, match="plan.json: not valid JSON"):
@@ -230,7 +236,7 @@ def test_deepseek_vl2_preset_with_pipeline_2(tmp_path):
 
 @pytest.mark.deepspeed
 def test_two_nodes_on_localhost(tmp_path):
-    run_dir = make_run_dir(tmp_path / "run", llama_like(), FAST_LR, zero_stage=2)
+    run_dir = make_run_dir(tmp_path / "run", llama_like(), FAST_LR, zero_stage=2, nodes=2, gpus_per_node=1)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port = str(free_port())

@@ -134,10 +134,11 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
 def _trainer_note(files: dict, model: "ModelSpec") -> str | None:
     """Why the reference trainer (the default entry) would refuse this plan, if it would: the
     run directory is still worth having (configs, Megatron flags), so this is a note, not an error."""
-    from planner.run.rundir import check_reference_trainer, parse_plan
+    from planner.emit.plan_file import plan_from_dict
+    from planner.run.rundir import check_reference_trainer
 
     try:
-        check_reference_trainer(parse_plan(json.loads(files["plan.json"].content), Path("plan.json")),
+        check_reference_trainer(plan_from_dict(json.loads(files["plan.json"].content), "plan.json"),
                                 json.loads(files["ds_config.json"].content), model.is_moe)
     except UserError as err:
         return f"the default entry cannot run this plan: {err}"

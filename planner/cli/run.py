@@ -48,7 +48,8 @@ def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, che
       dsplan run runs/llama8b --local --steps 20 --checkpoint-every 5 --max-restarts 2
       dsplan run runs/vl2 --launcher slurm --dry-run
     """
-    from planner.run.job import REPORT_FILE, build_job, check_runnable
+    from planner.run.job import build_job, check_runnable
+    from planner.run.rundir import REPORT_FILE
 
     job = build_job(run_dir, launcher=launcher, local=local, steps=steps, checkpoint_every=checkpoint_every,
                     resume=resume, scale=scale)

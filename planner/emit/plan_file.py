@@ -3,6 +3,10 @@
 A plan file is what ``Plan.to_json()`` (and ``dsplan estimate --json``) produce. Emit reads only
 the parallel layout, the batch split and the workload; predictions ride along untouched
 (``extra="allow"``) so plan.json in the run directory keeps everything the planner said.
+
+This is the one schema of plan.json: ``dsplan generate`` writes ``PlanFile.to_json()`` into the
+run directory, and ``dsplan run`` and the reference trainer (planner.run) read it back with
+``plan_from_dict``. Emit never imports planner.run.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class PlanFile(BaseModel):
             if len(self.stage_blocks) not in (self.pp, chunks):
                 raise ValueError(f"stage_blocks has {len(self.stage_blocks)} stages; the plan has pp={self.pp}")
             previous_end = self.stage_blocks[0][0]
+            if previous_end != 0:
+                raise ValueError("stage_blocks must start at block 0")
             for first, last in self.stage_blocks:
                 if first != previous_end or last <= first:
                     raise ValueError("stage_blocks must be contiguous, non-empty [first, last) ranges in order")
@@ -96,14 +102,17 @@ class PlanFile(BaseModel):
         return data
 
 
-def plan_from_dict(data: Any, source: str = "plan") -> PlanFile:
-    """Validate a plan dict; any problem is a UserError naming ``source`` and the field."""
+WRITE_A_PLAN = "write it with `dsplan estimate --json` or `dsplan suggest --json`"
+
+
+def plan_from_dict(data: Any, source: str = "plan", fix: str = WRITE_A_PLAN) -> PlanFile:
+    """Validate a plan dict; any problem is a UserError naming ``source`` and the field, then ``fix``."""
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a JSON object with the plan's fields (model, dp, tp, pp, ...)")
     try:
         return PlanFile.model_validate(data)
     except ValidationError as err:
-        raise UserError(describe_validation_error(source, err) + "; write it with `dsplan estimate --json` or `dsplan suggest --json`") from None
+        raise UserError(f"{describe_validation_error(source, err)}; {fix}") from None
 
 
 def load_plan_file(path: str | Path) -> PlanFile:

@@ -13,6 +13,7 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import yaml
@@ -267,32 +268,50 @@ def render_run_dir(
             f"plan: {plan.gpus_per_node} GPUs per node, but hardware profile {profile.name} has {profile.gpus_per_node}"
         )
     check_plan_against_model(plan, model)
-    settings = options.settings
-    ds_config = build_ds_config(plan, model, settings)
+    ds_config = build_ds_config(plan, model, options.settings)
     moe = build_moe_config(plan, model)
     hosts = _hosts(plan, options)
-    name = run_name(out_dir)
-    builtin = options.entry == BUILTIN_ENTRY
-    script = None if builtin else entry_script(options.entry, out_dir)
+    script = None if options.entry == BUILTIN_ENTRY else entry_script(options.entry, out_dir)
+    context = _context(plan, model, profile, options, out_dir, hosts, script, moe=moe is not None)
+    env = _environment()
+    files: dict[str, GeneratedFile] = {
+        "ds_config.json": GeneratedFile(content=json.dumps(ds_config, indent=2) + "\n"),
+        "plan.json": GeneratedFile(content=json.dumps(plan.to_json(), indent=2) + "\n"),
+    }
+    if moe is not None:
+        files["moe.json"] = GeneratedFile(content=json.dumps(moe, indent=2) + "\n")
+    if script is not None and script.text is not None:
+        files[script.name] = GeneratedFile(content=script.text)
+    for template in TEMPLATED:
+        text = env.get_template(f"{template}.j2").render(context)
+        files[template] = GeneratedFile(content=text, executable=template in EXECUTABLE)
+    _self_check(files)
+    return files
+
+
+def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options: LaunchOptions,
+             out_dir: str | Path, hosts: list[Host], script: EntryScript | None, *, moe: bool) -> dict[str, Any]:
+    """What the templates see: the plan, its launch settings, hosts, environment and flags."""
+    settings = options.settings
     scheduler = None if options.k8s_scheduler is None else check_k8s_scheduler(options.k8s_scheduler)
     k8s_roles = [("Master", 1)] + ([("Worker", plan.nodes - 1)] if plan.nodes > 1 else [])
-    context = {
+    return {
         "plan": plan,
         "model": model,
         "profile": profile,
         "settings": settings,
         "plan_title": plan_title(plan, model),
-        "run_name": name,
+        "run_name": run_name(out_dir),
         "run_dir_hint": shlex.quote(str(Path(out_dir))),
         "version": __version__,
         "params": _count(model.total_params()),
         "predictions": _predictions(plan),
         "notes": _notes(plan, model, profile),
-        "builtin": builtin,
+        "builtin": options.entry == BUILTIN_ENTRY,
         "entry": options.entry,  # the user's path; entry.sh runs script.name in the run directory
         "script": script,
         "entry_args": options.entry_args,
-        "moe": moe is not None,
+        "moe": moe,
         "hosts": hosts,
         "hosts_given": options.hosts is not None or plan.nodes == 1,
         "first_host": hosts[0].name,
@@ -311,20 +330,6 @@ def render_run_dir(
                 # /dev/shm (NCCL's intra-node buffers, data-loader workers) is host memory: cap it at a quarter of the node's
                 "shm_GiB": max(1, int(profile.node.host_memory_GiB // 4))},
     }
-    env = _environment()
-    files: dict[str, GeneratedFile] = {
-        "ds_config.json": GeneratedFile(content=json.dumps(ds_config, indent=2) + "\n"),
-        "plan.json": GeneratedFile(content=json.dumps(plan.to_json(), indent=2) + "\n"),
-    }
-    if moe is not None:
-        files["moe.json"] = GeneratedFile(content=json.dumps(moe, indent=2) + "\n")
-    if script is not None and script.text is not None:
-        files[script.name] = GeneratedFile(content=script.text)
-    for template in TEMPLATED:
-        text = env.get_template(f"{template}.j2").render(context)
-        files[template] = GeneratedFile(content=text, executable=template in EXECUTABLE)
-    _self_check(files)
-    return files
 
 
 def _self_check(files: dict[str, GeneratedFile]) -> None:

@@ -94,30 +94,16 @@ def _remove_created(created: list[Path]) -> None:
 
 
 def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force: bool = False) -> WriteReport:
-    """Write ``files`` into ``out_dir`` (created if needed); refuse to clobber user edits."""
+    """Write ``files`` into ``out_dir`` (created if needed); refuse to clobber user edits.
+
+    Three steps: sort the files (new, unchanged, edited by the user, stale), stage every file
+    that changes next to its target, then rename them into place with the manifest last.
+    """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory; pick a directory path")
     previous = read_manifest(out) if out.is_dir() else {}
-
-    written, unchanged, edited = [], [], []
-    for name, generated in files.items():
-        path = out / name
-        new_sha = sha256_text(generated.content)
-        if not path.exists():
-            written.append(name)
-            continue
-        if path.is_dir():
-            raise UserError(f"--out {out}: {name} is a directory where dsplan writes a file; move it away")
-        if path.is_symlink() or not path.is_file():  # a link or a device (e.g. -> /dev/zero): never read it
-            raise UserError(f"--out {out}: {name} is a link or special file where dsplan writes a file; move it away")
-        current = _sha256_file(path)
-        if current == new_sha:
-            unchanged.append(name)
-        elif previous.get(name) == current:
-            written.append(name)
-        else:
-            edited.append(name)
+    written, unchanged, edited = _sort_files(out, files, previous)
     stale = [n for n in previous if n not in files and (out / n).is_file() and not (out / n).is_symlink()]
     stale_edited = [n for n in stale if _sha256_file(out / n) != previous[n]]
     if (edited or stale_edited) and not force:
@@ -126,14 +112,49 @@ def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force
             f"--out {out}: these files differ from what dsplan generated (edited by you, or not written by dsplan): "
             f"{listing}; nothing was written. Move them away, or pass --force to replace them"
         )
+    staged = _stage_all(out, files, written + edited, unchanged)
+    removed = _commit(out, staged, [n for n in stale if force or n not in stale_edited])
+    return WriteReport(
+        out_dir=str(out), written=sorted(written + edited), unchanged=sorted(unchanged), removed=sorted(removed),
+        replaced_edits=sorted(edited + [n for n in stale_edited if n in removed]),
+    )
 
-    # Stage every file first; only when all of them are on disk does anything replace a file.
+
+def _sort_files(out: Path, files: dict[str, GeneratedFile],
+                previous: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
+    """(to write, unchanged, edited since dsplan wrote them, by ``previous``'s hashes); a directory,
+    link or device where a file goes is a UserError (never read through)."""
+    written, unchanged, edited = [], [], []
+    for name, generated in files.items():
+        path = out / name
+        if not path.exists():
+            written.append(name)
+            continue
+        if path.is_dir():
+            raise UserError(f"--out {out}: {name} is a directory where dsplan writes a file; move it away")
+        if path.is_symlink() or not path.is_file():  # a link or a device (e.g. -> /dev/zero): never read it
+            raise UserError(f"--out {out}: {name} is a link or special file where dsplan writes a file; move it away")
+        current = _sha256_file(path)
+        if current == sha256_text(generated.content):
+            unchanged.append(name)
+        elif previous.get(name) == current:
+            written.append(name)
+        else:
+            edited.append(name)
+    return written, unchanged, edited
+
+
+def _stage_all(out: Path, files: dict[str, GeneratedFile], changed: list[str],
+               unchanged: list[str]) -> list[tuple[str, Path]]:
+    """Stage every changed file and the manifest (last) as (temporary, target) pairs; only when all
+    of them are on disk does anything replace a file. A failure removes what was staged and the
+    directories this write created."""
     created = _missing_dirs(out)
     manifest = {"generator": f"dsplan {__version__}", "files": {n: sha256_text(f.content) for n, f in files.items()}}
     staged: list[tuple[str, Path]] = []
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for name in written + edited:
+        for name in changed:
             generated = files[name]
             staged.append((_stage(out / name, generated.content, generated.executable), out / name))
         staged.append((_stage(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n", False), out / MANIFEST))
@@ -143,25 +164,23 @@ def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force
         _discard([tmp for tmp, _ in staged])
         _remove_created(created)
         raise
+    return staged
 
-    # Commit: renames within one directory, then the stale files, and the manifest last.
+
+def _commit(out: Path, staged: list[tuple[str, Path]], remove: list[str]) -> list[str]:
+    """Renames within one directory, then the stale files in ``remove``, and the manifest last;
+    returns the names removed."""
     committed = 0
     try:
         for tmp, path in staged[:-1]:
             os.replace(tmp, path)
             committed += 1
-        removed = []
-        for name in stale:
-            if force or name not in stale_edited:
-                (out / name).unlink()
-                removed.append(name)
+        for name in remove:
+            (out / name).unlink()
         tmp, path = staged[-1]
         os.replace(tmp, path)
         committed += 1
     except BaseException:
         _discard([tmp for tmp, _ in staged[committed:]])
         raise
-    return WriteReport(
-        out_dir=str(out), written=sorted(written + edited), unchanged=sorted(unchanged), removed=sorted(removed),
-        replaced_edits=sorted(edited + [n for n in stale_edited if n in removed]),
-    )
+    return remove

@@ -1,4 +1,5 @@
-"""What ``dsplan run`` executes: the run directory it reads, and the launcher commands it starts.
+"""What ``dsplan run`` executes: a run directory (planner.run.rundir reads it) and the launcher
+commands it starts.
 
 Everything here is plain data and pure decisions (which script, which mode, which environment);
 nothing is started. ``planner.run.supervisor`` starts and watches the commands, ``--dry-run``
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -21,14 +21,11 @@ from typing import Any
 
 from planner.errors import UserError
 from planner.run.local import LocalPlan, adapt_for_local, local_env, local_hostfile
+from planner.run.processes import JOB_ID_ENV
+from planner.run.rundir import RUNTIME_DIR, SCRIPTS, RunDirInfo, inspect_run_dir
 
 LAUNCHERS = ("deepspeed", "torchrun", "slurm")
-SCRIPTS = {"deepspeed": "launch_deepspeed.sh", "torchrun": "launch_torchrun.sh", "slurm": "slurm.sbatch"}
 LAUNCH_TOOLS = {"deepspeed": "deepspeed", "torchrun": "torchrun", "slurm": "sbatch"}  # what each script runs
-REQUIRED = ("plan.json", "ds_config.json", "entry.sh")
-RUNTIME_DIR = ".dsplan-run"  # files dsplan run writes while running (rank wrapper, local hostfile, config)
-REPORT_FILE = "report.json"
-JOB_ID_ENV = "DSPLAN_JOB_ID"  # carried by every process of the job
 RUN_ID_ENV = "DSPLAN_RUN_ID"  # optional: the job id to use (tests set it to find the job's processes)
 INSTALL_HINT = "pip install 'dsplan[run]'"
 
@@ -38,79 +35,6 @@ RANK_WRAPPER = """#!/usr/bin/env bash
 # Written by `dsplan run`: one rank's Python, every output line prefixed with its rank.
 exec "${DSPLAN_RANK_PYTHON:?}" "$@" > >(awk -v p="[rank ${RANK:-?}] " '{ print p $0; fflush() }') 2>&1
 """
-
-
-@dataclass(frozen=True)
-class RunDirInfo:
-    """A generated run directory: the plan (as written, predictions included) and the entry's settings."""
-
-    path: Path
-    plan: dict[str, Any]
-    nodes: int
-    gpus_per_node: int
-    builtin: bool  # the entry is dsplan's reference trainer (it writes per-rank metrics)
-    steps: int | None  # the trainer's --steps in entry.sh
-    checkpoint_every: int
-    fp16: bool  # ds_config.json trains in fp16
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def metrics_log(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    def checkpoint_dir(self) -> Path:
-        return self.path / "checkpoints"
-
-
-def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo:
-    """Read a run directory written by ``dsplan generate``; anything else, or a plan its
-    reference-trainer entry cannot run, is a UserError."""
-    from planner.emit.plan_file import plan_from_dict
-
-    run_dir = Path(path).expanduser()
-    if not run_dir.is_dir():
-        raise UserError(f"{path}: no such directory; create a run directory with `dsplan generate --out {path}`")
-    run_dir = run_dir.resolve()
-    missing = [name for name in (*REQUIRED, SCRIPTS[launcher]) if not (run_dir / name).is_file()]
-    if missing:
-        raise UserError(f"{path}: not a run directory (missing {', '.join(missing)}); "
-                        f"create one with `dsplan generate --out {path}` (or regenerate it)")
-    data = _read_json(run_dir / "plan.json")
-    plan = plan_from_dict(data, str(run_dir / "plan.json"))
-    ds_config = _read_json(run_dir / "ds_config.json")
-    entry = (run_dir / "entry.sh").read_text(encoding="utf-8", errors="replace")
-    builtin = "-m planner.run.trainer" in entry
-    if builtin:  # what every rank of the trainer would refuse, refused before any rank starts
-        from planner.run.rundir import check_reference_trainer, parse_plan
-        from planner.run.trainer import resolve_model
-
-        trainer_plan = parse_plan(data, run_dir / "plan.json")
-        check_reference_trainer(trainer_plan, ds_config, resolve_model(trainer_plan.model, run_dir).is_moe)
-    steps = _entry_int(entry, "--steps") if builtin else None
-    return RunDirInfo(
-        path=run_dir, plan=data, nodes=plan.nodes, gpus_per_node=plan.gpus_per_node, builtin=builtin,
-        steps=steps, checkpoint_every=(_entry_int(entry, "--checkpoint-every") or 0) if builtin else 0,
-        fp16=bool(isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled")),
-    )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read it ({err}); regenerate the run directory with `dsplan generate`") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); regenerate it with `dsplan generate`") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object; regenerate it with `dsplan generate`")
-    return data
-
-
-def _entry_int(entry: str, flag: str) -> int | None:
-    match = re.search(rf"^\s*{re.escape(flag)} (\d+)\s*$", entry, re.MULTILINE)
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import UserError
 
 if TYPE_CHECKING:
-    from planner.run.job import RunDirInfo
+    from planner.run.rundir import RunDirInfo
 
 DEFAULT_SCALE = "tiny"
 MAX_LOCAL_SEQ_LEN = 256  # tokens per sample on CPU: keeps a tiny-scale step well under a second

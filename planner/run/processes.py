@@ -6,7 +6,7 @@ import os
 import signal
 import socket
 
-from planner.run.job import JOB_ID_ENV
+JOB_ID_ENV = "DSPLAN_JOB_ID"  # carried by every process of a job: how its processes are found
 
 
 def free_port() -> int:

@@ -1,79 +1,111 @@
-"""The run-directory contract the reference trainer reads, and a writer for tests.
+"""The run-directory contract: what a run directory holds, and how planner.run reads it.
 
-A run directory (written by ``dsplan generate``) holds ``ds_config.json`` (a standard
-DeepSpeed config) and ``plan.json`` (the planner's decision). The trainer needs only a few
-plan fields, so ``PlanFile`` names those and lets everything else through untouched.
+A run directory (written by ``dsplan generate``) holds ``plan.json`` (the planner's decision,
+in the one schema planner.emit.plan_file defines: generate writes it, run/ reads it back with
+the same checks), ``ds_config.json`` (a standard DeepSpeed config), ``entry.sh`` (what every
+rank runs) and one launch script per launcher. ``dsplan run`` adds ``.dsplan-run/`` (its
+runtime files) and ``report.json``; the reference trainer adds per-rank metrics (named by
+planner.run.metrics), ``run_info.rank<R>.json`` and ``checkpoints/``.
 
-Metrics: one JSON line per step and rank in ``<log stem>.rank<R><suffix>`` (for the default
-``DIR/metrics.jsonl``: ``DIR/metrics.rank0.jsonl``, ...); ``metrics_path`` is the one place
-that rule lives so the supervisor reads what the trainer writes.
+Everything run/ needs from a run directory lives here, so the modules that launch a job
+(job, local, supervisor) and the trainer that runs in it import it and never each other.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from typing import Any
 
 from planner.atomic import write_bytes_atomically
-from planner.errors import UserError, describe_validation_error
+from planner.emit.plan_file import PlanFile, plan_from_dict
+from planner.errors import UserError
+from planner.model.spec import ModelSpec
 
 PLAN_FILE = "plan.json"
 DS_CONFIG_FILE = "ds_config.json"
+ENTRY_FILE = "entry.sh"
+REQUIRED = (PLAN_FILE, DS_CONFIG_FILE, ENTRY_FILE)
+SCRIPTS = {"deepspeed": "launch_deepspeed.sh", "torchrun": "launch_torchrun.sh", "slurm": "slurm.sbatch"}
 DEFAULT_LOG = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
+RUNTIME_DIR = ".dsplan-run"  # files dsplan run writes while running (rank wrapper, local hostfile, config)
+REPORT_FILE = "report.json"
+BUILTIN_ENTRY_MARK = "-m planner.run.trainer"  # in entry.sh when it runs the reference trainer
+REGENERATE = "regenerate the run directory with `dsplan generate`"
 
 
-class PlanFile(BaseModel):
-    """The fields of ``plan.json`` the trainer follows; other fields pass through."""
+@dataclass(frozen=True)
+class RunDirInfo:
+    """A generated run directory: the plan (as written, predictions included) and the entry's settings."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    model: str
-    dp: PositiveInt = 1
-    tp: PositiveInt = 1
-    pp: PositiveInt = 1
-    ep: PositiveInt = 1
-    zero_stage: int = Field(0, ge=0, le=3)
-    micro_batch: PositiveInt = 1
-    grad_accum: PositiveInt = 1
-    seq_len: PositiveInt = 64
-    recompute: Literal["none", "selective", "full"] = "none"
-    virtual_stages: PositiveInt = 1
-    framework: str = "deepspeed"
-    stage_blocks: list[tuple[int, int]] = Field(default_factory=list)
-    images_per_sample: int = Field(0, ge=0)
-    tiles_per_image: int = Field(0, ge=0)
-
-    @field_validator("stage_blocks", mode="before")
-    @classmethod
-    def _none_is_no_partition(cls, value: Any) -> Any:
-        """generate's plan.json may say ``null`` (no pipeline partition given), as its PlanFile allows."""
-        return [] if value is None else value
-
-    @model_validator(mode="after")
-    def _check(self) -> "PlanFile":
-        if self.stage_blocks:
-            if len(self.stage_blocks) not in (self.pp, self.pp * self.virtual_stages):
-                raise ValueError(f"stage_blocks has {len(self.stage_blocks)} stages but pp is {self.pp}")
-            prev_end = self.stage_blocks[0][0]
-            if prev_end != 0:
-                raise ValueError("stage_blocks must start at block 0")
-            for first, last in self.stage_blocks:
-                if first != prev_end or last <= first:
-                    raise ValueError("stage_blocks must be contiguous, non-empty [first, last) ranges")
-                prev_end = last
-        return self
+    path: Path
+    plan: dict[str, Any]
+    nodes: int
+    gpus_per_node: int
+    builtin: bool  # the entry is dsplan's reference trainer (it writes per-rank metrics)
+    steps: int | None  # the trainer's --steps in entry.sh
+    checkpoint_every: int
+    fp16: bool  # ds_config.json trains in fp16
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.nodes * self.gpus_per_node
+
+    def metrics_log(self) -> Path:
+        return self.path / DEFAULT_LOG
+
+    def checkpoint_dir(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
+
+def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo:
+    """Read a run directory written by ``dsplan generate``; anything else, or a plan its
+    reference-trainer entry cannot run, is a UserError."""
+    run_dir = Path(path).expanduser()
+    if not run_dir.is_dir():
+        raise UserError(f"{path}: no such directory; create a run directory with `dsplan generate --out {path}`")
+    run_dir = run_dir.resolve()
+    missing = [name for name in (*REQUIRED, SCRIPTS[launcher]) if not (run_dir / name).is_file()]
+    if missing:
+        raise UserError(f"{path}: not a run directory (missing {', '.join(missing)}); "
+                        f"create one with `dsplan generate --out {path}` (or regenerate it)")
+    data = _read_json(run_dir / PLAN_FILE)
+    plan = plan_from_dict(data, str(run_dir / PLAN_FILE), REGENERATE)
+    ds_config = _read_json(run_dir / DS_CONFIG_FILE)
+    entry = (run_dir / ENTRY_FILE).read_text(encoding="utf-8", errors="replace")
+    builtin = BUILTIN_ENTRY_MARK in entry
+    if builtin:  # what every rank of the trainer would refuse, refused before any rank starts
+        check_reference_trainer(plan, ds_config, resolve_model(plan.model, run_dir).is_moe)
+    steps = _entry_int(entry, "--steps") if builtin else None
+    return RunDirInfo(
+        path=run_dir, plan=data, nodes=plan.nodes, gpus_per_node=plan.gpus_per_node, builtin=builtin,
+        steps=steps, checkpoint_every=(_entry_int(entry, "--checkpoint-every") or 0) if builtin else 0,
+        fp16=bool(isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled")),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read it ({err}); regenerate the run directory with `dsplan generate`") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); regenerate it with `dsplan generate`") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object; regenerate it with `dsplan generate`")
+    return data
+
+
+def _entry_int(entry: str, flag: str) -> int | None:
+    match = re.search(rf"^\s*{re.escape(flag)} (\d+)\s*$", entry, re.MULTILINE)
+    return int(match.group(1)) if match else None
 
 
 def read_plan(run_dir: Path) -> PlanFile:
-    """Load ``plan.json``; a missing or malformed file is the user's to fix (exit 2)."""
+    """Load ``plan.json`` for the trainer; a missing or malformed file is the user's to fix (exit 2)."""
     path = Path(run_dir) / PLAN_FILE
     if not path.is_file():
         raise UserError(f"{run_dir}: not a run directory (no {PLAN_FILE}); create one with `dsplan generate`")
@@ -81,15 +113,22 @@ def read_plan(run_dir: Path) -> PlanFile:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); regenerate it with `dsplan generate`")
-    return parse_plan(data, path)
+    return plan_from_dict(data, str(path), REGENERATE)
 
 
-def parse_plan(data: Any, path: Path) -> PlanFile:
-    """``plan.json``'s parsed contents as the trainer reads them; a UserError naming ``path`` if invalid."""
-    try:
-        return PlanFile.model_validate(data)
-    except ValidationError as err:
-        raise UserError(describe_validation_error(str(path), err))
+def resolve_model(name: str, run_dir: Path) -> ModelSpec:
+    """plan.json's ``model``: a ModelSpec JSON file, else a catalog name or Hugging Face config path
+    (paths may be relative to the run directory)."""
+    from planner.model.load import load_model
+
+    for candidate in (Path(name), run_dir / name):
+        if candidate.is_file() and candidate.suffix == ".json":
+            data = json.loads(candidate.read_text())
+            if isinstance(data, dict) and "blocks" in data:
+                return ModelSpec.model_validate(data)
+        if candidate.exists():
+            return load_model(candidate)
+    return load_model(name)
 
 
 def _megatron_hint(framework: str) -> str:
@@ -120,8 +159,6 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
     if tp_cfg != plan.tp:
         raise UserError(f"ds_config.json: tensor_parallel.autotp_size is {tp_cfg} but plan.json has tp={plan.tp}; "
                         "regenerate the run directory")
-    if plan.ep > 1 and plan.dp % plan.ep:
-        raise UserError(f"plan.json: ep={plan.ep} must divide the data-parallel degree")
 
 
 def read_ds_config(path: Path) -> dict[str, Any]:
@@ -137,45 +174,8 @@ def read_ds_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def metrics_path(log: Path, rank: int) -> Path:
-    """Per-rank metrics file: ``metrics.jsonl`` -> ``metrics.rank3.jsonl``."""
-    log = Path(log)
-    return log.with_name(f"{log.stem}.rank{rank}{log.suffix or '.jsonl'}")
-
-
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomically(path, (json.dumps(data, indent=2) + "\n").encode(), fsync=True)
-
-
-def default_ds_config(plan: PlanFile, *, offload_optimizer: bool = False, lr: float = 1e-3) -> dict[str, Any]:
-    """A DeepSpeed config matching ``plan`` (fp32 on CPU); what generate writes, in miniature."""
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": plan.zero_stage},
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000000,
-        "wall_clock_breakdown": False,
-    }
-    if offload_optimizer:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    if plan.tp > 1:
-        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
-    if plan.pp > 1:
-        cfg["pipeline"] = {"stages": plan.pp, "partition": "planner"}
-    return cfg
-
-
-def write_run_dir(run_dir: Path, plan: dict[str, Any], ds_config: dict[str, Any] | None = None) -> Path:
-    """Create a run directory with ``plan.json`` and ``ds_config.json`` (tests, until generate)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    parsed = PlanFile.model_validate(plan)
-    write_json_atomic(run_dir / PLAN_FILE, plan)
-    write_json_atomic(run_dir / DS_CONFIG_FILE, ds_config if ds_config is not None else default_ds_config(parsed))
-    return run_dir

@@ -19,7 +19,6 @@ then loads the newest checkpoint that every rank finished (checkpoints/latest_go
 
 from __future__ import annotations
 
-import json
 import queue
 import re
 import signal
@@ -34,6 +33,7 @@ from planner.errors import UserError
 from planner.run import checkpoint
 from planner.run.job import Job
 from planner.run.local import LOCAL_MASTER_ADDR
+from planner.run.metrics import MetricsTail
 from planner.run.processes import free_port, job_processes, kill, killpg, remove_shm_buffers, signal_name
 
 GRACE_S = 15.0
@@ -85,44 +85,6 @@ def checkpoint_step(ckpt_dir: Path) -> int | None:
     """The step of the newest complete checkpoint (planner.run.checkpoint's ``latest_good``)."""
     tag = checkpoint.latest_good(Path(ckpt_dir))
     return None if tag is None else checkpoint.step_of(tag)
-
-
-class MetricsTail:
-    """New records of the per-rank metrics files (``metrics.rank<R>.jsonl``) since construction."""
-
-    def __init__(self, log: Path):
-        self.dir, self.stem, self.suffix = log.parent, log.stem, log.suffix or ".jsonl"
-        self.offsets: dict[Path, int] = {p: p.stat().st_size for p in self._files()}
-        self.partial: dict[Path, bytes] = {}
-
-    def _files(self) -> list[Path]:
-        return sorted(self.dir.glob(f"{self.stem}.rank*{self.suffix}"))
-
-    def poll(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for path in self._files():
-            offset = self.offsets.get(path, 0)
-            try:
-                with open(path, "rb") as fh:
-                    fh.seek(offset)
-                    chunk = fh.read()
-            except OSError:
-                continue
-            if not chunk:
-                continue
-            self.offsets[path] = offset + len(chunk)
-            data = self.partial.pop(path, b"") + chunk
-            *lines, rest = data.split(b"\n")
-            if rest:
-                self.partial[path] = rest
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int):
-                    out.append(record)
-        return out
 
 
 class Supervisor:

@@ -18,27 +18,32 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import json
 import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.model.spec import ModelSpec, VisionEmbedBlock
+from planner.run.metrics import MetricsLog, metrics_path
 from planner.run.rundir import (
     CHECKPOINT_DIR,
     DEFAULT_LOG,
     DS_CONFIG_FILE,
-    PlanFile,
     check_reference_trainer,
-    metrics_path,
     read_ds_config,
     read_plan,
+    resolve_model,
     write_json_atomic,
 )
+
+if TYPE_CHECKING:
+    from planner.run.data import SyntheticData
+    from planner.run.model_scale import Scale, ScaledModel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,40 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def resolve_model(name: str, run_dir: Path) -> ModelSpec:
-    """A ModelSpec JSON file, else a catalog name or Hugging Face config path (paths may be relative
-    to the run directory)."""
-    from planner.model.load import load_model
-
-    for candidate in (Path(name), run_dir / name):
-        if candidate.is_file() and candidate.suffix == ".json":
-            data = json.loads(candidate.read_text())
-            if isinstance(data, dict) and "blocks" in data:
-                return ModelSpec.model_validate(data)
-        if candidate.exists():
-            return load_model(candidate)
-    return load_model(name)
-
-
 def peak_memory_bytes() -> int:
     import torch
 
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-class MetricsLog:
-    """Append one JSON line per step; resumed runs add to the same file."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(path, "a", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.fh.write(json.dumps(record) + "\n")
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
 
 
 def _check_degrees(plan: PlanFile, cfg: dict[str, Any], world: int, spec: ModelSpec) -> None:
@@ -158,16 +135,34 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
 
 
-def train(args: argparse.Namespace) -> int:
-    phases: dict[str, float] = {}  # start-up seconds per phase, for the supervisor's hang timeouts
-    mark = time.perf_counter()
+class _Phases:
+    """Start-up seconds per phase (written to run_info, for the supervisor's hang timeouts)."""
 
-    def phase(name: str) -> None:
-        nonlocal mark
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def done(self, name: str) -> None:
         now = time.perf_counter()
-        phases[name] = round(now - mark, 3)
-        mark = now
+        self.seconds[name] = round(now - self._mark, 3)
+        self._mark = now
 
+
+@dataclass
+class _Model:
+    """The model this rank trains, at its scale, and the data it is fed."""
+
+    scale: Scale
+    scaled: ScaledModel
+    module: Any
+    data: SyntheticData
+    image_tokens: int
+
+
+def train(args: argparse.Namespace) -> int:
+    """One rank: read the run directory, join the job, build the model and DeepSpeed's engine,
+    resume if asked, write run_info, then train to ``--steps``."""
+    phases = _Phases()
     run_dir = args.run_dir.resolve()
     plan = read_plan(run_dir)
     cfg = read_ds_config(args.deepspeed_config or run_dir / DS_CONFIG_FILE)
@@ -176,24 +171,49 @@ def train(args: argparse.Namespace) -> int:
 
     import deepspeed
     import deepspeed.comm as dist
-    import torch
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.moe.layer import MoE
 
-    from planner.run import checkpoint
-    from planner.run.data import SyntheticData
-    from planner.run.model_builder import ReferenceForCausalLM, build_pipeline, tiles_per_sample
-    from planner.run.model_scale import parse_scale, scale_spec
+    from planner.run.model_scale import parse_scale
 
-    phase("imports")
+    phases.done("imports")
     scale = parse_scale(args.scale)
     on_cpu = get_accelerator().device_name() == "cpu"
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if on_cpu:  # DeepSpeed never unlinks its CPU all-reduce buffer: this rank's goes when it exits
         atexit.register(_release_shm_buffer, rank)
-    phase("init_distributed")
+    phases.done("init_distributed")
     _check_degrees(plan, cfg, world, spec)
+    model = _build_model(spec, scale, plan, seq_len, args.seed)
+    phases.done("build_model")
+    engine = _initialize(model.module, plan, cfg)
+    phases.done("deepspeed_initialize")
+    dp_rank, stage = _coordinates(engine, plan, rank)
+    micro = engine.train_micro_batch_size_per_gpu()
+    if micro != plan.micro_batch:
+        raise UserError(f"ds_config.json: train_micro_batch_size_per_gpu is {micro} but plan.json has "
+                        f"micro_batch={plan.micro_batch}; regenerate the run directory")
+    ckpt_dir = (args.checkpoint_dir or run_dir / CHECKPOINT_DIR).resolve()
+    resumed_from, start_step = _resume(engine, ckpt_dir) if args.resume else (None, 0)
+    phases.done("resume")
+    write_json_atomic(run_dir / f"run_info.rank{rank}.json", {
+        **_run_info(engine, model, plan, spec, rank, world, dp_rank, stage),
+        "startup_s": phases.seconds, "resumed_from": resumed_from, "start_step": start_step,
+    })
+    _train_loop(args, engine, model, plan, rank=rank, dp_rank=dp_rank, dp=world // plan.pp // plan.tp,
+                seq_len=seq_len, start_step=start_step, log=metrics_path(args.log or run_dir / DEFAULT_LOG, rank),
+                ckpt_dir=ckpt_dir)
+    dist.barrier()
+    return 0
+
+
+def _build_model(spec: ModelSpec, scale: Scale, plan: PlanFile, seq_len: int, seed: int) -> _Model:
+    """The scaled model (a pipeline module when pp > 1) and its synthetic data, same weights on every rank."""
+    import torch
+
+    from planner.run.data import SyntheticData
+    from planner.run.model_builder import ReferenceForCausalLM, build_pipeline, tiles_per_sample
+    from planner.run.model_scale import scale_spec
 
     scaled = scale_spec(spec, scale, plan.stage_blocks or None, tp=plan.tp, ep=plan.ep)
     small = scaled.spec
@@ -206,70 +226,85 @@ def train(args: argparse.Namespace) -> int:
     data = SyntheticData(vocab=small.vocab, seq_len=seq_len, micro_batch=plan.micro_batch,
                          image_tokens=image_tokens, tiles=tiles,
                          patches_per_tile=small.vision.patches_per_tile if small.vision else 0,
-                         patch_pixels=embed.patch_pixels if embed else 0, seed=args.seed)
-
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
+                         patch_pixels=embed.patch_pixels if embed else 0, seed=seed)
+    torch.manual_seed(seed)  # identical initial weights on every rank
     if plan.pp > 1:
-        module = build_pipeline(small, scaled.parts, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute,
-                                seed=args.seed)
+        module = build_pipeline(small, scaled.parts, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute, seed=seed)
     else:
         module = ReferenceForCausalLM(small, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute)
-    phase("build_model")
+    return _Model(scale=scale, scaled=scaled, module=module, data=data, image_tokens=image_tokens)
+
+
+def _initialize(module: Any, plan: PlanFile, cfg: dict[str, Any]) -> Any:
+    """DeepSpeed's engine for ``module`` with the run directory's config."""
+    import deepspeed
+
     params = [p for p in module.parameters() if p.requires_grad]
     if plan.tp > 1 and cfg.get("train_batch_size") == plan.micro_batch * plan.grad_accum * plan.dp:
         # DeepSpeed's batch check (config.py) divides by the whole world when AutoTP builds its
         # groups later; let it derive the global batch from micro-batch and accumulation instead.
         cfg = {k: v for k, v in cfg.items() if k != "train_batch_size"}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=cfg)
-    phase("deepspeed_initialize")
+    return engine
 
-    dp_rank, stage = _coordinates(engine, plan, rank)
-    dp = world // plan.pp // plan.tp
-    grad_accum = engine.gradient_accumulation_steps()
-    micro = engine.train_micro_batch_size_per_gpu()
-    if micro != plan.micro_batch:
-        raise UserError(f"ds_config.json: train_micro_batch_size_per_gpu is {micro} but plan.json has "
-                        f"micro_batch={plan.micro_batch}; regenerate the run directory")
 
-    ckpt_dir = (args.checkpoint_dir or run_dir / CHECKPOINT_DIR).resolve()
-    start_step, resumed_from = 0, None
-    if args.resume:
-        loaded = checkpoint.load(engine, ckpt_dir)
-        if loaded is not None:
-            resumed_from, state = loaded
-            start_step = int(state["step"])
-    phase("resume")
-    local_params = sum(p.numel() for p in module.parameters())
-    local_experts = [m.num_local_experts for m in module.modules() if isinstance(m, MoE)]
-    write_json_atomic(run_dir / f"run_info.rank{rank}.json", {
+def _resume(engine: Any, ckpt_dir: Path) -> tuple[str | None, int]:
+    """(the tag loaded, the step it saved) from the latest good checkpoint; (None, 0) when there is none."""
+    from planner.run import checkpoint
+
+    loaded = checkpoint.load(engine, ckpt_dir)
+    if loaded is None:
+        return None, 0
+    tag, state = loaded
+    return tag, int(state["step"])
+
+
+def _run_info(engine: Any, model: _Model, plan: PlanFile, spec: ModelSpec, rank: int, world: int, dp_rank: int,
+              stage: int) -> dict[str, Any]:
+    """What this rank built: its coordinates, layers, parameters, experts and optimizer."""
+    from deepspeed.moe.layer import MoE
+
+    module, scaled = model.module, model.scaled
+    small = scaled.spec
+    return {
         "rank": rank, "world_size": world, "dp_rank": dp_rank, "pipeline_stage": stage,
         "pipeline_parts": list(getattr(engine.module, "parts", scaled.parts)),
         "planned_parts": scaled.parts, "layer_origin_blocks": scaled.origin,
         "local_layers": [getattr(engine.module, "_local_start", 0),
                          getattr(engine.module, "_local_stop", None) or len(small.blocks)],
-        "layer_kinds": [b.kind for b in small.blocks], "params_on_rank": local_params,
-        "moe_local_experts": local_experts, "ep_size": plan.ep, "tp_size": plan.tp, "recompute": plan.recompute,
-        "model": spec.name, "scale": scale.name, "zero_stage": engine.zero_optimization_stage(),
+        "layer_kinds": [b.kind for b in small.blocks], "params_on_rank": sum(p.numel() for p in module.parameters()),
+        "moe_local_experts": [m.num_local_experts for m in module.modules() if isinstance(m, MoE)],
+        "ep_size": plan.ep, "tp_size": plan.tp, "recompute": plan.recompute,
+        "model": spec.name, "scale": model.scale.name, "zero_stage": engine.zero_optimization_stage(),
         "optimizer": type(engine.optimizer).__name__,
         "basic_optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
-        "startup_s": phases, "resumed_from": resumed_from, "start_step": start_step, "image_tokens": image_tokens,
-    })
+        "image_tokens": model.image_tokens,
+    }
 
-    log = MetricsLog(metrics_path(args.log or run_dir / DEFAULT_LOG, rank))
+
+def _train_loop(args: argparse.Namespace, engine: Any, model: _Model, plan: PlanFile, *, rank: int, dp_rank: int,
+                dp: int, seq_len: int, start_step: int, log: Path, ckpt_dir: Path) -> None:
+    """Steps ``start_step + 1 .. args.steps``: one metrics line each, checkpoints every ``--checkpoint-every``."""
+    from deepspeed.accelerator import get_accelerator
+
+    from planner.run import checkpoint
+
+    metrics = MetricsLog(log)
     device = get_accelerator().current_device_name()
-    tokens_per_step = micro * grad_accum * dp * seq_len
+    grad_accum = engine.gradient_accumulation_steps()
+    tokens_per_step = engine.train_micro_batch_size_per_gpu() * grad_accum * dp * seq_len
     for step in range(start_step + 1, args.steps + 1):
         if args.fault == "step" and step == args.fault_step and rank == args.fault_rank:
             os._exit(17)
         start = time.perf_counter()
-        batches = [data.batch(step, m, dp_rank) for m in range(grad_accum)]
+        batches = [model.data.batch(step, m, dp_rank) for m in range(grad_accum)]
         batches = [(tuple(t.to(device) for t in inputs), labels.to(device)) for inputs, labels in batches]
         loss = _train_step(engine, batches, pipelined=plan.pp > 1)
         elapsed = time.perf_counter() - start
         record = {"step": step, "rank": rank, "loss": loss, "step_time_s": elapsed,
                   "tokens_per_s": tokens_per_step / elapsed, "tokens": tokens_per_step,
                   "peak_memory_bytes": peak_memory_bytes(), "time": time.time()}
-        log.write(record)
+        metrics.write(record)
         if rank == 0:
             print(f"step {step}/{args.steps} loss {record['loss']:.4f} step_time {elapsed:.3f}s "
                   f"tokens/s {record['tokens_per_s']:.0f} peak_mem {record['peak_memory_bytes'] / 2**20:.0f}MiB",
@@ -279,8 +314,6 @@ def train(args: argparse.Namespace) -> int:
                 engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.tag_for(step), save_latest=False)
                 os._exit(18)  # files written, never published
             checkpoint.save(engine, ckpt_dir, step, {"step": step, "tokens_per_step": tokens_per_step})
-    dist.barrier()
-    return 0
 
 
 if __name__ == "__main__":

@@ -438,26 +438,6 @@ def _pack_back(prefix: list[float], limit: float, stages: int,
     return tuple(reversed(counts))
 
 
-def brute_force_partition(costs: Sequence[float], stages: int, memory: StageMemory | None = None) -> Partition | None:
-    """Every contiguous partition, for testing the balancers on small cases."""
-    from itertools import combinations
-
-    _check(costs, stages)
-    n = len(costs)
-    best: Partition | None = None
-    for cuts in combinations(range(1, n), stages - 1):
-        bounds = (0, *cuts, n)
-        counts = tuple(bounds[k + 1] - bounds[k] for k in range(stages))
-        if memory is not None and any(
-            memory.stage_bytes(s, bounds[s], bounds[s + 1]) > memory.capacity for s in range(stages)
-        ):
-            continue
-        part = Partition(counts, _stage_costs(costs, counts))
-        if best is None or part.bottleneck < best.bottleneck:
-            best = part
-    return best
-
-
 def balance(costs: Sequence[float], stages: int, method: str = "optimal",
             memory: StageMemory | None = None) -> Partition:
     """Dispatch on the ``--balancer`` name."""
