@@ -123,7 +123,7 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     from planner.search.evaluate import Pricing, evaluate_keys
     from planner.search.keys import group_by_key
     from planner.search.space import Constraints, default_global_batch
-    from planner.search.suggest import _space
+    from planner.search.request import candidate_space
 
     model = load_model(model_name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
@@ -131,7 +131,7 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     images, tiles = vision_inputs(model, None, None, model.train_seq_len)
     workload = Workload(global_batch=gb, seq_len=model.train_seq_len, images_per_sample=images, tiles_per_image=tiles)
     start = time.process_time()
-    space = _space(model, cluster, workload, Constraints())
+    space = candidate_space(model, cluster, workload, Constraints())
     res = evaluate_keys(Pricing.of(model, cluster, workload), group_by_key(space))
     return len(res.rows), time.process_time() - start
 

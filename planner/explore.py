@@ -99,11 +99,11 @@ def candidates(model: Any, cluster: Any, *, workload: Any = None, balancer: str 
     from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
     from planner.search.evaluate import Pricing, evaluate_keys
     from planner.search.keys import group_by_key
-    from planner.search.suggest import _space
+    from planner.search.request import candidate_space
 
     spec = api.load_model(model)
     wl = workload if workload is not None else api.make_workload(spec, gpus=cluster.num_gpus)
-    space = _space(spec, cluster, wl, api.constraints(**axes))
+    space = candidate_space(spec, cluster, wl, api.constraints(**axes))
     pricing = Pricing.of(spec, cluster, wl, balancer)
     res = evaluate_keys(pricing, group_by_key(space))
     col = take(space.columns, res.rows)

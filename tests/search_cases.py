@@ -17,7 +17,7 @@ from planner.model.spec import ModelSpec
 from planner.search.evaluate import Detail, Pricing, candidate_details, evaluate_rows
 from planner.search.keys import KeyedSpace, group_by_key
 from planner.search.space import Constraints, Space
-from planner.search.suggest import _space
+from planner.search.request import candidate_space
 
 
 @dataclass
@@ -37,7 +37,7 @@ def prepared(name: str, nodes: int, cons: Constraints, global_batch: int = 64, s
     cluster = Cluster.build(load_profile(profile), nodes)
     images, tiles = (1, 2) if model.is_vlm else (0, 0)
     workload = Workload(global_batch=global_batch, seq_len=seq_len, images_per_sample=images, tiles_per_image=tiles)
-    space = _space(model, cluster, workload, cons)
+    space = candidate_space(model, cluster, workload, cons)
     return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer), group_by_key(space))
 
 

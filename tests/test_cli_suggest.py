@@ -152,18 +152,18 @@ def test_pins_named_for_dropping_really_leave_candidates() -> None:
     from planner.hardware.load import load_profile
     from planner.model.catalog import load_model
     from planner.search.space import Constraints
-    from planner.search.suggest import _space
+    from planner.search.request import candidate_space
 
     model = load_model("llama-3.1-8b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
     workload = Workload(global_batch=512, seq_len=model.train_seq_len)
     cons = Constraints(dp=(4,), tp=(4,))
     with pytest.raises(UserError) as err:
-        _space(model, cluster, workload, cons)
+        candidate_space(model, cluster, workload, cons)
     named = dict(re.findall(r"--(dp|tp) 4 \(([\d,]+) candidates\)", str(err.value)))
     assert set(named) == {"dp", "tp"}
-    assert len(_space(model, cluster, workload, Constraints(tp=(4,)))) == int(named["dp"].replace(",", ""))
-    assert len(_space(model, cluster, workload, Constraints(dp=(4,)))) == int(named["tp"].replace(",", ""))
+    assert len(candidate_space(model, cluster, workload, Constraints(tp=(4,)))) == int(named["dp"].replace(",", ""))
+    assert len(candidate_space(model, cluster, workload, Constraints(dp=(4,)))) == int(named["tp"].replace(",", ""))
 
 
 def test_nothing_fits_names_closest_plan_and_what_would_fit() -> None:

@@ -35,7 +35,7 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.load import load_model
 from planner.search.space import Constraints
-from planner.search.suggest import _space
+from planner.search.request import candidate_space
 from tests.scalar_oracle import build_comms
 from tests.search_cases import candidate, case_of
 
@@ -54,7 +54,7 @@ def _twin(model_name: str, nodes: int, w: Workload, cfg: ParallelConfig):
                        offload=(cfg.offload,), micro_batch=(cfg.micro_batch,), recompute=(cfg.recompute,),
                        virtual_stages=(cfg.virtual_stages,), framework=(cfg.framework,),
                        sequence_parallel=(cfg.sequence_parallel,))
-    space = _space(model, cluster, w, cons)
+    space = candidate_space(model, cluster, w, cons)
     rows = [i for i in range(len(space)) if space.config(i) == cfg]
     assert len(rows) == 1
     parts, ranks, detail, _ = candidate(case_of(model, cluster, w, space), rows[0])

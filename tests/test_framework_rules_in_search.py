@@ -16,13 +16,13 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search.space import Constraints, allowed_settings, degree_combinations, divisors
-from planner.search.suggest import _facts, _space
+from planner.search.request import candidate_space, space_facts
 
 
 def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: str,
             precision: str) -> tuple[set[tuple], int]:
     """Every candidate checked with a real ParallelConfig and check_framework, no memo."""
-    degrees, _ = degree_combinations(world, gpn, gb, _facts(model), cons)
+    degrees, _ = degree_combinations(world, gpn, gb, space_facts(model), cons)
     kept, rejected = set(), 0
     for deg in degrees:
         for mb in divisors(gb // deg.dp):
@@ -51,7 +51,7 @@ def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, opti
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     cons = Constraints(virtual_stages=(1, 2, 3, 4))
     workload = Workload(global_batch=gb, seq_len=model.train_seq_len, optimizer=optimizer, precision=precision)
-    space = _space(model, cluster, workload, cons)
+    space = candidate_space(model, cluster, workload, cons)
     cols = [space.columns[k] for k in ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework",
                                        "micro_batch", "grad_accum")]
     got = {tuple(int(v) for v in row) for row in zip(*cols)}

@@ -14,7 +14,8 @@ from planner.model.catalog import load_model
 from planner.search import memfit
 from planner.search.evaluate import evaluate_keys
 from planner.search.space import Constraints
-from planner.search.suggest import NoPlanFits, _space, suggest
+from planner.search.suggest import NoPlanFits, suggest
+from planner.search.request import candidate_space
 from tests.search_cases import case_of, evaluate_one, prepared
 
 # DeepSeek-VL2 on one node, four pipeline stages, Megatron's distributed optimizer: the split
@@ -33,7 +34,7 @@ def _rebalanced_is_estimates_and_its_time_split_does_not_fit(name: str, nodes: i
     assert again.fits
     assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
     assert again.memory.peak == pytest.approx(plan.memory.peak, rel=1e-9)
-    space = _space(model, cluster, plan.workload, cons)
+    space = candidate_space(model, cluster, plan.workload, cons)
     case = case_of(model, cluster, plan.workload, space)
     out = evaluate_keys(case.p, case.ks)
     same = [j for j, i in enumerate(out.rows) if space.config(int(i)) == plan.cfg]

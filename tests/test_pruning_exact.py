@@ -14,7 +14,8 @@ from planner.model.catalog import load_model
 from planner.search.bounds import lower_bounds
 from planner.search.evaluate import evaluate_keys
 from planner.search.space import Constraints
-from planner.search.suggest import _scalar_key, _space, suggest
+from planner.search.suggest import _scalar_key, suggest
+from planner.search.request import candidate_space
 from tests.scalar_oracle import oracle_estimate
 from tests.search_cases import case_of, prepared
 
@@ -46,7 +47,7 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
                    tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1)
 
     # Exhaustive: every candidate through the scalar oracle, with the balancer's partition.
-    space = _space(model, cluster, workload, cons)
+    space = candidate_space(model, cluster, workload, cons)
     case = case_of(model, cluster, workload, space)
     res = evaluate_keys(case.p, case.ks)
     plans = []

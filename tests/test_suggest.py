@@ -16,7 +16,8 @@ from planner.search.evaluate import evaluate_keys
 from planner.search.partition import greedy_partition
 from planner.search.space import Constraints
 from planner.search.splits import pipeline_units
-from planner.search.suggest import NoPlanFits, _space, suggest
+from planner.search.suggest import NoPlanFits, suggest
+from planner.search.request import candidate_space
 from tests.scalar_oracle import oracle_estimate
 from tests.search_cases import case_of
 
@@ -26,7 +27,7 @@ def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0,
     model = load_model(name)
     cluster = Cluster.build(load_profile(profile), nodes)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles)
-    space = _space(model, cluster, workload, Constraints())
+    space = candidate_space(model, cluster, workload, Constraints())
     case = case_of(model, cluster, workload, space)
     res = evaluate_keys(case.p, case.ks)
     rows = res.rows
@@ -237,7 +238,7 @@ def test_layouts_with_uneven_groups_are_left_out() -> None:
 
     model = load_model("qwen2.5-72b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 48)
-    space = _space(model, cluster, Workload(global_batch=1536, seq_len=2048), Constraints())
+    space = candidate_space(model, cluster, Workload(global_batch=1536, seq_len=2048), Constraints())
     c = space.columns
     layouts = {(int(c["tp"][i]), int(c["ep"][i]), int(c["dp"][i]), int(c["pp"][i])) for i in range(len(space))}
     for tp, ep, dp, pp in layouts:  # every shape of every layout can be priced

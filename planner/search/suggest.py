@@ -1,32 +1,24 @@
 """``suggest``: the best parallel plans for a model on a cluster.
 
-Pipeline: resolve the request (defaults printed by the CLI) -> enumerate the space
-(planner/search/space.py) -> bound every candidate (a step time and a peak memory no
-partition can beat) -> evaluate candidates in full, best bound first, until the bound of
-what is left cannot reach the top K (branch and bound: exact, since the bounds are proven;
-tests/test_pruning_exact.py checks it against exhaustive ``estimate`` calls) -> rebalance
-pipelines whose time-balanced split runs out of memory under a memory limit
-(planner/search/memfit.py), best split-independent bound first, until that bound cannot
-reach the top K (bounds.split_time_bound), skipping those where one pack proves no split
-within memory is fast enough (partition.fits_within) -> collapse identical predictions (the same
-layout under two runtimes) -> rank ->
-build the winners' ``Plan`` objects from the twin's per-rank parts (planner/search/plans.py;
-tests/test_suggest.py checks they equal ``estimate`` for the same configuration and partition).
+Enumerate -> bound -> evaluate -> rank: resolve the request (defaults printed by the CLI),
+enumerate the space (space.py, request.py), bound and evaluate it by branch and bound
+(bounds.py, evaluate.py, branch_and_bound.py: exact, since the bounds are proven), collapse
+identical predictions (the same layout under two runtimes), rank (rank.py), and build the
+winners' Plans from what evaluation kept (the cost model's own Plans: planner/cost/plans.py).
+When nothing fits, say what would (nothing_fits.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from planner.cost.candidates import take
-from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken, model_facts
-from planner.cost.memory import host_capacity_bytes
 from planner.cost.notes import batch_notes
-from planner.cost.parallel import FRAMEWORKS, ParallelConfig, Workload, check_against_model
+from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.cost.schedule_check import schedule_notes
 from planner.errors import UserError
@@ -38,11 +30,12 @@ from planner.search import rank as rk
 from planner.search.branch_and_bound import Outcome, search
 from planner.search.evaluate import Pricing, build_plans, evaluate_keys
 from planner.search.keys import KeyedSpace, group_by_key
+from planner.search.nothing_fits import describe, nothing_fits_message, relaxations
+from planner.search.request import candidate_space, check_pins
+from planner.search.space import Constraints, Space, default_global_batch
 from planner.search.splits import BALANCERS
-from planner.search.space import Constraints, ModelFacts, Space, allowed_settings, default_global_batch, divisors, \
-    enumerate_space
 
-
+__all__ = ["NoPlanFits", "RankedPlan", "SuggestResult", "candidate_space", "describe", "suggest"]
 
 @dataclass
 class RankedPlan:
@@ -104,16 +97,6 @@ class NoPlanFits(UserError):
         self.result = result
 
 
-def describe(p: dict) -> str:
-    """dp8 tp4 pp2 z1 mb2x16 — the short name of a plan in messages."""
-    extra = f" ep{p['ep']}" if p.get("ep", 1) > 1 else ""
-    vs = f" v{p['virtual_stages']}" if p.get("virtual_stages", 1) > 1 else ""
-    off = f" offload-{p['offload']}" if p.get("offload", "none") != "none" else ""
-    sp = " sp" if p.get("sequence_parallel") else ""
-    return (f"{p['framework']} dp{p['dp']} tp{p['tp']}{sp} pp{p['pp']}{vs}{extra} zero{p['zero_stage']}{off} "
-            f"mb{p['micro_batch']}x{p['grad_accum']} recompute-{p['recompute']}")
-
-
 # -- request ---------------------------------------------------------------------------------
 
 
@@ -122,26 +105,6 @@ def _profile(hardware: str | HardwareProfile, gpus_per_node: int | None) -> Hard
 
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     return profile if gpus_per_node is None else profile.with_gpus_per_node(gpus_per_node)
-
-
-def _facts(model: ModelSpec) -> ModelFacts:
-    """The model facts the space depends on. Only a vision-language model has vision blocks
-    (ModelSpec's validator), so only its block list is walked for their heads, and by kind:
-    isinstance(b, VisionBlock) fails on every decoder block through ABCMeta's Python-level
-    __instancecheck__."""
-    vision_heads = {b.heads for b in model.blocks if b.kind == "vision"} if model.is_vlm else set()
-    return ModelFacts(heads=tuple(sorted({model.attention_heads} | vision_heads)), kv_heads=model.kv_heads,
-                      routed_experts=model.routed_experts, units=model.num_layers)
-
-
-def _check_pins(cons: Constraints, world: int, model: ModelSpec) -> None:
-    for flag, values in (("--dp", cons.dp), ("--tp", cons.tp), ("--pp", cons.pp)):
-        bad = [v for v in values or () if world % v]
-        if bad:
-            raise UserError(f"{flag} {','.join(map(str, bad))} cannot divide the {world} GPUs; "
-                            f"pick from {', '.join(map(str, divisors(world)))}")
-    if cons.ep and any(e > 1 for e in cons.ep) and not model.is_moe:
-        raise UserError(f"--ep {','.join(map(str, cons.ep))}: {model.name} is dense (no experts); use --ep 1 or leave it out")
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -171,7 +134,7 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     cluster = Cluster.build(profile, nodes)
     world = cluster.num_gpus
     cons = constraints or Constraints()
-    _check_pins(cons, world, model)
+    check_pins(cons, world, model)
     seq = seq_len or model.train_seq_len
     if seq < 1:
         raise UserError(f"--seq-len: need a positive length, got {seq}")
@@ -188,127 +151,16 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
               "optimizer": optimizer, "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer,
               "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
-    space = _space(model, cluster, workload, cons)
+    space = candidate_space(model, cluster, workload, cons)
     result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress)
     result.elapsed_s = time.perf_counter() - started
     result.cpu_s = time.process_time() - search_cpu_started
     result.setup_cpu_s = search_cpu_started - cpu_started
     if not result.plans:
         result.advice = _advice(model, profile, nodes, workload, cons, balancer)
-        raise NoPlanFits(_nothing_fits_message(result, profile), result)
+        raise NoPlanFits(nothing_fits_message(result.evaluated, result.rejected["out_of_memory"], result.closest,
+                                              result.advice, profile), result)
     return result
-
-
-# The pins a user can drop, as (flag, Constraints field), in the order an error names them.
-_PINS = (("--dp", "dp"), ("--tp", "tp"), ("--pp", "pp"), ("--ep", "ep"), ("--virtual-stages", "virtual_stages"),
-         ("--micro-batch", "micro_batch"), ("--zero", "zero"), ("--offload", "offload"), ("--recompute", "recompute"),
-         ("--framework", "framework"), ("--sequence-parallel", "sequence_parallel"))
-
-
-def _space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints, explain: bool = True) -> Space:
-    """The candidate space; UserError when it is empty, saying why (``explain``: and which
-    single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
-    gb = workload.global_batch
-    run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision)
-
-    def rule(cols: ConfigColumns) -> np.ndarray:
-        return first_broken(cols, run_facts)
-
-    facts = _facts(model)
-
-    def enumerate_with(c: Constraints) -> Space:
-        return enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, c, rule)
-
-    space = enumerate_with(cons)
-    if len(space):
-        return space
-    dps = [d for d in divisors(cluster.num_gpus) if cons.dp is None or d in cons.dp]
-    if not any(gb % d == 0 for d in dps):
-        raise UserError(f"--global-batch {gb} is not divisible by any data-parallel size possible on "
-                        f"{cluster.num_gpus} GPUs ({', '.join(map(str, dps))}); pick a multiple of one of them")
-    raise UserError(_empty_space_message(model, cluster, workload, cons, space, facts, enumerate_with, explain))
-
-
-def _impossible_pins(cons: Constraints, facts: ModelFacts, cluster: Cluster) -> list[str]:
-    """The pinned axes none of whose values can ever hold, each with estimate's own message for
-    the broken rule (parallel.check_against_model), so the error names the cause rather than
-    the generic rules."""
-    node = cluster.gpus_per_node
-
-    def model_rule(**degrees: int) -> str | None:
-        cfg = ParallelConfig(dp=degrees.get("ep", 1), **degrees)
-        for heads in facts.heads:
-            try:
-                check_against_model(cfg, heads=heads, kv_heads=facts.kv_heads, routed_experts=facts.routed_experts,
-                                    blocks=facts.units)
-            except UserError as err:
-                return str(err)
-        return None
-
-    def tp_rule(tp: int) -> str | None:
-        if tp > node and not cons.allow_tp_across_nodes and not model_rule(tp=tp):
-            return f"--tp {tp} spans more than a node's {node} GPUs (add --allow-tp-across-nodes)"
-        return model_rule(tp=tp)
-
-    pps, vss = cons.pp or (), cons.virtual_stages or ()
-    rules = [(cons.tp, tp_rule), (cons.ep, lambda ep: model_rule(ep=ep)), (cons.pp, lambda pp: model_rule(pp=pp))]
-    if vss and pps and all(p == 1 for p in pps) and all(v > 1 for v in vss):
-        rules.append((vss, lambda v: f"--virtual-stages {v} needs --pp > 1"))
-    if cons.sequence_parallel == (True,) and cons.tp and all(t == 1 for t in cons.tp):
-        rules.append(((True,), lambda _: "--sequence-parallel needs --tp > 1"))
-    out = []
-    for values, rule in rules:
-        found = [rule(v) for v in values or ()]
-        if found and all(found):
-            out += found
-    return out
-
-
-def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints, space: Space,
-                         facts: ModelFacts, enumerate_with: Callable[[Constraints], Space], explain: bool) -> str:
-    """Why no candidate is left, leading with the fix: the pins that, dropped one at a time,
-    leave candidates (one enumeration each), then what ruled the candidates out."""
-    world, gb = cluster.num_gpus, workload.global_batch
-    freed = []
-    for flag, name in _PINS if explain else ():
-        values = getattr(cons, name)
-        if values is None:
-            continue
-        n = len(enumerate_with(replace(cons, **{name: None})))
-        if n:
-            if name == "sequence_parallel":
-                shown = "/".join("--sequence-parallel" if v else "--no-sequence-parallel" for v in values)
-            else:
-                shown = f"{flag} {','.join(map(str, values))}"
-            freed.append(f"{shown} ({n:,} candidates)")
-    why = _impossible_pins(cons, facts, cluster)
-    pinned = [(tp, pp) for tp in cons.tp or divisors(world) for pp in cons.pp or divisors(world)
-              if world % (tp * pp) == 0 and (cons.dp is None or world // (tp * pp) in cons.dp)]
-    if not pinned:
-        why.append(f"no --dp/--tp/--pp combination multiplies to the {world} GPUs")
-    if not allowed_settings(cons):
-        why.append("--offload optimizer needs ZeRO 1-3 and --offload optimizer+params ZeRO-3")
-    bad, refused = space.rejected["indivisible"], space.rejected["framework"]
-    if pinned and bad:
-        text = f"{bad:,} degree combination{' breaks' if bad == 1 else 's break'} a divisibility rule"
-        if not why and not refused:  # the only cause: spell the rules out
-            text += (f": TP must divide the {'/'.join(map(str, facts.heads))} heads and {facts.kv_heads} KV heads and "
-                     f"stay in a node, PP x virtual stages <= {facts.units} layers, DP and the micro-batch must divide "
-                     f"the global batch {gb}, every process group must hold equal shares of the nodes it spans")
-        why.append(text)
-    if refused:
-        text = f"{refused:,} candidate{' needs' if refused == 1 else 's need'} something their framework cannot run"
-        most = space.most_refused()
-        if most is not None and most[0] == refused:  # one rule refused them all: name it, with its fix
-            try:
-                check_framework_for(most[1], model, optimizer=workload.optimizer, precision=workload.precision)
-            except UserError as err:
-                text += f" ({err})"
-        why.append(text)
-    lead = "the constraints exclude every plan"
-    if freed:
-        return f"{lead}: dropping {' or '.join(freed)} leaves plans to rank. Why: {'; '.join(why)}"
-    return f"{lead} ({'; '.join(why)}); relax --tp/--pp/--zero/--framework or the batch"
 
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
@@ -392,47 +244,20 @@ def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:
     return (-plan.tokens_per_s, plan.memory.peak)
 
 
-# -- nothing fits ------------------------------------------------------------------------------
+# -- nothing fits --------------------------------------------------------------------------
 
 
 def _advice(model: ModelSpec, profile: HardwareProfile, nodes: int, workload: Workload, cons: Constraints,
             balancer: str) -> list[str]:
-    """Relaxations that produce a plan that fits, each checked by a search of its own."""
-    tries: list[tuple[str, Constraints]] = []
-    if cons.recompute is not None and "full" not in cons.recompute:
-        tries.append(("full recomputation (--recompute full)", replace(cons, recompute=("full",))))
-    if cons.micro_batch is not None and 1 not in cons.micro_batch:
-        tries.append(("micro-batch 1 (--micro-batch 1)", replace(cons, micro_batch=(1,))))
-    # Offload steps Adam on the host (never sgd); Megatron-Core offloads only in bf16.
-    megatron_only = cons.framework == ("megatron",)
-    megatron_offloads = workload.precision == "bf16"
-    no_offload = (cons.offload is not None and "optimizer" not in cons.offload) or cons.zero == (0,) or \
-        (megatron_only and not megatron_offloads)
-    if no_offload and workload.optimizer != "sgd":
-        if megatron_only and not megatron_offloads:
-            tries.append(("optimizer offload on DeepSpeed (--offload optimizer --framework deepspeed)",
-                          replace(cons, offload=("optimizer",), zero=None, framework=None)))
-        else:
-            tries.append(("optimizer offload (--offload optimizer)", replace(cons, offload=("optimizer",), zero=None)))
-    if (cons.zero is not None and 3 not in cons.zero) or megatron_only:
-        # Megatron has no ZeRO-3: a megatron pin gives way to DeepSpeed, and the advice says so.
-        on_ds, fw_flag, fws = (" on DeepSpeed", " --framework deepspeed", ("deepspeed",)) if megatron_only else \
-            ("", "", cons.framework)
-        tries.append((f"ZeRO-3{on_ds} (--zero 3{fw_flag})", replace(cons, zero=(3,), framework=fws)))
-        tries.append((f"ZeRO-3 with optimizer offload{on_ds} (--zero 3 --offload optimizer{fw_flag})",
-                      replace(cons, zero=(3,), offload=("optimizer",), framework=fws)))
-    if any(v is not None for v in (cons.dp, cons.tp, cons.pp, cons.ep, cons.framework, cons.virtual_stages)):
-        tries.append(("letting dp/tp/pp/ep/framework vary (drop those pins)",
-                      replace(cons, dp=None, tp=None, pp=None, ep=None, framework=None, virtual_stages=None)))
-    out = []
-    for label, c in tries:
-        if _fits_somewhere(model, profile, nodes, workload, c, balancer):
+    """The relaxations under which a plan fits, each checked by a search of its own (of the
+    larger clusters, the first that fits)."""
+    out, larger = [], False
+    for label, n, c in relaxations(nodes, workload, cons):
+        if n != nodes and larger:
+            continue
+        if _fits_somewhere(model, profile, n, workload, c, balancer):
             out.append(label)
-    for factor in (2, 4, 8, 16):
-        more = nodes * factor
-        if _fits_somewhere(model, profile, more, workload, replace(cons, dp=None), balancer):
-            out.append(f"{more} nodes (--nodes {more})")
-            break
+            larger = larger or n != nodes
     return out
 
 
@@ -440,34 +265,10 @@ def _fits_somewhere(model: ModelSpec, profile: HardwareProfile, nodes: int, work
                     balancer: str) -> bool:
     try:
         cluster = Cluster.build(profile, nodes)
-        space = _space(model, cluster, workload, cons, explain=False)
+        space = candidate_space(model, cluster, workload, cons, explain=False)
     except UserError:
         return False
     res = _search(model, cluster, workload, space, balancer, "memory", 1, {}, None)
     return bool(res.plans)
 
 
-def _nothing_fits_message(result: SuggestResult, profile: HardwareProfile) -> str:
-    cap = profile.gpu.memory_bytes
-    gib = 2**30
-    host = host_capacity_bytes(profile.node.host_memory_GiB) / 2**40
-    lines = [f"no plan fits in {cap / gib:.0f} GiB per GPU and {host:.2f} TiB of usable host memory per node "
-             f"({result.evaluated} candidates evaluated, "
-             f"{result.rejected['out_of_memory']} out of memory)."]
-    if result.closest is not None:
-        p = result.closest
-        m = p.memory
-        parts = (f"weights {m.weights / gib:.1f}, grads {m.grads / gib:.1f}, optimizer {m.optimizer / gib:.1f}, "
-                 f"activations {m.activations / gib:.1f} GiB")
-        if m.peak > cap:
-            lines.append(f"closest: {describe(p.to_json())} needs {m.peak / gib:.1f} GiB on pipeline rank "
-                         f"{p.worst_stage.rank}, {(m.peak - cap) / gib:.1f} GiB short ({parts}).")
-        else:  # fits on the GPU; its offloaded states overflow the host
-            short = (p.cpu_bytes_per_node - p.host_capacity_bytes) / 2**40
-            lines.append(f"closest: {describe(p.to_json())} fits on the GPU ({m.peak / gib:.1f} GiB) but {p.why_not()}: "
-                         f"{short:.2f} TiB short per node.")
-    if result.advice:
-        lines.append("would fit with: " + "; or ".join(result.advice) + ".")
-    else:
-        lines.append("try more nodes, --offload optimizer, --recompute full, --zero 3 or --micro-batch 1.")
-    return " ".join(lines)

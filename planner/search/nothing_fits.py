@@ -1,0 +1,86 @@
+"""When no plan fits: the relaxations worth trying, and the message that names the closest plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.cost.memory import host_capacity_bytes
+from planner.cost.parallel import Workload
+from planner.cost.plan import Plan
+from planner.hardware.profile import HardwareProfile
+from planner.search.space import Constraints
+
+
+def describe(p: dict) -> str:
+    """dp8 tp4 pp2 z1 mb2x16 — the short name of a plan in messages."""
+    extra = f" ep{p['ep']}" if p.get("ep", 1) > 1 else ""
+    vs = f" v{p['virtual_stages']}" if p.get("virtual_stages", 1) > 1 else ""
+    off = f" offload-{p['offload']}" if p.get("offload", "none") != "none" else ""
+    sp = " sp" if p.get("sequence_parallel") else ""
+    return (f"{p['framework']} dp{p['dp']} tp{p['tp']}{sp} pp{p['pp']}{vs}{extra} zero{p['zero_stage']}{off} "
+            f"mb{p['micro_batch']}x{p['grad_accum']} recompute-{p['recompute']}")
+
+
+def relaxations(nodes: int, workload: Workload, cons: Constraints) -> list[tuple[str, int, Constraints]]:
+    """What to try when nothing fits, in the order advice names them: (label, nodes,
+    constraints). The caller keeps those under which some plan fits; of the larger clusters
+    only the first that fits."""
+    tries: list[tuple[str, Constraints]] = []
+    if cons.recompute is not None and "full" not in cons.recompute:
+        tries.append(("full recomputation (--recompute full)", replace(cons, recompute=("full",))))
+    if cons.micro_batch is not None and 1 not in cons.micro_batch:
+        tries.append(("micro-batch 1 (--micro-batch 1)", replace(cons, micro_batch=(1,))))
+    # Offload steps Adam on the host (never sgd); Megatron-Core offloads only in bf16.
+    megatron_only = cons.framework == ("megatron",)
+    megatron_offloads = workload.precision == "bf16"
+    no_offload = (cons.offload is not None and "optimizer" not in cons.offload) or cons.zero == (0,) or \
+        (megatron_only and not megatron_offloads)
+    if no_offload and workload.optimizer != "sgd":
+        if megatron_only and not megatron_offloads:
+            tries.append(("optimizer offload on DeepSpeed (--offload optimizer --framework deepspeed)",
+                          replace(cons, offload=("optimizer",), zero=None, framework=None)))
+        else:
+            tries.append(("optimizer offload (--offload optimizer)", replace(cons, offload=("optimizer",), zero=None)))
+    if (cons.zero is not None and 3 not in cons.zero) or megatron_only:
+        # Megatron has no ZeRO-3: a megatron pin gives way to DeepSpeed, and the advice says so.
+        on_ds, fw_flag, fws = (" on DeepSpeed", " --framework deepspeed", ("deepspeed",)) if megatron_only else \
+            ("", "", cons.framework)
+        tries.append((f"ZeRO-3{on_ds} (--zero 3{fw_flag})", replace(cons, zero=(3,), framework=fws)))
+        tries.append((f"ZeRO-3 with optimizer offload{on_ds} (--zero 3 --offload optimizer{fw_flag})",
+                      replace(cons, zero=(3,), offload=("optimizer",), framework=fws)))
+    if any(v is not None for v in (cons.dp, cons.tp, cons.pp, cons.ep, cons.framework, cons.virtual_stages)):
+        tries.append(("letting dp/tp/pp/ep/framework vary (drop those pins)",
+                      replace(cons, dp=None, tp=None, pp=None, ep=None, framework=None, virtual_stages=None)))
+    out = [(label, nodes, c) for label, c in tries]
+    for factor in (2, 4, 8, 16):
+        more = nodes * factor
+        out.append((f"{more} nodes (--nodes {more})", more, replace(cons, dp=None)))
+    return out
+
+
+def nothing_fits_message(evaluated: int, out_of_memory: int, closest: Plan | None, advice: list[str],
+                         profile: HardwareProfile) -> str:
+    """One message: the capacity, how many candidates ran out of memory, the closest plan and what would fit."""
+    cap = profile.gpu.memory_bytes
+    gib = 2**30
+    host = host_capacity_bytes(profile.node.host_memory_GiB) / 2**40
+    lines = [f"no plan fits in {cap / gib:.0f} GiB per GPU and {host:.2f} TiB of usable host memory per node "
+             f"({evaluated} candidates evaluated, "
+             f"{out_of_memory} out of memory)."]
+    if closest is not None:
+        p = closest
+        m = p.memory
+        parts = (f"weights {m.weights / gib:.1f}, grads {m.grads / gib:.1f}, optimizer {m.optimizer / gib:.1f}, "
+                 f"activations {m.activations / gib:.1f} GiB")
+        if m.peak > cap:
+            lines.append(f"closest: {describe(p.to_json())} needs {m.peak / gib:.1f} GiB on pipeline rank "
+                         f"{p.worst_stage.rank}, {(m.peak - cap) / gib:.1f} GiB short ({parts}).")
+        else:  # fits on the GPU; its offloaded states overflow the host
+            short = (p.cpu_bytes_per_node - p.host_capacity_bytes) / 2**40
+            lines.append(f"closest: {describe(p.to_json())} fits on the GPU ({m.peak / gib:.1f} GiB) but {p.why_not()}: "
+                         f"{short:.2f} TiB short per node.")
+    if advice:
+        lines.append("would fit with: " + "; or ".join(advice) + ".")
+    else:
+        lines.append("try more nodes, --offload optimizer, --recompute full, --zero 3 or --micro-batch 1.")
+    return " ".join(lines)
