@@ -21,7 +21,7 @@ from planner.cost.efficiency import device
 
 # llama-3-70b (embedding, 80 decoders, norm, head: 83 blocks) on pp 4 x v 5: a split with the
 # optimal slowest chunk that packs five decoders into 15 chunks and one or two into the rest
-# (the balancer's max-pack chose it before it spread the chunks evenly, partition._even_ends).
+# (the balancer's max-pack chose it before it spread the chunks evenly, packing._even_ends).
 UNEVEN = [(0, 5), (5, 10), (10, 15), (15, 20), (20, 25), (25, 30), (30, 35), (35, 40), (40, 45), (45, 50),
           (50, 55), (55, 60), (60, 65), (65, 70), (70, 75), (75, 77), (77, 78), (78, 79), (79, 80), (80, 83)]
 CFG = ParallelConfig(dp=4, tp=4, pp=4, zero_stage=1, micro_batch=1, grad_accum=128, sequence_parallel=True,

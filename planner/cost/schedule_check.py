@@ -2,7 +2,7 @@
 
 The cost model prices a pipeline as m x T_w + (S - T_w) / v (step_time.pipeline: T_w the
 slowest rank's micro-batch over all its chunks, S the sum over ranks). That is exact for equal
-chunks. The balancer spreads chunks evenly (partition._even_ends), and on the benchmarked
+chunks. The balancer spreads chunks evenly (packing._even_ends), and on the benchmarked
 plans the replay is then within 1% (benchmarks/bench_pipeline_schedule.py), but uneven
 chunks (a user's --stage-blocks: llama-3-70b's pp 4 x v 5 with 1- to 5-layer chunks replays
 3.5% slower) and interleaved plans with few micro-batches (llama-3.1-70b, 8 on pp 8 x v 2:

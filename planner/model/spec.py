@@ -5,7 +5,7 @@ Heterogeneous models are the normal case: DeepSeek-VL2 is a SigLIP tower (patch 
 decoder blocks, a final norm and an LM head. The cost model and the pipeline balancer walk
 this list in order, so the order is the forward order of the network.
 
-Parameter formulas follow ../shared/reference/models/README.md (RMSNorm = h, LayerNorm = 2h,
+Parameter formulas follow reference/models/README.md (RMSNorm = h, LayerNorm = 2h,
 SwiGLU = 3 matrices, MLA including its latent norms, MoE gate plus the ``noaux_tc`` bias).
 """
 
@@ -15,148 +15,31 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import Annotated, Any, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
-NormKind = Literal["rmsnorm", "layernorm"]
-Activation = Literal["swiglu", "gelu", "gelu_tanh", "quick_gelu", "relu"]
+from planner.model.parts import (
+    MLA,
+    MLP,
+    Activation,
+    Attention,
+    DenseMLP,
+    Frozen,
+    MoEMLP,
+    NormKind,
+    empty_list,
+    linear_params,
+    norm_params,
+)
+
+__all__ = ["MLA", "MLP", "Activation", "Attention", "Block", "DecoderBlock", "DenseMLP", "EmbeddingBlock",
+           "LMHeadBlock", "ModelSpec", "MoEMLP", "NormBlock", "NormKind", "Positions", "ProjectorBlock", "VisionBlock",
+           "VisionEmbedBlock", "VisionTiling", "linear_params", "norm_params"]
+
 PositionKind = Literal["learned", "rope", "mrope", "alibi"]
 ScalingValue = Union[float, int, str, bool, list[int], None]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-def _empty_list() -> list:
-    """``default_factory=list`` without its cost: pydantic reads the factory's signature, and the
-    first read of a builtin's (``list``) compiles tokenize's big regex, ~5 ms of start-up."""
-    return []
-
-
-def norm_params(hidden: int, kind: NormKind) -> int:
-    """RMSNorm has a scale; LayerNorm a scale and a bias."""
-    return hidden if kind == "rmsnorm" else 2 * hidden
-
-
-def linear_params(n_in: int, n_out: int, bias: bool) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-class MLA(_Frozen):
-    """Multi-head latent attention ranks (DeepSeek-V2 report, section 2.1)."""
-
-    q_lora_rank: PositiveInt | None = None  # None: queries are not compressed (V2-Lite, VL2)
-    kv_lora_rank: PositiveInt
-    qk_nope_head_dim: PositiveInt
-    qk_rope_head_dim: PositiveInt
-    v_head_dim: PositiveInt
-
-    @property
-    def q_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
-class Attention(_Frozen):
-    """Self-attention: MHA (kv_heads == heads), GQA (kv_heads < heads) or MLA."""
-
-    kind: Literal["mha", "gqa", "mla"]
-    heads: PositiveInt
-    kv_heads: PositiveInt
-    head_dim: PositiveInt  # for MLA: the q.k head dim (nope + rope)
-    qkv_bias: bool = False
-    out_bias: bool = False
-    mla: MLA | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "Attention":
-        if self.kind == "mla" and self.mla is None:
-            raise ValueError("attention kind 'mla' needs the mla ranks")
-        if self.kind != "mla" and self.heads % self.kv_heads != 0:
-            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
-        return self
-
-    def params(self, hidden: int) -> int:
-        if self.kind == "mla":
-            m = self.mla
-            assert m is not None
-            if m.q_lora_rank:
-                q = hidden * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * self.heads * m.q_head_dim
-            else:
-                q = hidden * self.heads * m.q_head_dim
-            kv_a = hidden * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # + latent norm
-            kv_b = m.kv_lora_rank * self.heads * (m.qk_nope_head_dim + m.v_head_dim)
-            out = linear_params(self.heads * m.v_head_dim, hidden, self.out_bias)
-            return q + kv_a + kv_b + out
-        q_width = self.heads * self.head_dim
-        kv_width = self.kv_heads * self.head_dim
-        qkv = hidden * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if self.qkv_bias else 0)
-        return qkv + linear_params(q_width, hidden, self.out_bias)
-
-    @property
-    def v_width(self) -> int:
-        """Width of the attention output before the output projection."""
-        if self.kind == "mla":
-            assert self.mla is not None
-            return self.heads * self.mla.v_head_dim
-        return self.heads * self.head_dim
-
-
-class DenseMLP(_Frozen):
-    kind: Literal["dense"] = "dense"
-    ffn: PositiveInt
-    act: Activation = "swiglu"
-    bias: bool = False
-
-    @property
-    def gated(self) -> bool:
-        return self.act == "swiglu"
-
-    def params(self, hidden: int) -> int:
-        if self.gated:
-            return 3 * hidden * self.ffn + ((2 * self.ffn + hidden) if self.bias else 0)
-        return linear_params(hidden, self.ffn, self.bias) + linear_params(self.ffn, hidden, self.bias)
-
-
-class MoEMLP(_Frozen):
-    """Routed experts (each a SwiGLU of width expert_ffn) plus always-on shared experts."""
-
-    kind: Literal["moe"] = "moe"
-    routed_experts: PositiveInt
-    top_k: PositiveInt
-    expert_ffn: PositiveInt
-    shared_experts: int = Field(0, ge=0)
-    shared_ffn: int = Field(0, ge=0)  # total width of the shared experts (n_shared * expert_ffn)
-    gate_bias: bool = False  # noaux_tc's e_score_correction_bias
-    act: Activation = "swiglu"
-
-    @model_validator(mode="after")
-    def _check(self) -> "MoEMLP":
-        if self.top_k > self.routed_experts:
-            raise ValueError(f"top_k ({self.top_k}) exceeds routed_experts ({self.routed_experts})")
-        return self
-
-    def expert_params(self, hidden: int) -> int:
-        per = 3 if self.act == "swiglu" else 2
-        return per * hidden * self.expert_ffn
-
-    def gate_params(self, hidden: int) -> int:
-        return hidden * self.routed_experts + (self.routed_experts if self.gate_bias else 0)
-
-    def shared_params(self, hidden: int) -> int:
-        per = 3 if self.act == "swiglu" else 2
-        return per * hidden * self.shared_ffn
-
-    def params(self, hidden: int) -> int:
-        return self.gate_params(hidden) + self.shared_params(hidden) + self.routed_experts * self.expert_params(hidden)
-
-    def activated_params(self, hidden: int) -> int:
-        return self.gate_params(hidden) + self.shared_params(hidden) + self.top_k * self.expert_params(hidden)
-
-
-MLP = Annotated[Union[DenseMLP, MoEMLP], Field(discriminator="kind")]
-
-
-class EmbeddingBlock(_Frozen):
+class EmbeddingBlock(Frozen):
     """Token embedding (plus learned positions and BLOOM's embedding LayerNorm when present)."""
 
     kind: Literal["embedding"] = "embedding"
@@ -173,7 +56,7 @@ class EmbeddingBlock(_Frozen):
         return self.params()
 
 
-class VisionEmbedBlock(_Frozen):
+class VisionEmbedBlock(Frozen):
     """ViT patch embedding (a conv as a linear over patch pixels) and learned positions."""
 
     kind: Literal["vision_embed"] = "vision_embed"
@@ -195,7 +78,7 @@ class VisionEmbedBlock(_Frozen):
         return self.params()
 
 
-class VisionBlock(_Frozen):
+class VisionBlock(Frozen):
     """One pre-norm ViT encoder block (LayerNorm, MHA with biases, GELU MLP)."""
 
     kind: Literal["vision"] = "vision"
@@ -222,7 +105,7 @@ class VisionBlock(_Frozen):
         return self.params()
 
 
-class ProjectorBlock(_Frozen):
+class ProjectorBlock(Frozen):
     """Vision-to-language adaptor: token merge (downsample) then a small MLP.
 
     DeepSeek-VL2's ``downsample_mlp_gelu``: 2x2 unfold to 4*1152 = 4608 wide tokens,
@@ -252,7 +135,7 @@ class ProjectorBlock(_Frozen):
         return self.params()
 
 
-class DecoderBlock(_Frozen):
+class DecoderBlock(Frozen):
     """A transformer decoder layer: norm, attention, norm, MLP (dense or MoE)."""
 
     kind: Literal["decoder"] = "decoder"
@@ -280,7 +163,7 @@ class DecoderBlock(_Frozen):
         return isinstance(self.mlp, MoEMLP)
 
 
-class NormBlock(_Frozen):
+class NormBlock(Frozen):
     """A final norm (language model or vision tower).
 
     ``unused_params`` are weights that exist in the checkpoint but never run (SigLIP's MAP
@@ -299,7 +182,7 @@ class NormBlock(_Frozen):
         return norm_params(self.hidden, self.norm)  # unused weights never see a token
 
 
-class LMHeadBlock(_Frozen):
+class LMHeadBlock(Frozen):
     """Output projection to the vocabulary. Tied heads reuse the embedding's weights."""
 
     kind: Literal["lm_head"] = "lm_head"
@@ -320,7 +203,7 @@ Block = Annotated[
 ]
 
 
-class VisionTiling(_Frozen):
+class VisionTiling(Frozen):
     """How images become vision-tower tiles and language tokens.
 
     DeepSeek-VL2: 384-px tiles, 27x27 = 729 patches each, 2x2 downsampling to 14x14 = 196
@@ -339,7 +222,7 @@ class VisionTiling(_Frozen):
     newline_tokens: bool = False  # DeepSeek-VL2 appends a newline token to each token row
 
 
-class Positions(_Frozen):
+class Positions(Frozen):
     """How the model encodes positions, which costs nothing to plan but everything to get wrong
     at launch: Megatron defaults to a rotary base of 10000 and no scaling, while Llama 3 trains
     with 500000 (and Llama 3.1's frequency scaling), Mixtral and Qwen with 1e6."""
@@ -371,7 +254,7 @@ class _DecoderStack(NamedTuple):
     routed_experts: int
 
 
-class ModelSpec(_Frozen):
+class ModelSpec(Frozen):
     """A model: identity, training facts, and the ordered block list."""
 
     name: str
@@ -383,7 +266,7 @@ class ModelSpec(_Frozen):
     vision: VisionTiling | None = None
     stated_total_params: float | None = None  # the authors' figures, for checking
     stated_activated_params: float | None = None
-    defaulted: list[str] = Field(default_factory=_empty_list)  # fields filled by defaults on import
+    defaulted: list[str] = Field(default_factory=empty_list)  # fields filled by defaults on import
     # What a launcher must restate and the cost model does not read (None: not known, e.g. a
     # spec built by hand); Hugging Face configs and the presets always give both.
     positions: Positions | None = None

@@ -1,0 +1,118 @@
+"""What one block costs on one GPU, per sample: the records the layer cost profile is made of.
+
+``LayerCost`` holds a block's parameters, GEMM shapes, attention core, memory-bound bytes,
+stored activations per recompute mode and its collectives; ``LayerContext`` the parallel
+layout and kernel choices a block is priced under (layers.py, transformer_layers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
+
+ACT = 2  # bytes of a bf16/fp16 activation
+MASK = 1  # bytes of a dropout mask element (Korthikanti: "sbh" for a mask of s*b*h)
+RECOMPUTE_MODES = ("none", "selective", "full")
+_NO_EXTRA: Mapping[str, float] = MappingProxyType({})
+
+
+# Gemm, AttnCore and LayerCost are NamedTuples, immutable as a frozen dataclass but built in one
+# tuple allocation: a search prices each block once per (tp, sp, ep), too few calls for the
+# interpreter to specialise a frozen dataclass's __init__ (one object.__setattr__ per field).
+class Gemm(NamedTuple):
+    """``batch`` GEMMs of (tokens*b x k) @ (k x n) per sample; ``tokens`` scales with b."""
+
+    tokens: float
+    n: int
+    k: int
+    batch: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.tokens * self.n * self.k * self.batch
+
+
+class AttnCore(NamedTuple):
+    """Scores and attention-over-values: ``seqs`` sequences of ``seq`` tokens, ``heads`` per GPU."""
+
+    seqs: int  # independent sequences per sample (1 for text, the tiles for a ViT)
+    seq: int
+    heads: float
+    qk_dim: int
+    v_dim: int
+    causal: bool
+    flash: bool
+    dropout: bool
+
+    @property
+    def flops(self) -> float:
+        """Model FLOPs, full s^2 (the Megatron/Korthikanti convention, causal or not)."""
+        return 2.0 * self.seqs * self.seq**2 * self.heads * (self.qk_dim + self.v_dim)
+
+
+class LayerCost(NamedTuple):
+    """Per-GPU, per-sample cost of one block (see the module docstring)."""
+
+    index: int
+    kind: str
+    params: int  # whole block, unsharded
+    params_rank: float  # non-expert parameters one GPU holds after TP
+    expert_params_rank: float  # routed-expert parameters one GPU holds after TP and EP
+    tokens: int  # tokens this block processes per sample
+    hidden: int  # width of the block's output (what PP sends)
+    gemms: tuple[Gemm, ...]
+    attn: AttnCore | None
+    hbm_fwd: float  # bytes of memory-bound traffic (norms, activations, softmax, ...) forward
+    act: dict[str, float]  # bytes kept for backward per recompute mode
+    act_live: float  # bytes of the block's activations while it is (re)computed
+    tp_fwd: tuple[tuple[str, float], ...]  # (collective, bytes) over the TP group, forward
+    tp_bwd: tuple[tuple[str, float], ...]
+    ep_a2a: float  # bytes one GPU sends per all-to-all (dispatch; combine is the same)
+    ep_a2a_count: int  # all-to-alls forward (dispatch + combine); backward repeats them
+    checkpointed: bool  # full recompute applies (transformer layers only, as in Megatron)
+    extra: Mapping[str, float] = _NO_EXTRA
+
+    @property
+    def gemm_flops(self) -> float:
+        return sum(g.flops for g in self.gemms)
+
+    @property
+    def fwd_flops(self) -> float:
+        """Model FLOPs of the forward pass, per sample, on one GPU."""
+        return self.gemm_flops + (self.attn.flops if self.attn else 0.0)
+
+    @property
+    def pp_bytes(self) -> float:
+        """Bytes of this block's output per sample (what a pipeline boundary after it sends)."""
+        return float(self.tokens * self.hidden * ACT)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerContext:
+    """The layout (tp, sequence parallel, ep) and kernel choices a block is priced under."""
+
+    tp: int
+    sp: bool
+    ep: int
+    flash: bool
+    dropout: bool
+    rope: bool = False
+
+    def repl(self, nbytes: float) -> float:
+        """Replicated across TP ranks unless sequence parallelism splits it."""
+        return nbytes / self.tp if self.sp else nbytes
+
+    def tp_pair(self, nbytes: float) -> tuple[tuple[str, float], ...]:
+        """The collective that closes a row-parallel matmul (and its SP partner)."""
+        if self.tp == 1:
+            return ()
+        if self.sp:
+            return (("allgather", nbytes), ("reducescatter", nbytes))
+        return (("allreduce", nbytes),)
+
+
+def same_in_every_mode(nbytes: float) -> dict[str, float]:
+    """Stored bytes that no recompute mode changes."""
+    return {mode: float(nbytes) for mode in RECOMPUTE_MODES}

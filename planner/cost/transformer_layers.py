@@ -1,0 +1,174 @@
+"""Transformer layers (decoder and ViT blocks): attention (MHA / GQA / MLA, FlashAttention or
+unfused), the MLP (dense or mixture-of-experts) and what each keeps for backward, as
+Korthikanti et al. 2022 (arXiv:2205.05198) Eq. 1-6 write it, tensor by tensor."""
+
+from __future__ import annotations
+
+from planner.cost.layer_cost import ACT, MASK, AttnCore, Gemm, LayerContext, LayerCost
+from planner.errors import UserError
+from planner.model.spec import DecoderBlock, DenseMLP, MoEMLP, VisionBlock, norm_params
+
+
+
+def _attention_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
+    """GEMMs, core, stored bytes (replicated, sharded), params split for one attention."""
+    a, h, t = b.attention, b.hidden, ctx.tp
+    heads = a.heads / t
+    if a.kind == "mla":
+        m = a.mla
+        assert m is not None
+        gemms, repl_store, shard_store = [], 0.0, 0.0
+        if m.q_lora_rank:
+            gemms += [Gemm(tokens, m.q_lora_rank, h), Gemm(tokens, int(a.heads * m.q_head_dim / t), m.q_lora_rank)]
+            repl_store += 2 * ACT * m.q_lora_rank  # q_a output (norm input) and normed latent (q_b input)
+            repl_params = h * m.q_lora_rank + m.q_lora_rank
+            shard_params = m.q_lora_rank * a.heads * m.q_head_dim
+        else:
+            gemms.append(Gemm(tokens, int(a.heads * m.q_head_dim / t), h))
+            repl_params, shard_params = 0, h * a.heads * m.q_head_dim
+        # Megatron-Core MLA: the down-projections are replicated, the up-projections split by heads.
+        gemms += [Gemm(tokens, m.kv_lora_rank + m.qk_rope_head_dim, h),
+                  Gemm(tokens, int(a.heads * (m.qk_nope_head_dim + m.v_head_dim) / t), m.kv_lora_rank)]
+        repl_store += ACT * (m.kv_lora_rank + m.qk_rope_head_dim) + ACT * m.kv_lora_rank
+        repl_params += h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        shard_params += m.kv_lora_rank * a.heads * (m.qk_nope_head_dim + m.v_head_dim)
+        qk, v = m.q_head_dim, m.v_head_dim
+        shard_store += ACT * a.heads * (2 * qk + v)  # q, k (nope + rope), v
+        out_in = a.heads * v
+    else:
+        qw, kvw = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        gemms = [Gemm(tokens, int((qw + 2 * kvw) / t), h)]
+        shard_store = ACT * (qw + 2 * kvw)  # Q, K, V kept for the score and value products
+        repl_store, repl_params = 0.0, 0
+        shard_params = h * (qw + 2 * kvw) + ((qw + 2 * kvw) if a.qkv_bias else 0)
+        qk, v = a.head_dim, a.head_dim
+        out_in = qw
+    gemms.append(Gemm(tokens, h, int(out_in / t)))
+    shard_store += ACT * out_in  # output-projection input
+    shard_params += out_in * h
+    repl_params += h if a.out_bias else 0
+    core = AttnCore(1, tokens, heads, qk, v, causal=True, flash=ctx.flash, dropout=ctx.dropout)
+    return gemms, core, repl_store, shard_store, repl_params, shard_params
+
+
+def _score_bytes(core: AttnCore) -> float:
+    """Bytes of the s^2 terms per sample on one GPU (0 with FlashAttention, which keeps only
+    the fp32 log-sum-exp per row). Unfused: softmax output 2as^2b, plus with dropout the mask
+    as^2b and its output 2as^2b (Korthikanti Eq. 1: 5as^2b)."""
+    rows = core.seqs * core.heads * core.seq
+    if core.flash:
+        return 4.0 * rows
+    per = ACT + ((MASK + ACT) if core.dropout else 0)
+    return per * rows * core.seq
+
+
+def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
+    """A dense or MoE MLP: GEMMs, stored bytes per token (replicated, sharded), parameters
+    (replicated, TP-sharded, routed experts per GPU), memory traffic per token, EP traffic."""
+    h, t, mlp = b.hidden, ctx.tp, b.mlp
+    if isinstance(mlp, DenseMLP):
+        g, stored, traffic = _ffn(mlp.ffn, mlp.gated, tokens, h, t, 1)
+        out_bias = h if mlp.bias else 0
+        return g, 0.0, stored / tokens, out_bias, mlp.params(h) - out_bias, 0.0, traffic / tokens, 0.0, 0
+    assert isinstance(mlp, MoEMLP)
+    gated = mlp.act == "swiglu"
+    e, k = mlp.routed_experts, mlp.top_k
+    gemms = [Gemm(tokens, e, h)]  # router, replicated
+    repl = 2 * 4.0 * e  # fp32 router logits and probabilities
+    shard, traffic = 0.0, 0.0
+    if mlp.shared_ffn:
+        g, stored, tr = _ffn(mlp.shared_ffn, gated, tokens, h, t, 1)
+        gemms += g
+        shard += stored / tokens
+        traffic += tr / tokens
+    # Routed experts: balanced routing gives each GPU tokens*top_k token-copies after the
+    # dispatch, spread over its e/ep local experts (Megatron-Core grouped GEMM); expert
+    # weights are split over TP as well (expert tensor parallel = tp, Megatron-Core's default).
+    local = e // ctx.ep
+    g, stored, tr = _ffn(mlp.expert_ffn, gated, tokens * k / local, h, t, local)
+    gemms += g
+    shard += stored / tokens
+    repl += k * 2 * ACT * h  # permuted input copies and the expert outputs awaiting combine
+    traffic += tr / tokens + k * 4 * ACT * h  # permute + unpermute: read and write each copy
+    expert_rank = e * mlp.expert_params(h) / (t * ctx.ep)
+    a2a = tokens * k * h * ACT / (t if ctx.sp else 1)
+    return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2
+
+
+def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int):
+    """A (gated) MLP of ``width`` over ``batch`` x ``tokens``: GEMMs, stored bytes and memory
+    traffic per sample (totals, not per token)."""
+    w = width / t
+    up = 2 * w if gated else w
+    gemms = [Gemm(tokens, int(up), h, batch), Gemm(tokens, h, int(w), batch)]
+    rows = tokens * batch
+    # gated: fc1 output (gate and up, 2w) + fc2 input (w); GELU: its input (w) + fc2 input (w).
+    # The fc1 input is the layer's MLP input, counted with the replicated tensors.
+    stored = rows * ACT * (3 * width if gated else 2 * width)  # whole width: the caller splits by t
+    traffic = rows * ACT * (up + w)  # activation kernel: read fc1 output, write fc2 input
+    return gemms, stored, traffic
+
+
+def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCost:
+    h = b.hidden
+    ag, core, a_repl, a_shard, a_rp, a_sp = _attention_parts(b, s, ctx)
+    mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count = _mlp_parts(b, s, ctx)
+    if ctx.rope:  # fused RoPE reads and writes the rotary part of Q and K once
+        m_traffic += 2 * ACT * _rope_width(b) / ctx.tp
+    return _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
+                              a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
+                              a2a, a2a_count, ctx)
+
+
+def _rope_width(b: DecoderBlock) -> float:
+    a = b.attention
+    if a.kind == "mla":
+        assert a.mla is not None
+        return (a.heads + 1) * a.mla.qk_rope_head_dim  # per-head query part + the shared key part
+    return (a.heads + a.kv_heads) * a.head_dim
+
+
+def vision_cost(i: int, b: VisionBlock, tiles: int, patches: int, ctx: LayerContext) -> LayerCost:
+    """A ViT block over ``tiles`` independent sequences of ``patches`` tokens (full attention)."""
+    if b.heads % ctx.tp:
+        raise UserError(f"--tp {ctx.tp} does not divide the vision tower's {b.heads} heads; pick a tp that divides {b.heads}")
+    h, t, tokens = b.hidden, ctx.tp, tiles * patches
+    gemms = [Gemm(tokens, int(3 * h / t), h), Gemm(tokens, h, int(h / t))]
+    g, stored, traffic = _ffn(b.mlp, False, tokens, h, t, 1)
+    core = AttnCore(tiles, patches, b.heads / t, h // b.heads, h // b.heads, False, ctx.flash, ctx.dropout)
+    per_tok = stored / tokens if tokens else 0.0
+    shard = ACT * 4 * h + per_tok  # Q, K, V, output-projection input + MLP
+    repl_params = 2 * norm_params(h, b.norm) + h + h  # norms, out bias, fc2 bias
+    return _transformer_layer(i, "vision", b.params(), h, tokens, tiles, gemms + g, core, 0.0, shard, repl_params,
+                              b.params() - repl_params, 0.0, traffic / tokens if tokens else 0.0, 0.0, 0, ctx)
+
+
+def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl, shard, repl_params, shard_params,
+                       expert_rank, mlp_traffic, a2a, a2a_count, ctx: LayerContext) -> LayerCost:
+    """Assemble a pre-norm transformer layer (Korthikanti Eq. 1 layout) from its parts."""
+    t = ctx.tp
+    # Replicated per token: two norm inputs, attention input, MLP input (4 x 2h = 8h), plus a
+    # dropout mask after attention and after the MLP (2 x 1h): Korthikanti's 10sbh.
+    repl = 4 * ACT * h + (2 * MASK * h if ctx.dropout else 0) + extra_repl
+    scores = _score_bytes(core) / tokens if tokens else 0.0
+    stored_none = ctx.repl(repl) + shard / t + scores
+    stored_sel = stored_none - (scores if not core.flash else 0.0)
+    checkpoint = ctx.repl(ACT * h)  # full recompute keeps the layer input only
+    act = {"none": stored_none * tokens, "selective": stored_sel * tokens, "full": checkpoint * tokens}
+    # Memory-bound traffic per token, forward: 2 norms (read 2h, write 2h), 2 residual adds
+    # (read 4h, write 2h, + mask 1h with dropout), the MLP activation, and without
+    # FlashAttention the softmax (+ dropout) over a*s scores per token.
+    per_tok = 2 * 4 * h + 2 * (6 * h + (MASK * h if ctx.dropout else 0))
+    per_tok = ctx.repl(per_tok) + mlp_traffic
+    score_tok = 0.0 if core.flash else core.heads * core.seq * (2 * ACT + ((2 * ACT + MASK) if ctx.dropout else 0))
+    per_tok += score_tok
+    nbytes = tokens * h * ACT
+    tp = ctx.tp_pair(nbytes) * 2
+    bwd = tuple([(_MIRROR.get(op, op), n) for op, n in tp])
+    return LayerCost(i, kind, params, repl_params + shard_params / t, expert_rank, tokens, h, tuple(gemms), core,
+                     per_tok * tokens, act, stored_none * tokens, tp, bwd, a2a, a2a_count, True,
+                     {"score_hbm": score_tok * tokens})
+
+
+# A collective's backward partner (an all-reduce is its own).
+_MIRROR = {"allgather": "reducescatter", "reducescatter": "allgather"}
