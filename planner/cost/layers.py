@@ -8,7 +8,7 @@ because efficiency depends on them (planner/cost/efficiency.py).
 
 Activation bytes follow Korthikanti et al. 2022 (arXiv:2205.05198) Eq. 1-6, written as a sum
 of the tensors each operation keeps for backward, so that a GPT layer with dropout and without
-FlashAttention reproduces Table 2 exactly (../shared/reference/korthikanti2022_activation_
+FlashAttention reproduces Table 2 exactly (reference/korthikanti2022_activation_
 memory_formulas.csv) while GQA, SwiGLU, MLA, MoE, ViT tiles, the projector, the embedding and
 the fp32 logits of the LM head get their own terms. Tensors split into *replicated* (held by
 every TP rank; split by t only under sequence parallelism) and *sharded* (split by t).

@@ -5,7 +5,7 @@ Heterogeneous models are the normal case: DeepSeek-VL2 is a SigLIP tower (patch 
 decoder blocks, a final norm and an LM head. The cost model and the pipeline balancer walk
 this list in order, so the order is the forward order of the network.
 
-Parameter formulas follow ../shared/reference/models/README.md (RMSNorm = h, LayerNorm = 2h,
+Parameter formulas follow reference/models/README.md (RMSNorm = h, LayerNorm = 2h,
 SwiGLU = 3 matrices, MLA including its latent norms, MoE gate plus the ``noaux_tc`` bias).
 """
 
