@@ -3,7 +3,7 @@
     python benchmarks/bench_collectives.py            # markdown table + timing
     python benchmarks/bench_collectives.py --csv      # the table as CSV
 
-Measured rows: ../shared/reference/nccl_allreduce_busbw_measured.csv (8x A100 node, nccl-tests;
+Measured rows: reference/nccl_allreduce_busbw_measured.csv (8x A100 node, nccl-tests;
 8x H200 node with NVLS on, and at 16 GiB with NCCL_NVLS_ENABLE=0).
 """
 
@@ -23,7 +23,7 @@ from planner.hardware.load import load_profile
 from planner.hardware.placement import Placement
 from planner.units import parse_size
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "nccl_allreduce_busbw_measured.csv"
+REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "nccl_allreduce_busbw_measured.csv"
 # (label, profile, nvls override, substring of the CSV "system" column)
 SYSTEMS = (
     ("8x A100 (ring)", "dgx-a100-80g", None, "A100 node"),

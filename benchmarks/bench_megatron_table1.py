@@ -3,7 +3,7 @@
 Narayanan et al., SC21 (arXiv:2104.04473) Table 1: GPT models from 1.7B to 1T parameters on
 32 to 3072 A100-80GB GPUs (Selene: DGX A100, 8x HDR 200 Gb/s NICs per node), full activation
 recomputation, the micro-batch sizes and interleaving of NVIDIA/Megatron-LM
-examples/sc21/run_table_1.sh (../shared/reference/megatron2021_table1_weak_scaling.csv).
+examples/sc21/run_table_1.sh (reference/megatron2021_table1_weak_scaling.csv).
 
 For each row we build the GPT ModelSpec (vocab 51200, learned absolute positions, LayerNorm,
 4h GELU MLP with biases, tied output layer, dropout 0.1 as Megatron's GPT defaults; the 2021
@@ -30,7 +30,7 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.spec import Attention, DecoderBlock, DenseMLP, EmbeddingBlock, LMHeadBlock, ModelSpec, NormBlock
 
-CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron2021_table1_weak_scaling.csv"
+CSV = Path(__file__).resolve().parents[1] / "reference" / "megatron2021_table1_weak_scaling.csv"
 
 
 def megatron_gpt(hidden: int, heads: int, layers: int, vocab: int = 51200, seq: int = 2048) -> ModelSpec:

@@ -18,7 +18,7 @@ Layer parameter counts used below (GPT-3 block: QKV 3h^2 + 3h, projection h^2 + 
     gpt3-2.7b  h = 2560: 12*2560^2 + 13*2560 = 78,676,480;  embedding 50257*2560 = 128,657,920,
                                                             positions 2048*2560 =   5,242,880
 (12 x 7,087,872 + 1,536 + 38,597,376 + 1,572,864 = 125,226,240 and 32 x 78,676,480 + 5,120 +
-133,900,800 = 2,651,553,280: the totals of shared/reference/models.)
+133,900,800 = 2,651,553,280: the totals of reference/models.)
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ def test_tied_head_on_the_last_stage_holds_a_copy_of_the_embedding() -> None:
 def test_activations_are_korthikanti_bytes_times_in_flight_micro_batches(recompute: str) -> None:
     """gpt3-1.3b (h 2048, a 16 heads, vocab 50257) on one DGX A100, Megatron, tp 2, pp 2, dp 2,
     seq 2048, micro-batch 1, 4 micro-batches, with dropout and without FlashAttention: the
-    setting of Korthikanti et al. 2022 Table 2 (shared/reference/korthikanti2022_activation_
+    setting of Korthikanti et al. 2022 Table 2 (reference/korthikanti2022_activation_
     memory_formulas.csv).
 
     Per layer and micro-batch (s = 2048, b = 1, h = 2048, t = 2, sbh = 4,194,304):

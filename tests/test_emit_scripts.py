@@ -307,7 +307,7 @@ def test_an_interleaved_plan_pp_does_not_divide_names_its_micro_batch_group(run_
 
 
 # What the value checks below hold every plan to. Expected numbers come from the published
-# architecture (../shared/reference/models/<model>.json) and from plan.json; what a flag means is
+# architecture (reference/models/<model>.json) and from plan.json; what a flag means is
 # Megatron-LM's (megatron/training/arguments.py and megatron/core/transformer/transformer_block.py):
 # - without --group-query-attention Megatron ignores --num-query-groups and uses one KV head per
 #   query head; --kv-channels defaults to hidden / heads;

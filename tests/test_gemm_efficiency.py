@@ -2,8 +2,7 @@
 
 Inputs, each from its source:
 - A100 SXM bf16 dense peak 312 TFLOP/s and 2,039 GB/s HBM (NVIDIA A100 datasheet);
-- its best measured GEMM, 271.2 TFLOP/s (MAMF, ../shared/reference/mamf_max_achievable_matmul_
-  measured.csv);
+- its best measured GEMM, 271.2 TFLOP/s (MAMF, reference/mamf_max_achievable_matmul_measured.csv);
 - the calibration fitted once on Narayanan et al. 2021 Table 1 and documented in
   planner/cost/README.md: GEMMs sustain 80% of MAMF in a training step, a tile's k-loop reaches
   half efficiency at k = 48, a kernel costs 3 us beyond its work, elementwise traffic runs at 85%
@@ -16,14 +15,14 @@ A change to any of these is a change of calibration and must show up here.
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 
 from planner.cost import efficiency as eff
 from planner.hardware.load import load_profile
+from tests.conftest import REFERENCE_DIR
 
-MAMF_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "mamf_max_achievable_matmul_measured.csv"
+MAMF_CSV = REFERENCE_DIR / "mamf_max_achievable_matmul_measured.csv"
 PEAK = 312e12
 HBM = 2039e9 * 0.85
 OVERHEAD = 3e-6

@@ -68,7 +68,7 @@ def test_names_are_case_insensitive_aliases_resolve_and_loads_are_cached():
     assert load_profile(" a100 ").name == "dgx-a100-80g"
 
 
-# --- numbers agree with ../shared/reference ---------------------------------------------
+# --- numbers agree with reference/ ------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,7 @@
 """The built-in presets: every one against the authors' stated counts and the reference formulas.
 
-Stated figures are parsed at test time from ../shared/reference/models/<name>.json (CI keeps
-that directory next to the repository); when it is absent, the copy of the same text kept in
-each preset's header is used, so the test always runs.
+Stated figures are parsed at test time from reference/models/<name>.json; each preset's header
+keeps a copy of the same figures (``reference_params``), which must agree with it.
 """
 
 from __future__ import annotations
@@ -17,8 +16,9 @@ import planner.model
 from planner.errors import UserError
 from planner.model.catalog import PRESETS_DIR, list_presets, load_model, load_model_with_warnings, load_preset, preset_info
 from planner.model.spec import MoEMLP, NormBlock, VisionBlock
+from tests.conftest import REFERENCE_DIR
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "models"
+REFERENCE = REFERENCE_DIR / "models"
 
 # The presets the issue asks for, by name.
 ISSUE_PRESETS = {
@@ -32,10 +32,7 @@ _UNIT = {"M": 1e6, "B": 1e9, "T": 1e12}
 
 
 def reference_params(name: str) -> dict:
-    path = REFERENCE / f"{name}.json"
-    if path.is_file():
-        return json.loads(path.read_text())["params"]
-    return preset_info(name)["reference_params"]
+    return json.loads((REFERENCE / f"{name}.json").read_text())["params"]
 
 
 def parse_stated(text: str) -> tuple[float, float]:
@@ -65,11 +62,16 @@ def test_parse_stated_reads_the_precise_figure_and_its_rounding():
 def test_catalog_has_exactly_the_reference_presets():
     names = set(list_presets())
     assert names == ISSUE_PRESETS
-    if REFERENCE.is_dir():
-        assert names == {p.stem for p in REFERENCE.glob("*.json")}
-    # shipped inside the package, not read from ../shared
+    assert names == {p.stem for p in REFERENCE.glob("*.json")}
+    # shipped inside the package, not read from reference/
     assert PRESETS_DIR.parent == Path(planner.model.__file__).resolve().parent
     assert len(list(PRESETS_DIR.glob("*.json"))) == len(ISSUE_PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_PRESETS))
+def test_preset_header_copies_the_reference_figures(name):
+    """The stated and computed figures each preset ships in its header are the reference's."""
+    assert preset_info(name)["reference_params"] == reference_params(name)
 
 
 @pytest.mark.parametrize("name", sorted(ISSUE_PRESETS))

@@ -6,7 +6,7 @@ A GEMM's time is a roofline over the GPU's *achievable* numbers, not one constan
         + KERNEL_OVERHEAD_S
 
 - ``mamf``: the largest fraction of the dense peak a well-shaped bf16 GEMM reaches on this GPU
-  (profile.gpu.matmul_efficiency, from ../shared/reference/mamf_max_achievable_matmul_
+  (profile.gpu.matmul_efficiency, from reference/mamf_max_achievable_matmul_
   measured.csv: A100 SXM 86.9%, H100 SXM 80.3%).
 - ``tile_eff``: wave quantisation. cuBLAS covers the m x n output with 128x128 (bf16) tiles and
   runs them in waves of one tile per SM; a partial last wave and the padding of ragged edges

@@ -2,7 +2,7 @@
 
 Model states, bytes per parameter a GPU holds after TP/PP/EP (N = the ranks it is sharded over:
 dp for dense parameters, dp/ep for routed experts), mixed precision with fp32 master weights and
-Adam (K = 12: master, momentum, variance; Rajbhandari et al. SC20, ../shared/reference/
+Adam (K = 12: master, momentum, variance; Rajbhandari et al. SC20, reference/
 zero_memory_formulas.csv):
 
 =====================  =========  ===========================  ===============

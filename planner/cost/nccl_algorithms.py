@@ -16,7 +16,7 @@ S bytes is
 
 NCCL picks the fastest candidate; so do we (the user may switch NVLS off, as NCCL_NVLS_ENABLE=0).
 
-Calibration (global constants, fitted once to ../shared/reference/
+Calibration (global constants, fitted once to reference/
 nccl_allreduce_busbw_measured.csv: the A100 node fixes the ring protocols, the H200 node the
 NVLS constants; no per-row factors; benchmarks/bench_collectives.py prints the fit):
 - CALL_OVERHEAD_S: both nodes show ~40 us at 32 KiB (1.31 and 1.44 GB/s busbw), the

@@ -36,7 +36,7 @@ class GPU(_Strict):
     memory_GiB: PositiveFloat
     peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "tf32", "fp32"], PositiveFloat]  # dense, no sparsity
     hbm_GBps: PositiveFloat
-    # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; ../shared/reference/
+    # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; reference/
     # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
     matmul_efficiency: float = Field(0.8, gt=0, le=1)
     # Where FlashAttention's head-dim curve levels off, as a fraction of peak (efficiency.

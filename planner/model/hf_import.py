@@ -6,7 +6,7 @@ exactly as the transformers / vendor model classes hard-code them. The decoder s
 always comes from the keys (aliases in ``hf_keys``), so one builder serves every family:
 MLA when the config has DeepSeek's latent ranks, MoE in the DeepSeek, Mixtral or Qwen-MoE
 layout when their expert keys are present. Every default applied is listed in
-``ModelSpec.defaulted``. Source of the rules: ../shared/reference/models/README.md sec. 5.
+``ModelSpec.defaulted``. Source of the rules: reference/models/README.md sec. 5.
 """
 
 from __future__ import annotations

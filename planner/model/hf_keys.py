@@ -2,7 +2,7 @@
 
 Configs of different families spell the same fact differently (``num_hidden_layers`` /
 ``n_layer`` / ``num_layers``...). ``ConfigReader`` looks a canonical field up under its
-aliases in priority order (../shared/reference/models/README.md section 5), checks its type
+aliases in priority order (reference/models/README.md section 5), checks its type
 and sign, records every default it applies (so ``ModelSpec.defaulted`` can show the user
 what was guessed), and turns every problem into one ``UserError`` naming the file and key.
 """

@@ -32,7 +32,7 @@ from planner.hardware.placement import splits_evenly
 
 # Interleaved chunks per pipeline rank tried when the user does not pin --virtual-stages: every
 # count up to 8. Megatron's published configurations use 2 and 3 (SC21 Table 1, the sc21
-# scripts' interleaving; shared/reference/megatron2021_table1_weak_scaling.csv), and 6 or 8
+# scripts' interleaving; reference/megatron2021_table1_weak_scaling.csv), and 6 or 8
 # win some layouts here (gpt3-175b on 128 nodes: +3.4% with v = 8 over the best of 1, 2 and 4).
 # Beyond 8, chunks of one or two layers lean on per-chunk costs (a send and a receive each
 # way per chunk, kernel launches) that no published run calibrates; pass a list to go further.
