@@ -46,7 +46,7 @@ def _cluster(nodes: int) -> Cluster:
     return Cluster.build(load_profile(PROFILE), nodes)
 
 
-def _twin(model_name: str, nodes: int, w: Workload, cfg: ParallelConfig):
+def _searched(model_name: str, nodes: int, w: Workload, cfg: ParallelConfig):
     """``cfg`` through the search's evaluation, and ``estimate`` on the partition the search
     chose: (plan, partition, per-rank table, assembled per-rank detail)."""
     model, cluster = load_model(model_name), _cluster(nodes)
@@ -99,10 +99,10 @@ def test_moe_all_to_all_is_dispatch_and_combine_in_each_pass(recompute: str, all
     # The EP group is 8 consecutive GPUs of one node (tp = 1, EP innermost).
     t_a2a = collective_time_for_size(_cluster(1), "alltoall", 8, per_a2a).time_s
     expected = m * layers * all_to_alls * t_a2a
-    plan, _, ranks, _ = _twin("mixtral-8x7b", 1, w, cfg)
+    plan, _, ranks, _ = _searched("mixtral-8x7b", 1, w, cfg)
     assert plan.time.ep_comm == pytest.approx(expected, rel=1e-9)
     assert plan.stages[0].microbatch.ep == pytest.approx(layers * all_to_alls * t_a2a, rel=1e-9)
-    assert m * ranks["ep"][0] == pytest.approx(expected, rel=1e-9)  # the search's twin
+    assert m * ranks["ep"][0] == pytest.approx(expected, rel=1e-9)  # the search's evaluation
 
 
 # -- (b) data-parallel reduction hidden behind the pipeline cool-down ----------------------
@@ -164,8 +164,8 @@ def test_dp_reduction_hides_behind_the_pipeline_cool_down() -> None:
     assert ar[1] - b1 > ar[0] - b0 > 0  # ... and would be the most exposed without it
     assert plan.time.dp_comm == pytest.approx(ar[0] - b0, rel=1e-9)
 
-    # The search's twin, on its own (time-balanced) partition, per rank.
-    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, plan.workload, plan.cfg)
+    # The search's evaluation, on its own (time-balanced) partition, per rank.
+    plan, parts, ranks, detail = _searched("gpt3-2.7b", 2, plan.workload, plan.cfg)
     dense = [_gpt27_dense(c) for c in parts]
     assert list(ranks["dense"]) == dense
     ar = [collective_time_for_size(cluster, "allreduce", 8, 4 * d).time_s for d in dense]
@@ -223,8 +223,8 @@ def test_deepspeed_pipeline_reduces_after_the_drain_with_all_reduces() -> None:
     assert exposed[1] - tied > b0 * 0.05  # a cool-down would have hidden some of rank 1's reduction
     assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
 
-    # The search's twin on its own partition, per rank.
-    plan, parts, ranks, detail = _twin("gpt3-2.7b", 2, plan.workload, plan.cfg)
+    # The search's evaluation on its own partition, per rank.
+    plan, parts, ranks, detail = _searched("gpt3-2.7b", 2, plan.workload, plan.cfg)
     dense = [_gpt27_dense(c) for c in parts]
     exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s
                + collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
@@ -242,7 +242,7 @@ def test_deepspeed_pipeline_untied_rank_keeps_only_the_cool_down() -> None:
     model, cluster = load_model("llama-3-8b"), _cluster(2)
     w = Workload(global_batch=32, seq_len=1024)
     cfg = ParallelConfig(dp=8, pp=2, zero_stage=1, framework="deepspeed", micro_batch=1, grad_accum=4)
-    plan, parts, ranks, detail = _twin("llama-3-8b", 2, w, cfg)
+    plan, parts, ranks, detail = _searched("llama-3-8b", 2, w, cfg)
     dense = [sum(b.params() for b in model.blocks[a:e]) for a, e in parts]
     assert list(ranks["dense"]) == dense and list(ranks["tied"]) == [0.0, 0.0]
     ar = [collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s for d in dense]
@@ -295,7 +295,7 @@ def test_what_a_pipeline_boundary_sends(framework, sp, divisor, gathers, transfe
     # (sends after the stage, receives before it) per rank
     sides = [(1, 0), (1, 1), (1, 1), (0, 1)]
     expected = [o * (t_p2p + gathers[0] * t_ag) + i * (t_p2p + gathers[1] * t_ag) for o, i in sides]
-    plan, _, ranks, _ = _twin("llama-3-8b", 4, w, cfg)
+    plan, _, ranks, _ = _searched("llama-3-8b", 4, w, cfg)
     assert [s_.microbatch.pp for s_ in plan.stages] == pytest.approx(expected, rel=1e-9)
     assert list(ranks["pp"]) == pytest.approx(expected, rel=1e-9)
     worst = max(range(4), key=lambda r: plan.stages[r].microbatch.total)
@@ -326,7 +326,7 @@ def test_gpu_adam_streams_34_bytes_per_local_parameter() -> None:
     expected = local * adam_bytes / hbm
     w = Workload(global_batch=64, seq_len=2048)
     cfg = ParallelConfig(dp=8, zero_stage=1, micro_batch=1, grad_accum=8)
-    plan, _, _, detail = _twin("gpt3-125m", 1, w, cfg)
+    plan, _, _, detail = _searched("gpt3-125m", 1, w, cfg)
     assert adam_bytes == 34
     assert plan.time.optimizer == pytest.approx(expected, rel=1e-9)
     assert float(detail["opt"][0, 0]) == pytest.approx(expected, rel=1e-9)
@@ -347,7 +347,7 @@ def test_tied_head_on_the_last_stage_holds_a_copy_of_the_embedding() -> None:
     DeepSpeed ZeRO-0 in bf16: 2 B weights, 2 B gradients, 12 B Adam states per parameter."""
     w = Workload(global_batch=64, seq_len=2048)
     cfg = ParallelConfig(dp=4, pp=2, zero_stage=0, micro_batch=1, grad_accum=16)
-    plan, parts, ranks, detail = _twin("gpt3-125m", 1, w, cfg)
+    plan, parts, ranks, detail = _searched("gpt3-125m", 1, w, cfg)
     layer, embed, pos, ln = 7_087_872, 50257 * 768, 2048 * 768, 2 * 768
     (a0, e0), (a1, e1) = parts
     assert a0 == 0 and e1 == 15  # blocks: embedding, 12 layers, final LN, tied head
@@ -388,7 +388,7 @@ def test_activations_are_korthikanti_bytes_times_in_flight_micro_batches(recompu
     assert layer_none == 62 * sbh
     per_layer = layer_none if recompute == "none" else 2 * sbh
     live = layer_none if recompute == "full" else 0.0
-    plan, parts, ranks, detail = _twin("gpt3-1.3b", 1, w, cfg)
+    plan, parts, ranks, detail = _searched("gpt3-1.3b", 1, w, cfg)
     first = 1 * sbh  # embedding dropout mask, 1 byte per element
     last = 2 * sbh + 2 * sbh + 4 * s * b * v / t
     expected = []
@@ -427,7 +427,7 @@ def test_deepspeed_zero2_reduces_every_micro_batch_and_zero1_once() -> None:
         assert ar > b  # the case: each reduction outlasts its backward
         expected = max(0.0, ar - b) + ag + ((4 - 1) * max(0.0, ar - b) if zero == 2 else 0.0)
         assert plan.time.dp_comm == pytest.approx(expected, rel=1e-9)
-        # the search's twin prices it alike
-        twin, _, _, detail = _twin("gpt3-2.7b", 2, w, cfg)
-        assert twin.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
+        # the search's evaluation prices it alike
+        searched, _, _, detail = _searched("gpt3-2.7b", 2, w, cfg)
+        assert searched.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
     assert plans[2].time.dp_comm > plans[1].time.dp_comm

@@ -314,8 +314,7 @@ def inflight_microbatches(rank: int, pp: int, virtual: int, microbatches: int) -
 
 def inflight_array(rank, pp, virtual, microbatches, group):
     """``inflight_microbatches`` (pp > 1) over numpy arrays that broadcast together, ``group``
-    from ``microbatch_groups``: the one formula the search's vectorised twin, its bounds and
-    memfit share with ``estimate``."""
+    from ``microbatch_groups``: the one formula assemble, the search's bounds and memfit read."""
     one_f1b = np.minimum(pp - rank, microbatches)
     chunks = np.minimum((pp - rank - 1) * 2 + (virtual - 1) * group + 1, microbatches * virtual)
     return np.where(virtual == 1, one_f1b, chunks / virtual)

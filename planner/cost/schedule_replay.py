@@ -15,7 +15,7 @@ a forward, the next chunk's backward for a backward). Sends cost nothing and not
 on a rank: it is the schedule's own shape, without the interconnect. Pure Python, O(pp x v x m)
 ops: for tests and benchmarks (tests/test_interleaved_schedule.py,
 benchmarks/bench_pipeline_schedule.py) and for the one plan a user is shown
-(planner/search/schedule_check.py), not for every candidate of a search.
+(planner/cost/schedule_check.py), not for every candidate of a search.
 """
 
 from __future__ import annotations

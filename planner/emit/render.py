@@ -132,7 +132,7 @@ def _predictions(plan: PlanFile) -> list[tuple[str, str]]:
 def _notes(plan: PlanFile, model: ModelSpec, profile: HardwareProfile) -> list[str]:
     """The search's line on why this plan ranks where it does, then the batch notes
     (planner/cost/notes.py), when the plan file carries the predictions they read, and the
-    schedule note of an interleaved plan (planner/search/schedule_check.py), as suggest and
+    schedule note of an interleaved plan (planner/cost/schedule_check.py), as suggest and
     estimate print them."""
     extra = plan.model_extra or {}
     out = []

@@ -188,7 +188,7 @@ def _even_ends(prefix: list[float], limit: float, stages: int) -> list[int]:
     Many splits share the optimal bottleneck; the max-pack that proves it feasible fills the
     first stages to the limit and leaves crumbs at the end (llama-3-70b's 83 blocks in 20
     chunks: fifteen of five decoders, then four of one or two), which Megatron's interleaved
-    schedule runs 3.5% slower than the pipeline formula (planner/search/schedule_check.py)
+    schedule runs 3.5% slower than the pipeline formula (planner/cost/schedule_check.py)
     and which piles layers on the first 1F1B stages, the ones holding the most micro-batches.
     Feasible because stage k may end anywhere from the earliest end any split within the
     limit has (the back-pack's, which leaves the later stages enough) to the furthest the
