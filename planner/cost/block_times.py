@@ -167,43 +167,10 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     def per_block(values) -> np.ndarray:  # [group, block]
         return np.array(values, dtype=float).reshape(n_groups, n_blocks)
 
-    def per_size(a: np.ndarray) -> np.ndarray:  # [b, group x block] -> [group, b, block]
-        return a.reshape(len(bs), n_groups, n_blocks).transpose(1, 0, 2)
-
-    # The kernels run once per distinct cost: groups share the blocks that their (tp, sp, ep)
-    # do not change (one LayerCost object from layer_costs' memo), then each column is copied out.
-    index: dict[int, int] = {}
-    inv = [index.setdefault(id(c), len(index)) for c in costs]
-    uniq = list({id(c): c for c in costs}.values())
-
-    def spread(a: np.ndarray) -> np.ndarray:  # [b, distinct cost] -> [group, b, block]
-        return per_size(a if len(uniq) == len(costs) else a[:, inv])
-
-    gemm = _gemms(uniq, bs, dev)
-    hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in uniq])[None, :] * bs[:, None], dev)
-    attn_f, attn_b = _attention(uniq, bs, dev)
-    fwd = spread(gemm + attn_f + hbm_t)
-    bwd = spread(2.0 * gemm + attn_b + 2.0 * hbm_t)
-    score = spread(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in uniq])[None, :] * bs[:, None], dev))
-    attn = spread(attn_f)
     ckpt = per_block([c.checkpointed for c in costs]) > 0
-    has_attn = per_block([c.attn is not None for c in costs]) > 0
-    count = per_block([c.ep_a2a_count for c in costs])
-    jobs = []
-    for group, tp_shape, ep_shape in groups:
-        jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
-                 (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
-    comms = _comm(cluster, jobs, bs)
-    base_tp, again_tp, a2a = (comms[k::3] for k in range(3))  # [group, b, block]
-    full = RECOMPUTES.index("full")
-    rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
-    rc[:, full] = np.where(ckpt[:, None, :], fwd, 0.0)
-    rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], attn + score, 0.0)
-    # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
-    again = np.zeros((n_groups, len(RECOMPUTES), 1, n_blocks), dtype=bool)
-    again[:, full, 0] = ckpt
-    tp = base_tp[:, None] + np.where(again, again_tp[:, None], 0.0)
-    ep = (2.0 + again) * count[:, None, None, :] * a2a[:, None]
+    fwd, bwd, rc = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt,
+                                  per_block([c.attn is not None for c in costs]) > 0)
+    tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]))
     fields = {
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep,
         "params": per_block([c.params_rank for c in costs]),
@@ -217,6 +184,53 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         fields = {k: _widen(v, runs) for k, v in fields.items()}
     return [BlockTable(tuple(micro_batches), **{k: v[g] for k, v in fields.items()}, batch=(fields, g))
             for g in range(n_groups)]
+
+
+def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarray, dev: eff.Device,
+                   ckpt: np.ndarray, has_attn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Forward and backward seconds ([group, b, block]) and recompute seconds ([group, mode, b,
+    block]) of the blocks ``costs`` (groups x blocks, flat).
+
+    The kernels run once per distinct cost: groups share the blocks that their (tp, sp, ep) do
+    not change (one LayerCost object from layer_costs' memo), then each column is copied out."""
+    n_groups, n_blocks = shape
+    index: dict[int, int] = {}
+    inv = [index.setdefault(id(c), len(index)) for c in costs]
+    uniq = list({id(c): c for c in costs}.values())
+
+    def spread(a: np.ndarray) -> np.ndarray:  # [b, distinct cost] -> [group, b, block]
+        a = a if len(uniq) == len(costs) else a[:, inv]
+        return a.reshape(len(bs), n_groups, n_blocks).transpose(1, 0, 2)
+
+    gemm = _gemms(uniq, bs, dev)
+    hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in uniq])[None, :] * bs[:, None], dev)
+    attn_f, attn_b = _attention(uniq, bs, dev)
+    fwd = spread(gemm + attn_f + hbm_t)
+    bwd = spread(2.0 * gemm + attn_b + 2.0 * hbm_t)
+    score = spread(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in uniq])[None, :] * bs[:, None], dev))
+    rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
+    rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
+    rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0)
+    return fwd, bwd, rc
+
+
+def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,
+                      ckpt: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """TP and EP seconds per [group, mode, b, block]: the TP collectives forward and backward,
+    again forward for a block recomputed in full; ``count`` all-to-alls per pass, 2 passes, 3
+    when recomputed."""
+    jobs = []
+    for group, tp_shape, ep_shape in groups:
+        jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
+                 (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
+    comms = _comm(cluster, jobs, bs)
+    base_tp, again_tp, a2a = (comms[k::3] for k in range(3))  # [group, b, block]
+    # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
+    again = np.zeros((len(groups), len(RECOMPUTES), 1, ckpt.shape[1]), dtype=bool)
+    again[:, RECOMPUTES.index("full"), 0] = ckpt
+    tp = base_tp[:, None] + np.where(again, again_tp[:, None], 0.0)
+    ep = (2.0 + again) * count[:, None, None, :] * a2a[:, None]
+    return tp, ep
 
 
 def _widen(a: np.ndarray, runs: np.ndarray) -> np.ndarray:

@@ -121,7 +121,10 @@ def spec_from_hf_config(config: dict[str, Any], name: str, source: str) -> Model
         raise UserError(describe_validation_error(source, err)) from None
 
 
-def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
+def _language_config(config: dict[str, Any], source: str) -> tuple[ConfigReader, ConfigReader, Any, str | None]:
+    """(the whole config, the language model's part, its family, model_type): a VLM keeps its
+    decoder under ``language_config`` or ``text_config``; an unknown model_type imports as a
+    Llama-style decoder, with a warning."""
     if not isinstance(config, dict):
         raise UserError(f"{source}: expected a JSON object (a Hugging Face config.json), got {type(config).__name__}")
     root = ConfigReader(config, source)
@@ -139,12 +142,16 @@ def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
         shown = repr(model_type) if model_type else "(none)"
         warnings.warn(f"{source}: model_type {shown} is not one dsplan knows; imported it as a Llama-style "
                       "decoder from its standard keys: check the result with `dsplan models show`",
-                      HFImportWarning, stacklevel=3)
+                      HFImportWarning, stacklevel=4)
     if lm.config.get("num_nextn_predict_layers"):
         warnings.warn(f"{source}: the {lm.config['num_nextn_predict_layers']} multi-token-prediction module(s) "
                       "(num_nextn_predict_layers) are not modelled; planning covers the main model",
-                      HFImportWarning, stacklevel=3)
+                      HFImportWarning, stacklevel=4)
+    return root, lm, family, model_type
 
+
+def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
+    root, lm, family, model_type = _language_config(config, source)
     ds = DEEPSEEK_DEFAULTS if family.deepseek else {}
     hidden = lm.get_int(K.HIDDEN)
     # Every layer becomes a block the planner walks; the deepest published models have ~200.

@@ -85,21 +85,7 @@ def deepseek_vl2_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
     grid = image // patch  # the stride-14 conv drops the 6-px remainder: 27 x 27
     patches = grid * grid
 
-    p = root.sub("projector_config")
-    ptype = p.get_str("projector_type", "downsample_mlp_gelu")
-    if ptype != "downsample_mlp_gelu":
-        p.fail("projector_type", f"({ptype!r}) is not supported; dsplan knows downsample_mlp_gelu")
-    in_dim = p.get_int("input_dim", width)
-    n_embed = p.get_int("n_embed", lm_hidden)
-    depth = p.get_int("depth", 2)
-    ratio = p.get_int("mlp_ratio", 1)
-    down = p.get_int("downsample_ratio", 2)
-    if in_dim != width:
-        p.fail("input_dim", f"({in_dim}) must equal the vision width ({width})")
-    if n_embed != lm_hidden:
-        p.fail("n_embed", f"({n_embed}) must equal the language hidden size ({lm_hidden}): image_newline is added to text embeddings")
-    if depth != 2:
-        p.fail("depth", f"({depth}) is not supported; dsplan models the 2-layer downsample MLP")
+    n_embed, ratio, down = _vl2_projector(root, width, lm_hidden)
     side = -(-grid // down)  # pad 27 -> 28, then 2x2 unfold -> 14 x 14
     tokens = side * side
 
@@ -122,6 +108,26 @@ def deepseek_vl2_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
         newline_tokens=root.get_str("tile_tag", "2D") == "2D",
     )
     return VisionParts(blocks, tiling)
+
+
+def _vl2_projector(root: ConfigReader, width: int, lm_hidden: int) -> tuple[int, int, int]:
+    """DeepSeek-VL2's downsample_mlp_gelu projector: (output width, MLP ratio, downsample ratio)."""
+    p = root.sub("projector_config")
+    ptype = p.get_str("projector_type", "downsample_mlp_gelu")
+    if ptype != "downsample_mlp_gelu":
+        p.fail("projector_type", f"({ptype!r}) is not supported; dsplan knows downsample_mlp_gelu")
+    in_dim = p.get_int("input_dim", width)
+    n_embed = p.get_int("n_embed", lm_hidden)
+    depth = p.get_int("depth", 2)
+    ratio = p.get_int("mlp_ratio", 1)
+    down = p.get_int("downsample_ratio", 2)
+    if in_dim != width:
+        p.fail("input_dim", f"({in_dim}) must equal the vision width ({width})")
+    if n_embed != lm_hidden:
+        p.fail("n_embed", f"({n_embed}) must equal the language hidden size ({lm_hidden}): image_newline is added to text embeddings")
+    if depth != 2:
+        p.fail("depth", f"({depth}) is not supported; dsplan models the 2-layer downsample MLP")
+    return n_embed, ratio, down
 
 
 def _max_local_tiles(root: ConfigReader, tile: int) -> int:

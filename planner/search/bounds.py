@@ -6,6 +6,8 @@ and reject candidates that cannot fit in memory, before partitioning or assembli
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from planner.cost import frameworks as fw
@@ -43,10 +45,49 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
     in-flight count of the last rank (the smallest).
     """
     c = ks.columns
+    sums = _key_sums(p, ks)
+    S = sums.block_sum[ks.inverse]
+    pp, vs = c["pp"].astype(float), c["vs"].astype(float)
+    m = c["grad_accum"].astype(float)
+    dense, expert, stored = sums.params[ks.inverse], sums.expert[ks.inverse], sums.act[ks.inverse]
+    time_lb = (np.maximum(S / pp, sums.spread[ks.inverse]) * (m - 1.0 / vs) + S / vs
+               + optimizer_bound(p.ctx, c, dense, expert))
+    per_dense, per_expert = _state_bytes(p.ctx, c)  # model-state bytes per dense / expert parameter
+    states = per_dense * dense + per_expert * expert
+    # The last rank keeps one micro-batch in flight under 1F1B (min(pp - (pp - 1), m)) and without
+    # a pipeline: only interleaved schedules need memory.inflight_array.
+    inflight_last = np.ones(len(pp))
+    if (c["vs"] > 1).any():
+        group = mem.microbatch_groups(c["pp"], c["grad_accum"])
+        inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(pp - 1, pp, vs, m, group))
+    held = (states + stored * inflight_last) / pp
+    deep = np.nonzero(c["pp"] > 1)[0]
+    if deep.size:
+        held[deep] = np.maximum(held[deep], _pipeline_held(ks, p.splits.units, deep, per_dense[deep], per_expert[deep],
+                                                           states[deep], stored[deep], sums.tables, sums.run_of))
+    mem_lb = mem.peak_bytes(held + mem.nccl_bytes(mem.process_groups(c)))  # buckets and pipeline buffers: >= 0
+    return time_lb, mem_lb, dense, expert
+
+
+class _KeySums(NamedTuple):
+    """Per key: the sum of its blocks' seconds per micro-batch, ``spread_bound`` of its pipeline
+    units, its parameters per TP rank (dense, expert) and stored activation bytes; and the
+    block tables of the (tp, sp, ep) groups with each key's table."""
+
+    block_sum: np.ndarray
+    spread: np.ndarray
+    params: np.ndarray
+    expert: np.ndarray
+    act: np.ndarray
+    tables: list[BlockTable]
+    run_of: np.ndarray
+
+
+def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
+    """``_KeySums`` of every key. Tables built in one pass share their micro-batch sizes: they
+    are stacked, so each quantity is one numpy call over [table, mode, micro-batch, ...]."""
     k = ks.keys
-    block_sum = np.zeros(len(k))
-    spread = np.zeros(len(k))  # a bound on the slowest rank's compute from the unit sizes
-    params, expert_params, act = np.zeros(len(k)), np.zeros(len(k)), np.zeros(len(k))  # per sample
+    out = _KeySums(*(np.zeros(len(k)) for _ in range(5)), [], np.zeros(0))
     # Keys are sorted by a code whose leading digits are (tp, sp, ep): each group is one run.
     new = np.ones(len(k), dtype=bool)
     np.any(k[1:, :3] != k[:-1, :3], axis=1, out=new[1:])
@@ -55,8 +96,6 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
     p.tables.prepare(groups)  # every group's table in one pass
     tables = [p.tables.table(tp, sp, ep, groups[tp, sp, ep]) for tp, sp, ep in groups]
     units = p.splits.units
-    # Tables built in one pass share their micro-batch sizes: stack them, so each quantity below
-    # is one numpy call over [table, mode, micro-batch, ...] rather than one per table.
     by_sizes: dict[tuple[int, ...], list[int]] = {}
     for r, table in enumerate(tables):
         by_sizes.setdefault(table.micro_batches, []).append(r)
@@ -72,8 +111,7 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
         rest = rc + tpt + ept
         _, modes, nb, blocks = rest.shape
         row = (lr * modes + mode) * nb + bi  # per key: its (table, mode, b) row
-        # sums of per-block micro-batch time
-        block_sum[sel] = (fb.sum(axis=2)[:, None, :] + rest.sum(axis=3)).ravel()[row]
+        out.block_sum[sel] = (fb.sum(axis=2)[:, None, :] + rest.sum(axis=3)).ravel()[row]
         # [row, unit] seconds per micro-batch of each pipeline unit, largest first, on the rows
         # some key reads (``at``: each row's place among them)
         used = np.flatnonzero(np.bincount(row))
@@ -87,30 +125,11 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
         pp = k[sel, 5]
         depths = sorted(set(pp.tolist()))
         by_depth = np.stack([_heads_bound(unit_s, d) for d in depths]) * (1 - 1e-9)
-        spread[sel] = by_depth[np.searchsorted(depths, pp), at[row]]
-        params[sel] = np.array([t.params.sum() for t in ts])[lr]
-        expert_params[sel] = np.array([t.expert.sum() for t in ts])[lr]
-        act[sel] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
-    S = block_sum[ks.inverse]
-    pp, vs = c["pp"].astype(float), c["vs"].astype(float)
-    m = c["grad_accum"].astype(float)
-    dense, expert, stored = params[ks.inverse], expert_params[ks.inverse], act[ks.inverse]
-    time_lb = np.maximum(S / pp, spread[ks.inverse]) * (m - 1.0 / vs) + S / vs + optimizer_bound(p.ctx, c, dense, expert)
-    per_dense, per_expert = _state_bytes(p.ctx, c)  # model-state bytes per dense / expert parameter
-    states = per_dense * dense + per_expert * expert
-    # The last rank keeps one micro-batch in flight under 1F1B (min(pp - (pp - 1), m)) and without
-    # a pipeline: only interleaved schedules need memory.inflight_array.
-    inflight_last = np.ones(len(pp))
-    if (c["vs"] > 1).any():
-        group = mem.microbatch_groups(c["pp"], c["grad_accum"])
-        inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(pp - 1, pp, vs, m, group))
-    held = (states + stored * inflight_last) / pp
-    deep = np.nonzero(c["pp"] > 1)[0]
-    if deep.size:
-        held[deep] = np.maximum(held[deep], _pipeline_held(ks, units, deep, per_dense[deep], per_expert[deep],
-                                                           states[deep], stored[deep], tables, run_of))
-    mem_lb = mem.peak_bytes(held + mem.nccl_bytes(mem.process_groups(c)))  # buckets and pipeline buffers: >= 0
-    return time_lb, mem_lb, dense, expert
+        out.spread[sel] = by_depth[np.searchsorted(depths, pp), at[row]]
+        out.params[sel] = np.array([t.params.sum() for t in ts])[lr]
+        out.expert[sel] = np.array([t.expert.sum() for t in ts])[lr]
+        out.act[sel] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
+    return out._replace(tables=tables, run_of=run_of)
 
 
 def _state_bytes(ctx: CostContext, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
