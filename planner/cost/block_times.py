@@ -234,11 +234,9 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
 
 
 def _widen(a: np.ndarray, runs: np.ndarray) -> np.ndarray:
-    """``a`` with its last (block) axis entry ``j`` repeated ``runs[j]`` times: one ``np.repeat``
-    copying whole slabs, where the fancy index ``a[..., index]`` copied element by element.
-    Laid out block-major (the block axis outermost in memory) as that index left it: sums over
-    blocks downstream (bounds.py) then still add block by block, where a C-ordered copy would
-    switch numpy to pairwise sums and move the last bits."""
+    """``a`` with its last (block) axis entry ``j`` repeated ``runs[j]`` times, laid out
+    block-major (the block axis outermost in memory), so that sums over blocks downstream
+    (bounds.py) add block by block, in the order a per-block walk does."""
     block_first = a.transpose(a.ndim - 1, *range(a.ndim - 1))
     return block_first.repeat(runs, axis=0).transpose(*range(1, a.ndim), 0)
 

@@ -139,9 +139,8 @@ def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]]
                            sizes: np.ndarray) -> np.ndarray:
     """``collective_time_array`` of each size with the (op, shape) ``pairs[which]`` (-1: nothing,
     zero seconds), every pair in one pass. Made for a few candidates over many sizes: the
-    candidates lead, so the fastest is an elementwise minimum of a handful of arrays rather
-    than a reduction over a short last axis, where numpy's cost per output outweighs the
-    arithmetic. The same terms, elementwise, so equal to one call per pair."""
+    candidates lead, so the fastest is an elementwise minimum of a handful of arrays. The same
+    terms, elementwise, so equal to one call per pair."""
     nvls = cluster.nvls
     columns = [_term_rows(cluster, op, shape, nvls) if shape.size > 1 else _NO_TERMS for op, shape in pairs]
     width = max([n for n, _, _ in columns] + [1])
@@ -157,8 +156,7 @@ def collective_times_keyed(cluster: Cluster, pairs: list[tuple[str, GroupShape]]
 
 
 # Sizes from which collective_times_keyed prices only the positive sizes: most of a large
-# request is zero bytes (no experts, no tied weights), and gathering the rest costs less than
-# broadcasting every candidate over all of it (numpy buffers a broadcast operand).
+# request is zero bytes (no experts, no tied weights).
 _COMPRESS_MIN = 1024
 
 

@@ -18,9 +18,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 _NO_EXTRA: Mapping[str, float] = MappingProxyType({})
 
 
-# Gemm, AttnCore and LayerCost are NamedTuples, immutable as a frozen dataclass but built in one
-# tuple allocation: a search prices each block once per (tp, sp, ep), too few calls for the
-# interpreter to specialise a frozen dataclass's __init__ (one object.__setattr__ per field).
+# Gemm, AttnCore and LayerCost are immutable records (NamedTuples).
 class Gemm(NamedTuple):
     """``batch`` GEMMs of (tokens*b x k) @ (k x n) per sample; ``tokens`` scales with b."""
 

@@ -80,11 +80,8 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
 
 def _block_cost(model: ModelSpec, i: int, b: Block, s: int, tiles: int, ctx: LayerContext,
                 seen: dict[object, LayerCost] | None) -> LayerCost:
-    """Block ``i``'s cost; a transformer layer equal to one in ``seen`` (when given) is that
-    one renumbered.
-
-    Dispatched on the blocks' ``kind`` tag: a failing isinstance against a pydantic model class
-    runs ABCMeta's Python-level __instancecheck__, and a norm failed five before it matched."""
+    """Block ``i``'s cost, dispatched on the block's ``kind`` tag; a transformer layer equal to
+    one in ``seen`` (when given) is that one renumbered."""
     kind = b.kind
     if kind == "decoder" or kind == "vision":
         cost = seen.get(b) if seen is not None else None

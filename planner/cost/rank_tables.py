@@ -21,9 +21,9 @@ the parameters and stored activations, and adds what the split itself decides:
 - under ZeRO-3, each block's weight all-gather and gradient reduce-scatter over the DP and
   expert-DP groups, one collective per block (its per-call latency counts once per layer).
 
-``RankTables`` builds the tables of many splits at once: every split's chunks laid end to end,
-so each quantity is one numpy call for all of them, and a rank's chunks are added in chunk
-order, so a table is bit for bit the same however many are built together.
+``RankTables`` builds the tables of many splits at once, every split's chunks laid end to end;
+a rank's chunks are added in chunk order, so a table is bit for bit the same however many are
+built together.
 """
 
 from __future__ import annotations

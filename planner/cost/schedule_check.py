@@ -25,8 +25,8 @@ from planner.cost.step_time import pipeline
 from planner.hardware.cluster import Cluster
 from planner.model.spec import ModelSpec
 
-# A replay steps ~650,000 ops/s here (a 405b plan's 4,096 ops: ~6 ms); bigger schedules
-# (2 x pp x v x m ops) are not checked.
+# The replay walks every op; schedules of more ops (2 x pp x v x m) are not checked (a 405b
+# plan has 4,096).
 MAX_REPLAY_OPS = 40_000
 # The share of the step past which the replay's difference gets a note.
 NOTE_GAP = 0.01

@@ -29,8 +29,7 @@ class GroupShape(NamedTuple):
     once and so sharing that node's NICs; leaf_blocks: leaf blocks (fat-tree) it touches;
     pods: spine pods it touches (3-level fabrics).
 
-    A named tuple, immutable as a frozen dataclass: the collective model's caches hash it on
-    every lookup, and a tuple hashes in C where a dataclass's ``__hash__`` is a Python call.
+    A named tuple: immutable and hashable, the key of the collective model's caches.
     """
 
     size: int

@@ -304,13 +304,10 @@ class ModelSpec(Frozen):
 
     @cached_property
     def _decoders(self) -> _DecoderStack:
-        """The decoder stack, found once per spec: the facts below are read per search, and a walk
-        of a 126-layer block list costs ~0.1 M instructions. A cached_property under a private
-        name stays out of ==, dict(), repr and model_dump (pydantic >= 2.6 compares fields only);
-        ``model_copy`` drops it."""
+        """The decoder stack, found once per spec (the facts below are read on every search). A
+        cached_property under a private name stays out of ==, dict(), repr and model_dump
+        (pydantic >= 2.6 compares fields only); ``model_copy`` drops it."""
         blocks = tuple(b for b in self.blocks if isinstance(b, DecoderBlock))
-        # By kind, not isinstance(b.mlp, MoEMLP): an isinstance that fails against a pydantic
-        # model class runs ABCMeta.__instancecheck__ (~2k instructions), here once per dense layer.
         experts = next((b.mlp.routed_experts for b in blocks if b.mlp.kind == "moe"), 0)
         return _DecoderStack(blocks, experts)
 

@@ -85,7 +85,7 @@ class _KeySums(NamedTuple):
 
 def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
     """``_KeySums`` of every key. Tables built in one pass share their micro-batch sizes: they
-    are stacked, so each quantity is one numpy call over [table, mode, micro-batch, ...]."""
+    are stacked, so each quantity is computed over [table, mode, micro-batch, ...] at once."""
     k = ks.keys
     out = _KeySums(*(np.zeros(len(k)) for _ in range(5)), [], np.zeros(0))
     # Keys are sorted by a code whose leading digits are (tp, sp, ep): each group is one run.
@@ -140,7 +140,7 @@ def _state_bytes(ctx: CostContext, c: dict[str, np.ndarray]) -> tuple[np.ndarray
     w = ctx.workload
     setting = (c["framework"] * 8 + c["zero"]) * 8 + c["offload"]
     size = np.concatenate((c["dp"], np.maximum(c["dp"] // c["ep"], 1)))  # dense, then expert group sizes
-    sizes = np.flatnonzero(np.bincount(size))  # (np.unique of ints costs ~12 ms on first call)
+    sizes = np.flatnonzero(np.bincount(size))  # the sizes present, ascending
     table, n = np.zeros((int(setting.max(initial=0)) + 1, len(sizes))), sizes.astype(float)
     for code in np.flatnonzero(np.bincount(setting)).tolist():
         weights, grads, opt, _ = mem.bytes_per_param(FRAMEWORKS[code // 64], code // 8 % 8, OFFLOADS[code % 8],
@@ -160,7 +160,7 @@ def spread_bound(units: np.ndarray, pp: np.ndarray) -> np.ndarray:
     pipelines of uneven units (a VLM's first and last units) far above S / pp."""
     pp = np.asarray(pp)
     out = np.empty(len(units))
-    for p in set(pp.tolist()):  # (numpy 2.4's plain np.unique of ints costs ~12 ms on first call)
+    for p in set(pp.tolist()):
         rows = pp == p
         out[rows] = _heads_bound(units[rows], int(p))
     return out * (1 - 1e-9)

@@ -48,7 +48,7 @@ class Outcome:
 
 
 def distinct(values: np.ndarray) -> np.ndarray:
-    """The distinct values, ascending (``np.unique`` without its per-call overhead)."""
+    """The distinct values, ascending."""
     v = np.sort(values)
     return v[np.concatenate(([True], v[1:] != v[:-1]))] if v.size else v
 
@@ -75,8 +75,8 @@ def _bar(out: Outcome, p: Pricing, value: np.ndarray, top: int) -> float:
 
 def _evaluate_within_bar(p: Pricing, ks: KeyedSpace, out: Outcome, objective: str, top: int, dense: np.ndarray,
                          expert: np.ndarray, progress: Callable[[float], None] | None) -> None:
-    """The main loop: keys in bound order, a chunk at a time (doubling: numpy's per-call cost
-    wants chunks, the stop wants them small), until no key's bound is within the bar.
+    """The main loop: keys in bound order, a chunk at a time (doubling: evaluating keys together
+    wants chunks, stopping early wants them small), until no key's bound is within the bar.
 
     The time bound's exposed-gather term is added to a key's candidates when the key comes up
     for evaluation (its DP group is priced then, as evaluating it would): a key whose bound

@@ -30,7 +30,7 @@ from planner.search.keys import KeyedSpace
 from planner.search.partition import StageMemory, fits_within, optimal_partition
 
 # Candidates rebalanced per search at most (best time bound first): each costs a memory-
-# constrained partition and one exact evaluation (~2 ms). The search stops well before this
+# constrained partition and one exact evaluation. The search stops well before this
 # once the bound of the next candidate passes the K-th plan (bounds.split_time_bound): on the
 # presets it rebalances 20-100. The cap only guards against pathological spaces.
 MAX_REBALANCED = 512

@@ -202,5 +202,5 @@ def distinct_top(ranked: np.ndarray, columns: dict[str, np.ndarray], step: np.nd
 
 
 def _close(x: float, y: float, rtol: float = 1e-12) -> bool:
-    """``np.isclose(x, y, rtol=rtol, atol=0)`` on two floats, without its per-call cost."""
+    """``np.isclose(x, y, rtol=rtol, atol=0)`` on two floats."""
     return (abs(x - y) <= 0.0 + rtol * abs(y) and math.isfinite(y)) or x == y
