@@ -53,6 +53,13 @@ RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest
 ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
 Z3_ROWS = [ROW["z3_gather"], ROW["z3_reduce"]]  # zero unless the candidate runs ZeRO-3
 TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")]  # MicroBatchTime's fields, in order
+# The per-block series summed over a chunk's blocks (by prefix sums), and then the chunk's pipeline
+# seconds: the rows of the per-chunk array a rank table is summed from. The first seven are
+# RANK_FIELDS' first seven; "act" is stored bytes per sample.
+PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act")
+CHUNK_ROWS = (*PREFIX_SERIES, "pp")
+_CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
+assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
 
 
 def rank_fields(ranks: np.ndarray) -> dict[str, np.ndarray]:
@@ -256,8 +263,8 @@ class RankTables:
         return out
 
     def _prefixes(self, specs: list[RankSpec]) -> np.ndarray:
-        """Prefix sums over blocks of fwd, bwd, rc, tp, ep, dense, expert, act of each spec's
-        (table, mode, micro-batch): [8 x spec x blocks + 1]; the missing ones in one cumsum."""
+        """Prefix sums over blocks of the PREFIX_SERIES of each spec's (table, mode, micro-batch):
+        [series x spec x blocks + 1]; the missing ones in one cumsum."""
         keys = [(id(s.table), s.mode, s.table.b_index(s.b)) for s in specs]
         todo = [(key, s) for key, s in zip(keys, specs)
                 if (hit := self._prefix.get(key)) is None or hit[0] is not s.table]
@@ -265,8 +272,9 @@ class RankTables:
             series = np.stack([row for (_, mode, bi), s in todo for row in (
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
                 s.table.params, s.table.expert, s.table.act[mode])])
-            sums = np.zeros((len(todo), 8, series.shape[1] + 1))
-            np.cumsum(series.reshape(len(todo), 8, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
+            n = len(PREFIX_SERIES)
+            sums = np.zeros((len(todo), n, series.shape[1] + 1))
+            np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
             for (key, s), one in zip(todo, sums):
                 self._prefix[key] = (s.table, one)  # holding the table keeps its id unique
         return np.stack([self._prefix[key][1] for key in keys], axis=1)
@@ -275,18 +283,18 @@ class RankTables:
         """The rank tables of many specs, ZeRO-3 rows left at zero, built together."""
         ch = _Chunks(specs, self.nblocks, self.tied.params if self.tied else 0.0)
         pre = self._prefixes(ch.prefix_specs)
-        # Per chunk: fwd, bwd, rc, tp, ep, dense, expert, stored activations per sample, pipeline seconds.
-        per_chunk = np.empty((9, len(ch.starts)))
-        np.subtract(pre[:, ch.prefix, ch.ends], pre[:, ch.prefix, ch.starts], out=per_chunk[:8])
-        per_chunk[8] = self._pipeline_seconds(ch)
+        per_chunk = np.empty((len(CHUNK_ROWS), len(ch.starts)))
+        series = len(PREFIX_SERIES)
+        np.subtract(pre[:, ch.prefix, ch.ends], pre[:, ch.prefix, ch.starts], out=per_chunk[:series])
+        per_chunk[_CHUNK["pp"]] = self._pipeline_seconds(ch)
         sums = ch.rank_sum(per_chunk)
         largest, live, buf = ch.rank_max(ch.block_max())
         b = ch.rank["b"]
         out = np.zeros((len(RANK_FIELDS), ch.width))
-        out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert
-        out[ROW["pp"]] = sums[8]
+        out[:7] = sums[:7]  # fwd, bwd, rc, tp, ep, dense, expert: the first seven of both
+        out[ROW["pp"]] = sums[_CHUNK["pp"]]
         out[ROW["largest"]] = largest
-        out[ROW["stored"]] = sums[7] * b
+        out[ROW["stored"]] = sums[_CHUNK["act"]] * b
         out[ROW["live"]] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # under full recompute
         out[ROW["ppbuf"]] = np.where(ch.rank["pp"] > 1, 2.0 * buf * b, 0.0)  # pipeline receive buffers
         if self.tied is not None:
