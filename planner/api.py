@@ -91,7 +91,7 @@ def load_cluster(hardware: "str | HardwareProfile" = DEFAULT_HARDWARE, nodes: in
 
     profile = load_hardware(hardware)
     if gpus_per_node is not None:
-        profile = profile.with_gpus_per_node(gpus_per_node, "gpus_per_node")
+        profile = profile.with_gpus_per_node(gpus_per_node)
     return Cluster.build(profile, nodes)
 
 
@@ -175,9 +175,9 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
         raise UserError(f"seq_len must be a whole number >= 1, got {seq!r}")
     if global_batch is None:
         global_batch = default_global_batch(seq, gpus or 1, TARGET_TOKENS_PER_STEP)
-    from planner.model.vision_inputs import API_NAMES, vision_inputs
+    from planner.model.vision_inputs import vision_inputs
 
-    images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq, API_NAMES)
+    images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout)

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
 from planner.errors import UserError
@@ -210,7 +211,7 @@ def render(plan) -> None:
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
     for line in plan.notes:
-        console.print(f"[bold]note[/bold]: {line}")
+        console.print(f"[bold]note[/bold]: {cli_text(line)}")
 
 
 def _gib(n: float) -> str:

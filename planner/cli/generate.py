@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from planner.cli.flags import FLAGS, cli_data, cli_text
 from planner.cli.options import balancer_option, constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.cli.outputs import OutputPath
@@ -103,6 +104,7 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         ib_hca=opts["ib_hca"],
         socket_ifname=opts["socket_ifname"],
         settings=TrainSettings(steps=opts["steps"], checkpoint_every=opts["checkpoint_every"]),
+        input_names=FLAGS,
     )
     files = render_run_dir(plan, model, profile, options, opts["out_dir"])
     report = write_run_dir(opts["out_dir"], files, force=opts["force"])
@@ -141,7 +143,7 @@ def _trainer_note(files: dict, model: "ModelSpec") -> str | None:
         check_reference_trainer(plan_from_dict(json.loads(files["plan.json"].content), "plan.json"),
                                 json.loads(files["ds_config.json"].content), model.is_moe)
     except UserError as err:
-        return f"the default entry cannot run this plan: {err}"
+        return f"the default entry cannot run this plan: {cli_text(err)}"
     return None
 
 
@@ -230,7 +232,7 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
     result = suggest(**request_from_options(search_opts), progress=None)
     if len(result.plans) < opts["rank"]:
         raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) that fit; pick a smaller --rank")
-    data = result.plans[opts["rank"] - 1].to_json()
+    data = cli_data(result.plans[opts["rank"] - 1].to_json())
     data.setdefault("hardware", search_opts["hardware"])
     data.setdefault("nodes", search_opts["nodes"])
     return data

@@ -16,7 +16,7 @@ from planner.cli.options import (balancer_option, constraint_options, constraint
                                  workload_options)
 from planner.cli.output import console, json_option, print_json
 from planner.cli.outputs import OutputPath
-from planner.errors import UserError
+from planner.errors import UserError, marked
 
 KINDS = ("pareto", "heatmap", "scaling")
 
@@ -56,7 +56,8 @@ def plot_command(kind: str, model_name: str, hardware: str, nodes: str, out: str
     if kind == "scaling":
         rows = explore.scaling(model, profile, counts, workload_options=workload_opts, **axes)
         if not any(r["fits"] for r in rows):
-            raise UserError(f"no plan of {model.name} fits at any of {', '.join(map(str, counts))} node(s): {rows[-1]['reason']}")
+            raise UserError(f"no plan of {model.name} fits at any of {', '.join(map(str, counts))} node(s): "
+                            f"{marked(rows[-1]['reason'])}")
         fig = plots.plot_scaling(rows)
         data: dict[str, Any] = {"rows": rows}
     else:

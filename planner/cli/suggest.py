@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from planner.cli.flags import cli_text
 from planner.cli.options import balancer_option, constraint_options, constraints_from_options, workload_options
 from planner.cli.output import json_option
 from planner.errors import UserError
@@ -58,7 +59,7 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
             from planner.cli.output import print_json
 
             data = err.result.to_json()
-            data["error"] = str(err)
+            data["error"] = cli_text(err)
             data["closest"] = err.result.closest.to_json() if err.result.closest else None
             data["advice"] = list(err.result.advice)
             print_json(data)
@@ -160,7 +161,7 @@ def render(result) -> None:
     _render_best(result, console, human_bytes, human_time)
     if len(result.plans) > 1:
         console.print("[bold]why the others rank below #1[/]:")
-        console.print("\n".join(f"  #{rp.id} {rp.why}" for rp in result.plans[1:]))  # one call: --top 1000 prints fast
+        console.print("\n".join(f"  #{rp.id} {cli_text(rp.why)}" for rp in result.plans[1:]))  # one call: --top 1000 prints fast
     r = result.rejected
     console.print(
         f"{result.evaluated} candidates evaluated ({result.fully_evaluated} in full, {result.pruned} ruled out by a "
@@ -214,9 +215,9 @@ def _bottlenecks(b: dict) -> str:
 def _render_best(result, console, human_bytes, human_time) -> None:
     best = result.plans[0]
     p = best.plan.to_json()
-    console.print(f"[bold]best plan #1[/]: {result.why}")
+    console.print(f"[bold]best plan #1[/]: {cli_text(result.why)}")
     for line in result.notes:
-        console.print(f"[bold]note[/]: {line}")
+        console.print(f"[bold]note[/]: {cli_text(line)}")
     if p["pp"] > 1:
         from planner.cost.memory import group_to_set
 

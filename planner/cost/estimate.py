@@ -18,7 +18,7 @@ from planner.cost.partition import Partition, check_partition, default_partition
 from planner.cost.plan import Plan
 from planner.cost.plans import BlockKinds, build_plan
 from planner.cost.rank_tables import RankSpec, RankTables, rank_fields
-from planner.errors import UserError
+from planner.errors import UserError, arg
 from planner.hardware.cluster import Cluster
 from planner.model.spec import ModelSpec
 
@@ -60,7 +60,7 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
                         blocks=model.num_layers)
     fw.check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision)
     if workload.seq_len > model.max_seq_len:
-        raise UserError(f"--seq-len {workload.seq_len} exceeds {model.name}'s maximum context of {model.max_seq_len}")
+        raise UserError(f"{arg('seq_len')} {workload.seq_len} exceeds {model.name}'s maximum context of {model.max_seq_len}")
 
 
 def model_flops(model: ModelSpec, workload: Workload) -> float:
