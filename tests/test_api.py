@@ -206,9 +206,11 @@ def test_docstring_examples_run():
     """The examples in the API and sweep docstrings are the documentation: keep them true."""
     import doctest
 
+    import planner.api_records
     import planner.explore
 
     for module in (api, planner.explore):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
         assert result.attempted >= 10, module.__name__
+    assert doctest.testmod(planner.api_records, optionflags=doctest.ELLIPSIS).failed == 0
