@@ -77,7 +77,7 @@ def test_make_workload_defaults_follow_the_model_and_the_cli():
         api.make_workload("llama-3-8b", images_per_sample=1)
     with pytest.raises(UserError, match="exceeds deepseek-vl2's 9 local tiles"):
         api.make_workload(vl2, tiles_per_image=12)
-    with pytest.raises(UserError, match="invalid workload: global_batch"):
+    with pytest.raises(UserError, match="^global_batch: need a whole number >= 1, got 0$"):
         api.make_workload(vl2, global_batch=0)
 
 
@@ -109,7 +109,7 @@ def test_estimate_defaults_and_bad_input():
         api.estimate("llama-3-8b", cluster, tp=3)
     with pytest.raises(UserError, match="invalid plan: .*optimizer offload needs ZeRO"):
         api.estimate("llama-3-8b", cluster, zero=0, offload="optimizer")
-    with pytest.raises(UserError, match="micro_batch must be a whole number"):
+    with pytest.raises(UserError, match="micro_batch: need a whole number >= 1, got 0"):
         api.estimate("llama-3-8b", cluster, micro_batch=0)
     with pytest.raises(UserError, match="does not divide the 32 attention heads"):
         api.estimate("llama-3-8b", api.load_cluster(nodes=1, gpus_per_node=6), tp=6)

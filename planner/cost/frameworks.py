@@ -27,8 +27,8 @@ and its own behaviour the cost model reads (``Traits``):
   interleaved schedule needs at least pp micro-batches per step; a count that pp does not
   divide runs with a larger micro-batch group (memory.microbatch_group).
 
-Batch divisibility uses the data-parallel world size: global batch = micro-batch x
-gradient accumulation x dp.
+Batch divisibility (global batch = micro-batch x gradient accumulation x dp) is checked where
+the accumulation is filled in: planner/cost/degrees.py.
 """
 
 from __future__ import annotations
@@ -361,12 +361,3 @@ def model_facts(model: "ModelSpec") -> dict[str, Any]:
     return {"is_moe": model.is_moe, "decoder_layers": model.num_layers, "is_vlm": model.is_vlm,
             "mla": model.decoder_blocks[0].attention.kind == "mla",
             "positions": model.positions.kind if model.positions else "rope"}
-
-
-def grad_accum_for(global_batch: int, micro_batch: int, dp: int) -> int:
-    """Micro-batches per step per DP rank; UserError unless the batch divides evenly."""
-    if global_batch % (micro_batch * dp):
-        raise UserError(
-            f"{arg('global_batch')} {global_batch} is not divisible by {arg('micro_batch')} {micro_batch} x dp {dp} = "
-            f"{micro_batch * dp}; pick a global batch that is a multiple of {micro_batch * dp}")
-    return global_batch // (micro_batch * dp)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from planner.cost.candidates import take
+from planner.cost.degrees import default_global_batch
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
@@ -32,7 +33,7 @@ from planner.search.evaluate import Pricing, build_plans, evaluate_keys
 from planner.search.keys import KeyedSpace, group_by_key
 from planner.search.nothing_fits import describe, nothing_fits_message, relaxations
 from planner.search.request import candidate_space, check_pins
-from planner.search.space import Constraints, Space, default_global_batch
+from planner.search.space import Constraints, Space
 from planner.search.splits import BALANCERS
 
 __all__ = ["NoPlanFits", "RankedPlan", "SuggestResult", "candidate_space", "describe", "suggest"]
