@@ -107,3 +107,33 @@ def test_the_estimate_default_keeps_a_pipeline_busy() -> None:
     plan = api.estimate("llama-3.1-8b", api.load_cluster(nodes=1), tp=2, pp=4, micro_batch=3,
                         framework="megatron-deepspeed")
     assert plan.workload.global_batch == data["global_batch"]
+
+
+@pytest.mark.parametrize("command", [
+    ["estimate", "--model", "llama-3-8b"],
+    ["suggest", "--model", "llama-3-8b"],
+    ["generate", "--model", "llama-3-8b", "--out", "{out}"],
+    ["topo"],
+])
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--nodes", "0", "error: --nodes: need a whole number >= 1, got 0"),
+    ("--nodes", "-3", "error: --nodes: need a whole number >= 1, got -3"),
+    ("--gpus-per-node", "0", "error: --gpus-per-node: need a whole number from 1 to 576"),
+])
+def test_every_command_refuses_a_bad_cluster_size_the_same_way(tmp_path, command, flag, value, message) -> None:
+    if command == ["topo"] and flag == "--gpus-per-node":
+        pytest.skip("topo has no --gpus-per-node")
+    out = tmp_path / "run"
+    args = [a.replace("{out}", str(out)) for a in command] + [flag, value]
+    result = CliRunner().invoke(main, args)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(message), result.output
+    assert not out.exists()
+
+
+def test_generate_refuses_nodes_0_with_a_plan_file_too(tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    made = CliRunner().invoke(main, ["estimate", "--model", "gpt3-125m", "--global-batch", "8", "--json"])
+    plan.write_text(made.output)
+    result = CliRunner().invoke(main, ["generate", "--plan", str(plan), "--nodes", "0", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "--nodes: need a whole number >= 1, got 0" in result.output
