@@ -122,7 +122,8 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     from planner.model.vision_inputs import vision_inputs
     from planner.search.evaluate import Pricing, evaluate_keys
     from planner.search.keys import group_by_key
-    from planner.search.space import Constraints, default_global_batch
+    from planner.cost.degrees import default_global_batch
+    from planner.search.space import Constraints
     from planner.search.request import candidate_space
 
     model = load_model(model_name)

@@ -12,14 +12,17 @@ imports pandas, matplotlib, torch or DeepSpeed at import time.
     >>> best = suggest(vl2, cluster, top=3, framework="deepspeed")
     >>> rows = records(best.plans)          # list of flat dicts
 
-Bad input raises ``planner.errors.UserError`` with one message naming the argument.
+Bad input raises ``planner.errors.UserError`` with one message naming the argument by its
+keyword here (the CLI names the same input by its flag: planner/errors.py ``arg``). Defaults
+are the CLI's, from one place: planner/cost/degrees.py (dp, ZeRO, accumulation, global batch).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from planner.errors import UserError
+from planner.api_records import label, record, records, to_dataframe
+from planner.errors import UserError, arg, whole_number
 
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
     from planner.cost.parallel import ParallelConfig, Workload
@@ -29,7 +32,6 @@ if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
     from planner.model.spec import ModelSpec
 
 DEFAULT_HARDWARE = "dgx-a100-80g"
-TARGET_TOKENS_PER_STEP = 4e6  # default global batch: ~4M tokens (Llama 2/3 pre-training)
 
 __all__ = [
     "SEARCH_AXES",
@@ -91,7 +93,7 @@ def load_cluster(hardware: "str | HardwareProfile" = DEFAULT_HARDWARE, nodes: in
 
     profile = load_hardware(hardware)
     if gpus_per_node is not None:
-        profile = profile.with_gpus_per_node(gpus_per_node, "gpus_per_node")
+        profile = profile.with_gpus_per_node(gpus_per_node)
     return Cluster.build(profile, nodes)
 
 
@@ -153,232 +155,175 @@ def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float
     return "+".join(parts)
 
 
+# The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
+WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
+                 "flash_attention", "dropout")
+# The keywords of one plan (``parallel_config``, ``estimate``).
+PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
+             "virtual_stages", "framework")
+
+
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
                   seq_len: int | None = None, images_per_sample: int | None = None,
                   tiles_per_image: int | None = None, precision: str = "bf16", optimizer: str = "adamw",
                   flash_attention: bool = True, dropout: bool = False) -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
-    ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it, and
-    the model's default images and tiles per sample for vision-language models.
+    ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
+    search's default batch, planner/cost/degrees.py), and the model's default images and
+    tiles per sample for vision-language models.
 
     >>> make_workload("vl2", gpus=64).global_batch
     1024
     """
     from pydantic import ValidationError
 
+    from planner.cost.degrees import default_global_batch, rule_message
     from planner.cost.parallel import Workload
-    from planner.search.space import default_global_batch
+    from planner.model.vision_inputs import vision_inputs
 
     spec = load_model(model)
-    seq = seq_len if seq_len is not None else spec.train_seq_len
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-        raise UserError(f"seq_len must be a whole number >= 1, got {seq!r}")
+    seq = _seq_len(spec, seq_len)
     if global_batch is None:
-        global_batch = default_global_batch(seq, gpus or 1, TARGET_TOKENS_PER_STEP)
-    from planner.model.vision_inputs import API_NAMES, vision_inputs
-
-    images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq, API_NAMES)
+        global_batch = default_global_batch(seq, gpus or 1)
+    whole_number("global_batch", global_batch)
+    images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout)
     except ValidationError as err:
-        raise UserError(_rule_message("workload", err)) from None
+        raise UserError(rule_message("workload", err)) from None
 
 
-def _rule_message(what: str, err: Exception) -> str:
-    parts = []
-    for item in err.errors():  # type: ignore[attr-defined]
-        msg = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
-        loc = ".".join(str(x) for x in item.get("loc", ()))
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return f"invalid {what}: " + "; ".join(parts)
+def _seq_len(spec: "ModelSpec", seq_len: int | None) -> int:
+    return whole_number("seq_len", spec.train_seq_len if seq_len is None else seq_len)
+
+
+def _workload_options(workload: "Workload | None", keywords: dict[str, Any]) -> dict[str, Any]:
+    """The WORKLOAD_KEYS taken out of ``keywords`` (None: not given); refused beside ``workload``."""
+    given = {k: v for k in WORKLOAD_KEYS if (v := keywords.pop(k, None)) is not None}
+    if workload is not None and given:
+        raise UserError(f"give workload= or the workload's fields ({', '.join(given)}), not both")
+    return given
+
+
+def _check_keys(what: str, keywords: Mapping[str, Any], allowed: Iterable[str]) -> None:
+    unknown = sorted(set(keywords) - set(allowed))
+    if unknown:
+        raise UserError(f"unknown {what} argument(s) {', '.join(unknown)}; use {', '.join(allowed)}")
 
 
 # -- one plan --------------------------------------------------------------------------------
 
 
-def parallel_config(cluster: "Cluster", workload: "Workload", *, tp: int = 1, pp: int = 1, dp: int | None = None,
-                    ep: int = 1, zero: int | None = None, offload: str = "none", micro_batch: int = 1,
-                    recompute: str = "none", sequence_parallel: bool = False, virtual_stages: int = 1,
-                    framework: str = "deepspeed") -> "ParallelConfig":
-    """A ParallelConfig with the CLI's defaults: dp fills the cluster, ZeRO-1 when dp > 1,
-    accumulation = global batch / (micro-batch x dp)."""
-    from pydantic import ValidationError
+def parallel_config(cluster: "Cluster", workload: "Workload", **knobs: Any) -> "ParallelConfig":
+    """The ParallelConfig of ``knobs`` (``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``offload``,
+    ``micro_batch``, ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework``)
+    for ``workload`` on ``cluster``, with the CLI's defaults: dp fills the cluster, ZeRO-1 when
+    dp > 1, accumulation = global batch / (micro-batch x dp) (planner/cost/degrees.py).
 
-    from planner.cost.frameworks import grad_accum_for
-    from planner.cost.parallel import ParallelConfig
+    >>> parallel_config(load_cluster(nodes=1), make_workload("llama-3-8b", global_batch=64), tp=2).grad_accum
+    16
+    """
+    from planner.cost.degrees import build_parallel_config
 
-    for label, value in (("tp", tp), ("pp", pp), ("ep", ep), ("micro_batch", micro_batch), ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{label} must be a whole number >= 1, got {value!r}")
-    world = cluster.num_gpus
-    if dp is None:
-        if world % (tp * pp):
-            raise UserError(f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world} GPUs "
-                            f"({cluster.nodes} nodes x {cluster.gpus_per_node}); pick degrees whose product divides {world}")
-        dp = world // (tp * pp)
-    if dp < 1 or dp * tp * pp != world:
-        raise UserError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} but the cluster has {world} GPUs; "
-                        f"make the degrees multiply to {world}")
-    zero_stage = (1 if dp > 1 else 0) if zero is None else zero
-    grad_accum = grad_accum_for(workload.global_batch, micro_batch, dp)
-    try:
-        return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage, offload=offload,
-                              micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
-                              sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, framework=framework)
-    except ValidationError as err:
-        raise UserError(_rule_message("plan", err)) from None
+    _check_keys("plan", knobs, PLAN_KEYS)
+    return build_parallel_config(cluster, global_batch=workload.global_batch, **knobs)
 
 
 def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload | None" = None,
              partition: list[tuple[int, int]] | None = None, **knobs: Any) -> "Plan":
-    """Memory per GPU and step time of one configuration (``dsplan estimate``).
+    """Memory per GPU and step time of one configuration (``dsplan estimate``), with the notes
+    ``suggest`` gives its best plan (what the batch holds back; the interleaved schedule).
 
-    ``knobs``: ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``offload``, ``micro_batch``,
-    ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework`` (CLI defaults);
-    ``workload`` defaults to ``make_workload(model, gpus=cluster.num_gpus)``. ``partition``:
-    half-open block ranges per pipeline stage (default: Megatron's even split).
+    ``knobs``: the plan's ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``offload``,
+    ``micro_batch``, ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework``
+    (CLI defaults), and either ``workload`` or its fields (``global_batch``, ``seq_len``,
+    ``images_per_sample``, ``tiles_per_image``, ``precision``, ``optimizer``,
+    ``flash_attention``, ``dropout``). The default global batch is ~4M tokens that the plan's
+    micro-batch x dp divides, with at least pp micro-batches (planner/cost/degrees.py).
+    ``partition``: half-open block ranges per pipeline stage (default: Megatron's even split).
 
     >>> plan = estimate("vl2", load_cluster(nodes=8), ep=8)
     >>> plan.fits, round(plan.mfu, 2)        # doctest: +SKIP
     (True, 0.31)
     """
+    import dataclasses
+
+    from planner.cost.degrees import build_parallel_config
     from planner.cost.estimate import estimate as _estimate
+    from planner.cost.notes import batch_notes
+    from planner.cost.schedule_check import plan_schedule_notes
 
     spec = load_model(model)
-    wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus)
-    cfg = parallel_config(cluster, wl, **knobs)
-    return _estimate(spec, cluster, wl, cfg, partition)
+    given = _workload_options(workload, knobs)
+    _check_keys("estimate", knobs, PLAN_KEYS)
+    if workload is None:
+        cfg = build_parallel_config(cluster, global_batch=given.pop("global_batch", None),
+                                    seq_len=_seq_len(spec, given.get("seq_len")), **knobs)
+        workload = make_workload(spec, global_batch=cfg.samples_per_step, **given)
+    else:
+        cfg = build_parallel_config(cluster, global_batch=workload.global_batch, **knobs)
+    plan = _estimate(spec, cluster, workload, cfg, partition)
+    notes = batch_notes(plan.to_json(), workload.seq_len) + plan_schedule_notes(spec, cluster, workload, cfg,
+                                                                               plan.partition, plan.step_time_s)
+    return dataclasses.replace(plan, notes=notes)
 
 
 # -- many plans ------------------------------------------------------------------------------
 
-
-# -- records ---------------------------------------------------------------------------------
-
-_CONFIG_KEYS = ("model", "hardware", "nodes", "gpus_per_node", "gpus", "framework", "dp", "tp", "pp", "ep",
-                "zero_stage", "offload", "micro_batch", "grad_accum", "recompute", "sequence_parallel",
-                "virtual_stages", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision",
-                "optimizer")
-
-
-def record(plan: "Plan | Mapping[str, Any]") -> dict[str, Any]:
-    """One plan as a flat dict of numbers and strings (no nesting; SI units).
-
-    Keys: the configuration (``dp``, ``tp``, ``pp``, ``ep``, ``zero_stage``, ...), ``fits``,
-    ``reason``, ``peak_bytes`` and the memory parts (``weights_bytes``, ...,
-    ``capacity_bytes``), ``step_time_s`` and its parts (``compute_s``, ``pp_bubble_s``, ...),
-    ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``, ``stages``; plus ``peak_gib`` and
-    ``label`` (a short description such as ``"tp2 pp4 dp8 ep8 z1 mb1"``) for plotting.
-
-    >>> record(estimate("llama-3-8b", load_cluster(nodes=1)))["tp"]
-    1
-    """
-    data = plan.to_json() if hasattr(plan, "to_json") else dict(plan)
-    out: dict[str, Any] = {k: data[k] for k in _CONFIG_KEYS if k in data}
-    out["fits"] = bool(data.get("fits", True))
-    out["reason"] = data.get("reason", "")
-    memory = data.get("memory", {})
-    out.update({k: float(v) for k, v in memory.items()})
-    out["peak_gib"] = float(memory.get("peak_bytes", 0.0)) / 2**30
-    out["step_time_s"] = float(data["step_time_s"])
-    out.update({k: float(v) for k, v in data.get("time", {}).items()})
-    for key in ("tokens_per_s", "tflops_per_gpu", "mfu"):
-        out[key] = float(data[key])
-    out["stages"] = len(data.get("stages", [])) or int(data.get("pp", 1))
-    for key, value in data.items():  # search extras (id, balancer bottlenecks): keep scalars only
-        if key not in out and isinstance(value, (int, float, str, bool)):
-            out[key] = value
-        elif key not in out and isinstance(value, Mapping) and key.startswith("balancer"):
-            out.update({f"{key}_{k}": v for k, v in value.items() if isinstance(v, (int, float))})
-    out["label"] = label(out)
-    return out
-
-
-def records(plans: Iterable["Plan | Mapping[str, Any]"]) -> list[dict[str, Any]]:
-    """``record`` for each plan, in order.
-
-    >>> rows = records(suggest("vl2", load_cluster(nodes=2), top=2).plans)   # doctest: +SKIP
-    """
-    return [record(p) for p in plans]
-
-
-def label(row: Mapping[str, Any]) -> str:
-    """A short name of a plan's layout for legends and tables."""
-    parts = [f"tp{row.get('tp', 1)}", f"pp{row.get('pp', 1)}", f"dp{row.get('dp', 1)}"]
-    if row.get("ep", 1) > 1:
-        parts.append(f"ep{row['ep']}")
-    parts.append(f"z{row.get('zero_stage', 0)}")
-    parts.append(f"mb{row.get('micro_batch', 1)}")
-    if row.get("recompute", "none") != "none":
-        parts.append(f"rc-{row['recompute']}")
-    if row.get("offload", "none") != "none":
-        parts.append(f"off-{row['offload']}")
-    if row.get("virtual_stages", 1) > 1:
-        parts.append(f"v{row['virtual_stages']}")
-    if row.get("sequence_parallel"):
-        parts.append("sp")
-    return " ".join(parts)
-
-
-def to_dataframe(rows: "Iterable[Any]") -> Any:
-    """Records, plans or a ``suggest`` result as a pandas DataFrame; needs pandas installed.
-
-    >>> to_dataframe(suggest("vl2", load_cluster(nodes=2)))[["label", "tokens_per_s"]]   # doctest: +SKIP
-    """
-    try:
-        import pandas as pd
-    except ImportError:
-        raise UserError("to_dataframe needs pandas: pip install pandas (records() gives plain dicts without it)") from None
-    if hasattr(rows, "plans"):  # a suggest result
-        rows = rows.plans
-    rows = [r if isinstance(r, Mapping) and "label" in r else record(r) for r in rows]
-    return pd.DataFrame(rows)
-
-
 SEARCH_AXES = ("dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework",
                "sequence_parallel", "allow_tp_across_nodes")
+_COUNT_AXES = ("dp", "tp", "pp", "ep", "micro_batch", "virtual_stages")
 
 
 def constraints(**axes: Any) -> Any:
     """``planner.search.space.Constraints`` from keyword axes, each one value or a sequence
-    (``tp=8``, ``pp=[2, 4]``, ``zero=(1, 2)``); unknown names are a UserError.
+    (``tp=8``, ``pp=[2, 4]``, ``zero=(1, 2)``); unknown names and values are a UserError.
 
     >>> constraints(tp=8, pp=[2, 4]).pp
     (2, 4)
     """
+    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
     from planner.search.space import Constraints
 
-    unknown = sorted(set(axes) - set(SEARCH_AXES))
-    if unknown:
-        raise UserError(f"unknown search constraint(s) {', '.join(unknown)}; use {', '.join(SEARCH_AXES)}")
+    _check_keys("search constraint", axes, SEARCH_AXES)
+    choices = {"offload": OFFLOADS, "recompute": RECOMPUTES, "framework": FRAMEWORKS}
     out: dict[str, Any] = {}
     for key, value in axes.items():
         if value is None:
             continue
         if key == "allow_tp_across_nodes":
             out[key] = bool(value)
-        elif isinstance(value, (str, int, bool)):
-            out[key] = (value,)
-        else:
-            out[key] = tuple(value)
-            if not out[key]:
-                raise UserError(f"{key}: empty list; give one value or several, or leave it out")
+            continue
+        values = (value,) if isinstance(value, (str, int, bool)) else tuple(value)
+        if not values:
+            raise UserError(f"{key}: empty list; give one value or several, or leave it out")
+        for v in values:
+            if key in _COUNT_AXES:
+                whole_number(key, v)
+            elif key == "zero" and (isinstance(v, bool) or v not in (0, 1, 2, 3)):
+                raise UserError(f"{arg('zero')}: stages are 0, 1, 2 or 3, got {','.join(map(str, values))}")
+            elif key in choices and v not in choices[key]:
+                raise UserError(f"{arg(key)}: unknown value {v!r}; choose from {', '.join(choices[key])}")
+        out[key] = values
     return Constraints(**out)
 
 
 def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload | None" = None, top: int = 5,
-            objective: str = "throughput", balancer: str = "optimal", **axes: Any) -> Any:
+            objective: str = "throughput", balancer: str = "optimal",
+            progress: "Callable[[float], None] | None" = None, **axes: Any) -> Any:
     """Search the parallel space and return the best ``top`` plans (``dsplan suggest``).
 
     ``axes`` pin or restrict the search like the CLI flags, each one value or a sequence:
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
-    ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``.
-    Returns the search's ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the
-    estimate's Plan, ``.why`` (why #1 won, or why this one ranks below it) and
-    ``.to_json()``), ``.evaluated``, ``.rejected`` (counts by reason), ``.why`` and ``.notes``
-    (when the batch, not the layout, limits the best plan). Raises ``UserError``
-    (``NoPlanFits``) when nothing fits.
+    ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``; the
+    workload is ``workload`` or its fields as keywords (``global_batch``, ``seq_len``, ...,
+    as for ``estimate``; default batch: ``make_workload``'s). ``progress`` is called with the
+    fraction of the search done. Returns the search's ``SuggestResult``: ``.plans`` (best
+    first; each has ``.plan``, the estimate's Plan, ``.why`` (why #1 won, or why this one
+    ranks below it) and ``.to_json()``), ``.evaluated``, ``.rejected`` (counts by reason),
+    ``.why`` and ``.notes`` (when the batch, not the layout, limits the best plan). Raises
+    ``UserError`` (``NoPlanFits``) when nothing fits.
 
     >>> result = suggest("vl2", load_cluster(nodes=8), top=3, framework="deepspeed")
     >>> [p.plan.cfg.zero_stage for p in result.plans]     # doctest: +SKIP
@@ -387,10 +332,12 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     from planner.search.suggest import suggest as _suggest
 
     spec = load_model(model)
-    wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus)
+    given = _workload_options(workload, axes)
+    cons = constraints(**axes)
+    wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
     if not wl.flash_attention or wl.dropout:
         raise UserError("suggest searches with FlashAttention and no dropout; use estimate for other kernels")
     return _suggest(spec, cluster.profile, cluster.nodes, global_batch=wl.global_batch, seq_len=wl.seq_len,
                     images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
-                    precision=wl.precision, optimizer=wl.optimizer, constraints=constraints(**axes),
-                    balancer=balancer, objective=objective, top=top)
+                    precision=wl.precision, optimizer=wl.optimizer, constraints=cons, balancer=balancer,
+                    objective=objective, top=top, progress=progress)

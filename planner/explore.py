@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from planner import api
-from planner.errors import UserError
+from planner.errors import Message, UserError
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -65,7 +65,7 @@ def _best_row(spec: Any, cluster: Any, wl: Any, constraints: Mapping[str, Any]) 
     try:
         found = api.suggest(spec, cluster, workload=wl, top=1, **constraints)
     except UserError as err:
-        return _empty_row(spec, cluster, wl, str(err))
+        return _empty_row(spec, cluster, wl, Message(err))
     if not found.plans:
         return _empty_row(spec, cluster, wl, "no plan fits")
     return api.record(found.plans[0])

@@ -160,7 +160,7 @@ def test_pins_named_for_dropping_really_leave_candidates() -> None:
     cons = Constraints(dp=(4,), tp=(4,))
     with pytest.raises(UserError) as err:
         candidate_space(model, cluster, workload, cons)
-    named = dict(re.findall(r"--(dp|tp) 4 \(([\d,]+) candidates\)", str(err.value)))
+    named = dict(re.findall(r"\b(dp|tp) 4 \(([\d,]+) candidates\)", str(err.value)))
     assert set(named) == {"dp", "tp"}
     assert len(candidate_space(model, cluster, workload, Constraints(tp=(4,)))) == int(named["dp"].replace(",", ""))
     assert len(candidate_space(model, cluster, workload, Constraints(dp=(4,)))) == int(named["tp"].replace(",", ""))

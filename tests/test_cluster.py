@@ -76,7 +76,7 @@ def test_large_cluster_is_cheap_until_drawn(a100):
 
 def test_nodes_must_be_positive(a100):
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(UserError, match="--nodes"):
+        with pytest.raises(UserError, match="^nodes: need a whole number >= 1"):
             Cluster.build(a100, bad)
 
 

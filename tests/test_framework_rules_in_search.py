@@ -11,7 +11,7 @@ import pytest
 
 from planner.cost.frameworks import RULES, ConfigColumns, RunFacts, check_framework, first_broken, model_facts
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
-from planner.errors import UserError
+from planner.errors import UserError, spell
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
@@ -100,6 +100,6 @@ def test_runnable_mask_equals_check_framework_config_by_config(facts: RunFacts) 
     assert got.tolist() == expected
     assert 0 < sum(expected) < len(expected)
     # The index first_broken gives is the rule whose message check_framework raises.
-    named = [None if k < 0 else RULES[k].message(cfg, facts) for k, cfg in zip(broken.tolist(), configs)]
+    named = [None if k < 0 else spell(RULES[k].message(cfg, facts)) for k, cfg in zip(broken.tolist(), configs)]
     assert named == messages
     assert len({m for m in messages if m}) > 10  # many different rules are exercised

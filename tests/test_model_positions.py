@@ -138,7 +138,7 @@ def test_runtimes_that_cannot_build_the_model_are_refused(model, framework, word
     plan, spec = make_plan(model, 4, framework=framework, zero_stage=1)
     with pytest.raises(UserError) as err:
         check_framework_for(plan.parallel_config(), spec, optimizer="adamw", precision="bf16")
-    assert words in str(err.value) and "--framework" in str(err.value)
+    assert words in str(err.value) and "use framework " in str(err.value)  # the API keyword, not --framework
 
 
 def test_suggest_never_offers_them_and_estimate_says_why() -> None:

@@ -11,7 +11,6 @@ from planner.model.catalog import list_presets, load_preset
 from planner.search.space import (
     Constraints,
     ModelFacts,
-    default_global_batch,
     degree_combinations,
     divisors,
     enumerate_space,
@@ -120,13 +119,6 @@ def test_indivisible_degrees_are_counted() -> None:
 def test_experts_must_divide_by_ep() -> None:
     space = enumerate_space(64, 8, 1024, MOE, Constraints(tp=(1,), pp=(1,)), anything_goes)
     assert set(space.columns["ep"]) == {1, 2, 4, 8}  # dp = 64: 16, 32, 64 do not divide 72
-
-
-@pytest.mark.parametrize(("seq", "world", "expected"), [(4096, 64, 1024), (8192, 16384, 512), (4096, 24, 768)])
-def test_default_global_batch_is_about_4m_tokens_and_divisible(seq: int, world: int, expected: int) -> None:
-    gb = default_global_batch(seq, world)
-    assert gb == expected
-    assert 0.75 * 4e6 <= gb * seq <= 1.5 * 4e6
 
 
 @pytest.mark.parametrize("name", list_presets())

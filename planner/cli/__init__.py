@@ -1,7 +1,8 @@
 """The ``dsplan`` command line: parse, call the planner API, print (rich table or --json).
 
 Each command lives in its own module here; this module owns the group and the one place
-where user errors become a clear message and exit status 2: a UserError, an OSError on a path
+where user errors become a clear message and exit status 2: a UserError (its inputs named by
+their flags, planner/cli/flags.py), an OSError on a path
 given to an output option (``--out``, ``--draw``, ``--dot``: see planner/cli/outputs.py), and a
 full standard output. dsplan's own warnings print as one ``warning: ...`` line. A command's
 module is imported only when that command runs (or ``--help`` lists them all): ``dsplan
@@ -19,6 +20,7 @@ from typing import Callable
 import click
 
 from planner import __version__
+from planner.cli.flags import cli_text
 from planner.errors import UserError
 
 
@@ -45,7 +47,7 @@ class _Group(click.Group):
             sys.stdout.flush()  # a full or closed stdout fails here, not in the flush at exit
             return result
         except UserError as err:
-            _fail(str(err))
+            _fail(cli_text(err))
         except OSError as err:
             from planner.cli.outputs import write_error_message
 

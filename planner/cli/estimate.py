@@ -1,22 +1,20 @@
 """``dsplan estimate``: memory and step time of one parallel plan.
 
-Thin: parse the flags into a Workload and a ParallelConfig (pydantic errors become one
-UserError naming the rule), call ``planner.cost.estimate.estimate``, print rich tables or JSON.
-Heavy modules are imported inside the command so ``dsplan --help`` stays fast.
+Thin: parse the flags, call ``planner.api.estimate`` (which fills the defaults and checks every
+rule: planner/cost/degrees.py), print rich tables or JSON. Heavy modules are imported inside the
+command so ``dsplan --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import click
 
+from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
 from planner.errors import UserError
-
-TARGET_TOKENS_PER_STEP = 4 * 2**20  # default global batch: ~4M tokens (Llama 2/3 pre-training)
 
 
 @click.command("estimate")
@@ -33,7 +31,8 @@ TARGET_TOKENS_PER_STEP = 4 * 2**20  # default global batch: ~4M tokens (Llama 2/
               help="optimizer: DeepSpeed ZeRO-Offload or Megatron-Core's optimizer CPU offload (bf16, Adam); "
                    "optimizer+params: ZeRO-3 only.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Samples per micro-batch per GPU.")
-@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step [default: ~4M tokens, a multiple of micro-batch x dp].")
+@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
+                   "least pp micro-batches].")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length].")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
@@ -65,75 +64,15 @@ def estimate_command(as_json: bool, **opts: Any) -> None:
         render(plan)
 
 
-def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int | None, tp: int, pp: int,
-                 dp: int | None, ep: int, zero_stage: int | None, offload: str, micro_batch: int,
-                 global_batch: int | None, seq_len: int | None, recompute: str, sequence_parallel: bool,
-                 virtual_stages: int, framework: str, images_per_sample: int | None, tiles_per_image: int | None,
-                 precision: str, optimizer: str, flash_attention: bool, dropout: bool, stage_blocks: str | None):
-    """Flags to Plan; every bad input a UserError."""
-    from pydantic import ValidationError
+def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int | None, zero_stage: int | None,
+                 stage_blocks: str | None, **knobs: Any):
+    """Flags to Plan through ``planner.api.estimate`` (defaults, rules and notes live there)."""
+    from planner import api
 
-    from planner.cost.estimate import estimate
-    from planner.cost.frameworks import grad_accum_for
-    from planner.cost.parallel import ParallelConfig, Workload
-    from planner.hardware.cluster import Cluster
-    from planner.hardware.load import load_profile
-    from planner.model.load import load_model
-    from planner.model.vision_inputs import vision_inputs
-
-    model = load_model(model_name)
-    profile = load_profile(hardware)
-    if gpus_per_node is not None:
-        profile = profile.with_gpus_per_node(gpus_per_node)
-    cluster = Cluster.build(profile, nodes)
-    world = cluster.num_gpus
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--micro-batch", micro_batch), ("--virtual-stages", virtual_stages)):
-        if value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
-    if dp is None:
-        if world % (tp * pp):
-            raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {world} GPUs ({nodes} nodes x {cluster.gpus_per_node}); "
-                            "pick degrees whose product divides the GPU count")
-        dp = world // (tp * pp)
-    if dp < 1 or dp * tp * pp != world:
-        raise UserError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} but the cluster has {world} GPUs "
-                        f"({nodes} nodes x {cluster.gpus_per_node}); make the degrees multiply to {world}")
-    seq = seq_len or model.train_seq_len
-    if global_batch is None:
-        unit = micro_batch * dp
-        global_batch = unit * max(1, round(TARGET_TOKENS_PER_STEP / (seq * unit)), pp)
-    grad_accum = grad_accum_for(global_batch, micro_batch, dp)
-    if zero_stage is None:
-        zero_stage = 1 if dp > 1 else 0
-    images, tiles = vision_inputs(model, images_per_sample, tiles_per_image, seq)
-    try:
-        workload = Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
-                            precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout)
-        cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero_stage, offload=offload, micro_batch=micro_batch,
-                             grad_accum=grad_accum, recompute=recompute, sequence_parallel=sequence_parallel,
-                             virtual_stages=virtual_stages, framework=framework)
-    except ValidationError as err:
-        raise UserError(_rule_message(err)) from None
+    model = api.load_model(model_name)
+    cluster = api.load_cluster(hardware, nodes, gpus_per_node=gpus_per_node)
     partition = _parse_stage_blocks(stage_blocks) if stage_blocks else None
-    plan = estimate(model, cluster, workload, cfg, partition)
-    # The same notes as suggest's best plan: what the batch holds back, and where Megatron's
-    # interleaved schedule replayed over these chunks disagrees with the pipeline formula.
-    from planner.cost.notes import batch_notes
-    from planner.cost.schedule_check import plan_schedule_notes
-
-    notes = batch_notes(plan.to_json(), seq) + plan_schedule_notes(model, cluster, workload, cfg, plan.partition,
-                                                                   plan.step_time_s)
-    return dataclasses.replace(plan, notes=notes)
-
-
-def _rule_message(err: Exception) -> str:
-    """The broken rule of a ParallelConfig/Workload ValidationError, without pydantic's framing."""
-    parts = []
-    for item in err.errors():  # type: ignore[attr-defined]
-        msg = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
-        loc = ".".join(str(x) for x in item.get("loc", ()))
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "invalid plan: " + "; ".join(parts)
+    return api.estimate(model, cluster, partition=partition, zero=zero_stage, **knobs)
 
 
 def _parse_stage_blocks(text: str) -> list[tuple[int, int]]:
@@ -150,9 +89,6 @@ def _parse_stage_blocks(text: str) -> list[tuple[int, int]]:
 
 
 def render(plan) -> None:
-    from rich import box
-    from rich.table import Table
-
     from planner.cost.memory import group_to_set
 
     c, w = plan.cfg, plan.workload
@@ -166,9 +102,18 @@ def render(plan) -> None:
                   + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}")
-    from rich.measure import Measurement
-
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
+    _render_memory(plan)
+    _render_time(plan)
+    for line in plan.notes:
+        console.print(f"[bold]note[/bold]: {cli_text(line)}")
+
+
+def _render_memory(plan) -> None:
+    """Memory per GPU by pipeline rank: a table, or one line per rank on a narrow terminal."""
+    from rich import box
+    from rich.measure import Measurement
+    from rich.table import Table
 
     # Light borders and wrapping block ranges: the ten columns fit an 80-column terminal.
     mem = Table(title="Memory per GPU in GiB (peak, by pipeline rank)", title_justify="left", box=box.SIMPLE_HEAD,
@@ -194,7 +139,12 @@ def render(plan) -> None:
                           f"activ {_gib(m.activations)}, buffers {_gib(m.buffers)}, overhead {_gib(m.overhead)}; "
                           f"peak {peak}")
     console.print(f"GPU memory {human_bytes(cap)}" + (f"; host memory per node for offload {human_bytes(plan.cpu_bytes_per_node)}"
-                                                      if c.offload != "none" else ""))
+                                                      if plan.cfg.offload != "none" else ""))
+
+
+def _render_time(plan) -> None:
+    """The exposed step time by part, and the throughput."""
+    from rich.table import Table
 
     t = plan.time
     total = t.total
@@ -209,8 +159,6 @@ def render(plan) -> None:
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
-    for line in plan.notes:
-        console.print(f"[bold]note[/bold]: {line}")
 
 
 def _gib(n: float) -> str:

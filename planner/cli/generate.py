@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from planner.cli.flags import FLAGS, cli_text
 from planner.cli.options import balancer_option, constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.cli.outputs import OutputPath
-from planner.errors import UserError
+from planner.errors import UserError, whole_number
 
 if TYPE_CHECKING:
     from planner.model.spec import ModelSpec
@@ -79,7 +80,6 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
 
     Arguments after `--` are passed, quoted, to the entry on every rank.
     """
-    from planner.cost.memory import group_to_set
     from planner.emit.ds_config import TrainSettings
     from planner.emit.render import DEFAULT_IMAGE, LaunchOptions, render_run_dir
     from planner.emit.write import write_run_dir
@@ -103,6 +103,7 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         ib_hca=opts["ib_hca"],
         socket_ifname=opts["socket_ifname"],
         settings=TrainSettings(steps=opts["steps"], checkpoint_every=opts["checkpoint_every"]),
+        input_names=FLAGS,
     )
     files = render_run_dir(plan, model, profile, options, opts["out_dir"])
     report = write_run_dir(opts["out_dir"], files, force=opts["force"])
@@ -111,6 +112,13 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(),
                     "warnings": [note] if note else []})
         return
+    _print_written(report, plan, note)
+
+
+def _print_written(report, plan, note: str | None) -> None:
+    """What was written, the plan in one line, and the next command to run."""
+    from planner.cost.memory import group_to_set
+
     out = report.out_dir
     console.print(f"[bold]{out}[/bold]: {len(report.written)} file(s) written, {len(report.unchanged)} unchanged"
                   + (f", {len(report.removed)} stale removed" if report.removed else ""), soft_wrap=True)
@@ -121,9 +129,8 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
                      + (f", micro-batch group {g}" if (g := group_to_set(plan.pp, plan.virtual_stages, plan.grad_accum)) else "")
                      + ")" if plan.virtual_stages > 1 else "")
                   + (f", EP {plan.ep}" if plan.ep > 1 else "") + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
-    if note:
-        console.print(f"  [yellow]note:[/yellow] {note}", soft_wrap=True)
     if note:  # the default entry cannot run it: point at Megatron-LM's script, not at the launcher
+        console.print(f"  [yellow]note:[/yellow] {note}", soft_wrap=True)
         console.print(f"  next: dsplan generate ... --out {out} --entry pretrain_gpt.py -- ARGS  (see {out}/README.md)",
                       soft_wrap=True)
         return
@@ -141,7 +148,7 @@ def _trainer_note(files: dict, model: "ModelSpec") -> str | None:
         check_reference_trainer(plan_from_dict(json.loads(files["plan.json"].content), "plan.json"),
                                 json.loads(files["ds_config.json"].content), model.is_moe)
     except UserError as err:
-        return f"the default entry cannot run this plan: {err}"
+        return f"the default entry cannot run this plan: {cli_text(err)}"
     return None
 
 
@@ -187,6 +194,8 @@ def _choose_plan(opts: dict[str, Any]):
     from planner.emit.plan_file import load_plan_file, plan_from_dict
     from planner.model.load import load_model
 
+    if opts["nodes"] is not None:  # the check every command makes (with --plan too)
+        whole_number("nodes", opts["nodes"])
     if opts["plan_path"] is not None:
         given = [f"--{k.replace('_', '-')}" for k in _SEARCH_FLAGS if opts.get(k) is not None]
         if given:
@@ -202,6 +211,10 @@ def _choose_plan(opts: dict[str, Any]):
                 )
         if opts["nodes"] is not None and opts["nodes"] != plan.nodes:
             raise UserError(f"--plan {opts['plan_path']}: the plan is for {plan.nodes} node(s), not --nodes {opts['nodes']}")
+        gpus = opts["gpus_per_node"]
+        if gpus is not None and gpus != plan.gpus_per_node:
+            raise UserError(f"--plan {opts['plan_path']}: the plan is for {plan.gpus_per_node} GPUs per node, not "
+                            f"--gpus-per-node {gpus}")
         return plan, model
     if opts["model"] is None:
         raise UserError("--model: required unless --plan is given (e.g. --model vl2, or --plan plan.json)")
@@ -217,20 +230,19 @@ def _choose_plan(opts: dict[str, Any]):
 
 def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
     """The rank-K plan of ``dsplan suggest`` for the same flags, as a plan dict."""
-    from planner.cli.suggest import request_from_options
-    from planner.search.suggest import suggest
+    from planner.api import DEFAULT_HARDWARE
+    from planner.cli.flags import cli_data
+    from planner.cli.suggest import run_suggest
 
     search_opts = {k: v for k, v in opts.items() if k in _SUGGEST_KEYS}
     search_opts["model"] = model
-    search_opts["hardware"] = opts["hardware"] or "dgx-a100-80g"
-    search_opts["nodes"] = opts["nodes"] or 1
+    search_opts["hardware"] = opts["hardware"] or DEFAULT_HARDWARE
+    search_opts["nodes"] = 1 if opts["nodes"] is None else opts["nodes"]
     search_opts["top"] = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
-    search_opts["precision"] = opts["precision"] or "bf16"
-    search_opts["optimizer"] = opts["optimizer"] or "adamw"
-    result = suggest(**request_from_options(search_opts), progress=None)
+    result = run_suggest(search_opts)
     if len(result.plans) < opts["rank"]:
         raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) that fit; pick a smaller --rank")
-    data = result.plans[opts["rank"] - 1].to_json()
+    data = cli_data(result.plans[opts["rank"] - 1].to_json())
     data.setdefault("hardware", search_opts["hardware"])
     data.setdefault("nodes", search_opts["nodes"])
     return data

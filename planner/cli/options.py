@@ -119,24 +119,21 @@ def constraint_options(command):
     return command
 
 
-def constraints_from_options(opts: dict):
-    """The parsed search-axis flags as ``planner.search.space.Constraints``."""
+def axes_from_options(opts: dict) -> dict:
+    """The search-axis flags, parsed, as ``planner.api.suggest`` keywords (tuples; None: not
+    pinned). The API checks the values (planner/api.py ``constraints``)."""
     from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
-    from planner.search.space import Constraints
 
     sp = opts.get("sequence_parallel")
-    cons = Constraints(
-        dp=parse_int_list("--dp", opts.get("dp")), tp=parse_int_list("--tp", opts.get("tp")),
-        pp=parse_int_list("--pp", opts.get("pp")), ep=parse_int_list("--ep", opts.get("ep")),
-        zero=parse_int_list("--zero", opts.get("zero"), minimum=0),
-        offload=parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
-        micro_batch=parse_int_list("--micro-batch", opts.get("micro_batch")),
-        recompute=parse_choice_list("--recompute", opts.get("recompute"), RECOMPUTES),
-        virtual_stages=parse_int_list("--virtual-stages", opts.get("virtual_stages")),
-        framework=parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS),
-        sequence_parallel=None if sp is None else (bool(sp),),
-        allow_tp_across_nodes=bool(opts.get("allow_tp_across_nodes")),
-    )
-    if cons.zero and any(z > 3 for z in cons.zero):
-        raise UserError(f"--zero: stages are 0, 1, 2 or 3, got {','.join(map(str, cons.zero))}")
-    return cons
+    return {
+        "dp": parse_int_list("--dp", opts.get("dp")), "tp": parse_int_list("--tp", opts.get("tp")),
+        "pp": parse_int_list("--pp", opts.get("pp")), "ep": parse_int_list("--ep", opts.get("ep")),
+        "zero": parse_int_list("--zero", opts.get("zero"), minimum=0),
+        "offload": parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
+        "micro_batch": parse_int_list("--micro-batch", opts.get("micro_batch")),
+        "recompute": parse_choice_list("--recompute", opts.get("recompute"), RECOMPUTES),
+        "virtual_stages": parse_int_list("--virtual-stages", opts.get("virtual_stages")),
+        "framework": parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS),
+        "sequence_parallel": None if sp is None else bool(sp),
+        "allow_tp_across_nodes": bool(opts.get("allow_tp_across_nodes")),
+    }

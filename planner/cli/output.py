@@ -38,7 +38,10 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print machin
 
 
 def print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=_default))
+    """``data`` as JSON on stdout, every message in it naming inputs by their flags."""
+    from planner.cli.flags import cli_data
+
+    click.echo(json.dumps(cli_data(data), indent=2, sort_keys=False, default=_default))
 
 
 def _default(obj: Any) -> Any:

@@ -12,11 +12,10 @@ from typing import Any
 import click
 
 from planner.cli.hardware import hardware_option
-from planner.cli.options import (balancer_option, constraint_options, constraints_from_options, parse_int_list,
-                                 workload_options)
+from planner.cli.options import axes_from_options, balancer_option, constraint_options, parse_int_list, workload_options
 from planner.cli.output import console, json_option, print_json
 from planner.cli.outputs import OutputPath
-from planner.errors import UserError
+from planner.errors import UserError, marked
 
 KINDS = ("pareto", "heatmap", "scaling")
 
@@ -56,7 +55,8 @@ def plot_command(kind: str, model_name: str, hardware: str, nodes: str, out: str
     if kind == "scaling":
         rows = explore.scaling(model, profile, counts, workload_options=workload_opts, **axes)
         if not any(r["fits"] for r in rows):
-            raise UserError(f"no plan of {model.name} fits at any of {', '.join(map(str, counts))} node(s): {rows[-1]['reason']}")
+            raise UserError(f"no plan of {model.name} fits at any of {', '.join(map(str, counts))} node(s): "
+                            f"{marked(rows[-1]['reason'])}")
         fig = plots.plot_scaling(rows)
         data: dict[str, Any] = {"rows": rows}
     else:
@@ -106,11 +106,8 @@ def _node_counts(text: str, kind: str) -> list[int]:
 
 
 def _axes(opts: dict[str, Any]) -> dict[str, Any]:
-    """Constraint flags (comma lists) to ``api.suggest`` keywords."""
-    from planner.api import SEARCH_AXES
-
-    cons = constraints_from_options(opts)
-    return {k: getattr(cons, k) for k in SEARCH_AXES if getattr(cons, k) is not None}
+    """Constraint flags (comma lists) to ``api.suggest`` keywords (the API checks the values)."""
+    return {k: v for k, v in axes_from_options(opts).items() if v is not None}
 
 
 commands = [plot_command]

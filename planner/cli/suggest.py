@@ -1,7 +1,7 @@
 """``dsplan suggest``: search the parallel space and print the best plans.
 
-Thin by design: parse the flags into ``Constraints`` and a request, call
-``planner.search.suggest.suggest``, print a rich table (or ``--json``). Heavy modules are
+Thin by design: parse the flags, call ``planner.api.suggest``, print a rich table (or
+``--json``). Heavy modules are
 imported inside the command so ``dsplan --help`` stays fast.
 """
 
@@ -12,10 +12,9 @@ from typing import Any
 
 import click
 
-from planner.cli.options import balancer_option, constraint_options, constraints_from_options, workload_options
+from planner.cli.flags import cli_text
+from planner.cli.options import axes_from_options, balancer_option, constraint_options, workload_options
 from planner.cli.output import json_option
-from planner.errors import UserError
-
 
 
 @click.command("suggest")
@@ -47,18 +46,17 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
       dsplan suggest --model llama-3.1-70b --nodes 4 --tp 8 --pp 2,4 --zero 1
       dsplan suggest --model llama-3.1-405b --nodes 2048 --objective cost --json
     """
-    from planner.search.suggest import NoPlanFits, suggest
+    from planner.search.suggest import NoPlanFits
 
-    request = request_from_options(opts)
     bar = _progress_bar() if (not as_json and sys.stderr.isatty()) else None
     try:
-        result = suggest(**request, progress=bar.update if bar else None)
+        result = run_suggest(opts, progress=bar.update if bar else None)
     except NoPlanFits as err:
         if as_json:
             from planner.cli.output import print_json
 
             data = err.result.to_json()
-            data["error"] = str(err)
+            data["error"] = cli_text(err)
             data["closest"] = err.result.closest.to_json() if err.result.closest else None
             data["advice"] = list(err.result.advice)
             print_json(data)
@@ -74,22 +72,20 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
         render(result)
 
 
-def request_from_options(opts: dict[str, Any]) -> dict[str, Any]:
-    """Click options -> keyword arguments of ``planner.search.suggest.suggest``."""
-    for flag, key, low in (("--nodes", "nodes", 1), ("--gpus-per-node", "gpus_per_node", 1), ("--global-batch", "global_batch", 1),
-                           ("--seq-len", "seq_len", 1), ("--images-per-sample", "images_per_sample", 0),
-                           ("--tiles-per-image", "tiles_per_image", 0), ("--top", "top", 1)):
-        value = opts.get(key)
-        if value is not None and value < low:
-            raise UserError(f"{flag}: need a whole number >= {low}, got {value}")
-    cons = constraints_from_options(opts)
-    return {
-        "model": opts["model"], "hardware": opts["hardware"], "nodes": opts["nodes"],
-        "gpus_per_node": opts.get("gpus_per_node"), "global_batch": opts.get("global_batch"),
-        "seq_len": opts.get("seq_len"), "images_per_sample": opts.get("images_per_sample"),
-        "tiles_per_image": opts.get("tiles_per_image"), "precision": opts["precision"], "optimizer": opts["optimizer"],
-        "constraints": cons, "balancer": opts["balancer"], "objective": opts["objective"], "top": opts["top"],
-    }
+# The workload flags, passed to the API under the same names.
+WORKLOAD_FLAGS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer")
+
+
+def run_suggest(opts: dict[str, Any], progress=None):
+    """Click options -> ``planner.api.suggest`` (the model, the cluster, the workload and the
+    parsed search axes; the API fills the defaults and checks the values)."""
+    from planner import api
+
+    axes = axes_from_options(opts)
+    model = api.load_model(opts["model"])
+    cluster = api.load_cluster(opts["hardware"], opts["nodes"], gpus_per_node=opts.get("gpus_per_node"))
+    return api.suggest(model, cluster, top=opts["top"], objective=opts["objective"], balancer=opts["balancer"],
+                       progress=progress, **{k: opts.get(k) for k in WORKLOAD_FLAGS}, **axes)
 
 
 # -- human output ------------------------------------------------------------------------------
@@ -160,7 +156,7 @@ def render(result) -> None:
     _render_best(result, console, human_bytes, human_time)
     if len(result.plans) > 1:
         console.print("[bold]why the others rank below #1[/]:")
-        console.print("\n".join(f"  #{rp.id} {rp.why}" for rp in result.plans[1:]))  # one call: --top 1000 prints fast
+        console.print("\n".join(f"  #{rp.id} {cli_text(rp.why)}" for rp in result.plans[1:]))  # one call: --top 1000 prints fast
     r = result.rejected
     console.print(
         f"{result.evaluated} candidates evaluated ({result.fully_evaluated} in full, {result.pruned} ruled out by a "
@@ -214,9 +210,9 @@ def _bottlenecks(b: dict) -> str:
 def _render_best(result, console, human_bytes, human_time) -> None:
     best = result.plans[0]
     p = best.plan.to_json()
-    console.print(f"[bold]best plan #1[/]: {result.why}")
+    console.print(f"[bold]best plan #1[/]: {cli_text(result.why)}")
     for line in result.notes:
-        console.print(f"[bold]note[/]: {line}")
+        console.print(f"[bold]note[/]: {cli_text(line)}")
     if p["pp"] > 1:
         from planner.cost.memory import group_to_set
 

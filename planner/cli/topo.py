@@ -43,9 +43,7 @@ def topo(hardware: str, nodes: int, collective: str | None, group_size: int | No
     from planner.cost.collectives import collective_time_for_size, normalize_op
     from planner.hardware.cluster import Cluster
 
-    if nodes < 1:
-        raise UserError(f"--nodes: need at least 1 node, got {nodes}")
-    cluster = Cluster.build(load_profile(hardware), nodes)
+    cluster = Cluster.build(load_profile(hardware), nodes)  # checks nodes as every command does
     written = []
     if dot_path:
         from planner.hardware.draw import write_dot

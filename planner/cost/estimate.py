@@ -13,12 +13,13 @@ from planner.cost.assemble import assemble
 from planner.cost.block_times import BlockTables, RunModel
 from planner.cost.candidates import columns_of
 from planner.cost.context import CostContext
+from planner.cost.degrees import check_world
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES, ParallelConfig, Workload, check_against_model
 from planner.cost.partition import Partition, check_partition, default_partition
 from planner.cost.plan import Plan
 from planner.cost.plans import BlockKinds, build_plan
 from planner.cost.rank_tables import RankSpec, RankTables, rank_fields
-from planner.errors import UserError
+from planner.errors import UserError, arg
 from planner.hardware.cluster import Cluster
 from planner.model.spec import ModelSpec
 
@@ -50,9 +51,7 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
 
 def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig) -> None:
     """Every rule a plan must satisfy, each failure a UserError naming the rule."""
-    if cfg.world_size != cluster.num_gpus:
-        raise UserError(f"dp x tp x pp = {cfg.dp} x {cfg.tp} x {cfg.pp} = {cfg.world_size} but the cluster has "
-                        f"{cluster.nodes} nodes x {cluster.gpus_per_node} GPUs = {cluster.num_gpus}; make the degrees multiply to {cluster.num_gpus}")
+    check_world(cluster, cfg.dp, cfg.tp, cfg.pp)
     if cfg.samples_per_step != workload.global_batch:
         raise UserError(f"global batch {workload.global_batch} != micro-batch {cfg.micro_batch} x grad accumulation "
                         f"{cfg.grad_accum} x dp {cfg.dp} = {cfg.samples_per_step}")
@@ -60,7 +59,7 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
                         blocks=model.num_layers)
     fw.check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision)
     if workload.seq_len > model.max_seq_len:
-        raise UserError(f"--seq-len {workload.seq_len} exceeds {model.name}'s maximum context of {model.max_seq_len}")
+        raise UserError(f"{arg('seq_len')} {workload.seq_len} exceeds {model.name}'s maximum context of {model.max_seq_len}")
 
 
 def model_flops(model: ModelSpec, workload: Workload) -> float:

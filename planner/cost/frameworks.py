@@ -27,8 +27,8 @@ and its own behaviour the cost model reads (``Traits``):
   interleaved schedule needs at least pp micro-batches per step; a count that pp does not
   divide runs with a larger micro-batch group (memory.microbatch_group).
 
-Batch divisibility uses the data-parallel world size: global batch = micro-batch x
-gradient accumulation x dp.
+Batch divisibility (global batch = micro-batch x gradient accumulation x dp) is checked where
+the accumulation is filled in: planner/cost/degrees.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from planner.cost.parallel import ParallelConfig
-from planner.errors import UserError
+from planner.errors import UserError, arg
 
 if TYPE_CHECKING:
     from planner.model.spec import ModelSpec
@@ -194,18 +194,19 @@ def _moe_zero3_rule(f: str) -> Rule:
     # (runtime/engine.py); Megatron-DeepSpeed's MoE layers are DeepSpeed's.
     return Rule(f, lambda c, x: x.is_moe and c.zero_stage > 2,
                 lambda c, x: f"framework {f}: DeepSpeed's MoE layers do not run under ZeRO-3 (DeepSpeed refuses "
-                             "the engine); use --zero 1/2 or --framework megatron")
+                             f"the engine); use {arg('zero')} 1/2 or {arg('framework')} megatron")
 
 
 def _alibi_rule(f: str, why: str) -> Rule:
     return Rule(f, lambda c, x: x.positions == "alibi" and c.tp > 0,
                 lambda c, x: f"framework {f} has no ALiBi position biases ({why}), so it cannot build this model; use "
-                             "--framework deepspeed")
+                             f"{arg('framework')} deepspeed")
 
 
 def _interleave_rule(f: str) -> Rule:
     return Rule(f, lambda c, x: c.virtual_stages > 1,
-                lambda c, x: f"framework {f} has no interleaved pipeline schedule; use --virtual-stages 1 or --framework megatron")
+                lambda c, x: f"framework {f} has no interleaved pipeline schedule; use {arg('virtual_stages')} 1 or "
+                             f"{arg('framework')} megatron")
 
 
 # In the order they are checked: a config breaking several is told about the first.
@@ -214,64 +215,66 @@ RULES: tuple[Rule, ...] = (
     # deepspeedai/Megatron-DeepSpeed's model is Megatron's GPT of 2023: no MLA layer, and
     # positions are learned or rotary (megatron/arguments.py); ALiBi is in BigScience's fork.
     Rule("megatron-deepspeed", lambda c, x: x.mla and c.tp > 0,
-         lambda c, x: "framework megatron-deepspeed has no multi-latent attention (MLA) layer; use --framework megatron "
-                      "(Megatron-Core's --multi-latent-attention) or deepspeed"),
+         lambda c, x: "framework megatron-deepspeed has no multi-latent attention (MLA) layer; use "
+                      f"{arg('framework')} megatron (Megatron-Core's --multi-latent-attention) or deepspeed"),
     _alibi_rule("megatron-deepspeed", "its positions are learned or rotary"),
     # Megatron-Core's --position-embedding-type: learned_absolute, rope, mrope, relative, none.
     _alibi_rule("megatron", "--position-embedding-type offers learned_absolute, rope, mrope, relative and none"),
     # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
     # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
     Rule(None, lambda c, x: x.optimizer == "sgd" and c.offload != "none",
-         lambda c, x: f"framework {c.framework}: optimizer offload steps Adam on the CPU, not sgd; use --optimizer "
-                      "adamw/adam or --offload none"),
+         lambda c, x: f"framework {c.framework}: optimizer offload steps Adam on the CPU, not sgd; use "
+                      f"{arg('optimizer')} adamw/adam or {arg('offload')} none"),
     _moe_zero3_rule("deepspeed"),
     Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
-         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) works with ZeRO <= 2, not "
-                      f"ZeRO-{c.zero_stage}; use --zero 1/2 or --tp 1"),
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) works with ZeRO <= 2, "
+                      f"not "
+                      f"ZeRO-{c.zero_stage}; use {arg('zero')} 1/2 or {arg('tp')} 1"),
     Rule("deepspeed", lambda c, x: (c.pp > 1) & (c.zero_stage > 1),
-         lambda c, x: f"framework deepspeed: PipelineModule (--pp {c.pp}) rejects ZeRO-{c.zero_stage} (pipeline "
-                      "parallelism supports ZeRO 0/1); use --zero 1 or --pp 1"),
+         lambda c, x: f"framework deepspeed: PipelineModule ({arg('pp')} {c.pp}) rejects ZeRO-{c.zero_stage} "
+                      f"(pipeline parallelism supports ZeRO 0/1); use {arg('zero')} 1 or {arg('pp')} 1"),
     # AutoTP shards a plain module tree by layer names; it has no pipeline-stage or expert
     # groups (DeepSpeed's AutoTP training tutorial: ZeRO 0-2, no PipelineModule, no MoE).
     Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.pp > 1),
-         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) does not combine with "
-                      f"PipelineModule (--pp {c.pp}); use --framework megatron-deepspeed for 3D parallelism"),
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) does not combine with "
+                      f"PipelineModule ({arg('pp')} {c.pp}); use {arg('framework')} megatron-deepspeed for 3D "
+                      "parallelism"),
     Rule("deepspeed", lambda c, x: x.is_moe and c.tp > 1,
-         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism (--tp {c.tp}) does not shard DeepSpeed MoE "
-                      "layers; use --tp 1 with --ep, or --framework megatron-deepspeed"),
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) does not shard DeepSpeed "
+                      f"MoE layers; use {arg('tp')} 1 with {arg('ep')}, or {arg('framework')} megatron-deepspeed"),
     Rule("deepspeed", lambda c, x: c.sequence_parallel == True,  # noqa: E712 (elementwise on columns)
-         lambda c, x: "framework deepspeed has no Megatron-style sequence parallelism; drop --sequence-parallel or "
-                      "use --framework megatron"),
+         lambda c, x: "framework deepspeed has no Megatron-style sequence parallelism; drop "
+                      f"{arg('sequence_parallel')} or use {arg('framework')} megatron"),
     _interleave_rule("deepspeed"),
     Rule("deepspeed", lambda c, x: c.recompute == "selective",
-         lambda c, x: "framework deepspeed checkpoints whole layers only; use --recompute full/none or --framework "
-                      "megatron for selective recompute"),
+         lambda c, x: f"framework deepspeed checkpoints whole layers only; use {arg('recompute')} full/none or "
+                      f"{arg('framework')} megatron for selective recompute"),
     Rule("megatron-deepspeed", lambda c, x: (c.pp > 1) & (c.zero_stage > 1),
-         lambda c, x: f"framework megatron-deepspeed: 3D parallelism (--pp {c.pp}) runs with ZeRO <= 1, not "
-                      f"ZeRO-{c.zero_stage}; use --zero 1"),
+         lambda c, x: f"framework megatron-deepspeed: 3D parallelism ({arg('pp')} {c.pp}) runs with ZeRO <= 1, not "
+                      f"ZeRO-{c.zero_stage}; use {arg('zero')} 1"),
     _moe_zero3_rule("megatron-deepspeed"),
     Rule("megatron-deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
-         lambda c, x: f"framework megatron-deepspeed: ZeRO-3 does not combine with tensor parallelism (--tp {c.tp}); "
-                      "use --zero 1/2"),
+         lambda c, x: "framework megatron-deepspeed: ZeRO-3 does not combine with tensor parallelism "
+                      f"({arg('tp')} {c.tp}); use {arg('zero')} 1/2"),
     _interleave_rule("megatron-deepspeed"),
     Rule("megatron", lambda c, x: c.zero_stage > 1,
-         lambda c, x: f"framework megatron shards optimizer states only (distributed optimizer = --zero 1), not "
-                      f"ZeRO-{c.zero_stage}; use --zero 0/1 or --framework deepspeed"),
+         lambda c, x: f"framework megatron shards optimizer states only (distributed optimizer = {arg('zero')} 1), not "
+                      f"ZeRO-{c.zero_stage}; use {arg('zero')} 0/1 or {arg('framework')} deepspeed"),
     Rule("megatron", lambda c, x: x.precision != "bf16" and c.offload == "optimizer",
          lambda c, x: f"framework megatron: optimizer CPU offload (Megatron-Core's HybridDeviceOptimizer) is built "
-                      f"for bf16 training, not {x.precision}; use --precision bf16, --offload none or --framework "
-                      "deepspeed"),
+                      f"for bf16 training, not {x.precision}; use {arg('precision')} bf16, {arg('offload')} none or "
+                      f"{arg('framework')} deepspeed"),
     Rule("megatron", lambda c, x: x.is_vlm
          and (c.virtual_stages > 1) & (x.decoder_layers % (c.pp * c.virtual_stages) != 0),
          lambda c, x: f"framework megatron: interleaving a vision-language model needs its {x.decoder_layers} decoder "
-                      f"layers divisible by --pp {c.pp} x --virtual-stages {c.virtual_stages} (Megatron's custom "
-                      "pipeline layout has no vision-encoder layers)"),
+                      f"layers divisible by {arg('pp')} {c.pp} x {arg('virtual_stages')} {c.virtual_stages} "
+                      "(Megatron's custom pipeline layout has no vision-encoder layers)"),
     Rule("megatron", lambda c, x: (c.virtual_stages > 1) & (c.grad_accum < c.pp),
-         lambda c, x: f"framework megatron: the interleaved schedule needs at least --pp {c.pp} micro-batches per "
-                      f"step, not {c.grad_accum}; use a smaller --micro-batch or --dp, a larger --global-batch, or "
-                      "--virtual-stages 1"),
+         lambda c, x: f"framework megatron: the interleaved schedule needs at least {arg('pp')} {c.pp} micro-batches "
+                      f"per step, not {c.grad_accum}; use a smaller {arg('micro_batch')} or {arg('dp')}, a larger "
+                      f"{arg('global_batch')}, or {arg('virtual_stages')} 1"),
     Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
-         lambda c, x: f"--ep {c.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)"),
+         lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
 )
 
 # The runtimes some rule is particular to (first_broken).
@@ -358,12 +361,3 @@ def model_facts(model: "ModelSpec") -> dict[str, Any]:
     return {"is_moe": model.is_moe, "decoder_layers": model.num_layers, "is_vlm": model.is_vlm,
             "mla": model.decoder_blocks[0].attention.kind == "mla",
             "positions": model.positions.kind if model.positions else "rope"}
-
-
-def grad_accum_for(global_batch: int, micro_batch: int, dp: int) -> int:
-    """Micro-batches per step per DP rank; UserError unless the batch divides evenly."""
-    if global_batch % (micro_batch * dp):
-        raise UserError(
-            f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x dp {dp} = {micro_batch * dp}; "
-            f"pick a global batch that is a multiple of {micro_batch * dp}")
-    return global_batch // (micro_batch * dp)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from planner.errors import Message, arg
+
 # The share of the step past which a plan gets a note: beyond it the batch, not the
 # layout, is what holds the step back.
 NOTE_SHARE = 0.25
@@ -15,7 +17,7 @@ NOTE_SHARE = 0.25
 NOTE_TARGET = 0.2
 
 
-def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
+def batch_notes(plan: dict, tokens_per_sample: int) -> list[Message]:
     """What limits ``plan`` that no layout of this batch can fix, and what would.
 
     Two parts of a step do not grow with the micro-batches per step (m): the pipeline bubble
@@ -24,7 +26,8 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
     which gathers every layer for each micro-batch). With few micro-batches they dominate.
     Each note names a global batch (micro_batch x dp x m', m' a whole multiple of today's m,
     so every layout that divides today's batch divides it) that brings its part under a fifth
-    of the step for this layout."""
+    of the step for this layout. Each note is a Message: the batch it names is the input
+    ``global_batch``, which the CLI spells as its flag."""
     out = []
     t, step = plan["time"], plan["step_time_s"]
     pp, vs, m = plan["pp"], plan.get("virtual_stages", 1), plan["grad_accum"]
@@ -34,7 +37,7 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
 
     def batch(need: int) -> str:
         gb = per_sample * need
-        return (f"--global-batch {gb} ({gb * tokens_per_sample / 1e6:.1f}M tokens) gives this layout {need} "
+        return (f"{arg('global_batch')} {gb} ({gb * tokens_per_sample / 1e6:.1f}M tokens) gives this layout {need} "
                 "micro-batches")
 
     runs = f"{m} micro-batch{'es' if m != 1 else ''} per step"
@@ -49,7 +52,7 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
                 "stages, so the batch, not the layout, holds it back")
         if need > m:
             line += f"; {batch(need)} and a bubble under 20% (re-run with it: more activations stay in flight)"
-        out.append(line)
+        out.append(Message(line))
     dp = t.get("dp_comm_s", 0.0)
     # Under ZeRO-3 the exposed traffic is per micro-batch (every layer's weights are gathered
     # for each one), so it grows with m like compute and no batch hides it.
@@ -63,5 +66,5 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[str]:
                 "so the gradient reduction hides behind too little backward")
         if k:
             line += f"; {batch(k * m)} and brings it under 20% of the step (re-run with it)"
-        out.append(line)
+        out.append(Message(line))
     return out

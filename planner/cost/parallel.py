@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from planner.errors import UserError
+from planner.errors import UserError, arg
 
 Framework = Literal["deepspeed", "megatron-deepspeed", "megatron"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
@@ -121,14 +121,17 @@ class ParallelConfig(BaseModel):
 
 def check_against_model(cfg: ParallelConfig, *, heads: int, kv_heads: int, routed_experts: int, blocks: int) -> None:
     """Rules that need the model: raise UserError saying which rule broke."""
+    tp, ep = arg("tp"), arg("ep")
     if heads % cfg.tp:
-        raise UserError(f"--tp {cfg.tp} does not divide the {heads} attention heads; pick a tp that divides {heads}")
+        raise UserError(f"{tp} {cfg.tp} does not divide the {heads} attention heads; pick a tp that divides {heads}")
     if kv_heads % cfg.tp:
         # Megatron-LM asserts num_query_groups % tensor_model_parallel_size == 0.
-        raise UserError(f"--tp {cfg.tp} does not divide the {kv_heads} KV heads; pick a tp that divides {kv_heads}")
+        raise UserError(f"{tp} {cfg.tp} does not divide the {kv_heads} KV heads; pick a tp that divides {kv_heads}")
     if cfg.ep > 1 and routed_experts == 0:
-        raise UserError(f"--ep {cfg.ep} needs a mixture-of-experts model; this model is dense (use --ep 1)")
+        raise UserError(f"{ep} {cfg.ep} needs a mixture-of-experts model; this model is dense (use {ep} 1)")
     if routed_experts and routed_experts % cfg.ep:
-        raise UserError(f"--ep {cfg.ep} does not divide the {routed_experts} routed experts; pick an ep that divides {routed_experts}")
+        raise UserError(f"{ep} {cfg.ep} does not divide the {routed_experts} routed experts; pick an ep that divides "
+                        f"{routed_experts}")
     if cfg.pp * cfg.virtual_stages > blocks:
-        raise UserError(f"--pp {cfg.pp} x --virtual-stages {cfg.virtual_stages} exceeds the model's {blocks} blocks")
+        raise UserError(f"{arg('pp')} {cfg.pp} x {arg('virtual_stages')} {cfg.virtual_stages} exceeds the model's "
+                        f"{blocks} blocks")

@@ -13,7 +13,7 @@ own (planner/search/partition.py balances measured or modelled costs).
 
 from __future__ import annotations
 
-from planner.errors import UserError
+from planner.errors import UserError, arg
 from planner.model.spec import DecoderBlock, ModelSpec
 
 Partition = list[tuple[int, int]]
@@ -22,7 +22,8 @@ Partition = list[tuple[int, int]]
 def layer_counts(layers: int, stages: int) -> list[int]:
     """Decoder layers per stage: even, the remainder to the middle stages, then the ends."""
     if layers < stages:
-        raise UserError(f"{layers} decoder layers cannot fill {stages} pipeline stages; lower --pp x --virtual-stages")
+        raise UserError(f"{layers} decoder layers cannot fill {stages} pipeline stages; lower {arg('pp')} x "
+                        f"{arg('virtual_stages')}")
     base, rem = divmod(layers, stages)
     counts = [base] * stages
     order = list(range(1, stages - 1)) + [s for s in (stages - 1, 0) if s not in range(1, stages - 1)]

@@ -28,7 +28,7 @@ from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args, megatron_notes
 from planner.emit.nccl import host_threads, nccl_env
 from planner.emit.plan_file import PlanFile
-from planner.errors import UserError
+from planner.errors import UserError, spell
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
 from planner.resources import templates_dir
@@ -76,6 +76,9 @@ class LaunchOptions(BaseModel):
     ib_hca: str | None = None
     socket_ifname: str | None = None
     settings: TrainSettings = Field(default_factory=TrainSettings)
+    # How the README's notes name the inputs to change (planner/errors.py spell): the CLI passes
+    # its flags; None reads the API keywords.
+    input_names: dict[str, str] | None = None
 
 
 def run_name(out_dir: str | Path) -> str:
@@ -306,7 +309,7 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
         "version": __version__,
         "params": _count(model.total_params()),
         "predictions": _predictions(plan),
-        "notes": _notes(plan, model, profile),
+        "notes": [spell(line, options.input_names) for line in _notes(plan, model, profile)],
         "builtin": options.entry == BUILTIN_ENTRY,
         "entry": options.entry,  # the user's path; entry.sh runs script.name in the run directory
         "script": script,

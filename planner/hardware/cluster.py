@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from planner.errors import UserError
+from planner.errors import whole_number
 from planner.hardware.node_fabric import NodeFabric
 from planner.hardware.profile import HardwareProfile
 
@@ -79,9 +79,7 @@ class Cluster:
 
     @classmethod
     def build(cls, profile: HardwareProfile, nodes: int) -> "Cluster":
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise UserError(f"--nodes: need a whole number of nodes >= 1, got {nodes!r}")
-        return cls(profile, nodes)
+        return cls(profile, whole_number("nodes", nodes))
 
     def __hash__(self) -> int:
         return hash(self.key)

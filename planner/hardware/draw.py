@@ -12,7 +12,7 @@ from pathlib import Path
 import networkx as nx
 
 from planner.atomic import replace_atomically, write_bytes_atomically
-from planner.errors import UserError
+from planner.errors import UserError, arg
 from planner.hardware.cluster import Cluster
 
 FULL_DRAW_MAX_NODES = 4
@@ -70,7 +70,8 @@ def write_png(cluster: Cluster, path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--draw needs matplotlib: pip install 'dsplan[plot]' (or use --dot for a Graphviz file)") from None
+        raise UserError(f"{arg('draw')} needs matplotlib: pip install 'dsplan[plot]' (or use {arg('dot')} for a "
+                        "Graphviz file)") from None
     g = drawing_graph(cluster)
     pos = _layout(g)
     fig, ax = plt.subplots(figsize=(12, 8))

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from planner.errors import UserError, describe_validation_error
+from planner.errors import UserError, arg, describe_validation_error
 from planner.hardware.profile import HardwareProfile
 from planner.resources import hardware_profiles_dir
 
@@ -51,7 +51,7 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> HardwareProfile:
     """A built-in profile by name (case-insensitive, aliases allowed) or a profile YAML file."""
     text = str(name_or_path).strip()
     if not text:
-        raise UserError("--hardware: empty value; give a profile name (see `dsplan hardware`) or a YAML file")
+        raise UserError(f"{arg('hardware')}: empty value; give a profile name (see `dsplan hardware`) or a YAML file")
     builtin = None if _looks_like_path(text) else builtin_profile_path(text)
     if builtin is not None:
         return _load_file_cached(str(builtin), builtin.stat().st_mtime_ns)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planner.errors import UserError
+from planner.errors import UserError, arg, whole_number
 from planner.hardware.cluster import Cluster
 
 DEFAULT_ORDER = ("tp", "ep", "dp", "pp")
@@ -308,14 +308,14 @@ def _distinct_per_row(a: np.ndarray) -> np.ndarray:
     return 1 + np.count_nonzero(np.diff(a, axis=1), axis=1)
 
 
-def contiguous_shape(cluster: Cluster, size: int, what: str = "--group-size") -> GroupShape:
-    """The shape of ``size`` consecutive ranks (a TP-like group), for one-off CLI queries."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise UserError(f"{what}: need a whole number >= 1, got {size!r}")
+def contiguous_shape(cluster: Cluster, size: int) -> GroupShape:
+    """The shape of ``size`` consecutive ranks (a TP-like group: the input ``group_size``), for
+    one-off queries."""
+    size, what = whole_number("group_size", size), arg("group_size")
     if size > cluster.num_gpus:
         raise UserError(
-            f"{what} {size} is larger than the cluster ({cluster.num_gpus} GPUs on {cluster.nodes} nodes); "
-            "use a smaller group or more --nodes"
+            f"{what} {size} is larger than the cluster ({cluster.num_gpus} GPUs on {cluster.nodes} "
+            f"nodes); use a smaller group or more {arg('nodes')}"
         )
     if cluster.num_gpus % size:
         raise UserError(

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
-from planner.errors import UserError
+from planner.errors import UserError, arg
 
 GiB = 2**30
 
@@ -130,11 +130,11 @@ class HardwareProfile(_Strict):
     def gpus_per_node(self) -> int:
         return self.node.gpus
 
-    def with_gpus_per_node(self, gpus: int, name: str = "--gpus-per-node") -> "HardwareProfile":
-        """This profile with ``gpus`` GPUs per node (``name``: the input to blame). The NICs stay
+    def with_gpus_per_node(self, gpus: int) -> "HardwareProfile":
+        """This profile with ``gpus`` GPUs per node (the input ``gpus_per_node``). The NICs stay
         when the counts divide one another, else one per GPU."""
         if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_NODE:
-            raise UserError(f"{name}: need a whole number from 1 to {MAX_GPUS_PER_NODE} (the largest NVLink "
+            raise UserError(f"{arg('gpus_per_node')}: need a whole number from 1 to {MAX_GPUS_PER_NODE} (the largest NVLink "
                             f"domain), got {gpus!r}")
         if gpus == self.node.gpus:
             return self

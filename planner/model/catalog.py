@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from planner.errors import UserError
+from planner.errors import UserError, arg
 from planner.model.hf_import import HFImportWarning, spec_from_hf_config
 from planner.model.hf_keys import read_config_file
 from planner.model.spec import ModelSpec
@@ -92,14 +92,14 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     """A preset name/alias, a config.json file, or a directory holding config.json."""
     text = str(name_or_path).strip()
     if not text:
-        raise UserError("--model is empty; give a preset name (see `dsplan models`) or a path to a config.json")
+        raise UserError(f"{arg('model')} is empty; give a preset name (see `dsplan models`) or a path to a config.json")
     if resolve_preset_name(text) is not None:
         return load_preset(text)
     path = Path(text).expanduser()
     if path.is_dir():
         config = path / "config.json"
         if not config.is_file():
-            raise UserError(f"{path}: directory has no config.json; point --model at a Hugging Face model "
+            raise UserError(f"{path}: directory has no config.json; point {arg('model')} at a Hugging Face model "
                             "directory or its config.json")
         return _load_file(config)
     if path.is_file():

@@ -8,11 +8,8 @@ sequence (the trainer refuses such a plan when it starts; the planner refuses it
 
 from __future__ import annotations
 
-from planner.errors import UserError
+from planner.errors import UserError, arg
 from planner.model.spec import ModelSpec
-
-CLI_NAMES = ("--images-per-sample", "--tiles-per-image", "--seq-len")
-API_NAMES = ("images_per_sample", "tiles_per_image", "seq_len")
 
 
 def image_tokens(model: ModelSpec, images: int, tiles: int) -> int:
@@ -25,10 +22,9 @@ def image_tokens(model: ModelSpec, images: int, tiles: int) -> int:
     return images * (tiles + (1 if v.global_view else 0)) * v.tokens_per_tile
 
 
-def vision_inputs(model: ModelSpec, images: int | None, tiles: int | None, seq_len: int,
-                  names: tuple[str, str, str] = CLI_NAMES) -> tuple[int, int]:
+def vision_inputs(model: ModelSpec, images: int | None, tiles: int | None, seq_len: int) -> tuple[int, int]:
     """(images, tiles) with the model's defaults filled in; UserError naming the input if a rule breaks."""
-    img_name, tile_name, seq_name = names
+    img_name, tile_name, seq_name = arg("images_per_sample"), arg("tiles_per_image"), arg("seq_len")
     v = model.vision
     if v is None:
         for name, value in ((img_name, images), (tile_name, tiles)):

@@ -7,6 +7,7 @@ from dataclasses import replace
 from planner.cost.memory import host_capacity_bytes
 from planner.cost.parallel import Workload
 from planner.cost.plan import Plan
+from planner.errors import arg, marked
 from planner.hardware.profile import HardwareProfile
 from planner.search.space import Constraints
 
@@ -24,12 +25,14 @@ def describe(p: dict) -> str:
 def relaxations(nodes: int, workload: Workload, cons: Constraints) -> list[tuple[str, int, Constraints]]:
     """What to try when nothing fits, in the order advice names them: (label, nodes,
     constraints). The caller keeps those under which some plan fits; of the larger clusters
-    only the first that fits."""
+    only the first that fits. Labels name the inputs to change with ``arg``."""
+    recompute, micro_batch, offload, zero, framework = (arg(n) for n in ("recompute", "micro_batch", "offload", "zero",
+                                                                          "framework"))
     tries: list[tuple[str, Constraints]] = []
     if cons.recompute is not None and "full" not in cons.recompute:
-        tries.append(("full recomputation (--recompute full)", replace(cons, recompute=("full",))))
+        tries.append((f"full recomputation ({recompute} full)", replace(cons, recompute=("full",))))
     if cons.micro_batch is not None and 1 not in cons.micro_batch:
-        tries.append(("micro-batch 1 (--micro-batch 1)", replace(cons, micro_batch=(1,))))
+        tries.append((f"micro-batch 1 ({micro_batch} 1)", replace(cons, micro_batch=(1,))))
     # Offload steps Adam on the host (never sgd); Megatron-Core offloads only in bf16.
     megatron_only = cons.framework == ("megatron",)
     megatron_offloads = workload.precision == "bf16"
@@ -37,16 +40,16 @@ def relaxations(nodes: int, workload: Workload, cons: Constraints) -> list[tuple
         (megatron_only and not megatron_offloads)
     if no_offload and workload.optimizer != "sgd":
         if megatron_only and not megatron_offloads:
-            tries.append(("optimizer offload on DeepSpeed (--offload optimizer --framework deepspeed)",
+            tries.append((f"optimizer offload on DeepSpeed ({offload} optimizer {framework} deepspeed)",
                           replace(cons, offload=("optimizer",), zero=None, framework=None)))
         else:
-            tries.append(("optimizer offload (--offload optimizer)", replace(cons, offload=("optimizer",), zero=None)))
+            tries.append((f"optimizer offload ({offload} optimizer)", replace(cons, offload=("optimizer",), zero=None)))
     if (cons.zero is not None and 3 not in cons.zero) or megatron_only:
         # Megatron has no ZeRO-3: a megatron pin gives way to DeepSpeed, and the advice says so.
-        on_ds, fw_flag, fws = (" on DeepSpeed", " --framework deepspeed", ("deepspeed",)) if megatron_only else \
+        on_ds, fw_flag, fws = (" on DeepSpeed", f" {framework} deepspeed", ("deepspeed",)) if megatron_only else \
             ("", "", cons.framework)
-        tries.append((f"ZeRO-3{on_ds} (--zero 3{fw_flag})", replace(cons, zero=(3,), framework=fws)))
-        tries.append((f"ZeRO-3 with optimizer offload{on_ds} (--zero 3 --offload optimizer{fw_flag})",
+        tries.append((f"ZeRO-3{on_ds} ({zero} 3{fw_flag})", replace(cons, zero=(3,), framework=fws)))
+        tries.append((f"ZeRO-3 with optimizer offload{on_ds} ({zero} 3 {offload} optimizer{fw_flag})",
                       replace(cons, zero=(3,), offload=("optimizer",), framework=fws)))
     if any(v is not None for v in (cons.dp, cons.tp, cons.pp, cons.ep, cons.framework, cons.virtual_stages)):
         tries.append(("letting dp/tp/pp/ep/framework vary (drop those pins)",
@@ -54,7 +57,7 @@ def relaxations(nodes: int, workload: Workload, cons: Constraints) -> list[tuple
     out = [(label, nodes, c) for label, c in tries]
     for factor in (2, 4, 8, 16):
         more = nodes * factor
-        out.append((f"{more} nodes (--nodes {more})", more, replace(cons, dp=None)))
+        out.append((f"{more} nodes ({arg('nodes')} {more})", more, replace(cons, dp=None)))
     return out
 
 
@@ -80,7 +83,8 @@ def nothing_fits_message(evaluated: int, out_of_memory: int, closest: Plan | Non
             lines.append(f"closest: {describe(p.to_json())} fits on the GPU ({m.peak / gib:.1f} GiB) but {p.why_not()}: "
                          f"{short:.2f} TiB short per node.")
     if advice:
-        lines.append("would fit with: " + "; or ".join(advice) + ".")
+        lines.append("would fit with: " + "; or ".join(marked(a) for a in advice) + ".")
     else:
-        lines.append("try more nodes, --offload optimizer, --recompute full, --zero 3 or --micro-batch 1.")
+        lines.append(f"try more nodes, {arg('offload')} optimizer, {arg('recompute')} full, {arg('zero')} 3 or "
+                     f"{arg('micro_batch')} 1.")
     return " ".join(lines)

@@ -10,7 +10,7 @@ import numpy as np
 
 from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken, model_facts
 from planner.cost.parallel import ParallelConfig, Workload, check_against_model
-from planner.errors import UserError
+from planner.errors import UserError, arg, marked
 from planner.hardware.cluster import Cluster
 from planner.model.spec import ModelSpec
 from planner.search.space import Constraints, ModelFacts, Space, allowed_settings, divisors, enumerate_space
@@ -28,19 +28,19 @@ def space_facts(model: ModelSpec) -> ModelFacts:
 
 def check_pins(cons: Constraints, world: int, model: ModelSpec) -> None:
     """Pinned degrees that can never hold on this cluster or model, as one UserError."""
-    for flag, values in (("--dp", cons.dp), ("--tp", cons.tp), ("--pp", cons.pp)):
+    for name, values in (("dp", cons.dp), ("tp", cons.tp), ("pp", cons.pp)):
         bad = [v for v in values or () if world % v]
         if bad:
-            raise UserError(f"{flag} {','.join(map(str, bad))} cannot divide the {world} GPUs; "
+            raise UserError(f"{arg(name)} {','.join(map(str, bad))} cannot divide the {world} GPUs; "
                             f"pick from {', '.join(map(str, divisors(world)))}")
     if cons.ep and any(e > 1 for e in cons.ep) and not model.is_moe:
-        raise UserError(f"--ep {','.join(map(str, cons.ep))}: {model.name} is dense (no experts); use --ep 1 or leave it out")
+        raise UserError(f"{arg('ep')} {','.join(map(str, cons.ep))}: {model.name} is dense (no experts); use {arg('ep')} 1 "
+                        "or leave it out")
 
 
-# The pins a user can drop, as (flag, Constraints field), in the order an error names them.
-PINS = (("--dp", "dp"), ("--tp", "tp"), ("--pp", "pp"), ("--ep", "ep"), ("--virtual-stages", "virtual_stages"),
-         ("--micro-batch", "micro_batch"), ("--zero", "zero"), ("--offload", "offload"), ("--recompute", "recompute"),
-         ("--framework", "framework"), ("--sequence-parallel", "sequence_parallel"))
+# The pins a user can drop (Constraints fields, each its input's name), in the order an error names them.
+PINS = ("dp", "tp", "pp", "ep", "virtual_stages", "micro_batch", "zero", "offload", "recompute", "framework",
+        "sequence_parallel")
 
 
 def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints, explain: bool = True) -> Space:
@@ -62,7 +62,7 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
         return space
     dps = [d for d in divisors(cluster.num_gpus) if cons.dp is None or d in cons.dp]
     if not any(gb % d == 0 for d in dps):
-        raise UserError(f"--global-batch {gb} is not divisible by any data-parallel size possible on "
+        raise UserError(f"{arg('global_batch')} {gb} is not divisible by any data-parallel size possible on "
                         f"{cluster.num_gpus} GPUs ({', '.join(map(str, dps))}); pick a multiple of one of them")
     raise UserError(_empty_space_message(model, cluster, workload, cons, space, facts, enumerate_with, explain))
 
@@ -80,20 +80,20 @@ def _impossible_pins(cons: Constraints, facts: ModelFacts, cluster: Cluster) -> 
                 check_against_model(cfg, heads=heads, kv_heads=facts.kv_heads, routed_experts=facts.routed_experts,
                                     blocks=facts.units)
             except UserError as err:
-                return str(err)
+                return marked(err)
         return None
 
     def tp_rule(tp: int) -> str | None:
         if tp > node and not cons.allow_tp_across_nodes and not model_rule(tp=tp):
-            return f"--tp {tp} spans more than a node's {node} GPUs (add --allow-tp-across-nodes)"
+            return f"{arg('tp')} {tp} spans more than a node's {node} GPUs (add {arg('allow_tp_across_nodes')})"
         return model_rule(tp=tp)
 
     pps, vss = cons.pp or (), cons.virtual_stages or ()
     rules = [(cons.tp, tp_rule), (cons.ep, lambda ep: model_rule(ep=ep)), (cons.pp, lambda pp: model_rule(pp=pp))]
     if vss and pps and all(p == 1 for p in pps) and all(v > 1 for v in vss):
-        rules.append((vss, lambda v: f"--virtual-stages {v} needs --pp > 1"))
+        rules.append((vss, lambda v: f"{arg('virtual_stages')} {v} needs {arg('pp')} > 1"))
     if cons.sequence_parallel == (True,) and cons.tp and all(t == 1 for t in cons.tp):
-        rules.append(((True,), lambda _: "--sequence-parallel needs --tp > 1"))
+        rules.append(((True,), lambda _: f"{arg('sequence_parallel')} needs {arg('tp')} > 1"))
     out = []
     for values, rule in rules:
         found = [rule(v) for v in values or ()]
@@ -108,24 +108,24 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
     leave candidates (one enumeration each), then what ruled the candidates out."""
     world, gb = cluster.num_gpus, workload.global_batch
     freed = []
-    for flag, name in PINS if explain else ():
+    for name in PINS if explain else ():
         values = getattr(cons, name)
         if values is None:
             continue
         n = len(enumerate_with(replace(cons, **{name: None})))
         if n:
             if name == "sequence_parallel":
-                shown = "/".join("--sequence-parallel" if v else "--no-sequence-parallel" for v in values)
+                shown = "/".join(arg("sequence_parallel" if v else "no_sequence_parallel") for v in values)
             else:
-                shown = f"{flag} {','.join(map(str, values))}"
+                shown = f"{arg(name)} {','.join(map(str, values))}"
             freed.append(f"{shown} ({n:,} candidates)")
     why = _impossible_pins(cons, facts, cluster)
     pinned = [(tp, pp) for tp in cons.tp or divisors(world) for pp in cons.pp or divisors(world)
               if world % (tp * pp) == 0 and (cons.dp is None or world // (tp * pp) in cons.dp)]
     if not pinned:
-        why.append(f"no --dp/--tp/--pp combination multiplies to the {world} GPUs")
+        why.append(f"no {arg('dp')}/{arg('tp')}/{arg('pp')} combination multiplies to the {world} GPUs")
     if not allowed_settings(cons):
-        why.append("--offload optimizer needs ZeRO 1-3 and --offload optimizer+params ZeRO-3")
+        why.append(f"{arg('offload')} optimizer needs ZeRO 1-3 and {arg('offload')} optimizer+params ZeRO-3")
     bad, refused = space.rejected["indivisible"], space.rejected["framework"]
     if pinned and bad:
         text = f"{bad:,} degree combination{' breaks' if bad == 1 else 's break'} a divisibility rule"
@@ -141,9 +141,9 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
             try:
                 check_framework_for(most[1], model, optimizer=workload.optimizer, precision=workload.precision)
             except UserError as err:
-                text += f" ({err})"
+                text += f" ({marked(err)})"
         why.append(text)
     lead = "the constraints exclude every plan"
     if freed:
         return f"{lead}: dropping {' or '.join(freed)} leaves plans to rank. Why: {'; '.join(why)}"
-    return f"{lead} ({'; '.join(why)}); relax --tp/--pp/--zero/--framework or the batch"
+    return f"{lead} ({'; '.join(why)}); relax {arg('tp')}/{arg('pp')}/{arg('zero')}/{arg('framework')} or the batch"

@@ -353,20 +353,3 @@ def _layout(blocks: list[tuple[Degrees, int, int, list[int]]], ok_rows: np.ndarr
     setting = np.take(ok_rows, np.repeat(row_setting, row_m), axis=1)
     return {**dict(zip(COLUMNS[:5], head)), **dict(zip(COLUMNS[5:10], setting)),
             **dict(zip(COLUMNS[10:], np.take(batch, at, axis=1)))}
-
-
-def default_global_batch(seq_len: int, world: int, target_tokens: float = 4e6) -> int:
-    """About ``target_tokens`` per step, rounded to a batch that many DP sizes divide.
-
-    Among batches within 0.75x-1.5x of the target, take the one sharing the largest factor
-    with the GPU count (so every DP size that divides the GPUs divides it), then the one
-    with the most factors of two (more micro-batch choices), then the closest.
-    """
-    target = max(1, round(target_tokens / seq_len))
-    lo, hi = max(1, int(target * 0.75)), max(1, int(target * 1.5))
-
-    def key(b: int) -> tuple[int, int, int]:
-        twos = (b & -b).bit_length() - 1
-        return (math.gcd(b, world), twos, -abs(b - target))  # math.gcd: ~30x numpy's on scalars
-
-    return int(max(range(lo, hi + 1), key=key))

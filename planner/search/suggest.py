@@ -17,11 +17,12 @@ from typing import Any, Callable
 import numpy as np
 
 from planner.cost.candidates import take
+from planner.cost.degrees import default_global_batch
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.cost.schedule_check import schedule_notes
-from planner.errors import UserError
+from planner.errors import Message, UserError, arg, whole_number
 from planner.hardware.cluster import Cluster
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
@@ -32,7 +33,7 @@ from planner.search.evaluate import Pricing, build_plans, evaluate_keys
 from planner.search.keys import KeyedSpace, group_by_key
 from planner.search.nothing_fits import describe, nothing_fits_message, relaxations
 from planner.search.request import candidate_space, check_pins
-from planner.search.space import Constraints, Space, default_global_batch
+from planner.search.space import Constraints, Space
 from planner.search.splits import BALANCERS
 
 __all__ = ["NoPlanFits", "RankedPlan", "SuggestResult", "candidate_space", "describe", "suggest"]
@@ -118,14 +119,12 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
             progress: Callable[[float], None] | None = None) -> SuggestResult:
     """Rank the plans that fit; raise ``NoPlanFits`` (a UserError) when none does."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise UserError(f"--nodes: need a whole number of nodes >= 1, got {nodes!r}")
-    if top < 1:
-        raise UserError(f"--top: need at least 1, got {top}")
+    whole_number("nodes", nodes)
+    whole_number("top", top)
     if balancer not in BALANCERS:
-        raise UserError(f"--balancer: use {' or '.join(BALANCERS)}, not {balancer!r}")
+        raise UserError(f"{arg('balancer')}: use {' or '.join(BALANCERS)}, not {balancer!r}")
     if objective not in rk.OBJECTIVES:
-        raise UserError(f"--objective: use one of {', '.join(rk.OBJECTIVES)}, not {objective!r}")
+        raise UserError(f"{arg('objective')}: use one of {', '.join(rk.OBJECTIVES)}, not {objective!r}")
     if isinstance(model, str):
         from planner.model.catalog import load_model
 
@@ -136,13 +135,11 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     cons = constraints or Constraints()
     check_pins(cons, world, model)
     seq = seq_len or model.train_seq_len
-    if seq < 1:
-        raise UserError(f"--seq-len: need a positive length, got {seq}")
+    whole_number("seq_len", seq)
     if seq > model.max_seq_len:
-        raise UserError(f"--seq-len {seq} exceeds {model.name}'s maximum context of {model.max_seq_len}")
+        raise UserError(f"{arg('seq_len')} {seq} exceeds {model.name}'s maximum context of {model.max_seq_len}")
     gb = default_global_batch(seq, world) if global_batch is None else global_batch
-    if gb < 1:
-        raise UserError(f"--global-batch: need a positive number of samples, got {gb}")
+    whole_number("global_batch", gb)
     images, tiles = vision_inputs(model, images_per_sample, tiles_per_image, seq)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer)  # type: ignore[arg-type]
@@ -157,7 +154,7 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     result.cpu_s = time.process_time() - search_cpu_started
     result.setup_cpu_s = search_cpu_started - cpu_started
     if not result.plans:
-        result.advice = _advice(model, profile, nodes, workload, cons, balancer)
+        result.advice = [Message(a) for a in _advice(model, profile, nodes, workload, cons, balancer)]
         raise NoPlanFits(nothing_fits_message(result.evaluated, result.rejected["out_of_memory"], result.closest,
                                               result.advice, profile), result)
     return result
@@ -215,7 +212,7 @@ def _explain(result: SuggestResult, objective: str, others: bool) -> dict:
         for rp, j in zip(result.plans[1:], jsons[1:]):
             rp.why = rk.why_behind(best_json, j, objective)
     elif others:  # --top 1: others fit (or may: pruned ones were not evaluated)
-        result.why = "ranked first (--top 2 or more names the runner-up and why it lost)"
+        result.why = Message(f"ranked first ({arg('top')} 2 or more names the runner-up and why it lost)")
     else:
         result.why = "the only plan that fits"
     result.plans[0].why = result.why
