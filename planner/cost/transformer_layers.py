@@ -5,7 +5,7 @@ Korthikanti et al. 2022 (arXiv:2205.05198) Eq. 1-6 write it, tensor by tensor.""
 from __future__ import annotations
 
 from planner.cost.layer_cost import ACT, MASK, AttnCore, Gemm, LayerContext, LayerCost
-from planner.errors import UserError
+from planner.errors import UserError, arg
 from planner.model.spec import DecoderBlock, DenseMLP, MoEMLP, VisionBlock, norm_params
 
 
@@ -131,7 +131,8 @@ def _rope_width(b: DecoderBlock) -> float:
 def vision_cost(i: int, b: VisionBlock, tiles: int, patches: int, ctx: LayerContext) -> LayerCost:
     """A ViT block over ``tiles`` independent sequences of ``patches`` tokens (full attention)."""
     if b.heads % ctx.tp:
-        raise UserError(f"--tp {ctx.tp} does not divide the vision tower's {b.heads} heads; pick a tp that divides {b.heads}")
+        raise UserError(f"{arg('tp')} {ctx.tp} does not divide the vision tower's {b.heads} heads; "
+                        f"pick a {arg('tp')} that divides {b.heads}")
     h, t, tokens = b.hidden, ctx.tp, tiles * patches
     gemms = [Gemm(tokens, int(3 * h / t), h), Gemm(tokens, h, int(h / t))]
     g, stored, traffic = _ffn(b.mlp, False, tokens, h, t, 1)
