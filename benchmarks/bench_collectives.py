@@ -17,7 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.cost.collectives import collective_seconds, collective_time, collective_time_array, collective_time_for_size
+from planner.cost.collectives import (
+    collective_seconds,
+    collective_time,
+    collective_time_array,
+    collective_time_for_size,
+)
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.hardware.placement import Placement

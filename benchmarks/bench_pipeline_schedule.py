@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import sys
 
+from planner.cost.block_times import BlockTables
+from planner.cost.efficiency import device
 from planner.cost.memory import microbatch_group
+from planner.cost.schedule_check import chunk_times, formula_and_replay
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.cost.block_times import BlockTables
-from planner.cost.efficiency import device
-from planner.cost.schedule_check import chunk_times, formula_and_replay
 from planner.search.space import Constraints
 from planner.search.suggest import suggest
 

@@ -224,8 +224,8 @@ def partition_comparison(model: Any, cluster: Any, *, pp: int, workload: Any = N
     >>> sorted({r["balancer"] for r in rows})
     ['greedy', 'optimal']
     """
-    from planner.search.splits import pipeline_units
     from planner.search.partition import greedy_partition, optimal_partition
+    from planner.search.splits import pipeline_units
 
     if pp < 2:
         raise UserError(f"pp: partition_comparison needs a pipeline (pp >= 2), got {pp}")

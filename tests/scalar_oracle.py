@@ -22,9 +22,9 @@ from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.efficiency import Device, device
-from planner.cost.layers import AttnCore, LayerCost, layer_costs
-from planner.cost.memory import ModelStates, bytes_per_param, microbatch_group, inflight_array
 from planner.cost.estimate import check_plan
+from planner.cost.layers import AttnCore, LayerCost, layer_costs
+from planner.cost.memory import ModelStates, bytes_per_param, inflight_array, microbatch_group
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.cost.partition import Partition, check_partition, default_partition, rank_chunks
 from planner.cost.plan import Plan, StagePlan

@@ -14,7 +14,7 @@ import planner
 from planner import api
 from planner.cli import main
 from planner.cost.estimate import estimate as cost_estimate
-from planner.cost.parallel import ParallelConfig, Workload
+from planner.cost.parallel import ParallelConfig
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile

@@ -151,8 +151,8 @@ def test_pins_named_for_dropping_really_leave_candidates() -> None:
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
     from planner.model.catalog import load_model
-    from planner.search.space import Constraints
     from planner.search.request import candidate_space
+    from planner.search.space import Constraints
 
     model = load_model("llama-3.1-8b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)

@@ -34,8 +34,8 @@ from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.load import load_model
-from planner.search.space import Constraints
 from planner.search.request import candidate_space
+from planner.search.space import Constraints
 from tests.scalar_oracle import build_comms
 from tests.search_cases import candidate, case_of
 

@@ -15,8 +15,8 @@ from planner.errors import UserError, spell
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search.space import Constraints, allowed_settings, degree_combinations, divisors
 from planner.search.request import candidate_space, space_facts
+from planner.search.space import Constraints, allowed_settings, degree_combinations, divisors
 
 
 def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: str,

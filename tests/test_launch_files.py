@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from planner.cli import main
 from planner.emit.hosts import Host
-from tests.test_emit_scripts import PLANS, STUB_ENTRY, TRICKY_ARGS, fake_bin, run_with_stub  # noqa: F401 (fixture)
 from tests.test_cli_generate import write_plan
+from tests.test_emit_scripts import PLANS, STUB_ENTRY, TRICKY_ARGS, fake_bin, run_with_stub  # noqa: F401 (fixture)
 
 MULTI = PLANS["multi"]  # llama-3.1-70b on 4 nodes x 8 GPUs
 

@@ -13,9 +13,9 @@ from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search import memfit
 from planner.search.evaluate import evaluate_keys
+from planner.search.request import candidate_space
 from planner.search.space import Constraints
 from planner.search.suggest import NoPlanFits, suggest
-from planner.search.request import candidate_space
 from tests.search_cases import case_of, evaluate_one, prepared
 
 # DeepSeek-VL2 on one node, four pipeline stages, Megatron's distributed optimizer: the split

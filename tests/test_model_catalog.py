@@ -14,7 +14,14 @@ import pytest
 
 import planner.model
 from planner.errors import UserError
-from planner.model.catalog import PRESETS_DIR, list_presets, load_model, load_model_with_warnings, load_preset, preset_info
+from planner.model.catalog import (
+    PRESETS_DIR,
+    list_presets,
+    load_model,
+    load_model_with_warnings,
+    load_preset,
+    preset_info,
+)
 from planner.model.spec import MoEMLP, NormBlock, VisionBlock
 from tests.conftest import REFERENCE_DIR
 

@@ -13,9 +13,9 @@ from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search.bounds import lower_bounds
 from planner.search.evaluate import evaluate_keys
+from planner.search.request import candidate_space
 from planner.search.space import Constraints
 from planner.search.suggest import _scalar_key, suggest
-from planner.search.request import candidate_space
 from tests.scalar_oracle import oracle_estimate
 from tests.search_cases import case_of, prepared
 

@@ -10,14 +10,14 @@ import pytest
 from click.testing import CliRunner
 
 from planner.cli import main
+from planner.cost import schedule_check as sc
+from planner.cost.block_times import BlockTables
+from planner.cost.efficiency import device
 from planner.cost.estimate import estimate
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.cost import schedule_check as sc
-from planner.cost.block_times import BlockTables
-from planner.cost.efficiency import device
 
 # llama-3-70b (embedding, 80 decoders, norm, head: 83 blocks) on pp 4 x v 5: a split with the
 # optimal slowest chunk that packs five decoders into 15 chunks and one or two into the rest

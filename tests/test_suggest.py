@@ -14,10 +14,10 @@ from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search.evaluate import evaluate_keys
 from planner.search.partition import greedy_partition
+from planner.search.request import candidate_space
 from planner.search.space import Constraints
 from planner.search.splits import pipeline_units
 from planner.search.suggest import NoPlanFits, suggest
-from planner.search.request import candidate_space
 from tests.scalar_oracle import oracle_estimate
 from tests.search_cases import case_of
 
