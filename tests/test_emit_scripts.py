@@ -80,26 +80,6 @@ with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps(record) + "\\n")
 """
 
-# Records its argv, then behaves like the launcher: runs the script after --no_python/--no-python
-# with the remaining arguments (deepspeed puts --local_rank first, as deepspeed.launcher.launch does).
-FAKE_LAUNCHER = """#!{python}
-import json, os, subprocess, sys
-name = os.path.basename(sys.argv[0])
-with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID", "OMP_NUM_THREADS")}}}}) + "\\n")
-if name == "scontrol":
-    print("gpu-a01\\ngpu-a02")
-    sys.exit(0)
-if name == "srun":
-    rest = [a for a in sys.argv[1:] if not a.startswith("--")]
-    sys.exit(subprocess.call(rest, env={{**os.environ, "SLURM_NODEID": "1"}}))
-flag = "--no_python" if name == "deepspeed" else "--no-python"
-i = sys.argv.index(flag)
-extra = ["--local_rank=0"] if name == "deepspeed" else []
-sys.exit(subprocess.call(sys.argv[i + 1:i + 2] + extra + sys.argv[i + 2:], env={{**os.environ, "LOCAL_RANK": "0"}}))
-"""
-
-
 def generate(tmp_path: Path, name: str, plan_args: tuple, *, entry: str = "builtin", entry_args=(), hosts=None) -> Path:
     model_name, nodes, overrides = plan_args
     plan, model = make_plan(model_name, nodes, **overrides)
@@ -502,17 +482,6 @@ def test_megatron_batch_precision_and_optimizer_flags_follow_the_plan(run_dirs, 
     else:
         assert "--zero-stage" not in flags and "--deepspeed" not in flags
         assert ("--use-distributed-optimizer" in flags) == (plan["zero_stage"] >= 1), name
-
-
-@pytest.fixture()
-def fake_bin(tmp_path: Path) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("deepspeed", "torchrun", "srun", "scontrol"):
-        path = bin_dir / name
-        path.write_text(FAKE_LAUNCHER.format(python=sys.executable))
-        path.chmod(0o755)
-    return bin_dir
 
 
 def run_with_stub(tmp_path: Path, plan_args: tuple, command: list[str], *, env=None, hosts=None, name="run"):

@@ -1,7 +1,7 @@
 """The launch files' multi-node behaviour: which node gets which ranks under torchrun, where the
 DeepSpeed launcher's ranks meet, what a Kubernetes pod asks of the cluster, and where a pod finds a
 custom entry. Each runs the real scripts `dsplan generate` writes, with a recording torchrun /
-deepspeed on PATH (tests/test_emit_scripts.py's FAKE_LAUNCHER) or the real torchrun."""
+deepspeed on PATH (tests/conftest.py's FAKE_LAUNCHER) or the real torchrun."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from planner.cli import main
 from planner.emit.hosts import Host
 from tests.test_cli_generate import write_plan
-from tests.test_emit_scripts import PLANS, STUB_ENTRY, TRICKY_ARGS, fake_bin, run_with_stub  # noqa: F401 (fixture)
+from tests.test_emit_scripts import PLANS, STUB_ENTRY, TRICKY_ARGS, run_with_stub
 
 MULTI = PLANS["multi"]  # llama-3.1-70b on 4 nodes x 8 GPUs
 

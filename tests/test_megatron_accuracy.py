@@ -44,6 +44,6 @@ def test_row_within_seven_percent(row):
 
 def test_model_is_megatron_gpt():
     m = bench.megatron_gpt(hidden=2304, heads=24, layers=24)
-    # 12 l h^2 (1 + 13/12h + (V + s)/(12 l h)) parameters (Narayanan 2021 Sec 5.1)
-    l, h, v, s = 24, 2304, 51200, 2048
-    assert m.total_params() == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)), rel=1e-3)
+    # 12 L h^2 (1 + 13/12h + (V + s)/(12 L h)) parameters, L layers (Narayanan 2021 Sec 5.1)
+    L, h, v, s = 24, 2304, 51200, 2048
+    assert m.total_params() == pytest.approx(12 * L * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * L * h)), rel=1e-3)
