@@ -64,11 +64,14 @@ def deepspeed_ops() -> None:
 
 # Records its argv, then behaves like the launcher: runs the script after --no_python/--no-python
 # with the remaining arguments (deepspeed puts --local_rank first, as deepspeed.launcher.launch does).
-FAKE_LAUNCHER = """#!{python}
+# The script's long f.write line is split over two adjacent string literals (one line of the script).
+FAKE_LAUNCHER = (
+    """#!{python}
 import json, os, subprocess, sys
 name = os.path.basename(sys.argv[0])
 with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID", "OMP_NUM_THREADS")}}}}) + "\\n")
+    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in """
+    """("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID", "OMP_NUM_THREADS")}}}}) + "\\n")
 if name == "scontrol":
     print("gpu-a01\\ngpu-a02")
     sys.exit(0)
@@ -80,6 +83,7 @@ i = sys.argv.index(flag)
 extra = ["--local_rank=0"] if name == "deepspeed" else []
 sys.exit(subprocess.call(sys.argv[i + 1:i + 2] + extra + sys.argv[i + 2:], env={{**os.environ, "LOCAL_RANK": "0"}}))
 """
+)
 
 
 @pytest.fixture()

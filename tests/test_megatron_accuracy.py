@@ -39,7 +39,8 @@ def test_row_within_seven_percent(row):
     a point and a half of accuracy on any row fails here."""
     result = bench.predict(row)
     assert result["fits"], f"{row['params_B']}B should fit on A100-80GB as it ran"
-    assert abs(result["error"]) < 0.07, f"{row['params_B']}B: predicted {result['predicted_tflops']:.1f} vs {row['published']}"
+    assert abs(result["error"]) < 0.07, \
+        f"{row['params_B']}B: predicted {result['predicted_tflops']:.1f} vs {row['published']}"
 
 
 def test_model_is_megatron_gpt():
