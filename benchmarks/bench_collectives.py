@@ -17,7 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.cost.collectives import collective_seconds, collective_time, collective_time_array, collective_time_for_size
+from planner.cost.collectives import (
+    collective_seconds,
+    collective_time,
+    collective_time_array,
+    collective_time_for_size,
+)
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.hardware.placement import Placement
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| system | payload | measured busbw GB/s | predicted GB/s | predicted/measured | algorithm |")
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['system']} | {r['payload']} | {r['measured_busbw_GBps']:.2f} | {r['predicted_busbw_GBps']:.2f} | {r['ratio']:.2f} | {r['algorithm']} |")
+        print(f"| {r['system']} | {r['payload']} | {r['measured_busbw_GBps']:.2f} | {r['predicted_busbw_GBps']:.2f} "
+              f"| {r['ratio']:.2f} | {r['algorithm']} |")
     big = [r for r in rows if r["bytes"] >= 2**20]
     worst = max(big, key=lambda r: abs(r["ratio"] - 1))
     print(f"\nworst error from 1 MiB up: {abs(worst['ratio'] - 1):.1%} ({worst['system']}, {worst['payload']})")

@@ -60,7 +60,8 @@ def rows(path: Path = CSV) -> list[dict]:
         out.append({
             "params_B": float(r["params_B"]), "heads": int(r["heads"]), "hidden": int(r["hidden"]),
             "layers": int(r["layers"]), "tp": int(r["TP"]), "pp": int(r["PP"]), "dp": int(r["DP_derived"]),
-            "gpus": int(r["GPUs"]), "global_batch": int(r["global_batch"]), "micro_batch": int(r["micro_batch(sc21 script)"]),
+            "gpus": int(r["GPUs"]), "global_batch": int(r["global_batch"]),
+            "micro_batch": int(r["micro_batch(sc21 script)"]),
             "seq_len": int(r["seq_len"]), "vocab": int(r["vocab"]), "published": float(r["achieved_TFLOPs_per_GPU"]),
             "virtual_stages": _virtual_stages(r["interleaving(sc21 script)"]),
         })
@@ -92,7 +93,8 @@ def main(argv: list[str]) -> int:
     if "--json" in argv:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"{'model':>8} {'GPUs':>5} {'t':>2} {'p':>3} {'v':>2} {'step s':>8} {'pred TF':>8} {'paper TF':>8} {'error':>7} {'peak GiB':>8}")
+    print(f"{'model':>8} {'GPUs':>5} {'t':>2} {'p':>3} {'v':>2} {'step s':>8} {'pred TF':>8} {'paper TF':>8} "
+          f"{'error':>7} {'peak GiB':>8}")
     for r in results:
         print(f"{r['params_B']:>7.1f}B {r['gpus']:>5} {r['tp']:>2} {r['pp']:>3} {r['v']:>2} {r['step_time_s']:>8.2f} "
               f"{r['predicted_tflops']:>8.1f} {r['published_tflops']:>8.0f} {r['error']:>+7.1%} {r['peak_GiB']:>8.1f}")

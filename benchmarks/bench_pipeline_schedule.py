@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import sys
 
+from planner.cost.block_times import BlockTables
+from planner.cost.efficiency import device
 from planner.cost.memory import microbatch_group
+from planner.cost.schedule_check import chunk_times, formula_and_replay
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.cost.block_times import BlockTables
-from planner.cost.efficiency import device
-from planner.cost.schedule_check import chunk_times, formula_and_replay
 from planner.search.space import Constraints
 from planner.search.suggest import suggest
 
@@ -45,7 +45,8 @@ CASES = [
 
 
 def main() -> int:
-    print(f"{'case':<34} {'layout':<16} {'m':>4} {'G':>3} {'rank spread ms':>17} {'model s':>9} {'replay s':>9} {'model/replay':>13}")
+    print(f"{'case':<34} {'layout':<16} {'m':>4} {'G':>3} {'rank spread ms':>17} {'model s':>9} {'replay s':>9} "
+          f"{'model/replay':>13}")
     errors = []
     for name, nodes, gb, cons in CASES:
         res = suggest(name, nodes=nodes, global_batch=gb, top=1, constraints=cons)
@@ -55,7 +56,8 @@ def main() -> int:
             print(f"{name + ' on ' + str(nodes):<34} no pipeline")
             continue
         cluster = Cluster.build(load_profile(plan.hardware), plan.nodes)
-        tables = BlockTables(load_model(plan.model), cluster, plan.workload, device(cluster.profile, plan.workload.precision))
+        tables = BlockTables(load_model(plan.model), cluster, plan.workload,
+                             device(cluster.profile, plan.workload.precision))
         fwd, bwd = chunk_times(tables, c, plan.partition)
         m, v = c.grad_accum, c.virtual_stages
         g = microbatch_group(c.pp, m) if v > 1 else c.pp

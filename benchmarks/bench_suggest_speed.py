@@ -115,6 +115,7 @@ def main() -> int:
 
 def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     """CPU seconds to evaluate every candidate of the default search in full."""
+    from planner.cost.degrees import default_global_batch
     from planner.cost.parallel import Workload
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
@@ -122,9 +123,8 @@ def full_evaluation(model_name: str, nodes: int) -> tuple[int, float]:
     from planner.model.vision_inputs import vision_inputs
     from planner.search.evaluate import Pricing, evaluate_keys
     from planner.search.keys import group_by_key
-    from planner.cost.degrees import default_global_batch
-    from planner.search.space import Constraints
     from planner.search.request import candidate_space
+    from planner.search.space import Constraints
 
     model = load_model(model_name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)

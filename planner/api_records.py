@@ -88,7 +88,8 @@ def to_dataframe(rows: "Iterable[Any]") -> Any:
     try:
         import pandas as pd
     except ImportError:
-        raise UserError("to_dataframe needs pandas: pip install pandas (records() gives plain dicts without it)") from None
+        raise UserError("to_dataframe needs pandas: pip install pandas "
+                        "(records() gives plain dicts without it)") from None
     if hasattr(rows, "plans"):  # a suggest result
         rows = rows.plans
     rows = [r if isinstance(r, Mapping) and "label" in r else record(r) for r in rows]

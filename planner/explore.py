@@ -129,7 +129,8 @@ def candidates(model: Any, cluster: Any, *, workload: Any = None, balancer: str 
 # -- Pareto front ----------------------------------------------------------------------------
 
 
-def pareto_front(rows: Iterable[Mapping[str, Any]], x: str = "peak_bytes", y: str = "tokens_per_s") -> list[dict[str, Any]]:
+def pareto_front(rows: Iterable[Mapping[str, Any]], x: str = "peak_bytes",
+                 y: str = "tokens_per_s") -> list[dict[str, Any]]:
     """Rows no other row beats on both ``x`` (lower is better) and ``y`` (higher is better),
     sorted by ``x``. Of rows equal on both, the first is kept.
 
@@ -224,8 +225,8 @@ def partition_comparison(model: Any, cluster: Any, *, pp: int, workload: Any = N
     >>> sorted({r["balancer"] for r in rows})
     ['greedy', 'optimal']
     """
-    from planner.search.splits import pipeline_units
     from planner.search.partition import greedy_partition, optimal_partition
+    from planner.search.splits import pipeline_units
 
     if pp < 2:
         raise UserError(f"pp: partition_comparison needs a pipeline (pp >= 2), got {pp}")
@@ -238,7 +239,8 @@ def partition_comparison(model: Any, cluster: Any, *, pp: int, workload: Any = N
     units = pipeline_units(spec)
     unit_costs = [sum(costs[a:b]) for a, b in units]
     rows = []
-    for name, part in (("greedy", greedy_partition(unit_costs, stages)), ("optimal", optimal_partition(unit_costs, stages))):
+    for name, part in (("greedy", greedy_partition(unit_costs, stages)),
+                       ("optimal", optimal_partition(unit_costs, stages))):
         bounds = [(units[a][0], units[b - 1][1]) for a, b in part.bounds]
         plan = api.estimate(spec, cluster, workload=wl, partition=bounds, pp=pp, **knobs)
         bottleneck = max(s.microbatch.total for s in plan.stages)
@@ -312,7 +314,8 @@ def vision_load(model: Any, cluster: Any, *, images: Sequence[int] = (1, 2), til
     rows = []
     for n_img in images:
         for n_tiles in tiles:
-            wl = api.make_workload(spec, gpus=cluster.num_gpus, images_per_sample=n_img, tiles_per_image=n_tiles, **opts)
+            wl = api.make_workload(spec, gpus=cluster.num_gpus, images_per_sample=n_img, tiles_per_image=n_tiles,
+                                   **opts)
             row = _best_row(spec, cluster, wl, constraints)
             row.update(images_per_sample=n_img, tiles_per_image=n_tiles, vision_share=vision_share(spec, wl))
             rows.append(row)

@@ -15,7 +15,9 @@ from planner.atomic import replace_atomically
 from planner.errors import UserError
 
 GiB = 2**30
-VALUE_NAMES = {"tokens_per_s": "tokens/s", "mfu": "MFU", "tflops_per_gpu": "TFLOP/s per GPU", "peak_gib": "peak GiB per GPU"}
+VALUE_NAMES = {
+    "tokens_per_s": "tokens/s", "mfu": "MFU", "tflops_per_gpu": "TFLOP/s per GPU", "peak_gib": "peak GiB per GPU",
+}
 TIME_PARTS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"),
               ("pp_bubble_s", "PP bubble"), ("pp_comm_s", "PP comm"), ("dp_comm_s", "DP comm"),
               ("ep_comm_s", "EP comm"), ("optimizer_s", "optimizer"))
@@ -217,7 +219,8 @@ def plot_partition(rows: Rows, title: str | None = None) -> Any:
         if not sel:
             continue
         xs = [s + (k - 0.5) * width for s in (r["stage"] for r in sel)]
-        ax.bar(xs, [1e3 * r["stage_time_s"] for r in sel], width, color=color, label=f"{name} ({sel[0]['tokens_per_s']:,.0f} tokens/s)")
+        ax.bar(xs, [1e3 * r["stage_time_s"] for r in sel], width, color=color,
+               label=f"{name} ({sel[0]['tokens_per_s']:,.0f} tokens/s)")
         ax.axhline(1e3 * sel[0]["bottleneck_s"], color=color, ls="--", lw=1)
         for x, r in zip(xs, sel):
             ax.text(x, 1e3 * r["stage_time_s"], r["blocks"], ha="center", va="bottom", fontsize=7, rotation=90)
@@ -242,7 +245,8 @@ def plot_fabric(rows: Rows, title: str | None = None) -> Any:
     for i, r in enumerate(rows):
         if r.get("fits"):
             total = sum(float(r.get(k, 0.0)) for k, _ in TIME_PARTS)
-            ax.text(i, total, f"{r['tokens_per_s']:,.0f} tok/s\n{r.get('label', '')}", ha="center", va="bottom", fontsize=7)
+            ax.text(i, total, f"{r['tokens_per_s']:,.0f} tok/s\n{r.get('label', '')}", ha="center", va="bottom",
+                    fontsize=7)
     ax.set_ylabel("seconds per step (best plan)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.margins(y=0.2)

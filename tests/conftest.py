@@ -8,6 +8,9 @@ interpreter's torch headers, so two virtual environments sharing one cache rebui
 each time they alternate; the tests get a cache of their own per interpreter (unless the
 caller set one). The ops are built once per session, before any launch, so a launch's
 timeout measures training, not a compiler on a busy machine.
+
+The ``fake_bin`` fixture puts recording launchers on PATH for the tests of the generated launch
+scripts (tests/test_emit_scripts.py, tests/test_launch_files.py).
 """
 
 from __future__ import annotations
@@ -57,3 +60,40 @@ def deepspeed_ops() -> None:
             lock.unlink(missing_ok=True)
     for name in DEEPSPEED_OPS:
         get_accelerator().create_op_builder(name).load(verbose=False)
+
+
+# Records its argv, then behaves like the launcher: runs the script after --no_python/--no-python
+# with the remaining arguments (deepspeed puts --local_rank first, as deepspeed.launcher.launch does).
+# The script's long f.write line is split over two adjacent string literals (one line of the script).
+FAKE_LAUNCHER = (
+    """#!{python}
+import json, os, subprocess, sys
+name = os.path.basename(sys.argv[0])
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in """
+    """("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID", "OMP_NUM_THREADS")}}}}) + "\\n")
+if name == "scontrol":
+    print("gpu-a01\\ngpu-a02")
+    sys.exit(0)
+if name == "srun":
+    rest = [a for a in sys.argv[1:] if not a.startswith("--")]
+    sys.exit(subprocess.call(rest, env={{**os.environ, "SLURM_NODEID": "1"}}))
+flag = "--no_python" if name == "deepspeed" else "--no-python"
+i = sys.argv.index(flag)
+extra = ["--local_rank=0"] if name == "deepspeed" else []
+sys.exit(subprocess.call(sys.argv[i + 1:i + 2] + extra + sys.argv[i + 2:], env={{**os.environ, "LOCAL_RANK": "0"}}))
+"""
+)
+
+
+@pytest.fixture()
+def fake_bin(tmp_path: Path) -> Path:
+    """A bin/ folder of recording deepspeed, torchrun, srun and scontrol (FAKE_LAUNCHER) to put
+    first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("deepspeed", "torchrun", "srun", "scontrol"):
+        path = bin_dir / name
+        path.write_text(FAKE_LAUNCHER.format(python=sys.executable))
+        path.chmod(0o755)
+    return bin_dir

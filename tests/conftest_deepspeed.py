@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from planner.emit.plan_file import plan_from_dict
 from planner.model.spec import (
     Attention,
     DecoderBlock,
@@ -31,7 +32,6 @@ from planner.model.spec import (
     VisionTiling,
 )
 from planner.run.processes import remove_shm_buffers
-from planner.emit.plan_file import plan_from_dict
 from tests.handwritten_run_dir import default_ds_config, write_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

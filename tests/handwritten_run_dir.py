@@ -3,8 +3,9 @@
 ``write_run_dir`` writes ``plan.json`` and ``ds_config.json`` (the two files the reference
 trainer reads) and nothing else: no launch scripts, no entry.sh, so ``dsplan run`` would not
 take it; the tests start the ``deepspeed`` launcher themselves. ``plan.json`` is in the one
-schema generate writes (planner.emit.plan_file), so a plan needs every field that has no default. ``default_ds_config`` is what
-generate's DeepSpeed config comes to for such a plan, in miniature (fp32, for CPU).
+schema generate writes (planner.emit.plan_file), so a plan needs every field that has no default.
+``default_ds_config`` is what generate's DeepSpeed config comes to for such a plan, in miniature
+(fp32, for CPU).
 """
 
 from __future__ import annotations

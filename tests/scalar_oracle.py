@@ -22,9 +22,9 @@ from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.efficiency import Device, device
-from planner.cost.layers import AttnCore, LayerCost, layer_costs
-from planner.cost.memory import ModelStates, bytes_per_param, microbatch_group, inflight_array
 from planner.cost.estimate import check_plan
+from planner.cost.layers import AttnCore, LayerCost, layer_costs
+from planner.cost.memory import ModelStates, bytes_per_param, inflight_array, microbatch_group
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.cost.partition import Partition, check_partition, default_partition, rank_chunks
 from planner.cost.plan import Plan, StagePlan
@@ -62,7 +62,8 @@ def attention_time(core: AttnCore, b: int, dev: eff.Device, backward: bool = Fal
     if core.flash:
         return float(eff.flash_time(core.flops * b, core.qk_dim, core.causal, dev, backward))
     batch = core.heads * core.seqs * b
-    fwd = float(eff.gemm_time(core.seq, core.seq, core.qk_dim, dev, batch) + eff.gemm_time(core.seq, core.v_dim, core.seq, dev, batch))
+    fwd = float(eff.gemm_time(core.seq, core.seq, core.qk_dim, dev, batch)
+                + eff.gemm_time(core.seq, core.v_dim, core.seq, dev, batch))
     return 2.0 * fwd if backward else fwd
 
 
@@ -290,7 +291,8 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
     check_plan(model, cluster, workload, cfg)
     stages = cfg.pp * cfg.virtual_stages
-    parts = default_partition(model, stages) if partition is None else check_partition(partition, len(model.blocks), stages)
+    parts = (default_partition(model, stages) if partition is None
+             else check_partition(partition, len(model.blocks), stages))
     costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep)
     dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
     comms = build_comms(cluster, cfg)
@@ -332,10 +334,12 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     t = times[worst]
     time = StepTime(compute=m * (t.fwd + t.bwd), recompute=m * t.recompute, tp_comm=m * t.tp, pp_bubble=bubble,
                        pp_comm=m * t.pp, dp_comm=max(dp_exposed), ep_comm=m * t.ep, optimizer=max(opt_time))
-    return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
-                cfg=cfg, workload=workload, partition=parts, stages=stage_plans, time=time,
+    return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
+                gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=workload, partition=parts, stages=stage_plans,
+                time=time,
                 capacity_bytes=cluster.profile.gpu.memory_bytes,
-                host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB), model_flops_per_step=model_flops(model, workload),
+                host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB),
+                model_flops_per_step=model_flops(model, workload),
                 peak_flops=dev.peak_flops)
 
 

@@ -16,8 +16,8 @@ from planner.model.catalog import load_model
 from planner.model.spec import ModelSpec
 from planner.search.evaluate import Detail, Pricing, candidate_details, evaluate_rows
 from planner.search.keys import KeyedSpace, group_by_key
-from planner.search.space import Constraints, Space
 from planner.search.request import candidate_space
+from planner.search.space import Constraints, Space
 
 
 @dataclass

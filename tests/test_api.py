@@ -14,7 +14,7 @@ import planner
 from planner import api
 from planner.cli import main
 from planner.cost.estimate import estimate as cost_estimate
-from planner.cost.parallel import ParallelConfig, Workload
+from planner.cost.parallel import ParallelConfig
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
@@ -26,7 +26,8 @@ GiB = 2**30
 
 
 def _modules_after(code: str) -> set[str]:
-    probe = code + "; import sys; print(','.join(sorted(m for m in ('torch', 'deepspeed', 'matplotlib', 'pandas', 'planner.api') if m in sys.modules)))"
+    probe = (code + "; import sys; print(','.join(sorted(m for m in "
+             "('torch', 'deepspeed', 'matplotlib', 'pandas', 'planner.api') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return set(filter(None, out.stdout.strip().split(",")))
 
@@ -34,7 +35,8 @@ def _modules_after(code: str) -> set[str]:
 def test_import_planner_is_cheap_and_api_loads_lazily():
     assert _modules_after("import planner") == set()
     # The API itself pulls in neither plotting nor tables nor the training stack.
-    assert _modules_after("from planner import load_model, load_cluster, estimate, suggest, records, to_dataframe") == {"planner.api"}
+    assert _modules_after(
+        "from planner import load_model, load_cluster, estimate, suggest, records, to_dataframe") == {"planner.api"}
 
 
 def test_lazy_exports_are_the_api_functions():
@@ -70,7 +72,8 @@ def test_make_workload_defaults_follow_the_model_and_the_cli():
     assert wl.seq_len == vl2.train_seq_len == 4096
     assert wl.global_batch % 64 == 0
     assert 0.75 * 4e6 <= wl.global_batch * wl.seq_len <= 1.5 * 4e6
-    assert (wl.images_per_sample, wl.tiles_per_image) == (vl2.vision.default_images_per_sample, vl2.vision.default_tiles_per_image)
+    assert (wl.images_per_sample, wl.tiles_per_image) == (vl2.vision.default_images_per_sample,
+                                                          vl2.vision.default_tiles_per_image)
     dense = api.make_workload("llama-3-8b", global_batch=96, seq_len=2048)
     assert (dense.global_batch, dense.seq_len, dense.images_per_sample, dense.tiles_per_image) == (96, 2048, 0, 0)
     with pytest.raises(UserError, match="not a vision-language model"):
@@ -93,8 +96,8 @@ def test_estimate_matches_the_cost_model_and_the_cli():
     assert plan.step_time_s == pytest.approx(direct.step_time_s, rel=1e-12)
     assert plan.memory.peak == pytest.approx(direct.memory.peak, rel=1e-12)
 
-    result = CliRunner().invoke(main, ["estimate", "--model", "vl2", "--nodes", "8", "--zero", "2", "--micro-batch", "2",
-                                       "--global-batch", str(wl.global_batch), "--json"])
+    result = CliRunner().invoke(main, ["estimate", "--model", "vl2", "--nodes", "8", "--zero", "2",
+                                       "--micro-batch", "2", "--global-batch", str(wl.global_batch), "--json"])
     assert result.exit_code == 0, result.output
     cli = json.loads(result.output)
     assert cli["step_time_s"] == pytest.approx(plan.step_time_s, rel=1e-12)
@@ -102,7 +105,8 @@ def test_estimate_matches_the_cost_model_and_the_cli():
 
 
 def test_estimate_defaults_and_bad_input():
-    plan = api.estimate("llama-3-8b", api.load_cluster(nodes=1), workload=api.make_workload("llama-3-8b", global_batch=64))
+    plan = api.estimate("llama-3-8b", api.load_cluster(nodes=1),
+                        workload=api.make_workload("llama-3-8b", global_batch=64))
     assert (plan.cfg.dp, plan.cfg.tp, plan.cfg.pp, plan.cfg.zero_stage, plan.cfg.grad_accum) == (8, 1, 1, 1, 8)
     cluster = api.load_cluster(nodes=1)
     with pytest.raises(UserError, match="tp 3 x pp 1 = 3 does not divide the 8 GPUs"):
@@ -116,11 +120,13 @@ def test_estimate_defaults_and_bad_input():
 
 
 def test_record_is_flat_and_carries_the_plan_numbers():
-    plan = api.estimate("llama-3-8b", api.load_cluster(nodes=1), tp=2, pp=2, zero=1, micro_batch=2, framework="megatron-deepspeed")
+    plan = api.estimate("llama-3-8b", api.load_cluster(nodes=1), tp=2, pp=2, zero=1, micro_batch=2,
+                        framework="megatron-deepspeed")
     row = api.record(plan)
     data = plan.to_json()
     assert all(isinstance(v, (int, float, str, bool)) for v in row.values()), {k: type(v) for k, v in row.items()}
-    for key in ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "fits", "tokens_per_s", "mfu", "step_time_s"):
+    for key in ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "fits", "tokens_per_s", "mfu",
+                "step_time_s"):
         assert row[key] == data[key]
     assert row["peak_bytes"] == data["memory"]["peak_bytes"]
     assert row["peak_gib"] == pytest.approx(data["memory"]["peak_bytes"] / GiB)
@@ -143,7 +149,8 @@ def test_suggest_is_the_search_with_the_api_workload():
     assert found.evaluated == direct.evaluated and found.rejected == direct.rejected
     tps = [p.plan.tokens_per_s for p in found.plans]
     assert tps == sorted(tps, reverse=True) and len(tps) == 3
-    assert all(p.plan.fits and p.plan.cfg.zero_stage in (1, 3) and p.plan.cfg.framework == "deepspeed" for p in found.plans)
+    assert all(p.plan.fits and p.plan.cfg.zero_stage in (1, 3) and p.plan.cfg.framework == "deepspeed"
+               for p in found.plans)
     rows = api.records(found.plans)
     assert [r["id"] for r in rows] == [1, 2, 3]
     assert rows[0]["tokens_per_s"] == tps[0]
@@ -157,7 +164,8 @@ def test_suggest_bad_input():
         api.suggest("llama-3-8b", cluster, tp=3)
     with pytest.raises(UserError, match="no plan fits"):
         api.suggest("llama-2-70b", cluster, zero=0, offload="none", recompute="none", micro_batch=1, tp=1, pp=1)
-    assert api.constraints(tp=8, pp=[2, 4], allow_tp_across_nodes=1) == Constraints(tp=(8,), pp=(2, 4), allow_tp_across_nodes=True)
+    assert api.constraints(tp=8, pp=[2, 4], allow_tp_across_nodes=1) == Constraints(tp=(8,), pp=(2, 4),
+                                                                                    allow_tp_across_nodes=True)
 
 
 def test_to_dataframe():
@@ -194,7 +202,8 @@ def test_fabric_changes_data_parallel_time_across_the_spine():
     # 32 DGX A100s span two leaf blocks of a 40-port fabric, so DP rings cross the spine:
     # a 2:1 taper halves the uplinks and slows the gradient traffic; NDR speeds it up.
     def dp_time(**fabric):
-        return api.estimate("llama-3-8b", api.load_cluster(api.with_fabric("dgx-a100-80g", **fabric), 32), zero=1).time.dp_comm
+        return api.estimate("llama-3-8b", api.load_cluster(api.with_fabric("dgx-a100-80g", **fabric), 32),
+                            zero=1).time.dp_comm
 
     full, tapered, ndr = dp_time(fabric="hdr"), dp_time(fabric="hdr", oversubscription=2), dp_time(fabric="ndr")
     assert tapered > 1.5 * full > 0

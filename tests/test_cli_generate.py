@@ -81,8 +81,8 @@ def test_generate_without_a_plan_takes_the_searchs_plan_for_the_pinned_degrees(t
     assert (plan["dp"], plan["tp"], plan["pp"], plan["grad_accum"]) == (8, 2, 1, 4)
     assert json.loads((out / "ds_config.json").read_text())["tensor_parallel"] == {"autotp_size": 2}
     # and its predictions are estimate's for the same plan
-    est = invoke("estimate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--zero", "1", "--micro-batch", "2",
-                 "--global-batch", "64", "--framework", "deepspeed", "--json")
+    est = invoke("estimate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--zero", "1",
+                 "--micro-batch", "2", "--global-batch", "64", "--framework", "deepspeed", "--json")
     assert est.exit_code == 0, est.output
     est = json.loads(est.output)
     assert plan["step_time_s"] == pytest.approx(est["step_time_s"], rel=1e-9)
@@ -123,7 +123,8 @@ def test_readme_carries_the_searchs_why_and_the_batch_notes(tmp_path: Path):
     assert f"- Ranked #2 by the search, below #1: {data['plans'][1]['why']}" in (second / "README.md").read_text()
     # A plan file without predictions (hand-written) gets no notes section at all.
     plain = tmp_path / "plain"
-    assert invoke("generate", "--plan", str(write_plan(tmp_path, "llama-3.1-8b", 1)), "--out", str(plain)).exit_code == 0
+    assert invoke("generate", "--plan", str(write_plan(tmp_path, "llama-3.1-8b", 1)),
+                  "--out", str(plain)).exit_code == 0
     assert "Notes from the planner" not in (plain / "README.md").read_text()
 
 
@@ -224,9 +225,11 @@ def test_bad_hostfiles_exit_2(tmp_path: Path):
     for name, (text, needle) in cases.items():
         hostfile = tmp_path / f"{name}.hosts"
         hostfile.write_text(text)
-        assert_user_error(invoke("generate", "--plan", str(plan_path), "--out", str(out), "--hostfile", str(hostfile)), needle)
+        assert_user_error(invoke("generate", "--plan", str(plan_path), "--out", str(out), "--hostfile", str(hostfile)),
+                          needle)
         assert not out.exists()
-    assert_user_error(invoke("generate", "--plan", str(plan_path), "--out", str(out), "--hostfile", str(tmp_path / "nope")),
+    assert_user_error(invoke("generate", "--plan", str(plan_path), "--out", str(out),
+                             "--hostfile", str(tmp_path / "nope")),
                       "no such file")
     ok = tmp_path / "ok.hosts"
     ok.write_text("# cluster\n10.0.0.1 slots=8\n10.0.0.2 slots=8  # second\nspare-node slots=8\n")
@@ -245,7 +248,8 @@ def test_bad_plan_files_exit_2(tmp_path: Path):
     data = json.loads(plan_path.read_text())
     for change, needle in (
         ({"global_batch": data["global_batch"] + 1}, "global_batch"),
-        ({"tp": 3, "dp": 1, "nodes": 1, "gpus_per_node": 3, "global_batch": data["micro_batch"] * data["grad_accum"]}, "does not divide"),
+        ({"tp": 3, "dp": 1, "nodes": 1, "gpus_per_node": 3, "global_batch": data["micro_batch"] * data["grad_accum"]},
+         "does not divide"),
         ({"model": "no-such-model"}, "no-such-model"),
         ({"pp": 2, "dp": 4, "global_batch": data["micro_batch"] * data["grad_accum"] * 4}, "stage_blocks"),
     ):
@@ -260,7 +264,8 @@ def test_out_path_that_is_a_file_or_entry_that_is_a_directory(tmp_path: Path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert_user_error(invoke("generate", "--plan", str(plan_path), "--out", str(afile)), "not a directory")
-    assert_user_error(invoke("generate", "--plan", str(plan_path), "--out", str(tmp_path / "run"), "--entry", str(tmp_path)),
+    assert_user_error(invoke("generate", "--plan", str(plan_path), "--out", str(tmp_path / "run"),
+                             "--entry", str(tmp_path)),
                       "not a file")
     assert_user_error(invoke("generate", "--out", str(tmp_path / "run")), "--model: required unless --plan")
 

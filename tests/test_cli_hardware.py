@@ -64,7 +64,8 @@ def test_show_json_is_model_dump_plus_derived():
 def test_show_human_prints_every_section():
     result = _run("hardware", "show", "mi250x")
     assert result.exit_code == 0, result.output
-    for text in ("MI250X-GCD", "infinity_fabric", "peak_TFLOPs.bf16", "191.5", "nic_bw_per_gpu_GBps", "12.5", "sources"):
+    for text in ("MI250X-GCD", "infinity_fabric", "peak_TFLOPs.bf16", "191.5", "nic_bw_per_gpu_GBps", "12.5",
+                 "sources"):
         assert text in result.output
 
 
@@ -111,7 +112,8 @@ def _h100_with(tmp_path: Path, section: str, field: str, value) -> Path:
         (lambda t: _h100_with(t, "gpu", "memory_GiB", -80), ["gpu.memory_GiB", "greater than 0"]),
         (lambda t: _h100_with(t, "node", "gpus", 0), ["node.gpus", "greater than 0"]),
         (lambda t: _h100_with(t, "node", "gpus", 1000), ["node.gpus", "less than or equal to 576"]),
-        (lambda t: _h100_with(t, "node.nics", "speed_gbps", 400), ["node.nics.speed_gbps", "did you mean 'speed_gbit'"]),
+        (lambda t: _h100_with(t, "node.nics", "speed_gbps", 400),
+         ["node.nics.speed_gbps", "did you mean 'speed_gbit'"]),
         (lambda t: _h100_with(t, "fabric", "levels", 7), ["fabric.levels"]),
     ],
 )

@@ -161,7 +161,8 @@ def test_topo_into_a_missing_directory_or_a_file(flag: str, tmp_path: Path):
 @needs_proc
 def test_plot_into_proc():
     pytest.importorskip("matplotlib")
-    assert_one_line_error(invoke("plot", "pareto", "--model", "gpt3-125m", "--nodes", "1", "--out", "/proc/dsplan-x.png"),
+    assert_one_line_error(invoke("plot", "pareto", "--model", "gpt3-125m", "--nodes", "1",
+                                 "--out", "/proc/dsplan-x.png"),
                           "cannot write --out /proc/dsplan-x.png", "choose a writable directory")
 
 
@@ -286,7 +287,8 @@ def test_rank_without_plan_still_defaults_to_the_best(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["plot", "pareto", "--model", "gpt3-125m", "--out", "p.txt"], "--out p.txt: dsplan writes PNG here; name the file *.png"),
+    (["plot", "pareto", "--model", "gpt3-125m", "--out", "p.txt"],
+     "--out p.txt: dsplan writes PNG here; name the file *.png"),
     (["topo", "--draw", "t.txt"], "--draw t.txt: dsplan writes PNG here; name the file *.png"),
     (["topo", "--dot", "t.png"], "--dot t.png: dsplan writes DOT here; name the file *.dot"),
 ])

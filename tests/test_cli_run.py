@@ -28,7 +28,8 @@ def generate(tmp_path: Path, name: str, *, nodes: int = 1, gpus_per_node: int = 
     """A real run directory: `dsplan estimate --json` for a small cluster, then `dsplan generate --plan`."""
     runner = CliRunner()
     dp = nodes * gpus_per_node
-    est = runner.invoke(main, ["estimate", "--model", MODEL, "--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node),
+    est = runner.invoke(main, ["estimate", "--model", MODEL, "--nodes", str(nodes),
+                               "--gpus-per-node", str(gpus_per_node),
                                "--zero", str(zero), "--micro-batch", "1", "--global-batch", str(dp),
                                "--seq-len", str(seq_len), "--json"])
     assert est.exit_code == 0, est.output
@@ -125,7 +126,8 @@ def test_plans_the_reference_trainer_cannot_run_are_refused_before_any_rank_star
     runner = CliRunner()
     flags = ["--model", MODEL, "--nodes", "1", "--framework", "megatron", "--global-batch", "64"]
     vpp = tmp_path / "vpp"
-    gen = runner.invoke(main, ["generate", *flags, "--tp", "1", "--pp", "4", "--virtual-stages", "2", "--out", str(vpp)])
+    gen = runner.invoke(main, ["generate", *flags, "--tp", "1", "--pp", "4", "--virtual-stages", "2",
+                               "--out", str(vpp)])
     assert gen.exit_code == 0, gen.output
     assert "note: the default entry cannot run this plan" in gen.output
     # ... and the next step it suggests is Megatron-LM's script, not the launcher that would fail

@@ -117,20 +117,24 @@ def test_bad_input_exits_2_without_traceback(args: list[str], needle: str) -> No
         (["--dp", "4", "--tp", "4"], ["dropping --dp 4 (", "or --tp 4 (", "multiplies to the 8 GPUs"]),
         (["--zero", "0", "--offload", "optimizer"], ["dropping --zero 0 (", "--offload optimizer (",
                                                      "--offload optimizer needs ZeRO 1-3"]),
-        (["--micro-batch", "3"], ["dropping --micro-batch 3 (", "DP and the micro-batch must divide the global batch 512"]),
+        (["--micro-batch", "3"],
+         ["dropping --micro-batch 3 (", "DP and the micro-batch must divide the global batch 512"]),
         # One runtime rule refused every candidate: it is named, with its own fix.
         (["--optimizer", "sgd", "--offload", "optimizer"],
-         ["dropping --offload optimizer (", "optimizer offload steps Adam on the CPU, not sgd; use --optimizer adamw/adam"]),
+         ["dropping --offload optimizer (",
+          "optimizer offload steps Adam on the CPU, not sgd; use --optimizer adamw/adam"]),
         (["--framework", "megatron", "--zero", "2,3"],
          ["dropping --zero 2,3 (", "or --framework megatron (", "distributed optimizer = --zero 1), not ZeRO-2"]),
         (["--framework", "deepspeed", "--sequence-parallel"],
          ["dropping --framework deepspeed (", "or --sequence-parallel (", "their framework cannot run"]),
         # A pin no value of which can hold: its own rule, as estimate states it.
-        (["--tp", "16", "--nodes", "2", "--allow-tp-across-nodes"], ["dropping --tp 16 (", "--tp 16 does not divide the 8 KV heads"]),
+        (["--tp", "16", "--nodes", "2", "--allow-tp-across-nodes"],
+         ["dropping --tp 16 (", "--tp 16 does not divide the 8 KV heads"]),
         (["--tp", "16", "--nodes", "2"], ["--tp 16 does not divide the 8 KV heads"]),
         (["--pp", "1", "--virtual-stages", "4"], ["--virtual-stages 4 needs --pp > 1"]),
         (["--tp", "1", "--sequence-parallel"], ["--sequence-parallel needs --tp > 1"]),
-        (["--model", "mixtral-8x7b", "--ep", "16"], ["dropping --ep 16 (", "Why: --ep 16 does not divide the 8 routed experts"]),
+        (["--model", "mixtral-8x7b", "--ep", "16"],
+         ["dropping --ep 16 (", "Why: --ep 16 does not divide the 8 routed experts"]),
         (["--model", "vl2", "--nodes", "8", "--ep", "128"], ["Why: --ep 128 does not divide the 72 routed experts"]),
     ],
 )
@@ -151,8 +155,8 @@ def test_pins_named_for_dropping_really_leave_candidates() -> None:
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
     from planner.model.catalog import load_model
-    from planner.search.space import Constraints
     from planner.search.request import candidate_space
+    from planner.search.space import Constraints
 
     model = load_model("llama-3.1-8b")
     cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)

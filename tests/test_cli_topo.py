@@ -18,7 +18,8 @@ def _run(*args: str):
 def test_summary_table_and_json():
     result = _run("--nodes", "4")
     assert result.exit_code == 0, result.output
-    for text in ("dgx-a100-80g", "32 (8 per node)", "nvlink: 32", "25 GB/s per GPU", "network bisection", "400 GB/s", "1:1"):
+    for text in ("dgx-a100-80g", "32 (8 per node)", "nvlink: 32", "25 GB/s per GPU", "network bisection", "400 GB/s",
+                 "1:1"):
         assert text in result.output
     data = json.loads(_run("--hardware", "hgx-h200", "--nodes", "2", "--json").output)
     assert data["gpus"] == 16 and data["nic_bw_per_gpu_GBps"] == 50.0 and data["nvls"] is True
@@ -37,7 +38,8 @@ def test_collective_json_keys_and_numbers():
     assert 195 < data["busbw_GBps"] < 265  # measured 229 GB/s at 1 GiB (nccl_allreduce_busbw_measured.csv)
     human = _run("--hardware", "hgx-h200", "--collective", "all-reduce", "--bytes", "16GiB")
     assert human.exit_code == 0 and "nvls/Simple" in human.output
-    off = json.loads(_run("--hardware", "hgx-h200", "--collective", "allreduce", "--bytes", "16GiB", "--no-nvls", "--json").output)
+    off = json.loads(_run("--hardware", "hgx-h200", "--collective", "allreduce", "--bytes", "16GiB", "--no-nvls",
+                          "--json").output)
     assert off["algorithm"] == "ring/Simple" and off["busbw_GBps"] < 450
 
 

@@ -35,7 +35,8 @@ def test_no_planner_function_is_over_60_lines_without_a_reason() -> None:
 
 def test_the_checks_see_a_long_function(tmp_path: Path) -> None:
     body = "\n".join(f"    x{i} = {i}" for i in range(61))
-    (tmp_path / "long.py").write_text(f"def f():\n{body}\n\n\ndef g():\n    \"\"\"Short.\n\n    Long: a table.\"\"\"\n{body}\n")
+    (tmp_path / "long.py").write_text(f"def f():\n{body}\n\n\n"
+                                      f"def g():\n    \"\"\"Short.\n\n    Long: a table.\"\"\"\n{body}\n")
     global PLANNER
     saved, PLANNER = PLANNER, tmp_path
     try:

@@ -193,7 +193,8 @@ def test_times_keyed_equal_one_call_per_key(profile, nodes):
     from planner.hardware.placement import strided_shape
 
     cluster = Cluster.build(load_profile(profile), nodes)
-    shapes = [strided_shape(cluster, stride, size) for stride, size in ((1, 1), (1, 8), (2, 4), (8, 4), (1, 32), (16, 2))]
+    shapes = [strided_shape(cluster, stride, size)
+              for stride, size in ((1, 1), (1, 8), (2, 4), (8, 4), (1, 32), (16, 2))]
     pairs = [(op, shape) for op in ("allreduce", "reducescatter", "allgather", "p2p", "alltoall") for shape in shapes]
     rng = np.random.default_rng(1)
     which = rng.integers(-1, len(pairs), size=(3, 200))

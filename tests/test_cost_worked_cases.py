@@ -4,11 +4,12 @@ Each test picks a small configuration, works the expected number out in its comm
 first principles and published inputs (parameter counts of the presets, bytes moved per
 collective, Adam's traffic per parameter, Korthikanti et al. 2022's activation tensors, the
 1F1B schedule) and asserts that ``estimate`` and the search's evaluation of the same candidate
-(one array cost model, applied to one candidate and to a space) both give that number. The only inputs read from the project are
-what is tested elsewhere against measurements: the time of a collective of given bytes over
-a given group (planner/cost/collectives.py, tests/test_collectives.py), the per-micro-batch
-compute times (tests/test_layer_costs.py, tests/test_step_time.py) and the HBM bandwidth of
-the hardware profile with the one documented HBM calibration factor.
+(one array cost model, applied to one candidate and to a space) both give that number. The only
+inputs read from the project are what is tested elsewhere against measurements: the time of a
+collective of given bytes over a given group (planner/cost/collectives.py,
+tests/test_collectives.py), the per-micro-batch compute times (tests/test_layer_costs.py,
+tests/test_step_time.py) and the HBM bandwidth of the hardware profile with the one documented
+HBM calibration factor.
 
 Layer parameter counts used below (GPT-3 block: QKV 3h^2 + 3h, projection h^2 + h, fc1
 4h^2 + 4h, fc2 4h^2 + h, two LayerNorms 4h -> 12h^2 + 13h):
@@ -34,8 +35,8 @@ from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.load import load_model
-from planner.search.space import Constraints
 from planner.search.request import candidate_space
+from planner.search.space import Constraints
 from tests.scalar_oracle import build_comms
 from tests.search_cases import candidate, case_of
 

@@ -34,8 +34,8 @@ def make_plan(model_name: str, nodes: int, gpus_per_node: int = 8, **overrides) 
     model = load_model(model_name)
     data = dict(
         model=model.name, hardware="dgx-a100-80g", nodes=nodes, gpus_per_node=gpus_per_node, framework="deepspeed",
-        tp=1, pp=1, ep=1, zero_stage=1, offload="none", micro_batch=1, grad_accum=1, seq_len=min(4096, model.max_seq_len),
-        recompute="none", precision="bf16", optimizer="adamw",
+        tp=1, pp=1, ep=1, zero_stage=1, offload="none", micro_batch=1, grad_accum=1,
+        seq_len=min(4096, model.max_seq_len), recompute="none", precision="bf16", optimizer="adamw",
     )
     data.update(overrides)
     data["dp"] = nodes * gpus_per_node // (data["tp"] * data["pp"])
@@ -51,9 +51,11 @@ MATRIX = [
     ("llama-3.1-8b", 1, dict(zero_stage=1, micro_batch=2, grad_accum=8)),
     ("llama-3.1-8b", 2, dict(zero_stage=2, offload="optimizer", recompute="full", grad_accum=4)),
     ("llama-3.1-70b", 16, dict(zero_stage=3, offload="optimizer+params", recompute="full")),
-    ("llama-3.1-70b", 4, dict(framework="megatron-deepspeed", zero_stage=3, precision="fp16", recompute="selective", grad_accum=16)),
+    ("llama-3.1-70b", 4, dict(framework="megatron-deepspeed", zero_stage=3, precision="fp16", recompute="selective",
+                              grad_accum=16)),
     ("llama-3.1-70b", 8, dict(zero_stage=1, pp=4, grad_accum=16, recompute="full")),
-    ("llama-3.1-70b", 8, dict(framework="megatron-deepspeed", zero_stage=1, tp=8, pp=2, grad_accum=32, sequence_parallel=True)),
+    ("llama-3.1-70b", 8, dict(framework="megatron-deepspeed", zero_stage=1, tp=8, pp=2, grad_accum=32,
+                              sequence_parallel=True)),
     ("llama-3.1-70b", 8, dict(framework="megatron", zero_stage=1, tp=8, pp=2, virtual_stages=2, grad_accum=32)),
     ("llama-3.1-8b", 1, dict(zero_stage=2, tp=4, micro_batch=2, grad_accum=2)),
     ("qwen2.5-7b", 2, dict(zero_stage=1, tp=2, precision="fp16")),
@@ -64,7 +66,8 @@ MATRIX = [
     ("gpt3-125m", 1, dict(zero_stage=0, optimizer="adam")),
 ]
 
-_VALIDATOR = r"""
+# Two long lines of the script are split over adjacent string literals; the script's text is unchanged.
+_VALIDATOR = (r"""
 import json, os, sys
 import deepspeed
 import torch
@@ -98,8 +101,10 @@ def derived(config, dp):
         "bf16": c.bfloat16_config.enabled,
         "fp16": c.float16_config.enabled,
         "dynamic_loss_scale": c.float16_config.loss_scale == 0,
-        "offload_optimizer": None if z.offload_optimizer is None else getattr(z.offload_optimizer.device, "value", z.offload_optimizer.device),
-        "offload_param": None if z.offload_param is None else getattr(z.offload_param.device, "value", z.offload_param.device),
+        "offload_optimizer": None if z.offload_optimizer is None else """
+    r"""getattr(z.offload_optimizer.device, "value", z.offload_optimizer.device),
+        "offload_param": None if z.offload_param is None else """
+    r"""getattr(z.offload_param.device, "value", z.offload_param.device),
         "pin_memory": [o.pin_memory for o in (z.offload_optimizer, z.offload_param) if o is not None],
         "reduce_bucket_size": int(z.reduce_bucket_size),
         "prefetch_bucket_size": int(z.prefetch_bucket_size),
@@ -124,7 +129,7 @@ for case in cases:
     full["derived_train_batch_size"] = derived(partial, case["dp"])["train_batch_size"]
     out.append(full)
 print("RESULT " + json.dumps(out))
-"""
+""")
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +197,8 @@ def test_sections_appear_only_when_the_plan_needs_them():
 
     plan, model = make_plan("llama-3.1-8b", 2, zero_stage=1, pp=2, recompute="full")
     cfg = build_ds_config(plan, model)
-    assert cfg["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False, "activation_checkpoint_interval": 1}
+    assert cfg["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False,
+                               "activation_checkpoint_interval": 1}
     assert "tensor_parallel" not in cfg
 
     plan, model = make_plan("llama-3.1-8b", 2, zero_stage=1, tp=2, recompute="full")

@@ -66,8 +66,9 @@ MEGATRON_DEEPSPEED_FLAGS = {
 # Megatron-DeepSpeed's own spellings of model flags (deepspeedai/Megatron-DeepSpeed megatron/arguments.py
 # _add_network_size_args): its parser has none of Megatron-LM's --group-query-attention,
 # --num-query-groups or --position-embedding-type, and its --normalization takes lowercase names.
-MEGATRON_DEEPSPEED_MODEL_FLAGS = {"--num-key-value-heads", "--use-rotary-position-embeddings", "--no-position-embedding",
-                                  "--rotary-position-embeddings-theta", "--layernorm-epsilon"}
+MEGATRON_DEEPSPEED_MODEL_FLAGS = {"--num-key-value-heads", "--use-rotary-position-embeddings",
+                                  "--no-position-embedding", "--rotary-position-embeddings-theta",
+                                  "--layernorm-epsilon"}
 MEGATRON_LM_ONLY_FLAGS = {"--group-query-attention", "--num-query-groups", "--position-embedding-type", "--rotary-base",
                           "--norm-epsilon", "--use-rope-scaling", "--rope-scaling-factor", "--mrope-section",
                           "--rotary-scaling-factor", "--mscale", "--mscale-all-dim"}
@@ -79,26 +80,6 @@ record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}
 with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps(record) + "\\n")
 """
-
-# Records its argv, then behaves like the launcher: runs the script after --no_python/--no-python
-# with the remaining arguments (deepspeed puts --local_rank first, as deepspeed.launcher.launch does).
-FAKE_LAUNCHER = """#!{python}
-import json, os, subprocess, sys
-name = os.path.basename(sys.argv[0])
-with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({{"cmd": name, "argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID", "DSPLAN_HOSTFILE", "RDZV_ID", "OMP_NUM_THREADS")}}}}) + "\\n")
-if name == "scontrol":
-    print("gpu-a01\\ngpu-a02")
-    sys.exit(0)
-if name == "srun":
-    rest = [a for a in sys.argv[1:] if not a.startswith("--")]
-    sys.exit(subprocess.call(rest, env={{**os.environ, "SLURM_NODEID": "1"}}))
-flag = "--no_python" if name == "deepspeed" else "--no-python"
-i = sys.argv.index(flag)
-extra = ["--local_rank=0"] if name == "deepspeed" else []
-sys.exit(subprocess.call(sys.argv[i + 1:i + 2] + extra + sys.argv[i + 2:], env={{**os.environ, "LOCAL_RANK": "0"}}))
-"""
-
 
 def generate(tmp_path: Path, name: str, plan_args: tuple, *, entry: str = "builtin", entry_args=(), hosts=None) -> Path:
     model_name, nodes, overrides = plan_args
@@ -113,8 +94,10 @@ def generate(tmp_path: Path, name: str, plan_args: tuple, *, entry: str = "built
 PLANS = {
     "single": ("llama-3.1-8b", 1, dict(zero_stage=1, grad_accum=2)),
     "multi": ("llama-3.1-70b", 4, dict(zero_stage=3, offload="optimizer", recompute="full")),
-    "megatron-moe": ("deepseek-v2-lite", 2, dict(framework="megatron", zero_stage=1, tp=2, pp=2, ep=4, sequence_parallel=True)),
-    "megatron-ds-moe": ("mixtral-8x7b", 2, dict(framework="megatron-deepspeed", zero_stage=1, tp=2, ep=4, recompute="selective")),
+    "megatron-moe": ("deepseek-v2-lite", 2, dict(framework="megatron", zero_stage=1, tp=2, pp=2, ep=4,
+                                                 sequence_parallel=True)),
+    "megatron-ds-moe": ("mixtral-8x7b", 2, dict(framework="megatron-deepspeed", zero_stage=1, tp=2, ep=4,
+                                                recompute="selective")),
     "vl2-pipeline": ("deepseek-vl2-tiny", 2, dict(zero_stage=1, pp=2, ep=4)),
     "megatron-uneven": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=4)),
     # 35 blocks in 12 chunks (pp 4 x 3 virtual stages): 1 to 3 decoders each.
@@ -122,7 +105,8 @@ PLANS = {
                                                      grad_accum=4)),
     # Megatron's own even split: 8 decoders in each of pp 2 x 2 virtual stages.
     "megatron-interleaved-even": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=2, virtual_stages=2,
-                                                          grad_accum=2, stage_blocks=[[0, 9], [9, 17], [17, 25], [25, 35]])),
+                                                          grad_accum=2,
+                                                          stage_blocks=[[0, 9], [9, 17], [17, 25], [25, 35]])),
     # 6 micro-batches per step on pp 4 x 2: Megatron's default group of 4 refuses them, a group of 6 runs them.
     "megatron-interleaved-group": ("llama-3.1-8b", 1, dict(framework="megatron", zero_stage=1, pp=4, virtual_stages=2,
                                                            grad_accum=6)),
@@ -145,7 +129,8 @@ def run_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     dirs = {name: generate(root, name, plan, entry_args=TRICKY_ARGS) for name, plan in PLANS.items()}
     hosts = [Host(name=f"gpu-{i:02d}.cluster.local") for i in range(4)]
-    dirs["multi-hosts"] = generate(root, "multi-hosts", PLANS["multi"], hosts=[Host(name=h.name, slots=8) for h in hosts])
+    dirs["multi-hosts"] = generate(root, "multi-hosts", PLANS["multi"],
+                                   hosts=[Host(name=h.name, slots=8) for h in hosts])
     return dirs
 
 
@@ -215,7 +200,8 @@ def test_nccl_env_keeps_gpudirect_rdma_on_across_pcie_switches(run_dirs):
 
 def megatron_flags(run_dir: Path) -> tuple[list[str], list[str]]:
     """Run megatron_args.sh (it prints its arrays) and split Megatron-LM from Megatron-DeepSpeed flags."""
-    printed = subprocess.run(["bash", str(run_dir / "megatron_args.sh")], capture_output=True, text=True, check=True).stdout
+    printed = subprocess.run(["bash", str(run_dir / "megatron_args.sh")], capture_output=True, text=True,
+                             check=True).stdout
     sourced = subprocess.run(
         ["bash", "-c", 'source "$1"; printf "%s\\n" "${MEGATRON_ARGS[@]}"', "_", str(run_dir / "megatron_args.sh")],
         capture_output=True, text=True, check=True,
@@ -233,11 +219,13 @@ def test_megatron_flags_exist_in_megatrons_argument_parser(run_dirs):
         if json.loads((run_dir / "plan.json").read_text())["framework"] == "megatron-deepspeed":
             known = (MEGATRON_LM_FLAGS - MEGATRON_LM_ONLY_FLAGS) | MEGATRON_DEEPSPEED_MODEL_FLAGS
         assert set(lm) <= known, f"{name}: flags its parser lacks {set(lm) - known}"
-        assert set(ds) <= MEGATRON_DEEPSPEED_FLAGS, f"{name}: unknown Megatron-DeepSpeed flags {set(ds) - MEGATRON_DEEPSPEED_FLAGS}"
+        assert set(ds) <= MEGATRON_DEEPSPEED_FLAGS, \
+            f"{name}: unknown Megatron-DeepSpeed flags {set(ds) - MEGATRON_DEEPSPEED_FLAGS}"
 
 
 def flag_values(run_dir: Path) -> dict[str, str | None]:
-    printed = subprocess.run(["bash", str(run_dir / "megatron_args.sh")], capture_output=True, text=True, check=True).stdout
+    printed = subprocess.run(["bash", str(run_dir / "megatron_args.sh")], capture_output=True, text=True,
+                             check=True).stdout
     tokens = printed.splitlines()
     values: dict[str, str | None] = {}
     for i, token in enumerate(tokens):
@@ -335,7 +323,8 @@ def decoders_per_chunk(flags: dict[str, str | None], num_layers: int, pp: int) -
     if "--pipeline-model-parallel-layout" in flags:
         return [chunk.count("t") for chunk in flags["--pipeline-model-parallel-layout"].split("|")]
     if "--decoder-first-pipeline-num-layers" in flags:
-        first, last = int(flags["--decoder-first-pipeline-num-layers"]), int(flags["--decoder-last-pipeline-num-layers"])
+        first, last = (int(flags["--decoder-first-pipeline-num-layers"]),
+                       int(flags["--decoder-last-pipeline-num-layers"]))
         middle = (num_layers - first - last) // (pp - 2)
         assert first + middle * (pp - 2) + last == num_layers
         return [first, *[middle] * (pp - 2), last]
@@ -442,8 +431,10 @@ def test_megatron_model_shape_flags_match_the_published_architecture(run_dirs, r
     # Published epsilons: Llama 2/3 and Mixtral configs 1e-05, DeepSeek 1e-06 (their config.json files);
     # GPT-3 1e-05, GPT-2's and Megatron's (the paper does not say).
     eps = flags["--layernorm-epsilon" if mds else "--norm-epsilon"]
-    assert float(eps) == {"Llama": 1e-5, "Mixtral": 1e-5, "DeepSeek": 1e-6, "GPT": 1e-5}[arch["family"].split("-")[0]], name
-    norms = {"rmsnorm": "rmsnorm", "layernorm": "layernorm"} if mds else {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
+    assert float(eps) == {"Llama": 1e-5, "Mixtral": 1e-5, "DeepSeek": 1e-6,
+                          "GPT": 1e-5}[arch["family"].split("-")[0]], name
+    norms = ({"rmsnorm": "rmsnorm", "layernorm": "layernorm"} if mds
+             else {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"})
     assert flags["--normalization"] == norms[arch["norm"]]
     assert ("--swiglu" in flags) == (arch["ffn_type"] == "swiglu")
     assert ("--untie-embeddings-and-output-weights" in flags) == (not arch["tied_embeddings"])
@@ -504,23 +495,13 @@ def test_megatron_batch_precision_and_optimizer_flags_follow_the_plan(run_dirs, 
         assert ("--use-distributed-optimizer" in flags) == (plan["zero_stage"] >= 1), name
 
 
-@pytest.fixture()
-def fake_bin(tmp_path: Path) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("deepspeed", "torchrun", "srun", "scontrol"):
-        path = bin_dir / name
-        path.write_text(FAKE_LAUNCHER.format(python=sys.executable))
-        path.chmod(0o755)
-    return bin_dir
-
-
 def run_with_stub(tmp_path: Path, plan_args: tuple, command: list[str], *, env=None, hosts=None, name="run"):
     stub = tmp_path / "stub_entry.py"
     stub.write_text(STUB_ENTRY)
     run_dir = generate(tmp_path, name, plan_args, entry=str(stub), entry_args=TRICKY_ARGS, hosts=hosts)
     stub_log, fake_log = tmp_path / "stub.jsonl", tmp_path / "fake.jsonl"
-    full_env = {**os.environ, "DSPLAN_PYTHON": sys.executable, "STUB_LOG": str(stub_log), "FAKE_LOG": str(fake_log), **(env or {})}
+    full_env = {**os.environ, "DSPLAN_PYTHON": sys.executable, "STUB_LOG": str(stub_log), "FAKE_LOG": str(fake_log),
+                **(env or {})}
     full_env.pop("NCCL_DEBUG", None)
     if "OMP_NUM_THREADS" not in (env or {}):
         full_env.pop("OMP_NUM_THREADS", None)
@@ -550,7 +531,8 @@ def test_launch_deepspeed_per_node_mode_composes_no_ssh_command(tmp_path: Path, 
     hosts = [Host(name=n, slots=8) for n in ("gpu-a01", "gpu-a02", "gpu-a03", "gpu-a04")]
     run_dir = tmp_path / "run"
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "NODE_RANK": "2"}
-    _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_deepspeed.sh"), "node", "--extra"],
+    _, records, launches = run_with_stub(tmp_path, PLANS["multi"],
+                                         [str(run_dir / "launch_deepspeed.sh"), "node", "--extra"],
                                          env=env, hosts=hosts)
     (launch,) = launches
     argv = launch["argv"]
@@ -590,7 +572,8 @@ def test_launch_deepspeed_ssh_mode_carries_resume_to_every_host(tmp_path: Path, 
 def test_launch_torchrun_rendezvous(tmp_path: Path, fake_bin: Path):
     run_dir = tmp_path / "run"
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_ADDR": "10.0.0.5", "NODE_RANK": "3"}
-    _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_torchrun.sh"), "--extra"], env=env)
+    _, records, launches = run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_torchrun.sh"), "--extra"],
+                                         env=env)
     argv = launches[0]["argv"]
     assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.5:29500"
     assert argv[argv.index("--rdzv-backend") + 1] == "static"  # the only backend that honours --node-rank
@@ -604,8 +587,8 @@ def test_launch_torchrun_rendezvous(tmp_path: Path, fake_bin: Path):
 
 def test_slurm_sbatch_starts_one_launcher_per_node_with_rendezvous_from_slurm(tmp_path: Path, fake_bin: Path):
     run_dir = tmp_path / "run"
-    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(run_dir), "SLURM_JOB_NODELIST": "gpu-a[01-02]",
-           "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(run_dir),
+           "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
     env.pop("MASTER_ADDR", None)
     plan = ("llama-3.1-8b", 2, dict(zero_stage=1))
     _, records, launches = run_with_stub(tmp_path, plan, ["bash", str(run_dir / "slurm.sbatch")], env=env)
@@ -626,8 +609,9 @@ def test_slurm_sbatch_starts_one_launcher_per_node_with_rendezvous_from_slurm(tm
 
 def test_slurm_sbatch_with_the_deepspeed_launcher_writes_a_hostfile_for_the_allocation(tmp_path: Path, fake_bin: Path):
     run_dir = tmp_path / "run"
-    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(run_dir), "SLURM_JOB_NODELIST": "gpu-a[01-02]",
-           "SLURM_NNODES": "2", "SLURM_JOB_ID": "77", "DSPLAN_LAUNCHER": "deepspeed"}
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(run_dir),
+           "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "77",
+           "DSPLAN_LAUNCHER": "deepspeed"}
     plan = ("llama-3.1-8b", 2, dict(zero_stage=1))
     _, records, launches = run_with_stub(tmp_path, plan, ["bash", str(run_dir / "slurm.sbatch")], env=env)
     ds = next(e for e in launches if e["cmd"] == "deepspeed")
@@ -663,7 +647,8 @@ def test_megatron_offload_flags_and_host_threads(run_dirs):
     assert "--optimizer-cpu-offload" not in flag_values(run_dirs["megatron-moe"])
     env = (run_dirs["megatron-offload"] / "nccl.env").read_text()
     assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-16}"' in env
-    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-16}"' in (run_dirs["megatron-offload"] / "launch_torchrun.sh").read_text()
+    assert ('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-16}"'
+            in (run_dirs["megatron-offload"] / "launch_torchrun.sh").read_text())
     readme = (run_dirs["megatron-offload"] / "README.md").read_text()
     assert "| ZeRO | distributed optimizer (ZeRO-1), optimizer states and step on the CPU (Megatron-Core's " \
            "HybridDeviceOptimizer) |" in readme

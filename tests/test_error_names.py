@@ -58,7 +58,8 @@ def _message_strings(tree: ast.AST):
 def test_no_message_below_the_cli_spells_a_flag() -> None:
     flags = _dsplan_flags()
     assert {"--tp", "--micro-batch", "--global-batch", "--stage-blocks"} <= flags
-    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, sorted(flags, key=len, reverse=True))) + r")(?![\w-])")
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, sorted(flags, key=len, reverse=True)))
+                         + r")(?![\w-])")
     found = []
     for path in _sources():
         rel = path.relative_to(PLANNER).as_posix()

@@ -52,16 +52,17 @@ def test_pipeline_json_stages_and_uneven_layers():
 
 
 def test_offload_reports_cpu_memory():
-    r = run("--micro-batch", "1", "--global-batch", "64", "--zero", "2", "--offload", "optimizer", "--recompute", "full",
-            "--json")
+    r = run("--micro-batch", "1", "--global-batch", "64", "--zero", "2", "--offload", "optimizer",
+            "--recompute", "full", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["memory"]["cpu_bytes_per_node"] > 0 and d["memory"]["optimizer_bytes"] == 0
 
 
 def test_explicit_partition():
-    r = CliRunner().invoke(main, ["estimate", "--model", "llama-2-7b", "--nodes", "1", "--pp", "2", "--micro-batch", "1",
-                                  "--global-batch", "16", "--stage-blocks", "0-20,20-35", "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--model", "llama-2-7b", "--nodes", "1", "--pp", "2",
+                                  "--micro-batch", "1", "--global-batch", "16", "--stage-blocks", "0-20,20-35",
+                                  "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["stage_blocks"] == [[0, 20], [20, 35]]
 
@@ -117,7 +118,8 @@ def test_vlm_defaults():
     (["--offload", "optimizer", "--zero", "0", "--global-batch", "64"], "ZeRO"),
     (["--offload", "optimizer", "--zero", "2", "--optimizer", "sgd", "--global-batch", "64"],
      "optimizer offload steps Adam on the CPU, not sgd"),
-    (["--framework", "megatron", "--zero", "1", "--offload", "optimizer", "--precision", "fp16", "--global-batch", "64"],
+    (["--framework", "megatron", "--zero", "1", "--offload", "optimizer", "--precision", "fp16",
+      "--global-batch", "64"],
      "built for bf16 training, not fp16"),
     (["--framework", "megatron", "--zero", "1", "--offload", "optimizer+params", "--global-batch", "64"],
      "parameter offload needs ZeRO-3"),
@@ -148,8 +150,8 @@ def test_estimate_and_suggest_share_the_vision_rules(command, args, needle):
 
 def test_images_that_just_fit_the_sequence_are_accepted():
     # 2 x (9 + 1) x 196 = 3,920 image tokens leave 176 of 4,096 for text
-    r = CliRunner().invoke(main, ["estimate", "--model", "vl2", "--nodes", "8", "--zero", "2", "--images-per-sample", "2",
-                                  "--tiles-per-image", "9", "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--model", "vl2", "--nodes", "8", "--zero", "2",
+                                  "--images-per-sample", "2", "--tiles-per-image", "9", "--json"])
     assert r.exit_code == 0, r.output
     assert (json.loads(r.output)["images_per_sample"], json.loads(r.output)["tiles_per_image"]) == (2, 9)
 
@@ -169,7 +171,8 @@ def test_deepspeed_moe_refuses_zero3(framework):
 
 
 def test_tp_must_divide_heads_and_ep_the_experts():
-    r = CliRunner().invoke(main, ["estimate", "--model", "qwen2.5-7b", "--nodes", "1", "--tp", "8", "--global-batch", "8"])
+    r = CliRunner().invoke(main, ["estimate", "--model", "qwen2.5-7b", "--nodes", "1", "--tp", "8",
+                                  "--global-batch", "8"])
     assert r.exit_code == 2 and "28 attention heads" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["estimate", "--model", "mixtral-8x7b", "--nodes", "2", "--ep", "16",
                                   "--global-batch", "16", "--micro-batch", "1"])

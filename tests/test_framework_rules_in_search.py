@@ -15,8 +15,8 @@ from planner.errors import UserError, spell
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.search.space import Constraints, allowed_settings, degree_combinations, divisors
 from planner.search.request import candidate_space, space_facts
+from planner.search.space import Constraints, allowed_settings, degree_combinations, divisors
 
 
 def _direct(model, world: int, gpn: int, gb: int, cons: Constraints, optimizer: str,
@@ -66,7 +66,8 @@ def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, opti
     assert (space.columns["vs"] > 1).any() and rejected > 0
 
 
-@pytest.mark.parametrize("facts", [RunFacts(False, 24, False, "adamw", "bf16"), RunFacts(True, 30, False, "sgd", "bf16"),
+@pytest.mark.parametrize("facts", [RunFacts(False, 24, False, "adamw", "bf16"),
+                                   RunFacts(True, 30, False, "sgd", "bf16"),
                                    RunFacts(False, 30, True, "adamw", "fp16"), RunFacts(True, 24, True, "adam", "fp32"),
                                    RunFacts(True, 27, False, "adamw", "bf16", mla=True),
                                    RunFacts(False, 70, False, "adamw", "bf16", positions="alibi")])

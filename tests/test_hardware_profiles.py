@@ -101,7 +101,8 @@ def test_headline_numbers(reference_dir: Path):
 
 @pytest.mark.parametrize(
     ("profile", "device"),
-    [("dgx-a100-80g", "A100 SXM4 80GB"), ("dgx-a100-40g", "A100 SXM4 80GB"), ("dgx-h100", "H100 SXM5 80GB"), ("hgx-h200", "H100 SXM5 80GB")],
+    [("dgx-a100-80g", "A100 SXM4 80GB"), ("dgx-a100-40g", "A100 SXM4 80GB"), ("dgx-h100", "H100 SXM5 80GB"),
+     ("hgx-h200", "H100 SXM5 80GB")],
 )
 def test_nvlink_per_direction_bandwidth_matches_reference(reference_dir: Path, profile: str, device: str):
     text = _spec(reference_dir, device)["scale_up_interconnect"]
@@ -123,7 +124,8 @@ def test_h800_nvlink_is_cut_to_400_bidirectional(reference_dir: Path):
 
 @pytest.mark.parametrize(
     ("profile", "link"),
-    [("dgx-a100-80g", "InfiniBand HDR"), ("dgx-a100-40g", "InfiniBand HDR"), ("dgx-h100", "InfiniBand NDR"), ("hgx-h200", "InfiniBand NDR")],
+    [("dgx-a100-80g", "InfiniBand HDR"), ("dgx-a100-40g", "InfiniBand HDR"), ("dgx-h100", "InfiniBand NDR"),
+     ("hgx-h200", "InfiniBand NDR")],
 )
 def test_nics_match_reference_ib_generation(reference_dir: Path, profile: str, link: str):
     text = _spec(reference_dir, link)["scale_up_interconnect"]
@@ -148,17 +150,21 @@ def test_pcie_host_links_match_reference(reference_dir: Path):
 
 @pytest.mark.parametrize(
     ("profile", "accelerator"),
-    [("dgx-a100-80g", "NVIDIA A100 SXM"), ("a100-pcie", "NVIDIA A100 PCIe"), ("dgx-h100", "NVIDIA H100 SXM"), ("hgx-h200", "NVIDIA H100 SXM")],
+    [("dgx-a100-80g", "NVIDIA A100 SXM"), ("a100-pcie", "NVIDIA A100 PCIe"), ("dgx-h100", "NVIDIA H100 SXM"),
+     ("hgx-h200", "NVIDIA H100 SXM")],
 )
 def test_matmul_efficiency_is_measured_mamf(reference_dir: Path, profile: str, accelerator: str):
-    (row,) = [r for r in _rows(reference_dir, "mamf_max_achievable_matmul_measured.csv") if r["accelerator"] == accelerator and r["dtype"] == "bf16"]
+    (row,) = [r for r in _rows(reference_dir, "mamf_max_achievable_matmul_measured.csv")
+              if r["accelerator"] == accelerator and r["dtype"] == "bf16"]
     assert load_profile(profile).gpu.matmul_efficiency == pytest.approx(float(row["efficiency_pct"]) / 100, abs=5e-4)
 
 
 def test_mi300x_efficiency_is_measured_tflops_over_its_own_peak(reference_dir: Path):
-    (row,) = [r for r in _rows(reference_dir, "mamf_max_achievable_matmul_measured.csv") if r["accelerator"] == "AMD MI300X"]
+    (row,) = [r for r in _rows(reference_dir, "mamf_max_achievable_matmul_measured.csv")
+              if r["accelerator"] == "AMD MI300X"]
     p = load_profile("mi300x")
-    assert p.gpu.peak_flops("bf16") * p.gpu.matmul_efficiency == pytest.approx(float(row["MAMF_TFLOPs"]) * 1e12, rel=1e-3)
+    assert p.gpu.peak_flops("bf16") * p.gpu.matmul_efficiency == pytest.approx(float(row["MAMF_TFLOPs"]) * 1e12,
+                                                                               rel=1e-3)
     assert (p.gpu.memory_GiB, p.gpu.hbm_GBps, p.gpu.vendor) == (192, 5300, "amd")
     assert p.node.intra.kind == "xgmi_mesh" and p.node.intra.links_per_gpu == 7
 

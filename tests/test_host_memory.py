@@ -26,7 +26,8 @@ def _offload_plan(model: str, nodes: int):
 
 def test_host_capacity_is_the_usable_share_of_the_nodes_memory():
     profile = load_profile("dgx-a100-80g")
-    assert host_capacity_bytes(profile.node.host_memory_GiB) == profile.node.host_memory_GiB * 2**30 * HOST_USABLE_FRACTION
+    assert (host_capacity_bytes(profile.node.host_memory_GiB)
+            == profile.node.host_memory_GiB * 2**30 * HOST_USABLE_FRACTION)
 
 
 def test_offloading_405b_to_one_node_overflows_the_host_and_does_not_fit():
@@ -54,13 +55,14 @@ def test_suggest_never_ranks_a_plan_whose_offload_overflows_the_host():
     assert "host memory per node" in result.output
     data = json.loads(result.output[: result.output.rindex("}") + 1])
     assert data["plans"] == []
-    assert data["closest"]["memory"]["cpu_bytes_per_node"] > host_capacity_bytes(load_profile("dgx-a100-80g").node.host_memory_GiB)
+    assert (data["closest"]["memory"]["cpu_bytes_per_node"]
+            > host_capacity_bytes(load_profile("dgx-a100-80g").node.host_memory_GiB))
 
 
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_every_ranked_offload_plan_fits_in_host_memory(nodes):
-    result = CliRunner().invoke(main, ["suggest", "--model", "llama-3-70b", "--nodes", str(nodes), "--offload", "optimizer",
-                                       "--framework", "deepspeed", "--top", "3", "--json"])
+    result = CliRunner().invoke(main, ["suggest", "--model", "llama-3-70b", "--nodes", str(nodes),
+                                       "--offload", "optimizer", "--framework", "deepspeed", "--top", "3", "--json"])
     assert result.exit_code == 0, result.output
     cap = host_capacity_bytes(load_profile("dgx-a100-80g").node.host_memory_GiB)
     plans = json.loads(result.output)["plans"]

@@ -1,7 +1,7 @@
 """The launch files' multi-node behaviour: which node gets which ranks under torchrun, where the
 DeepSpeed launcher's ranks meet, what a Kubernetes pod asks of the cluster, and where a pod finds a
 custom entry. Each runs the real scripts `dsplan generate` writes, with a recording torchrun /
-deepspeed on PATH (tests/test_emit_scripts.py's FAKE_LAUNCHER) or the real torchrun."""
+deepspeed on PATH (tests/conftest.py's FAKE_LAUNCHER) or the real torchrun."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from planner.cli import main
 from planner.emit.hosts import Host
-from tests.test_emit_scripts import PLANS, STUB_ENTRY, TRICKY_ARGS, fake_bin, run_with_stub  # noqa: F401 (fixture)
 from tests.test_cli_generate import write_plan
+from tests.test_emit_scripts import PLANS, STUB_ENTRY, TRICKY_ARGS, run_with_stub
 
 MULTI = PLANS["multi"]  # llama-3.1-70b on 4 nodes x 8 GPUs
 
@@ -50,7 +50,8 @@ def test_torchrun_static_rendezvous_is_the_default_and_carries_the_node_rank(tmp
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MASTER_ADDR": "gpu-a01", "NODE_RANK": "2"}
     run_with_stub(tmp_path, MULTI, [str(run_dir / "launch_torchrun.sh")], env=env)
     argv = argv_of(tmp_path / "fake.jsonl")
-    assert argv[:8] == ["--nnodes", "4", "--node-rank", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "gpu-a01:29500"]
+    assert argv[:8] == ["--nnodes", "4", "--node-rank", "2", "--rdzv-backend", "static",
+                        "--rdzv-endpoint", "gpu-a01:29500"]
     assert "--rdzv-id" not in argv and argv[argv.index("--max-restarts") + 1] == "0"
 
 
@@ -140,7 +141,8 @@ def test_real_torchrun_places_the_ranks_by_node_rank_and_c10d_by_arrival(tmp_pat
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    ranks = {node: sorted(int(r["env"]["RANK"]) for r in records if r["env"]["STUB_NODE"] == node) for node in ("0", "1")}
+    ranks = {node: sorted(int(r["env"]["RANK"]) for r in records if r["env"]["STUB_NODE"] == node)
+             for node in ("0", "1")}
     if backend == "static":
         assert ranks == {"0": [0, 1], "1": [2, 3]}
     else:
@@ -170,7 +172,8 @@ def test_deepspeed_ssh_mode_defaults_master_addr_to_the_hostfiles_first_host(tmp
     assert ssh[ssh.index("--master_addr") + 1] == "gpu-b07"  # first in the hostfile, not the first sorted
     (tmp_path / "fake.jsonl").unlink()
     run_script(run_dir / "launch_deepspeed.sh", {**env, "FAKE_LOG": str(tmp_path / "fake.jsonl"), "NODE_RANK": "1",
-                                                  "DSPLAN_PYTHON": sys.executable, "STUB_LOG": str(tmp_path / "s")}, "node")
+                                                  "DSPLAN_PYTHON": sys.executable, "STUB_LOG": str(tmp_path / "s")},
+               "node")
     node = argv_of(tmp_path / "fake.jsonl")
     assert node[node.index("--master_addr") + 1] == ssh[ssh.index("--master_addr") + 1]
 

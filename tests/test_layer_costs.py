@@ -16,7 +16,6 @@ from planner.model.spec import (
     EmbeddingBlock,
     LMHeadBlock,
     ModelSpec,
-    MoEMLP,
     NormBlock,
 )
 

@@ -39,11 +39,12 @@ def test_row_within_seven_percent(row):
     a point and a half of accuracy on any row fails here."""
     result = bench.predict(row)
     assert result["fits"], f"{row['params_B']}B should fit on A100-80GB as it ran"
-    assert abs(result["error"]) < 0.07, f"{row['params_B']}B: predicted {result['predicted_tflops']:.1f} vs {row['published']}"
+    assert abs(result["error"]) < 0.07, \
+        f"{row['params_B']}B: predicted {result['predicted_tflops']:.1f} vs {row['published']}"
 
 
 def test_model_is_megatron_gpt():
     m = bench.megatron_gpt(hidden=2304, heads=24, layers=24)
-    # 12 l h^2 (1 + 13/12h + (V + s)/(12 l h)) parameters (Narayanan 2021 Sec 5.1)
-    l, h, v, s = 24, 2304, 51200, 2048
-    assert m.total_params() == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)), rel=1e-3)
+    # 12 L h^2 (1 + 13/12h + (V + s)/(12 L h)) parameters, L layers (Narayanan 2021 Sec 5.1)
+    L, h, v, s = 24, 2304, 51200, 2048
+    assert m.total_params() == pytest.approx(12 * L * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * L * h)), rel=1e-3)

@@ -13,9 +13,9 @@ from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search import memfit
 from planner.search.evaluate import evaluate_keys
+from planner.search.request import candidate_space
 from planner.search.space import Constraints
 from planner.search.suggest import NoPlanFits, suggest
-from planner.search.request import candidate_space
 from tests.search_cases import case_of, evaluate_one, prepared
 
 # DeepSeek-VL2 on one node, four pipeline stages, Megatron's distributed optimizer: the split
@@ -252,7 +252,8 @@ def test_interleaved_stage_memory_bounds_each_rank_from_above() -> None:
         assert len(sm.inflight) == len(sm.base) == pp * vs
         cuts = np.sort(rng.choice(np.arange(1, units), pp * vs - 1, replace=False))
         bounds = np.concatenate(([0], cuts, [units]))
-        plan = estimate(model, cluster, wl, cfg, partition=case.p.splits.units.blocks(tuple(int(c) for c in np.diff(bounds))))
+        plan = estimate(model, cluster, wl, cfg,
+                        partition=case.p.splits.units.blocks(tuple(int(c) for c in np.diff(bounds))))
         for r in range(pp):
             rank_bound = sum(sm.stage_bytes(k, int(bounds[k]), int(bounds[k + 1])) for k in range(r, pp * vs, pp)) / vs
             assert rank_bound >= plan.stages[r].memory.peak * (1 - 1e-12), (cfg, r)

@@ -14,7 +14,14 @@ import pytest
 
 import planner.model
 from planner.errors import UserError
-from planner.model.catalog import PRESETS_DIR, list_presets, load_model, load_model_with_warnings, load_preset, preset_info
+from planner.model.catalog import (
+    PRESETS_DIR,
+    list_presets,
+    load_model,
+    load_model_with_warnings,
+    load_preset,
+    preset_info,
+)
 from planner.model.spec import MoEMLP, NormBlock, VisionBlock
 from tests.conftest import REFERENCE_DIR
 
@@ -103,7 +110,8 @@ def test_preset_totals_match_the_reference_formulas(name):
         expected = ref["computed_language_activated_excl_input_embedding"] + ref.get("computed_vision_incl_merger", 0)
     assert ours == expected
     if "computed_vision_incl_unused_head" in ref:
-        vision = sum(b.params() for b in spec.blocks[: spec.blocks.index(next(b for b in spec.blocks if b.kind == "projector"))])
+        vision = sum(b.params()
+                     for b in spec.blocks[: spec.blocks.index(next(b for b in spec.blocks if b.kind == "projector"))])
         assert vision == ref["computed_vision_incl_unused_head"]
 
 
@@ -120,7 +128,8 @@ def test_vl2_structure_and_tiling():
     assert head.activated_params() == 2 * 1152  # the unused MAP head never runs
     assert spec.blocks[29].params() == 18_360_320
     t = spec.vision
-    assert (t.tile_px, t.patches_per_tile, t.tokens_per_tile, t.global_view, t.max_local_tiles) == (384, 729, 196, True, 9)
+    assert ((t.tile_px, t.patches_per_tile, t.tokens_per_tile, t.global_view, t.max_local_tiles)
+            == (384, 729, 196, True, 9))
     assert t.newline_tokens and t.default_images_per_sample == 1 and t.default_tiles_per_image == 4
     decoders = spec.decoder_blocks
     assert not decoders[0].is_moe and all(d.is_moe for d in decoders[1:])
@@ -145,7 +154,8 @@ def test_qwen2_vl_has_no_vision_final_norm_and_a_merger():
     kinds = [b.kind for b in spec.blocks]
     assert kinds[:34] == ["vision_embed"] + ["vision"] * 32 + ["projector"]
     merger = spec.blocks[33]
-    assert (merger.in_dim, merger.merge, merger.mlp_hidden, merger.out_dim, merger.in_norm) == (1280, 4, 5120, 8192, "layernorm")
+    assert ((merger.in_dim, merger.merge, merger.mlp_hidden, merger.out_dim, merger.in_norm)
+            == (1280, 4, 5120, 8192, "layernorm"))
     assert (spec.vision.tile_px, spec.vision.patches_per_tile, spec.vision.tokens_per_tile) == (448, 1024, 256)
     assert not spec.vision.global_view
 

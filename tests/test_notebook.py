@@ -35,7 +35,8 @@ def test_every_plot_has_a_sentence_saying_what_it_shows():
     plotting = [i for i, c in enumerate(cells) if c.cell_type == "code" and "plots.plot_" in c.source]
     assert len(plotting) >= 7
     shown = {name for c in cells if c.cell_type == "code" for name in
-             ("plot_scaling", "plot_pareto", "plot_heatmap", "plot_zero", "plot_partition", "plot_fabric", "plot_vision")
+             ("plot_scaling", "plot_pareto", "plot_heatmap", "plot_zero", "plot_partition", "plot_fabric",
+              "plot_vision")
              if name in c.source}
     assert len(shown) == 7
     for i in plotting:
@@ -48,7 +49,8 @@ def test_every_plot_has_a_sentence_saying_what_it_shows():
 def executed():
     nb = _read()
     # One extra cell, in memory only: which interpreter the kernel runs.
-    nb.cells.append(nbformat.v4.new_code_cell("import sys, matplotlib; print(sys.executable); print(matplotlib.get_backend())"))
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import sys, matplotlib; print(sys.executable); print(matplotlib.get_backend())"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MPLBACKEND", "Agg")  # no display; the kernel inherits it
         # jupyter_client starts a "python" kernelspec with sys.executable: this venv's interpreter.

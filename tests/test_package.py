@@ -24,7 +24,8 @@ def test_import_planner_does_not_import_torch_or_deepspeed():
 def test_wheel_ships_templates_and_profiles_and_runs_from_elsewhere(tmp_path: Path):
     wheel_dir = tmp_path / "wheel"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO_ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir),
+         str(REPO_ROOT)],
         check=True,
     )
     (wheel,) = wheel_dir.glob("dsplan-*.whl")
@@ -34,7 +35,8 @@ def test_wheel_ships_templates_and_profiles_and_runs_from_elsewhere(tmp_path: Pa
     assert any(n.startswith("planner/model/presets/") and n.endswith(".json") for n in names)
 
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
@@ -47,6 +49,7 @@ def test_wheel_ships_templates_and_profiles_and_runs_from_elsewhere(tmp_path: Pa
     out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(str(target))
-    cli = subprocess.run([sys.executable, "-m", "planner", "hardware", "--json"], cwd=elsewhere, env=env, capture_output=True, text=True)
+    cli = subprocess.run([sys.executable, "-m", "planner", "hardware", "--json"], cwd=elsewhere, env=env,
+                         capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
     assert "dgx-a100-80g" in cli.stdout

@@ -211,7 +211,9 @@ def test_time_pack_fits_equals_pack_ends(seed: int) -> None:
     ties and zero costs included."""
     import numpy as np
 
-    from planner.search.packing import _sums_within, _time_pack_fits, cost_profile as _cost_profile, pack_ends as _pack_ends
+    from planner.search.packing import _sums_within, _time_pack_fits
+    from planner.search.packing import cost_profile as _cost_profile
+    from planner.search.packing import pack_ends as _pack_ends
 
     rng = random.Random(seed)
     n = rng.randint(1, 130)

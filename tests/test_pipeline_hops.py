@@ -10,11 +10,11 @@ from planner.cost.estimate import estimate
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
-from tests.scalar_oracle import build_comms
 from planner.hardware.placement import Placement, pipeline_hops
 from planner.model.catalog import load_model
 from planner.search.space import Constraints
 from planner.search.suggest import suggest
+from tests.scalar_oracle import build_comms
 
 
 def cluster(nodes: int) -> Cluster:

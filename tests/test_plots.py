@@ -66,7 +66,8 @@ def test_candidates_are_the_search_space_scored_like_estimate(one_node, llama_ca
     for r in [r for r in rows if r["pp"] == 1][:: max(1, len(rows) // 12)]:
         plan = api.estimate("llama-3-8b", one_node, workload=api.make_workload("llama-3-8b", gpus=8), tp=r["tp"],
                             zero=r["zero_stage"], offload=r["offload"], micro_batch=r["micro_batch"],
-                            recompute=r["recompute"], sequence_parallel=r["sequence_parallel"], framework=r["framework"])
+                            recompute=r["recompute"], sequence_parallel=r["sequence_parallel"],
+                            framework=r["framework"])
         assert plan.step_time_s == pytest.approx(r["step_time_s"], rel=1e-6)
         assert plan.memory.peak == pytest.approx(r["peak_bytes"], rel=1e-6)
         assert plan.mfu == pytest.approx(r["mfu"], rel=1e-6)
@@ -169,7 +170,8 @@ def test_every_plot_renders_to_png(tmp_path, llama_candidates, one_node):
         "heatmap": plots.plot_heatmap(explore.tp_pp_grid(llama_candidates)),
         "zero": plots.plot_zero(explore.zero_stages("llama-3-8b", one_node)),
         "partition": plots.plot_partition(explore.partition_comparison("llama-3-8b", one_node, pp=2)),
-        "fabric": plots.plot_fabric(explore.fabric_whatif("llama-3-8b", nodes=2, variants=explore.DEFAULT_FABRICS[:2], **SEARCH)),
+        "fabric": plots.plot_fabric(explore.fabric_whatif("llama-3-8b", nodes=2, variants=explore.DEFAULT_FABRICS[:2],
+                                                          **SEARCH)),
         "vision": plots.plot_vision(explore.vision_load("vl2", one_node, images=(1,), tiles=(1, 2), **SEARCH)),
     }
     for name, fig in figures.items():
@@ -199,11 +201,13 @@ def _plot(*args: str):
 
 def test_cli_pareto_writes_the_front(tmp_path, llama_candidates):
     out = tmp_path / "pareto.png"
-    result = _plot("pareto", "--model", "llama-3-8b", "--nodes", "1", "--framework", "deepspeed", "--out", str(out), "--json")
+    result = _plot("pareto", "--model", "llama-3-8b", "--nodes", "1", "--framework", "deepspeed", "--out", str(out),
+                   "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     feasible = [r for r in llama_candidates if r["fits"]]
-    assert (data["kind"], data["out"], data["candidates"], data["feasible"]) == ("pareto", str(out), len(llama_candidates), len(feasible))
+    assert ((data["kind"], data["out"], data["candidates"], data["feasible"])
+            == ("pareto", str(out), len(llama_candidates), len(feasible)))
     front = explore.pareto_front(feasible)
     assert [r["label"] for r in data["rows"]] == [r["label"] for r in front]
     assert [r["tokens_per_s"] for r in data["rows"]] == sorted(r["tokens_per_s"] for r in data["rows"])
@@ -212,8 +216,8 @@ def test_cli_pareto_writes_the_front(tmp_path, llama_candidates):
 
 def test_cli_heatmap_and_scaling(tmp_path):
     heat = tmp_path / "heat.png"
-    result = _plot("heatmap", "--model", "llama-3-8b", "--nodes", "1", "--framework", "megatron-deepspeed", "--tp", "1,2,4",
-                   "--pp", "1,2", "--out", str(heat), "--json")
+    result = _plot("heatmap", "--model", "llama-3-8b", "--nodes", "1", "--framework", "megatron-deepspeed",
+                   "--tp", "1,2,4", "--pp", "1,2", "--out", str(heat), "--json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)["rows"]
     assert sorted((r["tp"], r["pp"]) for r in rows) == [(t, p) for t in (1, 2, 4) for p in (1, 2)]
@@ -225,7 +229,8 @@ def test_cli_heatmap_and_scaling(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"wrote {scale}" in result.output.replace("\n", "") and "3 points" in result.output
     _png_size(scale)
-    result = _plot("scaling", "--model", "llama-3-8b", "--nodes", "2,1", "--framework", "deepspeed", "--out", str(scale), "--json")
+    result = _plot("scaling", "--model", "llama-3-8b", "--nodes", "2,1", "--framework", "deepspeed",
+                   "--out", str(scale), "--json")
     assert [r["nodes"] for r in json.loads(result.output)["rows"]] == [1, 2]
 
 
@@ -236,8 +241,10 @@ def test_cli_heatmap_and_scaling(tmp_path):
     (["heatmap", "--model", "llama-3-8b", "--recompute", "most"], "--recompute: unknown value 'most'"),
     (["pareto", "--model", "no-such-model"], "no-such-model"),
     (["pareto", "--model", "llama-3-8b", "--images-per-sample", "2"], "not a vision-language model"),
-    (["pareto", "--model", "llama-2-70b", "--zero", "0", "--offload", "none", "--tp", "1", "--pp", "1"], "no plan of llama-2-70b fits"),
-    (["scaling", "--model", "llama-2-70b", "--nodes", "1", "--zero", "0", "--offload", "none", "--tp", "1", "--pp", "1"],
+    (["pareto", "--model", "llama-2-70b", "--zero", "0", "--offload", "none", "--tp", "1", "--pp", "1"],
+     "no plan of llama-2-70b fits"),
+    (["scaling", "--model", "llama-2-70b", "--nodes", "1", "--zero", "0", "--offload", "none", "--tp", "1",
+      "--pp", "1"],
      "no plan of llama-2-70b fits at any of 1 node"),
 ])
 def test_cli_bad_input_exits_2_without_traceback(tmp_path, args, message):
@@ -257,7 +264,8 @@ def test_cli_missing_output_directory(tmp_path):
 
 def test_cli_without_matplotlib_names_the_extra(tmp_path):
     code = "import sys; sys.modules['matplotlib'] = None; from planner.cli import main; main()"
-    out = subprocess.run([sys.executable, "-c", code, "plot", "pareto", "--model", "llama-3-8b", "--out", str(tmp_path / "x.png")],
+    out = subprocess.run([sys.executable, "-c", code, "plot", "pareto", "--model", "llama-3-8b",
+                          "--out", str(tmp_path / "x.png")],
                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 2
     assert "pip install 'dsplan[plot]'" in out.stderr

@@ -13,9 +13,9 @@ from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search.bounds import lower_bounds
 from planner.search.evaluate import evaluate_keys
+from planner.search.request import candidate_space
 from planner.search.space import Constraints
 from planner.search.suggest import _scalar_key, suggest
-from planner.search.request import candidate_space
 from tests.scalar_oracle import oracle_estimate
 from tests.search_cases import case_of, prepared
 
@@ -27,8 +27,8 @@ CASES = [
      "throughput"),
     ("deepseek-vl2-tiny", 1, 32, 4096, Constraints(micro_batch=(1,), recompute=("none", "full"), zero=(1, 3),
                                                    virtual_stages=(1,)), "throughput"),
-    ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("full",), zero=(0, 1, 3)),
-     "memory"),
+    ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("full",),
+                                              zero=(0, 1, 3)), "memory"),
     ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("selective",)), "cost"),
     # 36 samples: micro-batch counts pp does not divide (9 on pp 2, 18 on pp 4, 36 on pp 8), which
     # interleave with a larger micro-batch group, over 1 to 6 virtual stages of 24 layers.
@@ -60,8 +60,8 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
     best = min(plans, key=lambda p: _scalar_key(objective, p, cluster.num_gpus))
     got = fast.plans[0].plan
     # Equal up to summation order (the array model and the scalar walk add the same terms differently).
-    assert _scalar_key(objective, got, cluster.num_gpus) == pytest.approx(_scalar_key(objective, best, cluster.num_gpus),
-                                                                          rel=1e-12)
+    assert _scalar_key(objective, got, cluster.num_gpus) == pytest.approx(
+        _scalar_key(objective, best, cluster.num_gpus), rel=1e-12)
     if objective != "cost":
         assert got.to_json()["step_time_s"] == pytest.approx(best.step_time_s, rel=1e-12)
     assert fast.evaluated == len(space)

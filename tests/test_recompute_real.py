@@ -159,7 +159,8 @@ def test_selective_recompute_drops_the_attention_core_of_every_layer(measured):
     small, tiles, data = build(name)
     for i, block in recomputed_layers(name):
         full, selective, none = (runs[m].per_layer.get(i, 0) for m in ("full", "selective", "none"))
-        assert full < selective < none, f"{name} layer {i} ({block.kind}): none {none}, selective {selective}, full {full}"
+        assert full < selective < none, \
+            f"{name} layer {i} ({block.kind}): none {none}, selective {selective}, full {full}"
         if isinstance(block, VisionBlock):
             heads, rows = block.heads, MICRO_BATCH * tiles * small.vision.patches_per_tile
         else:

@@ -23,7 +23,6 @@ import pytest
 
 from tests.test_cli_run import generate
 
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900  # a fresh machine JIT-builds DeepSpeed's ops on the first start (minutes)
 

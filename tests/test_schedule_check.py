@@ -10,14 +10,14 @@ import pytest
 from click.testing import CliRunner
 
 from planner.cli import main
+from planner.cost import schedule_check as sc
+from planner.cost.block_times import BlockTables
+from planner.cost.efficiency import device
 from planner.cost.estimate import estimate
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
-from planner.cost import schedule_check as sc
-from planner.cost.block_times import BlockTables
-from planner.cost.efficiency import device
 
 # llama-3-70b (embedding, 80 decoders, norm, head: 83 blocks) on pp 4 x v 5: a split with the
 # optimal slowest chunk that packs five decoders into 15 chunks and one or two into the rest
@@ -84,8 +84,8 @@ def test_estimate_suggest_and_the_run_readme_print_the_note(tmp_path: Path) -> N
 
     # Eight micro-batches on pp 8 x v 2: even chunks, but the ranks with the embedding and the head
     # differ, and with so few micro-batches the schedule overlaps them better than the formula.
-    found = runner.invoke(main, ["suggest", "--model", "llama-3.1-70b", "--nodes", "64", "--pp", "8", "--virtual-stages",
-                                 "2", "--global-batch", "64", "--top", "2", "--json"])
+    found = runner.invoke(main, ["suggest", "--model", "llama-3.1-70b", "--nodes", "64", "--pp", "8",
+                                 "--virtual-stages", "2", "--global-batch", "64", "--top", "2", "--json"])
     assert found.exit_code == 0, found.output
     data = json.loads(found.output)
     best = data["plans"][0]

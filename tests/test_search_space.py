@@ -123,13 +123,13 @@ def test_experts_must_divide_by_ep() -> None:
 
 @pytest.mark.parametrize("name", list_presets())
 def test_block_table_per_run_of_identical_blocks_equals_the_direct_call(name: str) -> None:
+    from planner.cost.block_times import BlockTables, block_table
+    from planner.cost.efficiency import device
     from planner.cost.layers import layer_costs
+    from planner.cost.layout import layout
     from planner.cost.parallel import Workload
     from planner.hardware.cluster import Cluster
     from planner.hardware.load import load_profile
-    from planner.cost.block_times import BlockTables, block_table
-    from planner.cost.efficiency import device
-    from planner.cost.layout import layout
 
     model = load_preset(name)
     vlm = model.vision is not None

@@ -53,7 +53,8 @@ def _shapes(gpus: int) -> list[tuple[tuple[int, ...], ...]]:
             span = size * stride
             if gpus % span:
                 continue
-            groups = [tuple(b + o + j * stride for j in range(size)) for b in range(0, gpus, span) for o in range(stride)]
+            groups = [tuple(b + o + j * stride for j in range(size))
+                      for b in range(0, gpus, span) for o in range(stride)]
             shapes.append(tuple(groups))
     return shapes
 
@@ -264,7 +265,8 @@ def test_lean_environment_keeps_the_users_values_and_spares_run():
 
 _TRICKY_YAML = [
     "a: &base {x: 1, y: [1, 2.5, 3e2, 1.0e+3, .inf, 0x1F, 0o17, 017, 1_000]}\nb: *base\nc: [*base, null]\n",
-    "s: 'it''s'\nt: \"tab\\tand \\u00e9\"\nu: |\n  two\n  lines\nv: >-\n  folded\n  text\nw: ~\nx: yes\ny: Off\nz: 2024-01-02\n",
+    ("s: 'it''s'\nt: \"tab\\tand \\u00e9\"\nu: |\n  two\n  lines\n"
+     "v: >-\n  folded\n  text\nw: ~\nx: yes\ny: Off\nz: 2024-01-02\n"),
     "name: h\u00e9llo w\u00f6rld \u2014 \U0001F680\n'quoted key': [a, 'b', \"c\"]\n? complex\n: value\n",
     "nested:\n  - {a: 1}\n  - - x\n    - y\n  -\n    k: v\n",
     "a: &base {x: 1, y: 2}\nb:\n  <<: *base\n  y: 3\n",  # merge keys; a key given here overrides the merged one

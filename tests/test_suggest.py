@@ -14,10 +14,10 @@ from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search.evaluate import evaluate_keys
 from planner.search.partition import greedy_partition
+from planner.search.request import candidate_space
 from planner.search.space import Constraints
 from planner.search.splits import pipeline_units
 from planner.search.suggest import NoPlanFits, suggest
-from planner.search.request import candidate_space
 from tests.scalar_oracle import oracle_estimate
 from tests.search_cases import case_of
 
@@ -315,9 +315,11 @@ def test_cost_objective_breaks_equal_costs_by_host_memory_then_gpu_memory() -> N
     peak = np.array([50e9, 70e9, 60e9, 79e9])
     # 3 is cheapest; of the equal three, 1 and 2 hold less in host memory, and 2 less on the GPU.
     assert list(order("cost", cols, tps, peak, host, 8)) == [3, 2, 1, 0]
-    plan = {"zero_stage": 2, "tokens_per_s": 100.0, "time": {}, "memory": {"peak_bytes": 70 * 2**30, "cpu_bytes_per_node": 100 * 2**30}}
+    plan = {"zero_stage": 2, "tokens_per_s": 100.0, "time": {},
+            "memory": {"peak_bytes": 70 * 2**30, "cpu_bytes_per_node": 100 * 2**30}}
     heavier = {**plan, "zero_stage": 1, "memory": {"peak_bytes": 50 * 2**30, "cpu_bytes_per_node": 200 * 2**30}}
-    assert "equal tokens/s; ranks lower on more host memory for offload (200.0 vs 100.0 GiB per node); peak memory 50.0 vs 70.0 GiB" in why_behind(plan, heavier, "cost")
+    assert ("equal tokens/s; ranks lower on more host memory for offload (200.0 vs 100.0 GiB per node); "
+            "peak memory 50.0 vs 70.0 GiB" in why_behind(plan, heavier, "cost"))
 
     # On one DGX, llama-3.1-8b's ZeRO-1 and ZeRO-2 optimizer-offload plans run at identical
     # tokens/s and pin the same 18 bytes per parameter on the host: GPU memory decides.

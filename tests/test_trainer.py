@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.model.load import load_model
 from planner.run import checkpoint
 from planner.run.data import SyntheticData
-from planner.run.model_scale import SMALL, TINY, parse_scale, scale_spec
-from planner.emit.plan_file import PlanFile
 from planner.run.metrics import metrics_path
+from planner.run.model_scale import SMALL, TINY, parse_scale, scale_spec
 from planner.run.rundir import read_plan
 from tests.conftest_deepspeed import (
     DEEPSPEED,
@@ -39,7 +39,6 @@ from tests.conftest_deepspeed import (
     run_deepspeed,
     vl2_like,
 )
-
 
 FAST_LR = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
 STEPS = 4

@@ -18,35 +18,46 @@ from planner.errors import UserError
 
 
 @click.command("estimate")
-@click.option("--model", "model_name", required=True, metavar="NAME|PATH", help="Model preset (see `dsplan models`) or a config.json.")
+@click.option("--model", "model_name", required=True, metavar="NAME|PATH",
+              help="Model preset (see `dsplan models`) or a config.json.")
 @hardware_option
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, 1-576 [default: from the hardware profile].")
+@click.option("--gpus-per-node", type=int, default=None,
+              help="GPUs per node, 1-576 [default: from the hardware profile].")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree.")
 @click.option("--dp", type=int, default=None, help="Data-parallel degree [default: GPUs / (tp x pp)].")
-@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (ranks taken from the DP group).")
-@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=None, help="ZeRO stage [default: 1 (distributed optimizer) when dp > 1, else 0].")
-@click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none", show_default=True,
+@click.option("--ep", type=int, default=1, show_default=True,
+              help="Expert-parallel degree (ranks taken from the DP group).")
+@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=None,
+              help="ZeRO stage [default: 1 (distributed optimizer) when dp > 1, else 0].")
+@click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none",
+              show_default=True,
               help="optimizer: DeepSpeed ZeRO-Offload or Megatron-Core's optimizer CPU offload (bf16, Adam); "
                    "optimizer+params: ZeRO-3 only.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Samples per micro-batch per GPU.")
-@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
+@click.option("--global-batch", type=int, default=None,
+              help="Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
                    "least pp micro-batches].")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length].")
+@click.option("--seq-len", type=int, default=None,
+              help="Tokens per sample [default: the model's training sequence length].")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
 @click.option("--virtual-stages", type=int, default=1, show_default=True, help="Interleaved pipeline chunks per rank.")
-@click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron"]), default="deepspeed", show_default=True)
-@click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample [default: the model's].")
-@click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image [default: the model's].")
+@click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron"]), default="deepspeed",
+              show_default=True)
+@click.option("--images-per-sample", type=int, default=None,
+              help="Vision-language models: images per sample [default: the model's].")
+@click.option("--tiles-per-image", type=int, default=None,
+              help="Vision-language models: local tiles per image [default: the model's].")
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
 @click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
               help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of Korthikanti et al.")
 @click.option("--dropout", is_flag=True, help="Model hidden/attention dropout (1-byte masks kept for backward).")
 @click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
-              help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them [default: even split].")
+              help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them "
+                   "[default: even split].")
 @json_option
 def estimate_command(as_json: bool, **opts: Any) -> None:
     """Memory per GPU and step time of one plan.
@@ -97,12 +108,13 @@ def render(plan) -> None:
     if c.virtual_stages > 1:  # a micro-batch count pp does not divide runs with a larger group (cost/memory.py)
         g = group_to_set(c.pp, c.virtual_stages, c.grad_accum)
         virtual = f" (v {c.virtual_stages}" + (f", micro-batch group {g}" if g else "") + ")"
-    console.print(f"[bold]{plan.model}[/bold] on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} ({plan.gpus} GPUs), "
-                  f"{c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
+    console.print(f"[bold]{plan.model}[/bold] on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
+                  f"({plan.gpus} GPUs), {c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
                   + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}")
-    console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
+    console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
+                  f"x accumulation {c.grad_accum} x dp {c.dp}; {verdict}")
     _render_memory(plan)
     _render_time(plan)
     for line in plan.notes:
@@ -138,8 +150,9 @@ def _render_memory(plan) -> None:
                           f"layers); weights {_gib(m.weights)}, grads {_gib(m.grads)}, optim {_gib(m.optimizer)}, "
                           f"activ {_gib(m.activations)}, buffers {_gib(m.buffers)}, overhead {_gib(m.overhead)}; "
                           f"peak {peak}")
-    console.print(f"GPU memory {human_bytes(cap)}" + (f"; host memory per node for offload {human_bytes(plan.cpu_bytes_per_node)}"
-                                                      if plan.cfg.offload != "none" else ""))
+    console.print(f"GPU memory {human_bytes(cap)}"
+                  + (f"; host memory per node for offload {human_bytes(plan.cpu_bytes_per_node)}"
+                     if plan.cfg.offload != "none" else ""))
 
 
 def _render_time(plan) -> None:
@@ -158,7 +171,8 @@ def _render_time(plan) -> None:
         tt.add_row(name, human_time(value), f"{value / total:.1%}")
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
-    console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, MFU {plan.mfu:.1%}")
+    console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, "
+                  f"MFU {plan.mfu:.1%}")
 
 
 def _gib(n: float) -> str:

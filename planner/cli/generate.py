@@ -26,18 +26,24 @@ if TYPE_CHECKING:
 # Flags that shape (or pick from) the search; with --plan they would be silently ignored, so
 # they are refused. Each defaults to None, so any value given on the command line counts.
 _SEARCH_FLAGS = (
-    "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer", "dp", "tp", "pp", "ep", "zero", "offload",
-    "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel",
+    "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
+    "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework",
+    "sequence_parallel",
 )
 
 
 @click.command("generate", context_settings={"max_content_width": 100})
-@click.option("--model", "model", default=None, metavar="NAME|PATH", help="Model preset or config.json [default with --plan: the plan's model].")
-@click.option("--hardware", default=None, metavar="NAME|PATH", help="Hardware profile [default: the plan's, else dgx-a100-80g].")
+@click.option("--model", "model", default=None, metavar="NAME|PATH",
+              help="Model preset or config.json [default with --plan: the plan's model].")
+@click.option("--hardware", default=None, metavar="NAME|PATH",
+              help="Hardware profile [default: the plan's, else dgx-a100-80g].")
 @click.option("--nodes", type=int, default=None, help="Number of nodes [default: the plan's, else 1].")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, 1-576 [default: from the hardware profile].")
-@click.option("--plan", "plan_path", default=None, metavar="FILE", help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
-@click.option("--rank", type=int, default=None, help="Without --plan: use the K-th best plan of the search [default: 1].")
+@click.option("--gpus-per-node", type=int, default=None,
+              help="GPUs per node, 1-576 [default: from the hardware profile].")
+@click.option("--plan", "plan_path", default=None, metavar="FILE",
+              help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
+@click.option("--rank", type=int, default=None,
+              help="Without --plan: use the K-th best plan of the search [default: 1].")
 @click.option("--global-batch", type=int, default=None, help="Samples per optimizer step.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
 @click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample.")
@@ -46,23 +52,33 @@ _SEARCH_FLAGS = (
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None, help="[default: adamw]")
 @constraint_options
 @balancer_option
-@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True)
-@click.option("--out", "out_dir", required=True, type=OutputPath("dir"), help="Run directory to write (created if missing).")
+@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput",
+              show_default=True)
+@click.option("--out", "out_dir", required=True, type=OutputPath("dir"),
+              help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",
               help="What each rank runs: dsplan's reference trainer, or your training script, copied into DIR "
                    "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config).")
 @click.option("--hosts", default=None, metavar="H1,H2,...", help="Host names, one per node, comma-separated.")
-@click.option("--hostfile", "hostfile_path", default=None, metavar="FILE", help="A hostfile ('host slots=N' lines), one host per node.")
-@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="Optimizer steps (schedule length; builtin trainer's run).")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True, help="Save a checkpoint every N steps (0: never).")
-@click.option("--master-port", type=click.IntRange(1024, 65535), default=29500, show_default=True, help="Rendezvous port on the first node.")
-@click.option("--image", default=None, help="Container image for k8s-job.yaml [default: an NGC PyTorch image; add DeepSpeed and dsplan to it].")
-@click.option("--k8s-pvc", default="dsplan-runs", show_default=True, help="PersistentVolumeClaim holding run directories (k8s-job.yaml).")
+@click.option("--hostfile", "hostfile_path", default=None, metavar="FILE",
+              help="A hostfile ('host slots=N' lines), one host per node.")
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Optimizer steps (schedule length; builtin trainer's run).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Save a checkpoint every N steps (0: never).")
+@click.option("--master-port", type=click.IntRange(1024, 65535), default=29500, show_default=True,
+              help="Rendezvous port on the first node.")
+@click.option("--image", default=None,
+              help="Container image for k8s-job.yaml [default: an NGC PyTorch image; add DeepSpeed and dsplan to it].")
+@click.option("--k8s-pvc", default="dsplan-runs", show_default=True,
+              help="PersistentVolumeClaim holding run directories (k8s-job.yaml).")
 @click.option("--k8s-scheduler", default=None, metavar="NAME",
-              help="schedulerName for k8s-job.yaml's pods, e.g. volcano [default: left to the cluster or the training-operator's gang scheduler].")
+              help="schedulerName for k8s-job.yaml's pods, e.g. volcano "
+                   "[default: left to the cluster or the training-operator's gang scheduler].")
 @click.option("--k8s-rdma", default=None, metavar="RESOURCE[=N]|none",
               help="RDMA device resource each pod of k8s-job.yaml asks for, e.g. nvidia.com/hostdev=8 "
-                   "[default on an InfiniBand/RoCE profile: rdma/rdma_shared_device_a=1, the NVIDIA Network Operator's shared RDMA plugin].")
+                   "[default on an InfiniBand/RoCE profile: rdma/rdma_shared_device_a=1, "
+                   "the NVIDIA Network Operator's shared RDMA plugin].")
 @click.option("--ib-hca", default=None, help="NCCL_IB_HCA for nccl.env, e.g. mlx5_0,mlx5_1 [default: mlx5].")
 @click.option("--socket-ifname", default=None, help="NCCL_SOCKET_IFNAME for nccl.env, e.g. eth0 [default: ^lo,docker].")
 @click.option("--force", is_flag=True, help="Replace files in DIR that differ from what dsplan generated last time.")
@@ -126,9 +142,12 @@ def _print_written(report, plan, note: str | None) -> None:
         console.print(f"  replaced your edits (--force): {', '.join(report.replaced_edits)}")
     console.print(f"  plan: {plan.framework}, DP {plan.dp} x TP {plan.tp} x PP {plan.pp}"
                   + (f" ({plan.virtual_stages} virtual stages per rank"
-                     + (f", micro-batch group {g}" if (g := group_to_set(plan.pp, plan.virtual_stages, plan.grad_accum)) else "")
+                     + (f", micro-batch group {g}"
+                        if (g := group_to_set(plan.pp, plan.virtual_stages, plan.grad_accum)) else "")
                      + ")" if plan.virtual_stages > 1 else "")
-                  + (f", EP {plan.ep}" if plan.ep > 1 else "") + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
+                  + (f", EP {plan.ep}" if plan.ep > 1 else "")
+                  + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} "
+                    f"= {plan.global_batch}")
     if note:  # the default entry cannot run it: point at Megatron-LM's script, not at the launcher
         console.print(f"  [yellow]note:[/yellow] {note}", soft_wrap=True)
         console.print(f"  next: dsplan generate ... --out {out} --entry pretrain_gpt.py -- ARGS  (see {out}/README.md)",
@@ -199,18 +218,20 @@ def _choose_plan(opts: dict[str, Any]):
     if opts["plan_path"] is not None:
         given = [f"--{k.replace('_', '-')}" for k in _SEARCH_FLAGS if opts.get(k) is not None]
         if given:
-            raise UserError(f"--plan fixes every degree and batch size; drop {', '.join(given)} (or drop --plan to search)")
+            raise UserError(f"--plan fixes every degree and batch size; drop {', '.join(given)} "
+                            "(or drop --plan to search)")
         plan = load_plan_file(opts["plan_path"])
         model = load_model(plan.model)
         if opts["model"] is not None:
             wanted = load_model(opts["model"])
             if wanted.name != model.name:
                 raise UserError(
-                    f"--plan {opts['plan_path']}: the plan was made for model {model.name}, not {wanted.name} (--model); "
-                    "plan again for this model or drop --model"
+                    f"--plan {opts['plan_path']}: the plan was made for model {model.name}, "
+                    f"not {wanted.name} (--model); plan again for this model or drop --model"
                 )
         if opts["nodes"] is not None and opts["nodes"] != plan.nodes:
-            raise UserError(f"--plan {opts['plan_path']}: the plan is for {plan.nodes} node(s), not --nodes {opts['nodes']}")
+            raise UserError(f"--plan {opts['plan_path']}: the plan is for {plan.nodes} node(s), "
+                            f"not --nodes {opts['nodes']}")
         gpus = opts["gpus_per_node"]
         if gpus is not None and gpus != plan.gpus_per_node:
             raise UserError(f"--plan {opts['plan_path']}: the plan is for {plan.gpus_per_node} GPUs per node, not "
@@ -241,7 +262,8 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
     search_opts["top"] = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
     result = run_suggest(search_opts)
     if len(result.plans) < opts["rank"]:
-        raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) that fit; pick a smaller --rank")
+        raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) that fit; "
+                        "pick a smaller --rank")
     data = cli_data(result.plans[opts["rank"] - 1].to_json())
     data.setdefault("hardware", search_opts["hardware"])
     data.setdefault("nodes", search_opts["nodes"])

@@ -22,9 +22,12 @@ hardware_option = click.option(
 )
 
 # Short names for the table (the JSON keeps the schema's values).
-_INTRA_NAMES = {"nvswitch": "NVSwitch", "nvlink_mesh": "NVLink", "pcie": "PCIe", "xgmi_mesh": "xGMI", "infinity_fabric": "IF"}
+_INTRA_NAMES = {
+    "nvswitch": "NVSwitch", "nvlink_mesh": "NVLink", "pcie": "PCIe", "xgmi_mesh": "xGMI", "infinity_fabric": "IF",
+}
 _FABRIC_NAMES = {
-    "infiniband_hdr": "IB HDR", "infiniband_ndr": "IB NDR", "infiniband_xdr": "IB XDR", "roce": "RoCE", "ethernet": "Ethernet",
+    "infiniband_hdr": "IB HDR", "infiniband_ndr": "IB NDR", "infiniband_xdr": "IB XDR", "roce": "RoCE",
+    "ethernet": "Ethernet",
 }
 
 
@@ -92,7 +95,9 @@ def hardware(ctx: click.Context, as_json: bool) -> None:
         print_json([summary(p) for p in profiles])
         return
     table = Table(
-        title="Hardware profiles", caption=f"* default: {DEFAULT_PROFILE}. Per GPU: GiB, dense bf16 TFLOP/s, HBM and intra-node GB/s per direction",
+        title="Hardware profiles",
+        caption=f"* default: {DEFAULT_PROFILE}. "
+                "Per GPU: GiB, dense bf16 TFLOP/s, HBM and intra-node GB/s per direction",
         box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold underline",
     )
     for column, justify in (

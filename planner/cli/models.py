@@ -52,8 +52,8 @@ def models(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         print_json(rows)
         return
-    table = Table(title="dsplan model presets", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
-                  padding=(0, 1, 0, 0))
+    table = Table(title="dsplan model presets", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  show_edge=False, padding=(0, 1, 0, 0))
     for col, justify in (("name", "left"), ("family", "left"), ("total", "right"), ("active", "right"),
                          ("layers", "right"), ("hidden", "right"), ("experts", "right"), ("vlm", "left")):
         table.add_column(col, justify=justify, no_wrap=col in ("name", "family", "experts"))  # type: ignore[arg-type]
@@ -129,8 +129,8 @@ def _print_show(s: dict[str, Any]) -> None:
         view = " + a global view" if t["global_view"] else ""
         console.print(f"vision: {human_count(s['vision_params'])} params (tower + projector); {t['tile_px']}-px tiles, "
                       f"{t['patches_per_tile']} patches -> {t['tokens_per_tile']} tokens per tile, up to "
-                      f"{t['max_local_tiles']} tiles per image{view}; planning default {t['default_images_per_sample']} "
-                      f"image(s) x {t['default_tiles_per_image']} tile(s)"
+                      f"{t['max_local_tiles']} tiles per image{view}; planning default "
+                      f"{t['default_images_per_sample']} image(s) x {t['default_tiles_per_image']} tile(s)"
                       f"{', newline tokens per row' if t['newline_tokens'] else ''}")
     console.print(describe_positions(s["positions"], s["norm_eps"]))
     if s["defaulted"]:

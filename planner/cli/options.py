@@ -28,7 +28,8 @@ def parse_int_list(flag: str, text: str | None, *, minimum: int = 1) -> tuple[in
         try:
             value = int(item)
         except ValueError:
-            raise UserError(f"{flag}: {item!r} is not a whole number; give one number or a comma list such as 2,4") from None
+            raise UserError(f"{flag}: {item!r} is not a whole number; "
+                            "give one number or a comma list such as 2,4") from None
         if value < minimum:
             raise UserError(f"{flag}: {value} is below {minimum}; give values >= {minimum}")
         out.append(value)
@@ -80,7 +81,8 @@ def workload_options(global_batch_help: str):
 
     decorators = [
         click.option("--global-batch", type=int, default=None, help=global_batch_help),
-        click.option("--seq-len", type=int, default=None, help="Tokens per sample [default: the model's training sequence length]."),
+        click.option("--seq-len", type=int, default=None,
+                     help="Tokens per sample [default: the model's training sequence length]."),
         click.option("--images-per-sample", type=int, default=None,
                      help="Vision-language models: images per sample [default: the model's]."),
         click.option("--tiles-per-image", type=int, default=None,

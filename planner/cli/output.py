@@ -34,7 +34,10 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (stable snake_case keys; units as suffixes, e.g. _GiB, _GBps).")
+json_option = click.option(
+    "--json", "as_json", is_flag=True,
+    help="Print machine-readable JSON (stable snake_case keys; units as suffixes, e.g. _GiB, _GBps).",
+)
 
 
 def print_json(data: Any) -> None:

@@ -46,7 +46,8 @@ class OutputPath(click.ParamType):
             raise UserError(f"{flag}: empty path; give a {'directory' if self.kind == 'dir' else 'file'} to write")
         _precheck(flag, text, self.kind)
         if self.suffix and not text.lower().endswith(self.suffix):
-            raise UserError(f"{flag} {text}: dsplan writes {self.suffix[1:].upper()} here; name the file *{self.suffix}")
+            raise UserError(f"{flag} {text}: dsplan writes {self.suffix[1:].upper()} here; "
+                            f"name the file *{self.suffix}")
         if ctx is not None:
             recorded = ctx.meta.setdefault(_META_KEY, [])
             if (flag, text) not in recorded:

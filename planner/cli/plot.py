@@ -22,11 +22,13 @@ KINDS = ("pareto", "heatmap", "scaling")
 
 @click.command("plot")
 @click.argument("kind", type=click.Choice(KINDS))
-@click.option("--model", "model_name", required=True, metavar="NAME|PATH", help="Model preset (see `dsplan models`) or a config.json.")
+@click.option("--model", "model_name", required=True, metavar="NAME|PATH",
+              help="Model preset (see `dsplan models`) or a config.json.")
 @hardware_option
 @click.option("--nodes", default="1", show_default=True, metavar="N|LIST",
               help="Nodes. scaling: the largest count (sweeps 1, 2, 4, ... up to N) or a comma list of counts.")
-@click.option("--out", "out", required=True, type=OutputPath("file", ".png"), help="PNG file to write (replaced atomically).")
+@click.option("--out", "out", required=True, type=OutputPath("file", ".png"),
+              help="PNG file to write (replaced atomically).")
 @workload_options("Samples per step [default: ~4M tokens, divisible by many DP sizes].")
 @constraint_options
 @balancer_option

@@ -14,14 +14,18 @@ INTERRUPTED_EXIT = 130
 
 @click.command("run", context_settings={"max_content_width": 100})
 @click.argument("run_dir", metavar="DIR")
-@click.option("--launcher", type=click.Choice(["deepspeed", "torchrun", "slurm"]), default="deepspeed", show_default=True,
+@click.option("--launcher", type=click.Choice(["deepspeed", "torchrun", "slurm"]), default="deepspeed",
+              show_default=True,
               help="Which launch script of DIR to run (slurm: `sbatch --wait slurm.sbatch`).")
 @click.option("--local", is_flag=True,
-              help="Run the plan on this machine's CPUs: DS_ACCELERATOR=cpu, gloo, a tiny-scale model, one launcher per node.")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Train until this step [default: the run directory's].")
+              help="Run the plan on this machine's CPUs: DS_ACCELERATOR=cpu, gloo, a tiny-scale model, "
+                   "one launcher per node.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Train until this step [default: the run directory's].")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=None,
               help="Save a checkpoint every N steps, so restarts resume [default: the run directory's].")
-@click.option("--scale", default=None, help="Reference trainer's model scale: tiny, small or a fraction [--local default: tiny].")
+@click.option("--scale", default=None,
+              help="Reference trainer's model scale: tiny, small or a fraction [--local default: tiny].")
 @click.option("--resume", is_flag=True, help="Start from the latest good checkpoint in DIR/checkpoints.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart a failed or hung job this many times, resuming from the last good checkpoint.")
@@ -166,7 +170,8 @@ def _print_summary(report: dict[str, Any], path: Any) -> None:
     console.print(table)
     for restart in report["restarts"]:
         console.print(f"restart {restart['attempt']}: {restart['reason']} (resumed from step "
-                      f"{restart['resumed_from_step'] if restart['resumed_from_step'] is not None else 0})", soft_wrap=True)
+                      f"{restart['resumed_from_step'] if restart['resumed_from_step'] is not None else 0})",
+                      soft_wrap=True)
     if report["note"]:
         console.print(f"note: {report['note']}", soft_wrap=True)
     console.print(f"report: {path}", soft_wrap=True)

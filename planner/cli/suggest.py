@@ -18,15 +18,18 @@ from planner.cli.output import json_option
 
 
 @click.command("suggest")
-@click.option("--model", "model", required=True, metavar="NAME|PATH", help="Model preset (see `dsplan models`) or a config.json.")
+@click.option("--model", "model", required=True, metavar="NAME|PATH",
+              help="Model preset (see `dsplan models`) or a config.json.")
 @click.option("--hardware", "hardware", default="dgx-a100-80g", show_default=True, metavar="NAME|PATH",
               help="Hardware profile: a built-in name (see `dsplan hardware`) or a YAML file.")
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, 1-576 [default: from the hardware profile].")
+@click.option("--gpus-per-node", type=int, default=None,
+              help="GPUs per node, 1-576 [default: from the hardware profile].")
 @workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
 @constraint_options
 @balancer_option
-@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput", show_default=True,
+@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput",
+              show_default=True,
               help="Rank by tokens/s, by lowest peak memory, or by GPU-hours per token.")
 @click.option("--top", type=int, default=5, show_default=True, help="How many plans to show.")
 @json_option
@@ -156,7 +159,8 @@ def render(result) -> None:
     _render_best(result, console, human_bytes, human_time)
     if len(result.plans) > 1:
         console.print("[bold]why the others rank below #1[/]:")
-        console.print("\n".join(f"  #{rp.id} {cli_text(rp.why)}" for rp in result.plans[1:]))  # one call: --top 1000 prints fast
+        # one call: --top 1000 prints fast
+        console.print("\n".join(f"  #{rp.id} {cli_text(rp.why)}" for rp in result.plans[1:]))
     r = result.rejected
     console.print(
         f"{result.evaluated} candidates evaluated ({result.fully_evaluated} in full, {result.pruned} ruled out by a "
@@ -240,7 +244,8 @@ def _render_best(result, console, human_bytes, human_time) -> None:
                        ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
                         "overhead_bytes"))
     cpu = f", CPU {human_bytes(m['cpu_bytes_per_node'])} per node" if "cpu_bytes_per_node" in m else ""
-    console.print(f"memory on the fullest GPU {human_bytes(m['peak_bytes'])} of {human_bytes(m['capacity_bytes'])}: {mparts}{cpu}")
+    console.print(f"memory on the fullest GPU {human_bytes(m['peak_bytes'])} of {human_bytes(m['capacity_bytes'])}: "
+                  f"{mparts}{cpu}")
 
 
 commands = [suggest_command]

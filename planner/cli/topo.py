@@ -79,9 +79,11 @@ def _print_summary(cluster) -> None:
     table.add_column("what", style="bold")
     table.add_column("value")
     table.add_row("GPUs", f"{s['gpus']} ({s['gpus_per_node']} per node)")
-    table.add_row("intra-node", f"{s['intra_node_fabric']}, {s['intra_bw_per_gpu_GBps']:g} GB/s per GPU per direction" + (", NVLS" if s["nvls"] else ""))
+    table.add_row("intra-node", f"{s['intra_node_fabric']}, {s['intra_bw_per_gpu_GBps']:g} GB/s per GPU per direction"
+                  + (", NVLS" if s["nvls"] else ""))
     table.add_row("links by type", ", ".join(f"{k}: {v}" for k, v in sorted(s["links_by_type"].items())))
-    table.add_row("NICs", f"{s['nics_per_node']} x {s['nic_GBps']:g} GB/s per node; {s['nic_bw_per_gpu_GBps']:g} GB/s per GPU")
+    table.add_row("NICs", f"{s['nics_per_node']} x {s['nic_GBps']:g} GB/s per node; "
+                          f"{s['nic_bw_per_gpu_GBps']:g} GB/s per GPU")
     table.add_row("node bisection", f"{s['intra_node_bisection_GBps']:g} GB/s")
     table.add_row("network bisection", f"{s['bisection_bw_GBps']:g} GB/s" if s["nodes"] > 1 else "- (one node)")
     table.add_row("fabric", f"{s['fabric']}, {'rail-optimized' if s['rail_optimized'] else 'not rail-optimized'}")
@@ -96,7 +98,8 @@ def _print_summary(cluster) -> None:
 
 
 def _print_cost(cluster, cost) -> None:
-    table = Table(title=f"{cost.op} over {cost.group_size} ranks, {human_bytes(cost.nbytes)} on {cluster.profile.name} x{cluster.nodes}")
+    table = Table(title=f"{cost.op} over {cost.group_size} ranks, {human_bytes(cost.nbytes)} "
+                        f"on {cluster.profile.name} x{cluster.nodes}")
     for col in ("time", "algbw GB/s", "busbw GB/s", "algorithm", "latency", "bottleneck"):
         table.add_column(col)
     table.add_row(human_time(cost.time_s), f"{cost.algbw_GBps:.1f}", f"{cost.busbw_GBps:.1f}", cost.algorithm,

@@ -80,7 +80,8 @@ def _inflight(col: dict[str, np.ndarray], pp: int) -> np.ndarray:
     found = st.depths(col["pp"], pp)
     depth = pp if len(found) == 1 else col["pp"][:, None]
     rank = np.arange(pp)[None, :].astype(float)
-    inflight = mem.inflight_array(rank, depth, col["vs"][:, None].astype(float), col["grad_accum"][:, None].astype(float),
+    inflight = mem.inflight_array(rank, depth, col["vs"][:, None].astype(float),
+                                  col["grad_accum"][:, None].astype(float),
                                   mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None])
     if 1 in found:
         inflight = np.where(col["pp"][:, None] == 1, 1.0, inflight)

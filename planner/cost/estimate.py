@@ -35,7 +35,8 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     if pp_send is not None and pp_send not in fw.PP_SENDS:
         raise ValueError(f"pp_send {pp_send!r}: one of {', '.join(fw.PP_SENDS)}")
     stages = cfg.pp * cfg.virtual_stages
-    parts = default_partition(model, stages) if partition is None else check_partition(partition, len(model.blocks), stages)
+    parts = (default_partition(model, stages) if partition is None
+             else check_partition(partition, len(model.blocks), stages))
     ctx = CostContext.of(cluster, workload)
     tables = BlockTables(model, cluster, workload, ctx.dev)
     sp = int(cfg.sequence_parallel)
@@ -59,7 +60,8 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
                         blocks=model.num_layers)
     fw.check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision)
     if workload.seq_len > model.max_seq_len:
-        raise UserError(f"{arg('seq_len')} {workload.seq_len} exceeds {model.name}'s maximum context of {model.max_seq_len}")
+        raise UserError(f"{arg('seq_len')} {workload.seq_len} exceeds {model.name}'s maximum context "
+                        f"of {model.max_seq_len}")
 
 
 def model_flops(model: ModelSpec, workload: Workload) -> float:

@@ -4,8 +4,8 @@ Three runtimes, each with its own limits (checked here, one UserError naming the
 and its own behaviour the cost model reads (``Traits``):
 
 - ``deepspeed``: ZeRO 0-3 and offload; AutoTP tensor parallelism only with ZeRO <= 2, on a
-  dense model without a pipeline; ``PipelineModule`` pipelines, which DeepSpeed rejects with ZeRO-2/3 (the pipeline engine
-  asserts ``zero_stage < 2``); MoE with ``ep_size``; no sequence parallelism, no interleaved
+  dense model without a pipeline; ``PipelineModule`` pipelines, which DeepSpeed rejects with ZeRO-2/3
+  (the pipeline engine asserts ``zero_stage < 2``); MoE with ``ep_size``; no sequence parallelism, no interleaved
   schedule, and per-layer (full) activation checkpointing only. Its PipelineEngine runs 1F1B's
   order but reduces gradients only after the drain and sends point-to-point one tensor at a
   time (``Traits.pipe_engine``); ZeRO-1/2 all-reduce gradients (``Traits.zero_grad_allreduce``).

@@ -158,8 +158,8 @@ def _projector(i: int, b: ProjectorBlock, patches: int, ctx: LayerContext) -> La
     gemms = (Gemm(tokens, b.mlp_hidden, b.merged_dim), Gemm(tokens, b.out_dim, b.mlp_hidden)) if tokens else ()
     per_tok = ACT * (b.merged_dim * (2 if b.in_norm else 1) + 2 * b.mlp_hidden)
     return LayerCost(i, "projector", b.params(), b.params(), 0.0, tokens, b.out_dim, gemms, None,
-                     tokens * ACT * (2 * b.merged_dim + 2 * b.mlp_hidden), same_in_every_mode(tokens * per_tok), tokens * per_tok,
-                     (), (), 0.0, 0, False)
+                     tokens * ACT * (2 * b.merged_dim + 2 * b.mlp_hidden), same_in_every_mode(tokens * per_tok),
+                     tokens * per_tok, (), (), 0.0, 0, False)
 
 
 def _norm(i: int, b: NormBlock, tokens: int, ctx: LayerContext) -> LayerCost:

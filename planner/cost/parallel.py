@@ -84,7 +84,8 @@ class ParallelConfig(BaseModel):
         # Expert parallelism reuses data-parallel ranks (DeepSpeed MoE, Megatron-Core EP):
         # experts are sharded over `ep` ranks of the DP group, so ep must divide dp.
         if self.dp % self.ep:
-            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): expert parallel ranks come from the data-parallel group")
+            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): "
+                             "expert parallel ranks come from the data-parallel group")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallel needs tp > 1 (it splits the TP-replicated activations)")
         if self.virtual_stages > 1 and self.pp == 1:

@@ -71,7 +71,8 @@ def _replayed(tables: BlockTables, cfg: ParallelConfig,
     return m * float(totals[0, worst[0]]) + float(bubble[0]), replayed, chunks
 
 
-def schedule_notes(tables: BlockTables, cfg: ParallelConfig, partition: list[tuple[int, int]], step_s: float) -> list[str]:
+def schedule_notes(tables: BlockTables, cfg: ParallelConfig, partition: list[tuple[int, int]],
+                   step_s: float) -> list[str]:
     """A note when Megatron's interleaved schedule, replayed over this plan's chunks, differs
     from the pipeline formula by more than NOTE_GAP of the step. Only interleaved plans: on
     1F1B the formula is within 0.5% of the replay on every benchmarked plan."""

@@ -9,7 +9,6 @@ from planner.errors import UserError, arg
 from planner.model.spec import DecoderBlock, DenseMLP, MoEMLP, VisionBlock, norm_params
 
 
-
 def _attention_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     """GEMMs, core, stored bytes (replicated, sharded), params split for one attention."""
     a, h, t = b.attention, b.hidden, ctx.tp

@@ -2,8 +2,9 @@
 
 Every number here is either the plan's own (batch split, ZeRO stage, offload, degrees) or sized
 from the model the plan trains; DeepSpeed buffer sizes are the ones the cost model planned memory
-with (planner.cost.frameworks), so the job uses what was predicted. DeepSpeed's own ``DeepSpeedConfig`` accepts every config this module
-builds (tests/test_emit_ds_config.py sweeps a matrix of plans through it).
+with (planner.cost.frameworks), so the job uses what was predicted. DeepSpeed's own
+``DeepSpeedConfig`` accepts every config this module builds (tests/test_emit_ds_config.py sweeps
+a matrix of plans through it).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _zero(plan: PlanFile, model: ModelSpec) -> dict[str, Any]:
     if stage == 0:
         return zero
     # Bucket sizes are the ones the cost model planned the buffers with (one source of truth).
-    zero.update(overlap_comm=True, contiguous_gradients=stage >= 2, reduce_scatter=True, reduce_bucket_size=fw.REDUCE_BUCKET_SIZE)
+    zero.update(overlap_comm=True, contiguous_gradients=stage >= 2, reduce_scatter=True,
+                reduce_bucket_size=fw.REDUCE_BUCKET_SIZE)
     if stage in (1, 2):
         zero["allgather_bucket_size"] = fw.ALLGATHER_BUCKET_SIZE
     if plan.offload in ("optimizer", "optimizer+params"):

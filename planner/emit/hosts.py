@@ -90,7 +90,8 @@ def read_hostfile(path: str | Path) -> list[Host]:
 def select_hosts(hosts: list[Host], nodes: int, gpus_per_node: int, source: str) -> list[Host]:
     """The first ``nodes`` hosts, each with ``gpus_per_node`` slots; too few is an error."""
     if len(hosts) < nodes:
-        raise UserError(f"{source}: the plan needs {nodes} nodes but only {len(hosts)} host(s) were given; list one host per node")
+        raise UserError(f"{source}: the plan needs {nodes} nodes but only {len(hosts)} host(s) were given; "
+                        "list one host per node")
     chosen = hosts[:nodes]
     for host in chosen:
         if host.slots is not None and host.slots < gpus_per_node:

@@ -116,7 +116,8 @@ def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
     pos = model.positions
     kind = pos.kind if pos else ("learned" if embedding.learned_positions else "rope")
     if kind == "alibi":
-        raise UserError(f"{model.name}: ALiBi position biases have no Megatron flag; plan it with --framework deepspeed")
+        raise UserError(f"{model.name}: ALiBi position biases have no Megatron flag; "
+                        "plan it with --framework deepspeed")
     if kind == "learned":
         return ([] if mds else [_a("--position-embedding-type", "learned_absolute")]), []
     args = ([_a("--use-rotary-position-embeddings"), _a("--no-position-embedding")] if mds
@@ -128,7 +129,8 @@ def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
     if float(theta).is_integer():
         args.append(_a("--rotary-position-embeddings-theta" if mds else "--rotary-base", int(theta)))
     else:
-        notes.append(f"rope_theta {theta:g} is not an integer, which the parser's rotary base must be; set it in the model code")
+        notes.append(f"rope_theta {theta:g} is not an integer, which the parser's rotary base must be; "
+                     "set it in the model code")
     if pos.rotary_percent < 1:
         args.append(_a("--rotary-percent", pos.rotary_percent))
     scaling = pos.rope_scaling or {}
@@ -244,7 +246,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings) -> list[Arg]:
         _a("--optimizer", "sgd" if plan.optimizer == "sgd" else "adam"),
     ]
     if plan.optimizer != "sgd":
-        args += [_a("--adam-beta1", settings.betas[0]), _a("--adam-beta2", settings.betas[1]), _a("--adam-eps", settings.eps)]
+        args += [_a("--adam-beta1", settings.betas[0]), _a("--adam-beta2", settings.betas[1]),
+                 _a("--adam-eps", settings.eps)]
     if plan.sequence_parallel:
         args.append(_a("--sequence-parallel"))
     if plan.precision in ("bf16", "fp16"):
@@ -252,7 +255,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings) -> list[Arg]:
     if plan.recompute == "selective":
         args.append(_a("--recompute-granularity", "selective"))
     elif plan.recompute == "full":
-        args += [_a("--recompute-granularity", "full"), _a("--recompute-method", "uniform"), _a("--recompute-num-layers", 1)]
+        args += [_a("--recompute-granularity", "full"), _a("--recompute-method", "uniform"),
+                 _a("--recompute-num-layers", 1)]
     if plan.framework != "megatron-deepspeed" and plan.zero_stage >= 1:
         # Megatron-LM's ZeRO-1 is the distributed optimizer (optimizer states sharded over DP);
         # Megatron-DeepSpeed hands ZeRO to DeepSpeed instead (--zero-stage below).
@@ -278,7 +282,8 @@ def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings |
     ``megatron-deepspeed`` plans ZeRO and MoE go to DeepSpeed (``megatron_deepspeed_args``).
     """
     settings = settings or TrainSettings()
-    return _training_args(plan, settings) + _pipeline_args(model, plan) + _model_args(model, plan) + _moe_args(model, plan)
+    return (_training_args(plan, settings) + _pipeline_args(model, plan) + _model_args(model, plan)
+            + _moe_args(model, plan))
 
 
 def megatron_deepspeed_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

@@ -82,7 +82,8 @@ def nccl_env(
         add("CUDA_DEVICE_MAX_CONNECTIONS", "1", "Megatron tensor/sequence parallel overlap needs one hardware queue")
     threads = host_threads(profile, plan)
     if threads:
-        add("OMP_NUM_THREADS", str(threads), f"the CPU optimizer's threads per rank: the node's {profile.node.cpu_cores} "
+        add("OMP_NUM_THREADS", str(threads),
+            f"the CPU optimizer's threads per rank: the node's {profile.node.cpu_cores} "
             f"cores over its {plan.gpus_per_node} ranks (torchrun would give each rank 1)")
     add("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "a failed or timed-out collective aborts the job instead of hanging")
     add("NCCL_DEBUG", "WARN", "NCCL prints warnings and errors only (INFO when debugging)")

@@ -189,7 +189,8 @@ def parse_k8s_rdma(text: str, source: str = "--k8s-rdma") -> RdmaRequest | None:
 
 def check_k8s_scheduler(text: str, source: str = "--k8s-scheduler") -> str:
     if not _K8S_SCHEDULER.fullmatch(text):
-        raise UserError(f"{source} {text!r}: not a valid scheduler name (lower-case letters, digits, '-' and '.'), e.g. volcano")
+        raise UserError(f"{source} {text!r}: not a valid scheduler name (lower-case letters, digits, '-' and '.'), "
+                        "e.g. volcano")
     return text
 
 
@@ -237,7 +238,8 @@ def entry_script(entry: str, out_dir: str | Path) -> EntryScript:
         with open(path, encoding="utf-8", newline="") as f:  # byte for byte: no newline translation
             text = f.read()
     except FileNotFoundError:
-        raise UserError(f"{source}: no such file; give your training script, or 'builtin' for dsplan's trainer") from None
+        raise UserError(f"{source}: no such file; give your training script, "
+                        "or 'builtin' for dsplan's trainer") from None
     except UnicodeDecodeError:
         raise UserError(f"{source}: not a UTF-8 text file; give your training script (a .py file)") from None
     except OSError as err:
@@ -330,7 +332,8 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
                 "gpu_resource": "amd.com/gpu" if profile.gpu.vendor == "amd" else "nvidia.com/gpu",
                 "scheduler": scheduler, "rdma": rdma_request(profile, options),
                 "rdma_fabric": profile.fabric.kind in RDMA_FABRICS,
-                # /dev/shm (NCCL's intra-node buffers, data-loader workers) is host memory: cap it at a quarter of the node's
+                # /dev/shm (NCCL's intra-node buffers, data-loader workers) is host memory: cap it at a
+                # quarter of the node's
                 "shm_GiB": max(1, int(profile.node.host_memory_GiB // 4))},
     }
 

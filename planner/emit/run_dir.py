@@ -30,7 +30,8 @@ def generate_run_dir(
     options = LaunchOptions(
         entry=entry,
         entry_args=list(entry_args),
-        hosts=None if hosts is None else [Host(name=check_host(h, "hosts"), slots=plan_file.gpus_per_node) for h in hosts],
+        hosts=(None if hosts is None
+               else [Host(name=check_host(h, "hosts"), slots=plan_file.gpus_per_node) for h in hosts]),
         settings=settings or TrainSettings(),
     )
     files = render_run_dir(plan_file, load_model(plan_file.model), load_profile(plan_file.hardware), options, out_dir)

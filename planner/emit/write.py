@@ -57,7 +57,8 @@ def read_manifest(out_dir: Path) -> dict[str, str]:
             return files
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    raise UserError(f"{path}: the manifest is damaged, so dsplan cannot tell which files you edited; remove it or use --force")
+    raise UserError(f"{path}: the manifest is damaged, so dsplan cannot tell which files you edited; "
+                    "remove it or use --force")
 
 
 def _stage(path: Path, content: str, executable: bool) -> str:
@@ -157,7 +158,8 @@ def _stage_all(out: Path, files: dict[str, GeneratedFile], changed: list[str],
         for name in changed:
             generated = files[name]
             staged.append((_stage(out / name, generated.content, generated.executable), out / name))
-        staged.append((_stage(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n", False), out / MANIFEST))
+        staged.append((_stage(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n", False),
+                       out / MANIFEST))
         for name in unchanged:  # content is right; make sure the mode is too
             os.chmod(out / name, 0o755 if files[name].executable else 0o644)
     except BaseException:

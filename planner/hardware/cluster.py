@@ -27,7 +27,9 @@ from planner.hardware.profile import HardwareProfile
 if TYPE_CHECKING:  # networkx costs ~0.2 s to import: only where a graph is built
     import networkx as nx
 
-_INTRA_LINK_KIND = {"nvswitch": "nvlink", "nvlink_mesh": "nvlink", "xgmi_mesh": "xgmi", "infinity_fabric": "xgmi", "pcie": "pcie"}
+_INTRA_LINK_KIND = {
+    "nvswitch": "nvlink", "nvlink_mesh": "nvlink", "xgmi_mesh": "xgmi", "infinity_fabric": "xgmi", "pcie": "pcie",
+}
 # A dual-socket host: the socket interconnect (UPI / Infinity Fabric) is taken as two PCIe
 # x16 links wide. Assumption: the profile schema has no field for it; it only matters for
 # PCIe-only nodes whose rings cross sockets.

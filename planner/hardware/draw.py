@@ -26,7 +26,8 @@ def drawing_graph(cluster: Cluster) -> nx.Graph:
         return cluster.graph
     p, ft = cluster.profile, cluster.fat_tree
     g = nx.Graph()
-    label = f"{p.node.gpus}x {p.gpu.name}\\n{p.node.intra.kind} {p.node.intra.bw_GBps:g} GB/s\\n{p.node.nics.count}x {p.node.nics.speed_gbit:g} Gb/s NIC"
+    label = (f"{p.node.gpus}x {p.gpu.name}\\n{p.node.intra.kind} {p.node.intra.bw_GBps:g} GB/s\\n"
+             f"{p.node.nics.count}x {p.node.nics.speed_gbit:g} Gb/s NIC")
     blocks = range(ft.block(cluster.nodes - 1) + 1)
     for b in blocks:
         first, last = b * ft.nodes_per_leaf, min(cluster.nodes, (b + 1) * ft.nodes_per_leaf) - 1
@@ -46,11 +47,13 @@ def drawing_graph(cluster: Cluster) -> nx.Graph:
 def to_dot(cluster: Cluster) -> str:
     g = drawing_graph(cluster)
     p = cluster.profile
-    lines = [f'graph "{p.name} x{cluster.nodes}" {{', "  graph [overlap=false, splines=true];", '  node [style=filled, fontname="Helvetica", fontsize=10];']
+    lines = [f'graph "{p.name} x{cluster.nodes}" {{', "  graph [overlap=false, splines=true];",
+             '  node [style=filled, fontname="Helvetica", fontsize=10];']
     for v, data in g.nodes(data=True):
         role = data.get("role", "gpu")
         label = data.get("label", v)
-        lines.append(f'  "{v}" [label="{label}", fillcolor="{_COLORS.get(role, "#cccccc")}", shape={"box" if role != "gpu" else "ellipse"}];')
+        lines.append(f'  "{v}" [label="{label}", fillcolor="{_COLORS.get(role, "#cccccc")}", '
+                     f'shape={"box" if role != "gpu" else "ellipse"}];')
     for u, v, data in g.edges(data=True):
         bw = data.get("bw", 0.0)
         label = f' [label="{data.get("kind", "")} {bw / 1e9:g} GB/s"]' if bw else f' [label="{data.get("kind", "")}"]'

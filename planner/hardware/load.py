@@ -60,9 +60,11 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> HardwareProfile:
         resolved = path.resolve()
         return _load_file_cached(str(resolved), resolved.stat().st_mtime_ns)
     if path.is_dir():
-        raise UserError(f"hardware profile {text} is a directory; give one YAML file (schema: hardware_profiles/README.md)")
+        raise UserError(f"hardware profile {text} is a directory; "
+                        "give one YAML file (schema: hardware_profiles/README.md)")
     if _looks_like_path(text):
-        raise UserError(f"hardware profile file {text} not found; give an existing YAML file or a built-in name (`dsplan hardware`)")
+        raise UserError(f"hardware profile file {text} not found; "
+                        "give an existing YAML file or a built-in name (`dsplan hardware`)")
     raise UserError(_unknown_name_message(text))
 
 
@@ -107,7 +109,8 @@ def profile_from_dict(data: dict[str, Any], source: str = "hardware profile") ->
     except ValidationError as err:
         raise UserError(_describe(source, err)) from None
     if not {"bf16", "fp16"} & set(profile.gpu.peak_TFLOPs):
-        raise UserError(f"{source}: gpu.peak_TFLOPs needs a bf16 (or fp16) dense rate, the planner's training dtype; {_SCHEMA_HINT}")
+        raise UserError(f"{source}: gpu.peak_TFLOPs needs a bf16 (or fp16) dense rate, the planner's training dtype; "
+                        f"{_SCHEMA_HINT}")
     return profile
 
 
@@ -165,7 +168,8 @@ def _parse_yaml(path: Path, text: str) -> dict[str, Any]:
     if data is None:
         raise UserError(f"{path}: the file is empty; {_SCHEMA_HINT}")
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of fields (name, gpu, node, fabric), got {type(data).__name__}; {_SCHEMA_HINT}")
+        raise UserError(f"{path}: expected a mapping of fields (name, gpu, node, fabric), "
+                        f"got {type(data).__name__}; {_SCHEMA_HINT}")
     return data
 
 

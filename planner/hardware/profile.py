@@ -134,8 +134,8 @@ class HardwareProfile(_Strict):
         """This profile with ``gpus`` GPUs per node (the input ``gpus_per_node``). The NICs stay
         when the counts divide one another, else one per GPU."""
         if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_NODE:
-            raise UserError(f"{arg('gpus_per_node')}: need a whole number from 1 to {MAX_GPUS_PER_NODE} (the largest NVLink "
-                            f"domain), got {gpus!r}")
+            raise UserError(f"{arg('gpus_per_node')}: need a whole number from 1 to {MAX_GPUS_PER_NODE} "
+                            f"(the largest NVLink domain), got {gpus!r}")
         if gpus == self.node.gpus:
             return self
         nics = self.node.nics

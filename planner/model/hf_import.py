@@ -210,7 +210,8 @@ def _positions(lm: ConfigReader, family: Family) -> Positions:
     theta = lm.get_float(K.ROPE_THETA, family.rope_theta)
     percent = lm.get_float(K.ROTARY_PCT, family.rotary_percent) if lm.find(K.ROTARY_PCT) else family.rotary_percent
     if percent > 1:
-        lm.fail(lm.find(K.ROTARY_PCT) or K.ROTARY_PCT[0], f"must be at most 1 (the share of each head rotated), got {percent}")
+        lm.fail(lm.find(K.ROTARY_PCT) or K.ROTARY_PCT[0],
+                f"must be at most 1 (the share of each head rotated), got {percent}")
     raw = lm.config.get("rope_scaling")
     if raw is not None and not isinstance(raw, dict):
         lm.fail("rope_scaling", "must be a JSON object or null")
@@ -280,7 +281,8 @@ def _attention(lm: ConfigReader, family: Family, hidden: int) -> Attention:
             lm.fail(key, f"({heads}) must divide the hidden size ({hidden}) or the file must give head_dim")
         head_dim = hidden // heads
     if heads % kv_heads:
-        lm.fail(lm.find(K.KV_HEADS) or K.KV_HEADS[0], f"({kv_heads}) must divide the number of attention heads ({heads})")
+        lm.fail(lm.find(K.KV_HEADS) or K.KV_HEADS[0],
+                f"({kv_heads}) must divide the number of attention heads ({heads})")
     bias = lm.get_bool("attention_bias", False) if lm.has("attention_bias") else False
     return Attention(kind="mha" if kv_heads == heads else "gqa", heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      qkv_bias=family.qkv_bias or family.linear_bias or bias, out_bias=family.linear_bias or bias)

@@ -58,7 +58,8 @@ def siglip_map_head_params(width: int, mlp: int) -> int:
     """
     latent = width
     attn = linear_params(width, width, True) + linear_params(width, 2 * width, True) + linear_params(width, width, True)
-    return latent + attn + norm_params(width, "layernorm") + linear_params(width, mlp, True) + linear_params(mlp, width, True)
+    return (latent + attn + norm_params(width, "layernorm") + linear_params(width, mlp, True)
+            + linear_params(mlp, width, True))
 
 
 def deepseek_vl2_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
@@ -70,7 +71,8 @@ def deepseek_vl2_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
     v = root.sub("vision_config")
     model_name = v.get_str("model_name", "siglip_so400m_patch14_384")
     if "siglip" not in model_name:
-        v.fail("model_name", f"names an unsupported vision tower ({model_name!r}); dsplan knows siglip_so400m_patch14_384")
+        v.fail("model_name",
+               f"names an unsupported vision tower ({model_name!r}); dsplan knows siglip_so400m_patch14_384")
     layers = v.get_int("layers", 27)
     width = v.get_int("width", 1152)
     heads = v.get_int("heads", 16)
@@ -124,7 +126,8 @@ def _vl2_projector(root: ConfigReader, width: int, lm_hidden: int) -> tuple[int,
     if in_dim != width:
         p.fail("input_dim", f"({in_dim}) must equal the vision width ({width})")
     if n_embed != lm_hidden:
-        p.fail("n_embed", f"({n_embed}) must equal the language hidden size ({lm_hidden}): image_newline is added to text embeddings")
+        p.fail("n_embed", f"({n_embed}) must equal the language hidden size ({lm_hidden}): "
+                          "image_newline is added to text embeddings")
     if depth != 2:
         p.fail("depth", f"({depth}) is not supported; dsplan models the 2-layer downsample MLP")
     return n_embed, ratio, down
@@ -168,9 +171,11 @@ def qwen2_vl_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
     if embed % heads:
         v.fail("num_heads", f"({heads}) must divide embed_dim ({embed})")
     if out != lm_hidden:
-        v.fail("hidden_size", f"({out}) must equal the language hidden size ({lm_hidden}): the merger feeds the decoder")
+        v.fail("hidden_size",
+               f"({out}) must equal the language hidden size ({lm_hidden}): the merger feeds the decoder")
     if QWEN2VL_TILE_PX % (patch * merge):
-        v.fail("patch_size", f"({patch}) x spatial_merge_size ({merge}) must divide the {QWEN2VL_TILE_PX}-px planning tile")
+        v.fail("patch_size",
+               f"({patch}) x spatial_merge_size ({merge}) must divide the {QWEN2VL_TILE_PX}-px planning tile")
     mlp = int(embed * mlp_ratio)
     grid = QWEN2VL_TILE_PX // patch
     blocks = [
@@ -178,7 +183,8 @@ def qwen2_vl_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
                          patch_bias=False, learned_positions=0),
         *[VisionBlock(hidden=embed, heads=heads, mlp=mlp, act=acts[act],
                       qkv_bias=True) for _ in range(depth)],
-        ProjectorBlock(in_dim=embed, merge=merge * merge, mlp_hidden=embed * merge * merge, out_dim=out, in_norm="layernorm"),
+        ProjectorBlock(in_dim=embed, merge=merge * merge, mlp_hidden=embed * merge * merge, out_dim=out,
+                       in_norm="layernorm"),
     ]
     tiling = VisionTiling(
         tile_px=QWEN2VL_TILE_PX,

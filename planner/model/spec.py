@@ -152,7 +152,8 @@ class DecoderBlock(Frozen):
         return self
 
     def params(self) -> int:
-        return self.attention.params(self.hidden) + self.mlp.params(self.hidden) + 2 * norm_params(self.hidden, self.norm)
+        return (self.attention.params(self.hidden) + self.mlp.params(self.hidden)
+                + 2 * norm_params(self.hidden, self.norm))
 
     def activated_params(self) -> int:
         mlp = self.mlp.activated_params(self.hidden) if isinstance(self.mlp, MoEMLP) else self.mlp.params(self.hidden)

@@ -137,11 +137,13 @@ def describe_positions(positions: dict[str, Any] | None, norm_eps: float | None)
     else:
         name = "M-RoPE" if positions["kind"] == "mrope" else "RoPE"
         theta = positions["rope_theta"]
-        text = f"positions: {name} base {int(theta):,}" if float(theta).is_integer() else f"positions: {name} base {theta:g}"
+        text = (f"positions: {name} base {int(theta):,}" if float(theta).is_integer()
+                else f"positions: {name} base {theta:g}")
         if positions["rotary_percent"] < 1:
             text += f" on {positions['rotary_percent']:.0%} of each head"
         scaling = positions["rope_scaling"] or {}
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind and kind != "mrope":
-            text += f", {kind} scaling" + (f" x{scaling['factor']:g}" if isinstance(scaling.get("factor"), (int, float)) else "")
+            text += f", {kind} scaling" + (f" x{scaling['factor']:g}"
+                                           if isinstance(scaling.get("factor"), (int, float)) else "")
     return text + (f"; norm epsilon {norm_eps:g}" if norm_eps else "")

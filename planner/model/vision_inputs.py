@@ -41,6 +41,7 @@ def vision_inputs(model: ModelSpec, images: int | None, tiles: int | None, seq_l
     used = image_tokens(model, images, tiles)
     if used >= seq_len:
         raise UserError(f"{img_name} {images} x {tile_name} {tiles} take at least {used:,} of the {seq_len:,} tokens "
-                        f"of a sample ({v.tokens_per_tile} per tile{', global view included' if v.global_view else ''}); "
+                        f"of a sample ({v.tokens_per_tile} per tile"
+                        f"{', global view included' if v.global_view else ''}); "
                         f"use fewer images or tiles, or a longer {seq_name}")
     return images, tiles

@@ -180,7 +180,8 @@ def build_job(
 
         parse_scale(scale)  # a bad --scale is the user's to fix now, not a crash on every rank later
     if local and launcher == "slurm":
-        raise UserError("--local with --launcher slurm: --local runs on this machine; use --launcher deepspeed or torchrun")
+        raise UserError("--local with --launcher slurm: --local runs on this machine; "
+                        "use --launcher deepspeed or torchrun")
     if launcher == "torchrun" and info.nodes > 1 and not local:
         raise UserError(f"--launcher torchrun: the plan has {info.nodes} nodes and torchrun starts one node; run "
                         "launch_torchrun.sh on every node, or use --launcher deepspeed (ssh) or slurm, or --local")
@@ -202,7 +203,8 @@ def build_job(
     elif scale is not None:
         entry_args += ["--scale", scale]
     return Job(
-        info=info, launcher=launcher, python=interpreter, job_id=job_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12],
+        info=info, launcher=launcher, python=interpreter,
+        job_id=job_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12],
         entry_args=tuple(entry_args), target_steps=steps if steps is not None else info.steps, local=local_plan,
         resume_first=resume, files=files,
     )
@@ -234,10 +236,12 @@ def check_runnable(job: Job) -> None:
     try:
         found = subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise UserError(f"{python}: cannot run it to look for DeepSpeed ({err}); set DSPLAN_PYTHON to a working Python") from None
+        raise UserError(f"{python}: cannot run it to look for DeepSpeed ({err}); "
+                        "set DSPLAN_PYTHON to a working Python") from None
     if not found:
         raise UserError(f"DeepSpeed is not installed for {python}; install the run extra there: {INSTALL_HINT} "
-                        "(GPU users: install your CUDA build of torch first), or set DSPLAN_PYTHON to a Python that has it")
+                        "(GPU users: install your CUDA build of torch first), "
+                        "or set DSPLAN_PYTHON to a Python that has it")
     tool = LAUNCH_TOOLS[job.launcher]
     path = os.pathsep.join(p for p in (os.environ.get("PATH", ""), job.bindir) if p)
     if shutil.which(tool, path=path) is None:

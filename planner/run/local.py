@@ -75,7 +75,8 @@ def adapt_for_local(info: "RunDirInfo", scale: str | None = None, max_procs: int
     needed = info.world_size
     if needed > limit:
         raise UserError(
-            f"{info.path}/plan.json: the plan needs {needed} processes ({info.nodes} node(s) x {info.gpus_per_node} GPUs) "
+            f"{info.path}/plan.json: the plan needs {needed} processes "
+            f"({info.nodes} node(s) x {info.gpus_per_node} GPUs) "
             f"but --local can start at most {limit} on this machine ({os.cpu_count()} CPU cores); "
             f"generate a smaller plan to try locally, e.g. `dsplan estimate ... --gpus-per-node 2 --json > p.json` "
             "then `dsplan generate --plan p.json`"

@@ -74,7 +74,8 @@ class SelfAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, attn.heads * attn.head_dim, bias=attn.qkv_bias)
         self.k_proj = nn.Linear(hidden, attn.kv_heads * attn.head_dim, bias=attn.qkv_bias)
         self.v_proj = nn.Linear(hidden, attn.kv_heads * attn.head_dim, bias=attn.qkv_bias)
-        self.o_proj = nn.Linear(attn.heads * attn.head_dim, hidden, bias=attn.out_bias if out_bias is None else out_bias)
+        self.o_proj = nn.Linear(attn.heads * attn.head_dim, hidden,
+                                bias=attn.out_bias if out_bias is None else out_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape

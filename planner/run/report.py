@@ -103,7 +103,8 @@ def predict(plan: dict[str, Any], stage_of_rank: dict[int, int]) -> dict[str, An
     return {
         "step_time_s": plan.get("step_time_s"),
         "tokens_per_s": plan.get("tokens_per_s"),
-        "tokens_per_step": plan["global_batch"] * plan["seq_len"] if "global_batch" in plan and "seq_len" in plan else None,
+        "tokens_per_step": (plan["global_batch"] * plan["seq_len"]
+                            if "global_batch" in plan and "seq_len" in plan else None),
         "peak_memory_bytes_per_rank": per_rank,
         "peak_memory_bytes_max": max((v for v in per_rank.values() if v is not None), default=default_peak),
         "mfu": plan.get("mfu"),

@@ -91,9 +91,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read it ({err}); regenerate the run directory with `dsplan generate`") from None
+        raise UserError(f"{path}: cannot read it ({err}); "
+                        "regenerate the run directory with `dsplan generate`") from None
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); regenerate it with `dsplan generate`") from None
+        raise UserError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); "
+                        "regenerate it with `dsplan generate`") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object; regenerate it with `dsplan generate`")
     return data
@@ -112,7 +114,8 @@ def read_plan(run_dir: Path) -> PlanFile:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); regenerate it with `dsplan generate`")
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); "
+                        "regenerate it with `dsplan generate`")
     return plan_from_dict(data, str(path), REGENERATE)
 
 
@@ -145,14 +148,16 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
     rank checks this before it trains, and ``dsplan run`` before it starts any rank.
     """
     if plan.tp > 1 and plan.framework != "deepspeed":
-        raise UserError(f"plan.json: a {plan.framework} plan with tp={plan.tp}, which the reference trainer shards only "
-                        f"with DeepSpeed's AutoTP (framework deepspeed); {_megatron_hint(plan.framework)}")
+        raise UserError(f"plan.json: a {plan.framework} plan with tp={plan.tp}, "
+                        "which the reference trainer shards only with DeepSpeed's AutoTP (framework deepspeed); "
+                        f"{_megatron_hint(plan.framework)}")
     if plan.tp > 1 and (plan.pp > 1 or is_moe):
         raise UserError("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
                         "and MoE layers; use tp=1 for this plan")
     if plan.virtual_stages > 1:
         raise UserError(f"plan.json: virtual_stages={plan.virtual_stages}; DeepSpeed's PipelineModule runs one "
-                        f"contiguous chunk per stage, so the reference trainer needs virtual_stages=1; {_megatron_hint('megatron')}")
+                        "contiguous chunk per stage, so the reference trainer needs virtual_stages=1; "
+                        f"{_megatron_hint('megatron')}")
     if plan.pp > 1 and not plan.stage_blocks:
         raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
     tp_cfg = int(ds_config.get("tensor_parallel", {}).get("autotp_size", 1) or 1)

@@ -278,7 +278,8 @@ def gather_bound(ctx: CostContext, col: dict[str, np.ndarray], dense: np.ndarray
     Dense and expert gathers run over different groups: the larger of the two is the bound."""
     n = len(col["dp"])
     out = np.zeros(n)
-    hidden = np.array([f == MEGATRON and fw.grad_reduce_overlaps(fw.traits(name), 2) for f, name in enumerate(FRAMEWORKS)])
+    hidden = np.array([f == MEGATRON and fw.grad_reduce_overlaps(fw.traits(name), 2)
+                       for f, name in enumerate(FRAMEWORKS)])
     rows = np.flatnonzero(((col["zero"] == 1) | (col["zero"] == 2)) & ~hidden[col["framework"]] & (col["dp"] > 1))
     if not rows.size:
         return out

@@ -19,12 +19,12 @@ from planner.cost.assemble import Assembly, assemble
 from planner.cost.block_times import BlockTable, BlockTables
 from planner.cost.candidates import config_at, take
 from planner.cost.context import CostContext
+from planner.cost.parallel import Workload
 from planner.cost.plan import Plan
 from planner.cost.plans import BlockKinds, build_plan
 from planner.cost.rank_tables import Z3_ROWS, RankSpec, RankTables, Split, padded, rank_fields
 from planner.hardware.cluster import Cluster
 from planner.model.spec import ModelSpec
-from planner.cost.parallel import Workload
 from planner.search.keys import Key, KeyedSpace
 from planner.search.splits import SplitResult, Splits, Units
 

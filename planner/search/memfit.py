@@ -70,7 +70,8 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
     inflight = mem.inflight_array(rank, pp, vs, m, mem.microbatch_group(pp, m) if vs > 1 else pp).astype(float)
     groups = sum(int(x > 1) for x in (tp, pp, dp, ep))
     # The buffers at their largest (buckets no smaller than a stage), the pipeline's receive buffers.
-    fixed = float(mem.buffer_bytes(np.array(fwi), np.array(zero), np.inf, groups, 2.0 * float(table.pp_bytes.max()) * b))
+    fixed = float(mem.buffer_bytes(np.array(fwi), np.array(zero), np.inf, groups,
+                                   2.0 * float(table.pp_bytes.max()) * b))
     if zero == 3:
         fixed += 4.0 * float((table.params + table.expert).max())
     if RECOMPUTES[mode] == "full":

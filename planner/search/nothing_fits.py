@@ -80,7 +80,8 @@ def nothing_fits_message(evaluated: int, out_of_memory: int, closest: Plan | Non
                          f"{p.worst_stage.rank}, {(m.peak - cap) / gib:.1f} GiB short ({parts}).")
         else:  # fits on the GPU; its offloaded states overflow the host
             short = (p.cpu_bytes_per_node - p.host_capacity_bytes) / 2**40
-            lines.append(f"closest: {describe(p.to_json())} fits on the GPU ({m.peak / gib:.1f} GiB) but {p.why_not()}: "
+            lines.append(f"closest: {describe(p.to_json())} fits on the GPU ({m.peak / gib:.1f} GiB) "
+                         f"but {p.why_not()}: "
                          f"{short:.2f} TiB short per node.")
     if advice:
         lines.append("would fit with: " + "; or ".join(marked(a) for a in advice) + ".")

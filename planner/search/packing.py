@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 from bisect import bisect_left, bisect_right
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import numpy as np

@@ -24,7 +24,15 @@ from typing import Sequence
 
 import numpy as np
 
-from planner.search.packing import StageMemory, all_sums, best_pack, cost_profile, fast_time_only, memory_rows, pack_ends
+from planner.search.packing import (
+    StageMemory,
+    all_sums,
+    best_pack,
+    cost_profile,
+    fast_time_only,
+    memory_rows,
+    pack_ends,
+)
 
 __all__ = ["Partition", "StageMemory", "balance", "fits_within", "greedy_partition", "optimal_partition"]
 

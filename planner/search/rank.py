@@ -106,7 +106,8 @@ def why_behind(best: dict, other: dict, objective: str) -> str:
     same_peak = abs(peak_o - peak_b) <= 1e-9 * max(peak_b, 1.0)
     same_speed = abs(speed) <= 1e-12
     if objective == "memory":
-        other_q = "equal tokens/s" if same_speed else f"{_percent(abs(speed))} {'more' if speed > 0 else 'fewer'} tokens/s"
+        other_q = ("equal tokens/s" if same_speed
+                   else f"{_percent(abs(speed))} {'more' if speed > 0 else 'fewer'} tokens/s")
         if same_peak:
             tail = other_q if not same_speed else "equal tokens/s; the tie-break puts simpler plans first"
             return f"{diff}: equal peak memory, {tail}"

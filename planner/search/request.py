@@ -34,8 +34,8 @@ def check_pins(cons: Constraints, world: int, model: ModelSpec) -> None:
             raise UserError(f"{arg(name)} {','.join(map(str, bad))} cannot divide the {world} GPUs; "
                             f"pick from {', '.join(map(str, divisors(world)))}")
     if cons.ep and any(e > 1 for e in cons.ep) and not model.is_moe:
-        raise UserError(f"{arg('ep')} {','.join(map(str, cons.ep))}: {model.name} is dense (no experts); use {arg('ep')} 1 "
-                        "or leave it out")
+        raise UserError(f"{arg('ep')} {','.join(map(str, cons.ep))}: {model.name} is dense (no experts); "
+                        f"use {arg('ep')} 1 or leave it out")
 
 
 # The pins a user can drop (Constraints fields, each its input's name), in the order an error names them.
@@ -43,7 +43,8 @@ PINS = ("dp", "tp", "pp", "ep", "virtual_stages", "micro_batch", "zero", "offloa
         "sequence_parallel")
 
 
-def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints, explain: bool = True) -> Space:
+def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints,
+                    explain: bool = True) -> Space:
     """The candidate space; UserError when it is empty, saying why (``explain``: and which
     single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch

@@ -19,7 +19,6 @@ planner/cost/parallel.py) so evaluation can be vectorised over them.
 from __future__ import annotations
 
 import itertools
-import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence

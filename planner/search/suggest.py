@@ -169,7 +169,8 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     done, certain_oom = out.done, out.certain_oom
     oom = int(certain_oom.sum() + (done & ~certain_oom & ~fitting).sum())
     pruned = int((~done & ~certain_oom).sum())
-    rejected = {"out_of_memory": oom, "indivisible": space.rejected["indivisible"], "framework": space.rejected["framework"]}
+    rejected = {"out_of_memory": oom, "indivisible": space.rejected["indivisible"],
+                "framework": space.rejected["framework"]}
     result = SuggestResult([], len(space), rejected, int(done.sum()), pruned, inputs, objective)
     overrides = {i: parts for i, (parts, _) in out.overrides.items()}
     idx = np.nonzero(fitting)[0]
