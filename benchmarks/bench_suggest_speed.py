@@ -6,7 +6,7 @@ For each case: the best wall-clock time of ``repeat`` runs and the CPU time of t
 system of the child, so a busy machine does not flatter or punish the number); the candidates
 the search evaluated (``evaluated`` in --json: every candidate of the space, scored in full or
 ruled out by a proven bound) and how many it evaluated in full; the CPU seconds of setting up
-(``search.setup_cpu_s``: loading the model card and hardware profile, building the cluster)
+(``search.setup_cpu_s``: checking the request and building the cluster inside the search call)
 and of the search proper (``search.cpu_s``: enumerating the space, bounds, evaluation,
 ranking, building the top plans); and candidates per second per core two ways: over the
 search's CPU time and over the whole process's.
