@@ -16,19 +16,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-import numpy as np
-
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.efficiency import Device, device
 from planner.cost.estimate import check_plan
 from planner.cost.layers import AttnCore, LayerCost, layer_costs
-from planner.cost.memory import ModelStates, bytes_per_param, inflight_array, microbatch_group
+from planner.cost.memory import ModelStates, bytes_per_param, inflight_microbatches
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.cost.partition import Partition, check_partition, default_partition, rank_chunks
 from planner.cost.plan import Plan, StagePlan
-from planner.cost.step_time import MicroBatchTime, StepTime
+from planner.cost.step_time import MicroBatchTime, StepTime, cpu_optimizer_time, hybrid_optimizer_time
 from planner.hardware.cluster import Cluster
 from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelSpec
 
@@ -193,35 +191,6 @@ def gpu_optimizer_time(local_params: float, dev: eff.Device, sgd: bool = False) 
     return float(eff.hbm_time(local_params * (eff.SGD_STEP_BYTES if sgd else eff.ADAM_STEP_BYTES), dev))
 
 
-def cpu_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes_per_s: float,
-                       pcie_bytes_per_s: float, params_on_cpu: bool, microbatches: int) -> float:
-    """DeepSpeedCPUAdam over the node's partitions (fp32 params/s of the host), plus copying
-    the updated 16-bit weights back over PCIe (the 16-bit gradients go down during backward).
-    With parameter offload every micro-batch also fetches its 16-bit weights twice."""
-    cpu = 4.0 * params_per_gpu * gpus_per_node / cpu_adam_bytes_per_s
-    h2d = 2.0 * params_per_gpu / pcie_bytes_per_s
-    fetch = microbatches * 2 * 2.0 * params_per_gpu / pcie_bytes_per_s if params_on_cpu else 0.0
-    return cpu + (0.0 if params_on_cpu else h2d) + fetch
-
-
-def hybrid_optimizer_time(params_per_gpu: float, gpus_per_node: int, cpu_adam_bytes_per_s: float,
-                          pcie_bytes_per_s: float) -> np.ndarray | float:
-    """Megatron-Core's HybridDeviceOptimizer with ``--overlap-cpu-optimizer-d2h-h2d``: one torch
-    fused AdamW per parameter tensor, so copying the fp32 gradients down (4 bytes), stepping on
-    the host and copying the updated weights up (converted to bf16 on the host first, as torch
-    does for a cross-device copy that changes dtype: 2 bytes) run as a pipeline, and the
-    slowest of the three sets the time (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py).
-
-    The host rate is the profile's ``cpu_adam_GBps``: both kernels stream ~28-30 bytes per
-    parameter, and on this project's 2-core host torch's fused AdamW stepped 1.3-1.45x faster
-    than DeepSpeedCPUAdam (benchmarks/bench_cpu_adam.py), so the rate errs slow for it.
-    Works elementwise on arrays."""
-    cpu = 4.0 * params_per_gpu * gpus_per_node / cpu_adam_bytes_per_s
-    d2h = 4.0 * params_per_gpu / pcie_bytes_per_s  # the 2-byte upload on the other direction takes less
-    return np.maximum(cpu, d2h)
-
-
-
 # -- memory (scalar) --
 
 
@@ -262,22 +231,6 @@ def activation_bytes(stored_per_mb: float, live_extra_per_mb: float, inflight: f
 
 def overhead_bytes(allocated: float) -> float:
     return mem.CUDA_CONTEXT_BYTES + mem.FRAGMENTATION * allocated
-
-
-def inflight_microbatches(rank: int, pp: int, virtual: int, microbatches: int) -> float:
-    """Micro-batches of activations a pipeline rank holds at its peak, in units of its whole
-    stage (all its chunks).
-
-    1F1B: rank r runs p - r forwards before its first backward (Narayanan et al. 2021).
-    Interleaved: Megatron's warm-up runs (p - r - 1) x 2 + (v - 1) x G chunk-forwards (G the
-    ``microbatch_group``, p unless M is not a multiple of p), plus the one in steady state,
-    each 1/v of the stage: with G = p rank 0 holds L(1 + (p-1)/(p v)) layers' worth,
-    Korthikanti et al. Sec 4.2.3. tests/test_interleaved_schedule.py replays the schedule.
-    """
-    if pp == 1:
-        return 1.0
-    group = microbatch_group(pp, microbatches) if virtual > 1 else pp
-    return float(inflight_array(rank, pp, virtual, microbatches, group))
 
 
 # -- the walk --

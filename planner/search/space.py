@@ -25,6 +25,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from planner.cost.candidates import COLUMNS, config_of
 from planner.cost.frameworks import Coded, ConfigColumns
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
 from planner.hardware.placement import splits_evenly
@@ -37,7 +38,6 @@ from planner.hardware.placement import splits_evenly
 # way per chunk, kernel launches) that no published run calibrates; pass a list to go further.
 DEFAULT_VIRTUAL_STAGES = tuple(range(1, 9))
 
-COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum")
 
 # A framework rule: for many configs (ConfigColumns), the index of the rule each breaks, -1 when
 # the runtime runs it (frameworks.first_broken). It is asked once per ``_rule_pattern``, so it may
@@ -89,7 +89,7 @@ class Space:
 
     def config(self, i: int) -> ParallelConfig:
         """Candidate i as the cost model's ParallelConfig."""
-        return _row_config({k: int(v[i]) for k, v in self.columns.items()})
+        return config_of({k: int(v[i]) for k, v in self.columns.items()})
 
     def subset(self, mask: np.ndarray) -> "Space":
         return Space({k: v[mask] for k, v in self.columns.items()}, dict(self.rejected), dict(self.refusals))
@@ -99,17 +99,7 @@ class Space:
         if not self.refusals:
             return None
         count, row = max(self.refusals.values(), key=lambda cr: cr[0])
-        return count, _row_config(dict(zip(COLUMNS, row)))
-
-
-def _row_config(c: dict[str, int]) -> ParallelConfig:
-    """A row of COLUMNS (index codes) as the cost model's ParallelConfig."""
-    return ParallelConfig(
-        dp=c["dp"], tp=c["tp"], pp=c["pp"], ep=c["ep"], zero_stage=c["zero"],  # type: ignore[arg-type]
-        offload=OFFLOADS[c["offload"]], micro_batch=c["micro_batch"], grad_accum=c["grad_accum"],  # type: ignore[arg-type]
-        recompute=RECOMPUTES[c["recompute"]], sequence_parallel=bool(c["sp"]),  # type: ignore[arg-type]
-        virtual_stages=c["vs"], framework=FRAMEWORKS[c["framework"]],  # type: ignore[arg-type]
-    )
+        return count, config_of(dict(zip(COLUMNS, row)))
 
 
 def divisors(n: int) -> list[int]:
