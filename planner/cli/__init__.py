@@ -93,11 +93,9 @@ def _stdout_failure(err: OSError) -> None:
 # length of one command when the user has not set them, and never for ``run``, whose child
 # processes (the training job) inherit the environment.
 LEAN_ENVIRONMENT = {
-    # The planner's numpy work is integer and element-wise, never BLAS; OpenBLAS would start
-    # a thread per core at import that spins for a while: ~0.07 s of CPU per command for nothing.
+    # The planner's numpy work is integer and element-wise, never BLAS: no OpenBLAS threads.
     "OPENBLAS_NUM_THREADS": "1",
-    # pydantic's first model build otherwise reads the entry points of every installed
-    # distribution to look for plugins (~16 ms with torch and deepspeed installed).
+    # dsplan uses no pydantic plugins: do not look for them at start-up.
     "PYDANTIC_DISABLE_PLUGINS": "__all__",
 }
 

@@ -1,7 +1,7 @@
 """Shared output helpers: JSON with stable keys, rich console, human units.
 
 ``console`` and ``err_console`` are created on first use (module ``__getattr__``), so a
-``--json`` run never imports rich (~50 ms of start-up).
+``--json`` run never imports rich.
 """
 
 from __future__ import annotations

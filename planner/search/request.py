@@ -17,10 +17,8 @@ from planner.search.space import Constraints, ModelFacts, Space, allowed_setting
 
 
 def space_facts(model: ModelSpec) -> ModelFacts:
-    """The model facts the space depends on. Only a vision-language model has vision blocks
-    (ModelSpec's validator), so only its block list is walked for their heads, and by kind:
-    isinstance(b, VisionBlock) fails on every decoder block through ABCMeta's Python-level
-    __instancecheck__."""
+    """The model facts the space depends on: every head count TP must divide (a vision-language
+    model's vision blocks too), the KV heads, the routed experts and the pipeline units."""
     vision_heads = {b.heads for b in model.blocks if b.kind == "vision"} if model.is_vlm else set()
     return ModelFacts(heads=tuple(sorted({model.attention_heads} | vision_heads)), kv_heads=model.kv_heads,
                       routed_experts=model.routed_experts, units=model.num_layers)
