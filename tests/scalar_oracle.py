@@ -24,7 +24,7 @@ from planner.cost.estimate import check_plan
 from planner.cost.layers import AttnCore, LayerCost, layer_costs
 from planner.cost.memory import ModelStates, bytes_per_param, inflight_microbatches
 from planner.cost.parallel import ParallelConfig, Workload
-from planner.cost.partition import Partition, check_partition, default_partition, rank_chunks
+from planner.cost.partition import Partition, check_partition, default_partition
 from planner.cost.plan import Plan, StagePlan
 from planner.cost.step_time import MicroBatchTime, StepTime, cpu_optimizer_time, hybrid_optimizer_time
 from planner.hardware.cluster import Cluster
@@ -250,7 +250,7 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
     comms = build_comms(cluster, cfg)
     traits = fw.traits(cfg.framework)
-    chunks = rank_chunks(parts, cfg.pp)
+    chunks = [parts[r::cfg.pp] for r in range(cfg.pp)]  # rank r runs virtual stages r, r + pp, ...
     b, m = cfg.micro_batch, cfg.grad_accum
     send = pp_send or traits.pp_send
     if send not in fw.PP_SENDS:

@@ -123,7 +123,7 @@ def test_experts_must_divide_by_ep() -> None:
 
 @pytest.mark.parametrize("name", list_presets())
 def test_block_table_per_run_of_identical_blocks_equals_the_direct_call(name: str) -> None:
-    from planner.cost.block_times import BlockTables, block_table
+    from planner.cost.block_times import BlockTables, block_tables
     from planner.cost.efficiency import device
     from planner.cost.layers import layer_costs
     from planner.cost.layout import layout
@@ -141,7 +141,7 @@ def test_block_table_per_run_of_identical_blocks_equals_the_direct_call(name: st
             continue
         shapes = layout(cluster, tp, ep, 16 // tp, 1)
         fast = BlockTables(model, cluster, wl, dev).table(tp, int(sp), ep, (1, 2))
-        direct = block_table(layer_costs(model, wl, tp, sp, ep), (1, 2), dev, cluster, shapes.tp, shapes.ep)
+        (direct,) = block_tables([(layer_costs(model, wl, tp, sp, ep), shapes.tp, shapes.ep)], (1, 2), dev, cluster)
         for f in ("fwd", "bwd", "rc", "tp", "ep", "params", "expert", "act", "act_live", "pp_bytes"):
             assert np.array_equal(getattr(fast, f), getattr(direct, f)), f
 

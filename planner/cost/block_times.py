@@ -143,11 +143,6 @@ def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, fl
     return sums.reshape(len(bs), len(jobs), n_blocks).transpose(1, 0, 2)
 
 
-def block_table(costs: list[LayerCost], micro_batches: tuple[int, ...], dev: eff.Device, cluster: Cluster,
-                tp_shape: GroupShape, ep_shape: GroupShape) -> BlockTable:
-    return block_tables([(costs, tp_shape, ep_shape)], micro_batches, dev, cluster)[0]
-
-
 def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], micro_batches: tuple[int, ...],
                  dev: eff.Device, cluster: Cluster, runs: np.ndarray | None = None) -> list[BlockTable]:
     """One table per (layer costs, TP shape, EP shape) group, over the same micro-batches.

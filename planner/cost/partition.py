@@ -62,8 +62,3 @@ def check_partition(partition: Partition, blocks: int, stages: int) -> Partition
     if expected != blocks:
         raise UserError(f"the partition {parts} ends at block {expected}; the model has {blocks} blocks")
     return parts
-
-
-def rank_chunks(partition: Partition, pp: int) -> list[list[tuple[int, int]]]:
-    """The virtual stages each pipeline rank runs (rank r: r, r + p, ...)."""
-    return [partition[r::pp] for r in range(pp)]
