@@ -59,8 +59,11 @@ def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, opti
     kept, rejected = _direct(model, cluster.num_gpus, cluster.gpus_per_node, gb, cons, optimizer, precision)
     assert got == kept
     assert space.rejected["framework"] == rejected
-    if model.positions.kind == "alibi":  # only DeepSpeed builds BLOOM: nothing interleaves
-        assert set(space.columns["framework"].tolist()) == {FRAMEWORKS.index("deepspeed")} and rejected > 0
+    if model.positions.kind == "alibi":  # DeepSpeed and BigScience's Megatron-DeepSpeed build BLOOM: nothing interleaves
+        mds = space.columns["framework"] == FRAMEWORKS.index("megatron-deepspeed")
+        assert set(space.columns["framework"].tolist()) == {FRAMEWORKS.index(f) for f in ("deepspeed",
+                                                                                           "megatron-deepspeed")}
+        assert not space.columns["sp"][mds].any() and rejected > 0  # the fork has no sequence parallelism
         return
     # Interleaving is both allowed and refused somewhere, so the exact-pp part of the key is exercised.
     assert (space.columns["vs"] > 1).any() and rejected > 0

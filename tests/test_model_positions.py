@@ -132,7 +132,6 @@ def test_a_non_integer_rotary_base_is_noted_not_rounded() -> None:
 @pytest.mark.parametrize("model, framework, words", [
     ("deepseek-v3", "megatron-deepspeed", "no multi-latent attention"),
     ("bloom-176b", "megatron", "no ALiBi"),
-    ("bloom-176b", "megatron-deepspeed", "no ALiBi"),
 ])
 def test_runtimes_that_cannot_build_the_model_are_refused(model, framework, words) -> None:
     plan, spec = make_plan(model, 4, framework=framework, zero_stage=1)
@@ -144,8 +143,9 @@ def test_runtimes_that_cannot_build_the_model_are_refused(model, framework, word
 def test_suggest_never_offers_them_and_estimate_says_why() -> None:
     from planner.search.suggest import suggest
 
-    frameworks = {rp.plan.cfg.framework for rp in suggest("bloom-176b", nodes=48, top=20).plans}
-    assert frameworks == {"deepspeed"}
+    plans = suggest("bloom-176b", nodes=48, top=50).plans
+    assert "megatron" not in {rp.plan.cfg.framework for rp in plans}
+    assert not any(rp.plan.cfg.sequence_parallel for rp in plans if rp.plan.cfg.framework == "megatron-deepspeed")
     r = CliRunner().invoke(main, ["estimate", "--model", "deepseek-v2-lite", "--nodes", "2",
                                   "--framework", "megatron-deepspeed", "--ep", "4"])
     assert r.exit_code == 2 and "multi-latent attention" in r.output and "Traceback" not in r.output
@@ -164,3 +164,53 @@ def test_the_cost_model_applies_rotary_embeddings_where_the_model_states_them() 
                                 "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 2048},
                                "n", "n.json")
     assert uses_rope(neox) and uses_rope(neox.model_copy(update={"positions": None}))
+
+
+# The flags of BigScience's fork that dsplan writes for an ALiBi model: each is in its parser
+# (bigscience-workshop/Megatron-DeepSpeed @8387ae1 megatron/arguments.py, plus
+# deepspeed.add_config_arguments' --deepspeed and --deepspeed_config). Its parser has none of
+# --vocab-size, --normalization, --recompute-*, --sequence-parallel or --no-pipeline-parallel.
+BIGSCIENCE_FLAGS = {
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--attention-dropout", "--bf16", "--fp16", "--checkpoint-activations",
+    "--clip-grad", "--deepspeed", "--deepspeed-activation-checkpointing", "--deepspeed_config", "--embed-layernorm",
+    "--ffn-hidden-size", "--global-batch-size", "--hidden-dropout", "--hidden-size", "--kv-channels",
+    "--layernorm-epsilon", "--log-interval", "--lr", "--lr-decay-style", "--lr-warmup-iters",
+    "--max-position-embeddings", "--micro-batch-size", "--min-lr", "--num-attention-heads", "--num-layers",
+    "--optimizer", "--pad-vocab-size-to", "--pipeline-model-parallel-size", "--position-embedding-type",
+    "--save-interval", "--seq-length", "--tensor-model-parallel-size", "--train-iters", "--weight-decay",
+    "--zero-stage",
+}
+BLOOM_RUN = ["--model", "bloom-176b", "--nodes", "48", "--framework", "megatron-deepspeed", "--tp", "4", "--pp", "12",
+             "--zero", "1", "--micro-batch", "2", "--global-batch", "2048", "--recompute", "full"]
+
+
+def test_blooms_published_layout_is_priced_and_written_for_bigscience_fork(tmp_path) -> None:
+    """BLOOM-176B trained on 384 A100-80GB with TP4 x PP12 x DP8, ZeRO-1, micro-batch 2, global
+    batch 2048, full activation checkpointing, on BigScience's Megatron-DeepSpeed (BLOOM paper,
+    arXiv:2211.05100 sec. 3.4; bigscience-workshop/bigscience train/tr11-176B-ml)."""
+    r = CliRunner().invoke(main, ["estimate", *BLOOM_RUN, "--json"])
+    assert r.exit_code == 0, r.output
+    est = json.loads(r.output)
+    assert est["fits"] and est["memory"]["peak_bytes"] < 60e9  # BigScience saw 60 GB per GPU used on this layout
+    out = tmp_path / "bloom"
+    r = CliRunner().invoke(main, ["generate", *BLOOM_RUN, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    printed = subprocess.run(["bash", str(out / "megatron_args.sh")], capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    used = {t for t in printed if t.startswith("--")}
+    assert used <= BIGSCIENCE_FLAGS, used - BIGSCIENCE_FLAGS
+    at = {t: printed[i + 1] if i + 1 < len(printed) and not printed[i + 1].startswith("--") else None
+          for i, t in enumerate(printed) if t.startswith("--")}
+    assert at["--position-embedding-type"] == "alibi" and "--embed-layernorm" in at
+    assert at["--pad-vocab-size-to"] == "250880" and "--checkpoint-activations" in at
+    assert (at["--tensor-model-parallel-size"], at["--pipeline-model-parallel-size"], at["--zero-stage"]) == \
+        ("4", "12", "1")
+    assert "bigscience-workshop/Megatron-DeepSpeed" in (out / "megatron_args.sh").read_text()
+
+
+@pytest.mark.parametrize("flag, words", [("--sequence-parallel", "no sequence parallelism"),
+                                         ("--recompute selective", "whole layers only")])
+def test_what_bigscience_fork_lacks_is_refused_naming_the_fix(flag, words) -> None:
+    args = [a for a in BLOOM_RUN if a not in ("--recompute", "full")] + flag.split()
+    r = CliRunner().invoke(main, ["estimate", *args])
+    assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output

@@ -11,7 +11,7 @@ and its own behaviour the cost model reads (``Traits``):
   time (``Traits.pipe_engine``); ZeRO-1/2 all-reduce gradients (``Traits.zero_grad_allreduce``).
 - ``megatron-deepspeed``: Megatron's 3D parallelism on the DeepSpeed engine: ZeRO-1 with a
   pipeline (ZeRO-2/3 only without one), sequence parallelism, MoE, selective recompute; no
-  interleaving, no multi-latent attention, no ALiBi.
+  interleaving, no multi-latent attention. ALiBi models (BLOOM) run on BigScience's fork of it.
 - ``megatron`` (Megatron-LM / Megatron-Core): 3D parallelism, sequence parallelism, the
   interleaved 1F1B schedule, MLA, the distributed optimizer (``zero_stage=1`` here: optimizer
   states sharded over DP, ~ZeRO-1), expert parallelism, selective recompute; no ZeRO-2/3.
@@ -197,12 +197,6 @@ def _moe_zero3_rule(f: str) -> Rule:
                              f"the engine); use {arg('zero')} 1/2 or {arg('framework')} megatron")
 
 
-def _alibi_rule(f: str, why: str) -> Rule:
-    return Rule(f, lambda c, x: x.positions == "alibi" and c.tp > 0,
-                lambda c, x: f"framework {f} has no ALiBi position biases ({why}), so it cannot build this model; use "
-                             f"{arg('framework')} deepspeed")
-
-
 def _interleave_rule(f: str) -> Rule:
     return Rule(f, lambda c, x: c.virtual_stages > 1,
                 lambda c, x: f"framework {f} has no interleaved pipeline schedule; use {arg('virtual_stages')} 1 or "
@@ -212,14 +206,25 @@ def _interleave_rule(f: str) -> Rule:
 # In the order they are checked: a config breaking several is told about the first.
 RULES: tuple[Rule, ...] = (
     # First, what the runtime cannot build at all, whatever the layout: the one thing to say.
-    # deepspeedai/Megatron-DeepSpeed's model is Megatron's GPT of 2023: no MLA layer, and
-    # positions are learned or rotary (megatron/arguments.py); ALiBi is in BigScience's fork.
+    # deepspeedai/Megatron-DeepSpeed's model is Megatron's GPT of 2023: no MLA layer. ALiBi
+    # is BigScience's fork (bigscience-workshop/Megatron-DeepSpeed megatron/arguments.py:
+    # --position-embedding-type alibi), which trained BLOOM-176B, so megatron-deepspeed prices it.
     Rule("megatron-deepspeed", lambda c, x: x.mla and c.tp > 0,
          lambda c, x: "framework megatron-deepspeed has no multi-latent attention (MLA) layer; use "
                       f"{arg('framework')} megatron (Megatron-Core's --multi-latent-attention) or deepspeed"),
-    _alibi_rule("megatron-deepspeed", "its positions are learned or rotary"),
     # Megatron-Core's --position-embedding-type: learned_absolute, rope, mrope, relative, none.
-    _alibi_rule("megatron", "--position-embedding-type offers learned_absolute, rope, mrope, relative and none"),
+    Rule("megatron", lambda c, x: x.positions == "alibi" and c.tp > 0,
+         lambda c, x: "framework megatron has no ALiBi position biases (--position-embedding-type offers "
+                      "learned_absolute, rope, mrope, relative and none), so it cannot build this model; use "
+                      f"{arg('framework')} megatron-deepspeed (BigScience's fork trained BLOOM) or deepspeed"),
+    # BigScience's fork is Megatron of 2021: no sequence parallelism, and --checkpoint-activations
+    # checkpoints whole layers (its megatron/arguments.py has neither of the later flags).
+    Rule("megatron-deepspeed", lambda c, x: x.positions == "alibi" and c.sequence_parallel == True,  # noqa: E712
+         lambda c, x: "framework megatron-deepspeed runs ALiBi models on BigScience's fork, which has no sequence "
+                      f"parallelism; use {arg('no_sequence_parallel')}"),
+    Rule("megatron-deepspeed", lambda c, x: x.positions == "alibi" and c.recompute == "selective",
+         lambda c, x: "framework megatron-deepspeed runs ALiBi models on BigScience's fork, which checkpoints whole "
+                      f"layers only; use {arg('recompute')} full or none"),
     # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
     # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
     Rule(None, lambda c, x: x.optimizer == "sgd" and c.offload != "none",
@@ -234,7 +239,10 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"framework deepspeed: PipelineModule ({arg('pp')} {c.pp}) rejects ZeRO-{c.zero_stage} "
                       f"(pipeline parallelism supports ZeRO 0/1); use {arg('zero')} 1 or {arg('pp')} 1"),
     # AutoTP shards a plain module tree by layer names; it has no pipeline-stage or expert
-    # groups (DeepSpeed's AutoTP training tutorial: ZeRO 0-2, no PipelineModule, no MoE).
+    # groups (DeepSpeed's AutoTP training tutorial: no PipelineModule, no MoE). DeepSpeed 0.19's
+    # engine sets its groups to a (data_parallel, tensor_parallel) mesh over the whole world
+    # (runtime/engine.py _configure_tensor_parallel_states, utils/groups.py _init_tp_mesh_device):
+    # no pipeline axis, so BLOOM's TP4 x PP12 runs as megatron-deepspeed.
     Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.pp > 1),
          lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) does not combine with "
                       f"PipelineModule ({arg('pp')} {c.pp}); use {arg('framework')} megatron-deepspeed for 3D "

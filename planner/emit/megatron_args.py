@@ -35,8 +35,15 @@ def _a(flag: str, value: object = None, raw: bool = False) -> Arg:
     return Arg(flag=flag, value=None if value is None else str(value), raw=raw)
 
 
+def bigscience_fork(model: ModelSpec, plan: PlanFile) -> bool:
+    """A megatron-deepspeed plan of an ALiBi model runs on BigScience's fork, whose parser
+    spells some flags its own way: --pad-vocab-size-to, --checkpoint-activations, LayerNorm only."""
+    return plan.framework == "megatron-deepspeed" and model.positions is not None and model.positions.kind == "alibi"
+
+
 def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     mds = plan.framework == "megatron-deepspeed"
+    bigscience = bigscience_fork(model, plan)
     first: DecoderBlock = model.decoder_blocks[0]
     attn = first.attention
     args = [
@@ -45,7 +52,7 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         _a("--num-attention-heads", attn.heads),
         _a("--seq-length", plan.seq_len),
         _a("--max-position-embeddings", max(model.max_seq_len, plan.seq_len)),
-        _a("--vocab-size", model.vocab),
+        _a("--pad-vocab-size-to" if bigscience else "--vocab-size", model.vocab),
     ]
     dense = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, DenseMLP)), None)
     moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
@@ -74,7 +81,9 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     act = (dense or moe).act if (dense or moe) else "swiglu"
     if act == "swiglu":
         args.append(_a("--swiglu"))
-    if mds:
+    if bigscience:
+        pass  # LayerNorm is the fork's only norm
+    elif mds:
         args.append(_a("--normalization", first.norm))  # layernorm | rmsnorm
     else:
         args.append(_a("--normalization", "RMSNorm" if first.norm == "rmsnorm" else "LayerNorm"))
@@ -102,6 +111,11 @@ MEGATRON_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32
 MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
 
 
+BIGSCIENCE_FORK_NOTE = ("ALiBi (--position-embedding-type alibi, --embed-layernorm) is in BigScience's fork, "
+                        "github.com/bigscience-workshop/Megatron-DeepSpeed, which trained BLOOM; "
+                        "deepspeedai/Megatron-DeepSpeed's parser refuses these flags: run this plan on that fork")
+
+
 def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
     """Position flags, and notes on what the parser cannot say (written into megatron_args.sh).
 
@@ -111,13 +125,20 @@ def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
     from --rotary-scaling-factor/--mscale/--mscale-all-dim. Megatron-DeepSpeed
     (megatron/arguments.py): a learned table unless --no-position-embedding,
     --use-rotary-position-embeddings, --rotary-position-embeddings-theta (an int), no scaling.
-    ALiBi is in neither (frameworks.RULES refuses such plans)."""
+    ALiBi is BigScience's fork of Megatron-DeepSpeed (bigscience-workshop/Megatron-DeepSpeed
+    megatron/arguments.py: --position-embedding-type alibi, --embed-layernorm), on which BLOOM
+    was trained; Megatron-LM has none (frameworks.RULES refuses such plans)."""
     embedding = next(b for b in model.blocks if isinstance(b, EmbeddingBlock))
     pos = model.positions
     kind = pos.kind if pos else ("learned" if embedding.learned_positions else "rope")
     if kind == "alibi":
-        raise UserError(f"{model.name}: ALiBi position biases have no Megatron flag; "
-                        "plan it with --framework deepspeed")
+        if not mds:
+            raise UserError(f"{model.name}: ALiBi position biases have no Megatron-LM flag; "
+                            "plan it with --framework megatron-deepspeed or deepspeed")
+        args = [_a("--position-embedding-type", "alibi")]
+        if embedding.norm is not None:
+            args.append(_a("--embed-layernorm"))
+        return args, [BIGSCIENCE_FORK_NOTE]
     if kind == "learned":
         return ([] if mds else [_a("--position-embedding-type", "learned_absolute")]), []
     args = ([_a("--use-rotary-position-embeddings"), _a("--no-position-embedding")] if mds
@@ -230,7 +251,7 @@ def _moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     return args
 
 
-def _training_args(plan: PlanFile, settings: TrainSettings) -> list[Arg]:
+def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = False) -> list[Arg]:
     args = [
         _a("--tensor-model-parallel-size", plan.tp),
         _a("--pipeline-model-parallel-size", plan.pp),
@@ -254,6 +275,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings) -> list[Arg]:
         args.append(_a(f"--{plan.precision}"))
     if plan.recompute == "selective":
         args.append(_a("--recompute-granularity", "selective"))
+    elif plan.recompute == "full" and bigscience:
+        args.append(_a("--checkpoint-activations"))  # whole layers, as the fork checkpoints them
     elif plan.recompute == "full":
         args += [_a("--recompute-granularity", "full"), _a("--recompute-method", "uniform"),
                  _a("--recompute-num-layers", 1)]
@@ -282,7 +305,7 @@ def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings |
     ``megatron-deepspeed`` plans ZeRO and MoE go to DeepSpeed (``megatron_deepspeed_args``).
     """
     settings = settings or TrainSettings()
-    return (_training_args(plan, settings) + _pipeline_args(model, plan) + _model_args(model, plan)
+    return (_training_args(plan, settings, bigscience_fork(model, plan)) + _pipeline_args(model, plan) + _model_args(model, plan)
             + _moe_args(model, plan))
 
 
@@ -295,7 +318,7 @@ def megatron_deepspeed_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         _a("--deepspeed_config", '"$RUN_DIR/ds_config.json"', raw=True),
         _a("--zero-stage", plan.zero_stage),
     ]
-    if plan.pp == 1:
+    if plan.pp == 1 and not bigscience_fork(model, plan):
         args.append(_a("--no-pipeline-parallel"))
     if plan.recompute != "none":
         args.append(_a("--deepspeed-activation-checkpointing"))
