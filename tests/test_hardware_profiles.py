@@ -17,6 +17,7 @@ from planner.resources import hardware_profiles_dir
 
 EXPECTED = {
     "dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200", "h800", "a100-pcie", "l40s-pcie", "mi250x", "mi300x",
+    "dgx-b200", "dgx-b300",
 }
 
 
@@ -115,6 +116,21 @@ def test_nvlink_per_direction_bandwidth_matches_reference(reference_dir: Path, p
     assert p.node.intra.nvls == (profile in ("dgx-h100", "hgx-h200"))
 
 
+def test_blackwell_profiles_carry_the_published_dense_peaks(reference_dir: Path):
+    """B200/B300 (HGX/DGX at their rated power): bf16 2.25 PF, fp8 4.5 PF dense; FP4 9 PF on
+    B200 and 1.5x that on Blackwell Ultra; NVLink 5 at 900 GB/s per direction, NVLS."""
+    (mamf,) = [r for r in _rows(reference_dir, "mamf_max_achievable_matmul_measured.csv")
+               if r["accelerator"] == "NVIDIA B200 SXM"]
+    b200, b300 = load_profile("dgx-b200"), load_profile("dgx-b300")
+    assert b200.gpu.peak_TFLOPs["bf16"] == float(mamf["theory_TFLOPs"]) == b300.gpu.peak_TFLOPs["bf16"]
+    for p in (b200, b300):
+        assert p.gpu.peak_TFLOPs["fp8"] == 2 * p.gpu.peak_TFLOPs["bf16"] and p.gpu.hbm_GBps == 8000
+        assert (p.node.intra.bw_GBps, p.node.intra.links_per_gpu, p.node.intra.nvls) == (900, 18, True)
+    assert b300.gpu.peak_TFLOPs["fp4"] == 1.5 * b200.gpu.peak_TFLOPs["fp4"] == 13500
+    assert (b200.gpu.memory_GiB, b300.gpu.memory_GiB) == (180, 288)
+    assert b200.nic_bw_per_gpu == 50e9 and b300.nic_bw_per_gpu == 100e9 and b300.fabric.kind == "infiniband_xdr"
+
+
 def test_h800_nvlink_is_cut_to_400_bidirectional(reference_dir: Path):
     bidir = _first_number(_spec(reference_dir, "H800 SXM 80GB")["scale_up_interconnect"], r"NVLink ([0-9]+) GB/s bidir")
     p = load_profile("h800")
@@ -151,7 +167,7 @@ def test_pcie_host_links_match_reference(reference_dir: Path):
 @pytest.mark.parametrize(
     ("profile", "accelerator"),
     [("dgx-a100-80g", "NVIDIA A100 SXM"), ("a100-pcie", "NVIDIA A100 PCIe"), ("dgx-h100", "NVIDIA H100 SXM"),
-     ("hgx-h200", "NVIDIA H100 SXM")],
+     ("hgx-h200", "NVIDIA H100 SXM"), ("dgx-b200", "NVIDIA B200 SXM"), ("dgx-b300", "NVIDIA B200 SXM")],
 )
 def test_matmul_efficiency_is_measured_mamf(reference_dir: Path, profile: str, accelerator: str):
     (row,) = [r for r in _rows(reference_dir, "mamf_max_achievable_matmul_measured.csv")

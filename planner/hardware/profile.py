@@ -33,7 +33,7 @@ class GPU(_Strict):
     name: str
     vendor: Literal["nvidia", "amd", "other"] = "nvidia"
     memory_GiB: PositiveFloat
-    peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "tf32", "fp32"], PositiveFloat]  # dense, no sparsity
+    peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "fp4", "tf32", "fp32"], PositiveFloat]  # dense, no sparsity
     hbm_GBps: PositiveFloat
     # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; reference/
     # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
