@@ -339,5 +339,5 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
         raise UserError("suggest searches with FlashAttention and no dropout; use estimate for other kernels")
     return _suggest(spec, cluster.profile, cluster.nodes, global_batch=wl.global_batch, seq_len=wl.seq_len,
                     images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
-                    precision=wl.precision, optimizer=wl.optimizer, constraints=cons, balancer=balancer,
+                    precision=wl.precision_name, optimizer=wl.optimizer, constraints=cons, balancer=balancer,
                     objective=objective, top=top, progress=progress)

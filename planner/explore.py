@@ -205,7 +205,7 @@ def block_seconds(model: Any, cluster: Any, workload: Any, cfg: Any) -> list[flo
     from planner.cost.efficiency import device
     from planner.cost.parallel import RECOMPUTES
 
-    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision))
+    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
     table = tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
     return table.total(RECOMPUTES.index(cfg.recompute), table.b_index(cfg.micro_batch)).tolist()
 

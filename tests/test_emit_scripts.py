@@ -55,6 +55,9 @@ MEGATRON_LM_FLAGS = {
     "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
     "--norm-epsilon", "--rotary-percent", "--use-rope-scaling", "--rope-scaling-factor", "--mrope-section",
     "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
+    # Transformer Engine recipes (megatron/core/transformer/transformer_config.py fp8 / fp8_recipe /
+    # fp4 / fp4_recipe, turned into flags by megatron/training/argument_utils.py).
+    "--fp8-format", "--fp8-recipe", "--fp4-format", "--fp4-recipe",
 }
 # Megatron-DeepSpeed's additions (microsoft/Megatron-DeepSpeed megatron/arguments.py: _add_zero_args,
 # _add_activation_checkpoint_args, --no-pipeline-parallel, MoE flags; deepspeed.add_config_arguments).

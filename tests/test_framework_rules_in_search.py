@@ -59,7 +59,7 @@ def test_memoised_rules_equal_direct_checks(name: str, nodes: int, gb: int, opti
     kept, rejected = _direct(model, cluster.num_gpus, cluster.gpus_per_node, gb, cons, optimizer, precision)
     assert got == kept
     assert space.rejected["framework"] == rejected
-    if model.positions.kind == "alibi":  # DeepSpeed and BigScience's Megatron-DeepSpeed build BLOOM: nothing interleaves
+    if model.positions.kind == "alibi":  # DeepSpeed and BigScience's Megatron-DeepSpeed build BLOOM, never interleaved
         mds = space.columns["framework"] == FRAMEWORKS.index("megatron-deepspeed")
         assert set(space.columns["framework"].tolist()) == {FRAMEWORKS.index(f) for f in ("deepspeed",
                                                                                            "megatron-deepspeed")}

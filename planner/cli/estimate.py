@@ -14,6 +14,7 @@ import click
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
+from planner.cost.precision import PRECISION_HELP, PRECISIONS
 from planner.errors import UserError
 
 
@@ -50,7 +51,8 @@ from planner.errors import UserError
               help="Vision-language models: images per sample [default: the model's].")
 @click.option("--tiles-per-image", type=int, default=None,
               help="Vision-language models: local tiles per image [default: the model's].")
-@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+              help=PRECISION_HELP)
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
 @click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
               help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of Korthikanti et al.")

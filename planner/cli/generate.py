@@ -18,6 +18,7 @@ from planner.cli.flags import FLAGS, cli_text
 from planner.cli.options import balancer_option, constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.cli.outputs import OutputPath
+from planner.cost.precision import PRECISION_HELP, PRECISIONS
 from planner.errors import UserError, whole_number
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ _SEARCH_FLAGS = (
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
 @click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample.")
 @click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image.")
-@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="[default: bf16]")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help=f"{PRECISION_HELP} [default: bf16]")
 @click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None, help="[default: adamw]")
 @constraint_options
 @balancer_option

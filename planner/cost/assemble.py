@@ -16,6 +16,7 @@ import numpy as np
 from planner.cost import memory as mem
 from planner.cost import step_time as st
 from planner.cost.context import CostContext
+from planner.cost.precision import RECIPES
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
     m = col["grad_accum"][:, None].astype(float)
     weights, grads, opt, cpu = mem.state_bytes(col, r["dense"], r["expert"], r["largest"], w.precision,
                                                w.optimizer_moments)
+    if w.recipe is not None:  # the quantized weights (both layouts), cached across the step's micro-batches
+        weights = weights + RECIPES[w.recipe].weight_cache_bytes * r["low"]
     inflight = _inflight(col, pp)
     acts = mem.activation_bytes(r["stored"], r["live"], inflight)
     buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],

@@ -47,6 +47,7 @@ class BlockTable:
     ep: np.ndarray  # [mode, b, block]
     params: np.ndarray  # params_rank per block
     expert: np.ndarray  # expert_params_rank per block
+    low: np.ndarray  # LayerCost.low_params per block (the recipe's quantized weights)
     act: np.ndarray  # [mode, block] stored bytes per sample
     act_live: np.ndarray  # per sample, 0 for blocks that are not checkpointed
     pp_bytes: np.ndarray  # per sample
@@ -91,13 +92,16 @@ def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> tuple
 
 def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarray:
     """[b, block] seconds of every block's GEMMs at each micro-batch size."""
-    rows = [(j, g.tokens, g.n, g.k, g.batch) for j, c in enumerate(costs) for g in c.gemms]
+    rows = [(j, g.tokens, g.n, g.k, g.batch, g.low) for j, c in enumerate(costs) for g in c.gemms]
     out = np.zeros((len(bs), len(costs)))
     if not rows:
         return out
-    idx, tokens, n, k, batch = (np.array(col, dtype=float) for col in zip(*rows))
+    idx, tokens, n, k, batch, low = (np.array(col, dtype=float) for col in zip(*rows))
     m = tokens[None, :] * bs[:, None]
     t = eff.gemm_time(m, n[None, :], k[None, :], dev, batch[None, :])
+    if dev.low is not None and low.any():  # the recipe's GEMMs at its format's rate and operand bytes
+        t = np.where(low[None, :] > 0, eff.gemm_time(m, n[None, :], k[None, :], dev.low, batch[None, :],
+                                                     dev.low_bytes), t)
     # Per (micro-batch, block) cell, its GEMMs summed in order: one bincount for every size.
     at = (np.arange(len(bs))[:, None] * len(costs) + idx.astype(np.int64)[None, :]).ravel()
     return np.bincount(at, weights=t.ravel(), minlength=out.size).reshape(out.shape)
@@ -170,6 +174,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep,
         "params": per_block([c.params_rank for c in costs]),
         "expert": per_block([c.expert_params_rank for c in costs]),
+        "low": per_block([c.low_params for c in costs]),
         "act": np.array([[c.act[m] for c in costs] for m in RECOMPUTES], dtype=float)
                  .reshape(len(RECOMPUTES), n_groups, n_blocks).transpose(1, 0, 2),
         "act_live": per_block([c.act_live if c.checkpointed else 0.0 for c in costs]),

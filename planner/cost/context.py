@@ -20,7 +20,7 @@ class CostContext:
 
     @classmethod
     def of(cls, cluster: Cluster, workload: Workload) -> "CostContext":
-        return cls(cluster, workload, device(cluster.profile, workload.precision))
+        return cls(cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
 
     def layout(self, tp: int, ep: int, dp: int, pp: int) -> Layout:
         return layout(self.cluster, tp, ep, dp, pp)

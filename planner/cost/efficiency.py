@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.cost.precision import RECIPES, check_recipe
 from planner.hardware.profile import HardwareProfile
 
 # Global factors: the only constants fitted to measurements, once for all models and
@@ -77,6 +78,8 @@ class Device:
     hbm: float  # bytes/s
     sms: int
     flash: float | None = None  # FlashAttention's level as a fraction of peak; None: mamf
+    low: "Device | None" = None  # the recipe's GEMM format (precision.py), None without one
+    low_bytes: float = 2.0  # bytes per element of that format's operands
 
     @property
     def flash_ceiling(self) -> float:
@@ -87,10 +90,19 @@ class Device:
         return self.hbm * HBM_EFFICIENCY
 
 
-def device(profile: HardwareProfile, dtype: str = "bf16") -> Device:
+def device(profile: HardwareProfile, dtype: str = "bf16", recipe: str | None = None) -> Device:
+    """The GPU in the working ``dtype``; with a TE ``recipe``, ``low`` is the GPU in the
+    recipe's GEMM format, at its measured MAMF where the profile has one (H100 fp8: 70.9%)."""
     gpu = profile.gpu
     sms = next((n for key, n in _SMS.items() if key.lower() in gpu.name.lower()), 108)
-    return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms, gpu.flash_attention_efficiency)
+    low = None
+    if recipe is not None:
+        check_recipe(recipe, gpu.peak_TFLOPs, gpu.name)  # type: ignore[arg-type]
+        r = RECIPES[recipe]
+        mamf = gpu.matmul_efficiency_low.get(r.gemm_format, gpu.matmul_efficiency)  # type: ignore[call-overload]
+        low = Device(gpu.peak_flops(r.gemm_format), mamf, gpu.hbm_GBps * 1e9, sms)
+    return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms, gpu.flash_attention_efficiency,
+                  low, RECIPES[recipe].element_bytes if recipe else 2.0)
 
 
 def tile_efficiency(m, n, sms: int):

@@ -58,7 +58,7 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
                         f"{cfg.grad_accum} x dp {cfg.dp} = {cfg.samples_per_step}")
     check_against_model(cfg, heads=model.attention_heads, kv_heads=model.kv_heads, routed_experts=model.routed_experts,
                         blocks=model.num_layers)
-    fw.check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision)
+    fw.check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision_name)
     if workload.seq_len > model.max_seq_len:
         raise UserError(f"{arg('seq_len')} {workload.seq_len} exceeds {model.name}'s maximum context "
                         f"of {model.max_seq_len}")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from planner.cost.parallel import ParallelConfig
+from planner.cost.precision import split_precision
 from planner.errors import UserError, arg
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ class RunFacts:
     precision: str
     mla: bool = False  # multi-latent attention (DeepSeek-V2/V3)
     positions: str = "rope"  # Positions.kind: learned | rope | mrope | alibi
+    recipe: str | None = None  # a Transformer Engine recipe (precision.py); precision is then bf16
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +227,11 @@ RULES: tuple[Rule, ...] = (
     Rule("megatron-deepspeed", lambda c, x: x.positions == "alibi" and c.recompute == "selective",
          lambda c, x: "framework megatron-deepspeed runs ALiBi models on BigScience's fork, which checkpoints whole "
                       f"layers only; use {arg('recompute')} full or none"),
+    # The TE recipes are Megatron-Core's (--fp8-recipe, --fp4-recipe); DeepSpeed's engine and
+    # Megatron-DeepSpeed's model have no Transformer Engine layers to run them.
+    Rule(None, lambda c, x: x.recipe is not None and c.framework != "megatron",
+         lambda c, x: f"framework {c.framework} has no Transformer Engine recipe to run {arg('precision')} "
+                      f"{x.recipe}; use {arg('framework')} megatron or {arg('precision')} bf16"),
     # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
     # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
     Rule(None, lambda c, x: x.optimizer == "sgd" and c.offload != "none",
@@ -331,8 +338,10 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
                     precision: str, mla: bool = False, positions: str = "rope") -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
-    ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step."""
-    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, precision, mla, positions)
+    ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
+    ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
+    work, recipe = split_precision(precision)
+    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
+from planner.cost.precision import Recipe
+
 ACT = 2  # bytes of a bf16/fp16 activation
 MASK = 1  # bytes of a dropout mask element (Korthikanti: "sbh" for a mask of s*b*h)
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -26,6 +28,7 @@ class Gemm(NamedTuple):
     n: int
     k: int
     batch: int = 1
+    low: bool = False  # runs in the recipe's low-precision format (planner/cost/precision.py)
 
     @property
     def flops(self) -> float:
@@ -73,6 +76,12 @@ class LayerCost(NamedTuple):
     extra: Mapping[str, float] = _NO_EXTRA
 
     @property
+    def low_params(self) -> float:
+        """Weights one GPU holds of the GEMMs that run in the recipe's format (the quantized
+        weight cache holds them): n x k per GEMM, times its local experts."""
+        return float(sum(g.n * g.k * g.batch for g in self.gemms if g.low))
+
+    @property
     def gemm_flops(self) -> float:
         return sum(g.flops for g in self.gemms)
 
@@ -97,6 +106,12 @@ class LayerContext:
     flash: bool
     dropout: bool
     rope: bool = False
+    recipe: Recipe | None = None  # the TE recipe of the transformer layers' linear GEMMs
+
+    @property
+    def linear_input_bytes(self) -> float:
+        """Bytes per element of a linear layer's input kept for backward: TE keeps the quantized copy."""
+        return self.recipe.element_bytes if self.recipe else ACT
 
     def repl(self, nbytes: float) -> float:
         """Replicated across TP ranks unless sequence parallelism splits it."""

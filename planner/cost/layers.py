@@ -27,6 +27,7 @@ from planner.cost.layer_cost import (
     same_in_every_mode,
 )
 from planner.cost.parallel import Workload
+from planner.cost.precision import RECIPES
 from planner.cost.transformer_layers import decoder_cost, vision_cost
 from planner.model.spec import (
     Block,
@@ -59,7 +60,8 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     ``memo``: a dict the caller keeps across calls for one (model, workload), holding each
     block's cost by (index, tp, sp, ep), with ep 1 but for a mixture-of-experts layer (the only
     block that reads it): a search prices dozens of (tp, sp, ep), which differ in those layers only."""
-    ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model))
+    ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
+                       RECIPES[workload.recipe] if workload.recipe else None)
     s = workload.seq_len
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []

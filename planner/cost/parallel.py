@@ -13,12 +13,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from planner.cost.precision import RECIPE_NAMES
 from planner.errors import UserError, arg
 
 Framework = Literal["deepspeed", "megatron-deepspeed", "megatron"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["bf16", "fp16", "fp32"]
+RecipeName = Literal["fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
+PrecisionName = Literal["bf16", "fp16", "fp32", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 Optimizer = Literal["adamw", "adam", "sgd"]
 
 FRAMEWORKS: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron")
@@ -36,6 +39,9 @@ class Workload(BaseModel):
     images_per_sample: int = Field(0, ge=0)
     tiles_per_image: int = Field(0, ge=0)  # local tiles; the global view (if any) is added by the model
     precision: Precision = "bf16"
+    # A Transformer Engine recipe on top of bf16 (planner/cost/precision.py). Give either
+    # precision="fp8-tensorwise" (split here) or precision="bf16", recipe="fp8-tensorwise".
+    recipe: RecipeName | None = None
     optimizer: Optimizer = "adamw"
     # Kernel facts that change memory and time (see planner/cost/README.md):
     # FlashAttention (the default in Megatron-Core/TE, HF sdpa) keeps no s^2 score matrix and
@@ -45,6 +51,19 @@ class Workload(BaseModel):
     # Hidden/attention dropout (GPT-2/3 era, Megatron GPT defaults 0.1). Modern LLM
     # pre-training (Llama, DeepSeek, Qwen) uses none; with it each dropout stores a 1-byte mask.
     dropout: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_recipe(cls, data):
+        """``precision`` may name a recipe: it trains in bf16 with that recipe."""
+        if isinstance(data, dict) and data.get("precision") in RECIPE_NAMES:
+            data = {**data, "recipe": data["precision"], "precision": "bf16"}
+        return data
+
+    @property
+    def precision_name(self) -> str:
+        """What ``--precision`` said: the recipe, or the working precision."""
+        return self.recipe or self.precision
 
     @property
     def tokens_per_step(self) -> int:

@@ -108,7 +108,7 @@ class Plan:
             "gpus": self.gpus, "framework": c.framework, "dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep,
             "zero_stage": c.zero_stage, "offload": c.offload, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
             "global_batch": w.global_batch, "seq_len": w.seq_len, "recompute": c.recompute,
-            "sequence_parallel": c.sequence_parallel, "virtual_stages": c.virtual_stages, "precision": w.precision,
+            "sequence_parallel": c.sequence_parallel, "virtual_stages": c.virtual_stages, "precision": w.precision_name,
             "optimizer": w.optimizer, "images_per_sample": w.images_per_sample, "tiles_per_image": w.tiles_per_image,
             "flash_attention": w.flash_attention, "dropout": w.dropout,
             "stage_blocks": [list(p) for p in self.partition],

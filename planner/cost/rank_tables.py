@@ -49,14 +49,15 @@ Split = list[tuple[int, int]]
 # block, stored and live activation bytes and pipeline buffers; the parameters of a tied
 # embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and reduce-scatters.
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
-               "tied", "z3_gather", "z3_reduce")
+               "tied", "z3_gather", "z3_reduce", "low")
 ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
 Z3_ROWS = [ROW["z3_gather"], ROW["z3_reduce"]]  # zero unless the candidate runs ZeRO-3
 TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")]  # MicroBatchTime's fields, in order
 # The per-block series summed over a chunk's blocks (by prefix sums), and then the chunk's pipeline
 # seconds: the rows of the per-chunk array a rank table is summed from. The first seven are
-# RANK_FIELDS' first seven; "act" is stored bytes per sample.
-PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act")
+# RANK_FIELDS' first seven; "act" is stored bytes per sample, "low" the weights of the GEMMs
+# that run in a precision recipe's format (their quantized copies are cached for the step).
+PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -271,7 +272,7 @@ class RankTables:
         if todo:
             series = np.stack([row for (_, mode, bi), s in todo for row in (
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
-                s.table.params, s.table.expert, s.table.act[mode])])
+                s.table.params, s.table.expert, s.table.act[mode], s.table.low)])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -295,6 +296,7 @@ class RankTables:
         out[ROW["pp"]] = sums[_CHUNK["pp"]]
         out[ROW["largest"]] = largest
         out[ROW["stored"]] = sums[_CHUNK["act"]] * b
+        out[ROW["low"]] = sums[_CHUNK["low"]]
         out[ROW["live"]] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # under full recompute
         out[ROW["ppbuf"]] = np.where(ch.rank["pp"] > 1, 2.0 * buf * b, 0.0)  # pipeline receive buffers
         if self.tied is not None:

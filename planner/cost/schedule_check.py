@@ -101,5 +101,5 @@ def plan_schedule_notes(model: ModelSpec, cluster: Cluster, workload: Workload, 
     """``schedule_notes`` of one plan, with the block tables of its own configuration."""
     if cfg.virtual_stages == 1:
         return []
-    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision))
+    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
     return schedule_notes(tables, cfg, partition, step_s)

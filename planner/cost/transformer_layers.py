@@ -43,7 +43,8 @@ def _attention_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
         qk, v = a.head_dim, a.head_dim
         out_in = qw
     gemms.append(Gemm(tokens, h, int(out_in / t)))
-    shard_store += ACT * out_in  # output-projection input
+    gemms = [g._replace(low=ctx.recipe is not None) for g in gemms]
+    shard_store += ctx.linear_input_bytes * out_in  # output-projection input
     shard_params += out_in * h
     repl_params += h if a.out_bias else 0
     core = AttnCore(1, tokens, heads, qk, v, causal=True, flash=ctx.flash, dropout=ctx.dropout)
@@ -66,7 +67,7 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     (replicated, TP-sharded, routed experts per GPU), memory traffic per token, EP traffic."""
     h, t, mlp = b.hidden, ctx.tp, b.mlp
     if isinstance(mlp, DenseMLP):
-        g, stored, traffic = _ffn(mlp.ffn, mlp.gated, tokens, h, t, 1)
+        g, stored, traffic = _ffn(mlp.ffn, mlp.gated, tokens, h, t, 1, ctx)
         out_bias = h if mlp.bias else 0
         return g, 0.0, stored / tokens, out_bias, mlp.params(h) - out_bias, 0.0, traffic / tokens, 0.0, 0
     assert isinstance(mlp, MoEMLP)
@@ -76,7 +77,7 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     repl = 2 * 4.0 * e  # fp32 router logits and probabilities
     shard, traffic = 0.0, 0.0
     if mlp.shared_ffn:
-        g, stored, tr = _ffn(mlp.shared_ffn, gated, tokens, h, t, 1)
+        g, stored, tr = _ffn(mlp.shared_ffn, gated, tokens, h, t, 1, ctx)
         gemms += g
         shard += stored / tokens
         traffic += tr / tokens
@@ -84,7 +85,7 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     # dispatch, spread over its e/ep local experts (Megatron-Core grouped GEMM); expert
     # weights are split over TP as well (expert tensor parallel = tp, Megatron-Core's default).
     local = e // ctx.ep
-    g, stored, tr = _ffn(mlp.expert_ffn, gated, tokens * k / local, h, t, local)
+    g, stored, tr = _ffn(mlp.expert_ffn, gated, tokens * k / local, h, t, local, ctx)
     gemms += g
     shard += stored / tokens
     repl += k * 2 * ACT * h  # permuted input copies and the expert outputs awaiting combine
@@ -94,16 +95,19 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2
 
 
-def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int):
+def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx: LayerContext | None = None):
     """A (gated) MLP of ``width`` over ``batch`` x ``tokens``: GEMMs, stored bytes and memory
-    traffic per sample (totals, not per token)."""
+    traffic per sample (totals, not per token). ``ctx`` with a recipe: a decoder layer's MLP,
+    whose GEMMs run in it and whose fc2 input is kept quantized."""
     w = width / t
     up = 2 * w if gated else w
-    gemms = [Gemm(tokens, int(up), h, batch), Gemm(tokens, h, int(w), batch)]
+    low = ctx is not None and ctx.recipe is not None
+    gemms = [Gemm(tokens, int(up), h, batch, low), Gemm(tokens, h, int(w), batch, low)]
     rows = tokens * batch
     # gated: fc1 output (gate and up, 2w) + fc2 input (w); GELU: its input (w) + fc2 input (w).
     # The fc1 input is the layer's MLP input, counted with the replicated tensors.
-    stored = rows * ACT * (3 * width if gated else 2 * width)  # whole width: the caller splits by t
+    fc2_in = ctx.linear_input_bytes if low else ACT
+    stored = rows * (ACT * (2 * width if gated else width) + fc2_in * width)  # whole width: the caller splits by t
     traffic = rows * ACT * (up + w)  # activation kernel: read fc1 output, write fc2 input
     return gemms, stored, traffic
 
@@ -114,6 +118,9 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
     mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count = _mlp_parts(b, s, ctx)
     if ctx.rope:  # fused RoPE reads and writes the rotary part of Q and K once
         m_traffic += 2 * ACT * _rope_width(b) / ctx.tp
+    if ctx.recipe is not None:  # quantize each low-precision GEMM's input, per token
+        m_traffic += ctx.recipe.quantize_bytes_per_element() * sum(g.tokens * g.k * g.batch
+                                                                    for g in ag + mg if g.low) / s
     return _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
                               a2a, a2a_count, ctx)
@@ -148,8 +155,10 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     """Assemble a pre-norm transformer layer (Korthikanti Eq. 1 layout) from its parts."""
     t = ctx.tp
     # Replicated per token: two norm inputs, attention input, MLP input (4 x 2h = 8h), plus a
-    # dropout mask after attention and after the MLP (2 x 1h): Korthikanti's 10sbh.
-    repl = 4 * ACT * h + (2 * MASK * h if ctx.dropout else 0) + extra_repl
+    # dropout mask after attention and after the MLP (2 x 1h): Korthikanti's 10sbh. Under a TE
+    # recipe the attention and MLP inputs (the QKV and fc1 GEMMs' inputs) are kept quantized.
+    linear_in = ctx.linear_input_bytes if kind == "decoder" else ACT
+    repl = 2 * ACT * h + 2 * linear_in * h + (2 * MASK * h if ctx.dropout else 0) + extra_repl
     scores = _score_bytes(core) / tokens if tokens else 0.0
     stored_none = ctx.repl(repl) + shard / t + scores
     stored_sel = stored_none - (scores if not core.flash else 0.0)

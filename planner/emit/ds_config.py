@@ -44,9 +44,9 @@ class TrainSettings(BaseModel):
 
 
 def _precision(plan: PlanFile) -> dict[str, Any]:
-    if plan.precision == "bf16":
+    if plan.work_precision == "bf16":  # a TE recipe trains in bf16 too (its GEMMs are TE's, not DeepSpeed's)
         return {"bf16": {"enabled": True}}
-    if plan.precision == "fp16":
+    if plan.work_precision == "fp16":
         # loss_scale 0 = dynamic loss scaling, starting at 2**16 (DeepSpeed's documented defaults).
         return {
             "fp16": {

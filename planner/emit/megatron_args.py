@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from planner.cost.memory import group_to_set
+from planner.cost.precision import RECIPES
 from planner.emit.ds_config import TrainSettings, moe_layer_indices
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
@@ -81,14 +82,7 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     act = (dense or moe).act if (dense or moe) else "swiglu"
     if act == "swiglu":
         args.append(_a("--swiglu"))
-    if bigscience:
-        pass  # LayerNorm is the fork's only norm
-    elif mds:
-        args.append(_a("--normalization", first.norm))  # layernorm | rmsnorm
-    else:
-        args.append(_a("--normalization", "RMSNorm" if first.norm == "rmsnorm" else "LayerNorm"))
-    if model.norm_eps is not None:
-        args.append(_a("--layernorm-epsilon" if mds else "--norm-epsilon", model.norm_eps))
+    args += _norm_args(model, first, mds, bigscience)
     args += _position_args(model, mds)[0]
     head = next((b for b in model.blocks if isinstance(b, LMHeadBlock)), None)
     if head is not None and not head.tied:
@@ -116,6 +110,29 @@ BIGSCIENCE_FORK_NOTE = ("ALiBi (--position-embedding-type alibi, --embed-layerno
                         "deepspeedai/Megatron-DeepSpeed's parser refuses these flags: run this plan on that fork")
 
 
+def _norm_args(model: ModelSpec, first: DecoderBlock, mds: bool, bigscience: bool) -> list[Arg]:
+    """The norm and its epsilon, in each parser's spelling (BigScience's fork: LayerNorm only)."""
+    args = []
+    if mds and not bigscience:
+        args.append(_a("--normalization", first.norm))  # layernorm | rmsnorm
+    elif not mds:
+        args.append(_a("--normalization", "RMSNorm" if first.norm == "rmsnorm" else "LayerNorm"))
+    if model.norm_eps is not None:
+        args.append(_a("--layernorm-epsilon" if mds else "--norm-epsilon", model.norm_eps))
+    return args
+
+
+def _alibi_args(model: ModelSpec, embedding: EmbeddingBlock, mds: bool) -> tuple[list[Arg], list[str]]:
+    """ALiBi exists only in BigScience's Megatron-DeepSpeed: its flags, and the note naming the fork."""
+    if not mds:
+        raise UserError(f"{model.name}: ALiBi position biases have no Megatron-LM flag; "
+                        "plan it with --framework megatron-deepspeed or deepspeed")
+    args = [_a("--position-embedding-type", "alibi")]
+    if embedding.norm is not None:
+        args.append(_a("--embed-layernorm"))
+    return args, [BIGSCIENCE_FORK_NOTE]
+
+
 def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
     """Position flags, and notes on what the parser cannot say (written into megatron_args.sh).
 
@@ -132,13 +149,7 @@ def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
     pos = model.positions
     kind = pos.kind if pos else ("learned" if embedding.learned_positions else "rope")
     if kind == "alibi":
-        if not mds:
-            raise UserError(f"{model.name}: ALiBi position biases have no Megatron-LM flag; "
-                            "plan it with --framework megatron-deepspeed or deepspeed")
-        args = [_a("--position-embedding-type", "alibi")]
-        if embedding.norm is not None:
-            args.append(_a("--embed-layernorm"))
-        return args, [BIGSCIENCE_FORK_NOTE]
+        return _alibi_args(model, embedding, mds)
     if kind == "learned":
         return ([] if mds else [_a("--position-embedding-type", "learned_absolute")]), []
     args = ([_a("--use-rotary-position-embeddings"), _a("--no-position-embedding")] if mds
@@ -271,8 +282,10 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
                  _a("--adam-eps", settings.eps)]
     if plan.sequence_parallel:
         args.append(_a("--sequence-parallel"))
-    if plan.precision in ("bf16", "fp16"):
-        args.append(_a(f"--{plan.precision}"))
+    if plan.work_precision in ("bf16", "fp16"):
+        args.append(_a(f"--{plan.work_precision}"))
+    if plan.recipe is not None:  # Transformer Engine's recipe (precision.py): Megatron-Core's flags for it
+        args += [_a(flag, value) for flag, value in RECIPES[plan.recipe].megatron_flags]
     if plan.recompute == "selective":
         args.append(_a("--recompute-granularity", "selective"))
     elif plan.recompute == "full" and bigscience:
@@ -305,8 +318,8 @@ def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings |
     ``megatron-deepspeed`` plans ZeRO and MoE go to DeepSpeed (``megatron_deepspeed_args``).
     """
     settings = settings or TrainSettings()
-    return (_training_args(plan, settings, bigscience_fork(model, plan)) + _pipeline_args(model, plan) + _model_args(model, plan)
-            + _moe_args(model, plan))
+    return (_training_args(plan, settings, bigscience_fork(model, plan)) + _pipeline_args(model, plan)
+            + _model_args(model, plan) + _moe_args(model, plan))
 
 
 def megatron_deepspeed_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from planner.cost.parallel import Framework, Offload, Optimizer, ParallelConfig, Precision, Recompute, Workload
+from planner.cost.parallel import Framework, Offload, Optimizer, ParallelConfig, PrecisionName, Recompute, Workload
+from planner.cost.precision import split_precision
 from planner.errors import UserError, describe_validation_error
 
 
@@ -44,7 +45,7 @@ class PlanFile(BaseModel):
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     virtual_stages: PositiveInt = 1
-    precision: Precision = "bf16"
+    precision: PrecisionName = "bf16"  # a working precision or a TE recipe (planner/cost/precision.py)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -89,6 +90,16 @@ class PlanFile(BaseModel):
             global_batch=self.global_batch, seq_len=self.seq_len, images_per_sample=self.images_per_sample,
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
         )
+
+    @property
+    def work_precision(self) -> str:
+        """The working precision (bf16 under a TE recipe)."""
+        return split_precision(self.precision)[0]
+
+    @property
+    def recipe(self) -> str | None:
+        """The Transformer Engine recipe ``precision`` names, if any."""
+        return split_precision(self.precision)[1]
 
     @property
     def world_size(self) -> int:

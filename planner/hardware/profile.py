@@ -9,7 +9,7 @@ hardware_profiles/README.md.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
@@ -38,6 +38,10 @@ class GPU(_Strict):
     # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; reference/
     # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
     matmul_efficiency: float = Field(0.8, gt=0, le=1)
+    # The same for the low-precision formats where it was measured (H100 fp8: 70.9%); a format
+    # missing here takes matmul_efficiency.
+    matmul_efficiency_low: dict[Literal["fp8", "fp4"], Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=dict)
     # Where FlashAttention's head-dim curve levels off, as a fraction of peak (efficiency.
     # flash_efficiency); None: the GEMM's MAMF. Hopper sets it lower: FlashAttention-2 does
     # not use wgmma/TMA there and reaches 35% of H100 peak (Shah et al. 2024).

@@ -46,7 +46,8 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     """The candidate space; UserError when it is empty, saying why (``explain``: and which
     single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch
-    run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision)
+    run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
+                         recipe=workload.recipe)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
@@ -138,7 +139,8 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
         most = space.most_refused()
         if most is not None and most[0] == refused:  # one rule refused them all: name it, with its fix
             try:
-                check_framework_for(most[1], model, optimizer=workload.optimizer, precision=workload.precision)
+                check_framework_for(most[1], model, optimizer=workload.optimizer,
+                                    precision=workload.precision_name)
             except UserError as err:
                 text += f" ({marked(err)})"
         why.append(text)

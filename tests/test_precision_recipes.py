@@ -1,0 +1,140 @@
+"""Precision recipes (planner/cost/precision.py): what each changes in time and memory, which
+GPU and runtime can run it, and the Megatron-LM flags it is written as."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from planner import api
+from planner.cli import main
+from planner.cost import efficiency as eff
+from planner.cost.layer_cost import ACT
+from planner.cost.layers import layer_costs
+from planner.cost.parallel import Workload
+from planner.cost.precision import RECIPES, split_precision
+from planner.hardware.load import load_profile
+from planner.model.catalog import load_model
+from tests.test_emit_scripts import MEGATRON_LM_FLAGS, megatron_flags
+
+LLAMA = load_model("llama-3-8b")
+
+
+def _decoder(precision: str, tp: int = 2, sp: bool = False):
+    wl = Workload(global_batch=8, seq_len=4096, precision=precision)
+    costs = layer_costs(LLAMA, wl, tp=tp, sp=sp)
+    return next(c for c in costs if c.kind == "decoder"), next(c for c in costs if c.kind == "lm_head")
+
+
+def test_a_recipe_name_trains_in_bf16_with_that_recipe():
+    wl = Workload(global_batch=8, seq_len=128, precision="mxfp8")
+    assert (wl.precision, wl.recipe, wl.precision_name) == ("bf16", "mxfp8", "mxfp8")
+    assert split_precision("fp16") == ("fp16", None) and split_precision("nvfp4") == ("bf16", "nvfp4")
+
+
+def test_linear_gemms_run_in_the_recipe_and_attention_and_the_head_do_not():
+    layer, head = _decoder("fp8-tensorwise")
+    assert layer.gemms and all(g.low for g in layer.gemms)
+    assert not any(g.low for g in head.gemms)
+    assert layer.attn is not None  # the score and value products: bf16, priced by flash_time
+    bf16_layer, _ = _decoder("bf16")
+    assert not any(g.low for g in bf16_layer.gemms)
+    # The weights the quantized cache holds: Llama-3-8B's q, k, v, o and SwiGLU matrices over tp 2.
+    h, kv, ffn = 4096, 1024, 14336
+    assert layer.low_params == (h * (h + 2 * kv) + h * h + 3 * h * ffn) / 2
+
+
+def test_linear_inputs_are_kept_quantized_for_backward():
+    """Per token, the QKV and fc1 inputs (replicated without SP) and the output-projection and
+    fc2 inputs (split by tp) shrink from 2 bytes to the recipe's element bytes."""
+    tp, h, ffn = 2, 4096, 14336
+    for name in ("fp8-delayed", "mxfp8", "nvfp4"):
+        q = RECIPES[name].element_bytes
+        low, _ = _decoder(name, tp)
+        base, _ = _decoder("bf16", tp)
+        saved = (base.act["none"] - low.act["none"]) / low.tokens
+        assert saved == pytest.approx((ACT - q) * (2 * h + (h + ffn) / tp))
+        assert base.act["full"] == low.act["full"]  # full recompute keeps the bf16 layer input
+    assert RECIPES["mxfp8"].element_bytes == 1 + 1 / 32 and RECIPES["nvfp4"].element_bytes == 0.5 + 1 / 16
+
+
+def test_quantizing_costs_memory_traffic_and_current_scaling_reads_twice():
+    base, _ = _decoder("bf16")
+    delayed, _ = _decoder("fp8-delayed")
+    tensorwise, _ = _decoder("fp8-tensorwise")
+    inputs = sum(g.tokens * g.k * g.batch for g in delayed.gemms)
+    assert delayed.hbm_fwd - base.hbm_fwd == pytest.approx(inputs * (2 + 2 * 1))  # read bf16, write two fp8 layouts
+    assert tensorwise.hbm_fwd - delayed.hbm_fwd == pytest.approx(inputs * 2)  # the amax read
+
+
+def test_the_low_gemms_run_at_the_formats_measured_rate():
+    h100 = load_profile("dgx-h100")
+    dev = eff.device(h100, "bf16", "fp8-tensorwise")
+    assert dev.low.peak_flops == 1979e12 and dev.low.mamf == 0.709 and dev.low_bytes == 1
+    assert eff.device(load_profile("dgx-b200"), "bf16", "nvfp4").low.peak_flops == 9000e12
+    # A large GEMM: the fp8 one takes bf16's time x (989 x 0.803) / (1979 x 0.709), launch overhead aside.
+    m, n, k = 16384, 8192, 8192
+    t16 = float(eff.gemm_time(m, n, k, dev)) - eff.KERNEL_OVERHEAD_S
+    t8 = float(eff.gemm_time(m, n, k, dev.low, 1, dev.low_bytes)) - eff.KERNEL_OVERHEAD_S
+    assert t8 / t16 == pytest.approx(989 * 0.803 / (1979 * 0.709), rel=1e-9)
+
+
+H100_70B = dict(tp=4, pp=8, virtual_stages=5, micro_batch=1, global_batch=128, seq_len=8192, framework="megatron",
+                zero=1, sequence_parallel=True)
+
+
+def test_fp8_on_h100_is_faster_and_holds_the_weight_cache():
+    cluster = api.load_cluster("dgx-h100", nodes=8)
+    bf16 = api.estimate("llama-3-70b", cluster, precision="bf16", **H100_70B)
+    fp8 = api.estimate("llama-3-70b", cluster, precision="fp8-tensorwise", **H100_70B)
+    assert 1.2 < fp8.tokens_per_s / bf16.tokens_per_s < 1.6  # the linear GEMMs at 2x peak, attention not
+    # Weights per rank: bf16 weights plus both fp8 layouts of the linear weights (2 bytes each).
+    gain = np.array([s.memory.weights for s in fp8.stages]) - np.array([s.memory.weights for s in bf16.stages])
+    h, kv, ffn = 8192, 1024, 28672  # Llama-3-70B; rank 1 holds ten of the 80 layers, each split over tp 4
+    low = 10 * (h * (h + 2 * kv) + h * h + 3 * h * ffn) / 4
+    assert gain[1] == pytest.approx(2 * low, rel=1e-9)
+    assert fp8.workload.precision_name == "fp8-tensorwise"
+
+
+@pytest.mark.parametrize("hardware, precision, words", [
+    ("dgx-a100-80g", "fp8-tensorwise", "needs FP8 tensor cores"),
+    ("dgx-h100", "mxfp8", "needs Blackwell's block-scaled tensor cores"),
+    ("dgx-h100", "nvfp4", "needs Blackwell's block-scaled tensor cores"),
+])
+def test_a_recipe_the_gpu_cannot_run_is_one_clear_error(hardware, precision, words):
+    r = CliRunner().invoke(main, ["estimate", "--model", "llama-3-8b", "--hardware", hardware, "--framework",
+                                  "megatron", "--precision", precision])
+    assert r.exit_code == 2 and words in r.output and "--precision" in r.output and "Traceback" not in r.output
+
+
+def test_recipes_need_megatron_and_blackwell_runs_them_all():
+    r = CliRunner().invoke(main, ["estimate", "--model", "llama-3-8b", "--hardware", "dgx-h100", "--framework",
+                                  "deepspeed", "--precision", "fp8-delayed"])
+    assert r.exit_code == 2 and "no Transformer Engine recipe" in r.output and "--framework megatron" in r.output
+    cluster = api.load_cluster("dgx-b200", nodes=1)
+    rates = [api.estimate("llama-3-8b", cluster, precision=p, framework="megatron", micro_batch=2, global_batch=128,
+                          seq_len=8192).tokens_per_s for p in ("bf16", "fp8-tensorwise", "mxfp8", "nvfp4")]
+    assert rates[0] < rates[1] and rates[0] < rates[2] < rates[3]
+
+
+def test_suggest_with_a_recipe_offers_megatron_plans_only():
+    out = api.suggest("llama-3-70b", api.load_cluster("dgx-h100", nodes=8), precision="fp8-tensorwise",
+                      global_batch=128, seq_len=8192, top=5)
+    assert out.plans and {rp.plan.cfg.framework for rp in out.plans} == {"megatron"}
+    assert all(rp.plan.workload.recipe == "fp8-tensorwise" for rp in out.plans)
+
+
+def test_generate_writes_the_recipe_as_megatron_flags(tmp_path):
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["generate", "--model", "llama-3-8b", "--hardware", "dgx-b200", "--nodes", "1",
+                                  "--framework", "megatron", "--precision", "mxfp8", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "plan.json").read_text())["precision"] == "mxfp8"
+    text = (out / "megatron_args.sh").read_text()
+    assert "--bf16" in text and "--fp8-format e4m3" in text and "--fp8-recipe mxfp8" in text
+    lm, _ = megatron_flags(out)
+    assert set(lm) <= MEGATRON_LM_FLAGS, set(lm) - MEGATRON_LM_FLAGS
+    assert json.loads((out / "ds_config.json").read_text())["bf16"] == {"enabled": True}
