@@ -1,0 +1,150 @@
+"""Predicted vs published tokens/s per GPU on NVIDIA's tuned Megatron-Bridge 25.11 recipes.
+
+    python benchmarks/bench_megatron_bridge.py            # markdown tables + summary
+    python benchmarks/bench_megatron_bridge.py --csv      # the pinned table as CSV
+    python benchmarks/bench_megatron_bridge.py --no-free  # skip the unpinned plan-quality search
+
+Rows: reference/megatron_bridge_25.11_pretrain.csv (NVIDIA-NeMo/Megatron-Bridge
+docs/performance-summary.md, 25.11). For each row this runs ``suggest`` with the row's GPUs,
+system, global batch, sequence, precision and layout pinned (tp, pp, vp, ep, micro-batch,
+Megatron-Core with its distributed optimizer), letting dsplan choose what the table does not
+say (recomputation, sequence parallelism), and compares the best plan's tokens/s per GPU with
+the published one. A row dsplan cannot express yet is listed with the reason. Plan quality:
+the same search with only GPUs, batch, sequence and precision fixed, and where NVIDIA's layout
+ranks in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from planner import api
+from planner.errors import UserError
+
+REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "megatron_bridge_25.11_pretrain.csv"
+# The table's names -> dsplan's (None: no profile / preset yet).
+SYSTEMS = {"DGX-H100": "dgx-h100", "DGX-B200": "dgx-b200", "DGX-GB200": None, "DGX-GB300": None}
+MODELS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B": "llama-3.1-405b",
+          "DeepSeekV3": "deepseek-v3", "GPT-OSS-120B": None, "Qwen3-30B-A3B": None, "Qwen3-235B-A22B": None}
+# Megatron-Bridge's precision names: FP8-CS is current (per-tensor) scaling, FP8-MX is MXFP8.
+PRECISIONS = {"BF16": "bf16", "FP8-CS": "fp8-tensorwise", "FP8-MX": "mxfp8", "FP8-DS": "fp8-delayed"}
+FREE_TOP = 400  # how deep the unpinned list goes when looking for NVIDIA's layout
+
+
+def rows(path: Path = REFERENCE) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _int(text: str, default: int = 1) -> int:
+    return int(text) if text.strip() else default
+
+
+def not_expressible(row: dict) -> str | None:
+    """Why dsplan cannot price this row yet, or None."""
+    if SYSTEMS[row["system"]] is None:
+        return f"no {row['system']} profile (NVL72 systems are not modelled yet)"
+    if MODELS[row["model"]] is None:
+        return f"no {row['model']} preset"
+    if _int(row["cp"]) > 1:
+        return "context parallelism"
+    if _int(row["fsdp"], 0) > 0:
+        return "FSDP"
+    if row["model"] == "DeepSeekV3" and "with MTP" in row["notes"]:
+        return "DeepSeek-V3's multi-token-prediction module"
+    return None
+
+
+def layout(row: dict) -> dict:
+    return {"tp": _int(row["tp"]), "pp": _int(row["pp"]), "virtual_stages": _int(row["vp"]), "ep": _int(row["ep"]),
+            "micro_batch": _int(row["micro_batch"])}
+
+
+def _search(row: dict, pins: dict, top: int):
+    gpus = int(row["gpus"])
+    cluster = api.load_cluster(SYSTEMS[row["system"]], nodes=max(gpus // 8, 1), gpus_per_node=min(gpus, 8))
+    t0 = time.perf_counter()
+    out = api.suggest(MODELS[row["model"]], cluster, global_batch=int(row["global_batch"]),
+                      seq_len=int(row["seq_len"]), precision=PRECISIONS[row["precision"]], top=top, **pins)
+    return out, time.perf_counter() - t0, gpus
+
+
+def pinned(row: dict) -> dict:
+    """The row with the layout pinned: predicted vs published tokens/s per GPU."""
+    out, seconds, gpus = _search(row, {**layout(row), "framework": "megatron", "zero": 1}, 1)
+    if not out.plans:
+        return {"predicted": None, "error": "no plan fits the pinned layout", "seconds": seconds}
+    plan = out.plans[0].plan
+    predicted = plan.tokens_per_s / gpus
+    published = float(row["tokens_per_s_per_gpu"])
+    return {"predicted": predicted, "ratio": predicted / published, "seconds": seconds,
+            "chosen": f"recompute {plan.cfg.recompute}{', sp' if plan.cfg.sequence_parallel else ''}"}
+
+
+def free(row: dict) -> dict:
+    """Plan quality: dsplan's own best plan and where NVIDIA's layout ranks among its plans."""
+    out, seconds, gpus = _search(row, {}, FREE_TOP)
+    want = layout(row)
+    rank = next((i + 1 for i, rp in enumerate(out.plans)
+                 if rp.plan.cfg.framework == "megatron" and all(getattr(rp.plan.cfg, k) == v for k, v in want.items())),
+                None)
+    best = out.plans[0].plan
+    c = best.cfg
+    return {"rank": rank, "best": f"{c.framework} tp{c.tp} pp{c.pp}x{c.virtual_stages} ep{c.ep} mb{c.micro_batch}",
+            "best_tokens": best.tokens_per_s / gpus, "seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--csv", action="store_true", help="print the pinned comparison as CSV")
+    parser.add_argument("--no-free", action="store_true", help="skip the unpinned plan-quality search")
+    args = parser.parse_args(argv)
+    table = []
+    for row in rows():
+        name = f"{row['system']} {row['model']} {row['gpus']} GPUs {row['precision']}"
+        why = not_expressible(row)
+        entry = {"row": name, "published": float(row["tokens_per_s_per_gpu"]), "not_expressible": why or ""}
+        if why is None:
+            try:
+                entry |= pinned(row)
+                if not args.no_free:
+                    entry |= {f"free_{k}": v for k, v in free(row).items()}
+            except UserError as err:
+                entry["error"] = str(err)
+        table.append(entry)
+    if args.csv:
+        keys = sorted({k for e in table for k in e}, key=lambda k: (k != "row", k))
+        writer = csv.DictWriter(sys.stdout, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(table)
+        return 0
+    print("| row | published tok/s/GPU | predicted | predicted/published | dsplan chose | NVIDIA's layout ranks | "
+          "dsplan's best (tok/s/GPU) | suggest s |")
+    print("|---|---:|---:|---:|---|---:|---|---:|")
+    for e in table:
+        if e["not_expressible"] or e.get("predicted") is None:
+            print(f"| {e['row']} | {e['published']:.0f} | - | - | not expressible: "
+                  f"{e['not_expressible'] or e.get('error')} | | | |")
+            continue
+        free_part = (f"{e.get('free_rank') or f'>{FREE_TOP}'} | {e['free_best']} ({e['free_best_tokens']:.0f}) | "
+                     f"{max(e['seconds'], e['free_seconds']):.2f}" if "free_best" in e else f" | | {e['seconds']:.2f}")
+        print(f"| {e['row']} | {e['published']:.0f} | {e['predicted']:.0f} | {e['ratio']:.2f} | {e['chosen']} | "
+              f"{free_part} |")
+    priced = [e for e in table if e.get("predicted") is not None]
+    dense = [e for e in priced if "LLAMA" in e["row"]]
+    print(f"\nexpressible: {len(priced)} of {len(table)} rows; dense (Llama 3) {len(dense)} of "
+          f"{sum('LLAMA' in e['row'] for e in table)}")
+    if dense:
+        errors = [abs(e["ratio"] - 1) for e in dense]
+        print(f"dense rows: mean |error| {statistics.mean(errors):.1%}, worst {max(errors):.1%}, "
+              f"within 10%: {sum(err <= 0.10 for err in errors)} of {len(dense)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
