@@ -13,6 +13,7 @@ import click
 
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
+from planner.cli.options import workload_options
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
 from planner.errors import UserError
 
@@ -36,25 +37,13 @@ from planner.errors import UserError
               help="optimizer: DeepSpeed ZeRO-Offload or Megatron-Core's optimizer CPU offload (bf16, Adam); "
                    "optimizer+params: ZeRO-3 only.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Samples per micro-batch per GPU.")
-@click.option("--global-batch", type=int, default=None,
-              help="Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
-                   "least pp micro-batches].")
-@click.option("--seq-len", type=int, default=None,
-              help="Tokens per sample [default: the model's training sequence length].")
+@workload_options("Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
+                  "least pp micro-batches].")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
 @click.option("--virtual-stages", type=int, default=1, show_default=True, help="Interleaved pipeline chunks per rank.")
 @click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron"]), default="deepspeed",
               show_default=True)
-@click.option("--images-per-sample", type=int, default=None,
-              help="Vision-language models: images per sample [default: the model's].")
-@click.option("--tiles-per-image", type=int, default=None,
-              help="Vision-language models: local tiles per image [default: the model's].")
-@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
-@click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
-              help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of Korthikanti et al.")
-@click.option("--dropout", is_flag=True, help="Model hidden/attention dropout (1-byte masks kept for backward).")
 @click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
               help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them "
                    "[default: even split].")

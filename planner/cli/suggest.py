@@ -13,7 +13,13 @@ from typing import Any
 import click
 
 from planner.cli.flags import cli_text
-from planner.cli.options import axes_from_options, balancer_option, constraint_options, workload_options
+from planner.cli.options import (
+    axes_from_options,
+    balancer_option,
+    constraint_options,
+    workload_from_options,
+    workload_options,
+)
 from planner.cli.output import json_option
 
 
@@ -75,20 +81,16 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
         render(result)
 
 
-# The workload flags, passed to the API under the same names.
-WORKLOAD_FLAGS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer")
-
-
 def run_suggest(opts: dict[str, Any], progress=None):
-    """Click options -> ``planner.api.suggest`` (the model, the cluster, the workload and the
-    parsed search axes; the API fills the defaults and checks the values)."""
+    """Click options -> ``planner.api.suggest`` (the model, the cluster, the workload flags given
+    and the parsed search axes; the API fills the defaults and checks the values)."""
     from planner import api
 
     axes = axes_from_options(opts)
     model = api.load_model(opts["model"])
     cluster = api.load_cluster(opts["hardware"], opts["nodes"], gpus_per_node=opts.get("gpus_per_node"))
     return api.suggest(model, cluster, top=opts["top"], objective=opts["objective"], balancer=opts["balancer"],
-                       progress=progress, **{k: opts.get(k) for k in WORKLOAD_FLAGS}, **axes)
+                       progress=progress, **workload_from_options(opts), **axes)
 
 
 # -- human output ------------------------------------------------------------------------------
@@ -134,6 +136,7 @@ def render(result) -> None:
         f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
         f"global batch {i['global_batch']} x {i['seq_len']} tokens = {human_count(i['tokens_per_step'])} tokens/step | "
         f"{i['precision']}, {i['optimizer']}"
+        + ("" if i.get("flash_attention", True) else ", unfused attention") + (", dropout" if i.get("dropout") else "")
         + (f" | {i['images_per_sample']} image(s) x {i['tiles_per_image']} tiles" if i["images_per_sample"] else "")
         + f" | balancer {i['balancer']}, objective {i['objective']}")
     rows = [_row(rp, human_count, human_time) for rp in result.plans]
