@@ -12,27 +12,45 @@ from typing import Any
 import click
 
 _CONSOLES = {"console": {}, "err_console": {"stderr": True}}
-# Piped output (logs, CI) has no terminal width; rich would assume 80 columns and squeeze the
-# breakdown tables. COLUMNS still wins when set.
-PIPE_WIDTH = 120
+# The width of output that goes to a file or a pipe (logs, CI, ``| less``), where there is no
+# terminal to measure: wide enough for suggest's table (about 140 columns), which rich would
+# otherwise squeeze into 80. COLUMNS still wins when set.
+PIPE_WIDTH = 160
+
+
+def output_width(stream: Any) -> int | None:
+    """The one width rule for every command's output: COLUMNS when it is set to a positive whole
+    number, else the terminal's (None: rich measures it), else PIPE_WIDTH."""
+    import os
+
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    isatty = getattr(stream, "isatty", None)
+    return None if isatty is not None and isatty() else PIPE_WIDTH
 
 
 def __getattr__(name: str) -> Any:
     """``console`` / ``err_console``: rich consoles, built (and rich imported) when first asked for."""
     if name not in _CONSOLES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import os
     import sys
 
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            """A closed pipe is the group's to handle (planner/cli/__init__.py): one rule for
+            rich's writes, click's and print's. rich's own handler exits with status 1."""
+            self.quiet = True
+            raise  # the BrokenPipeError being handled
+
     options = dict(_CONSOLES[name])
     stream = sys.stderr if options.get("stderr") else sys.stdout
-    if "COLUMNS" not in os.environ and not stream.isatty():
-        options["width"] = PIPE_WIDTH
-    value = Console(highlight=False, **options)
+    value = _Console(highlight=False, width=output_width(stream), **options)
     globals()[name] = value
     return value
+
 
 json_option = click.option(
     "--json", "as_json", is_flag=True,

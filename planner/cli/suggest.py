@@ -123,14 +123,11 @@ _SHORT_OFFLOAD = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+para
 def render(result) -> None:
     from rich import box
     from rich.cells import cell_len
-    from rich.console import Console
     from rich.measure import Measurement
     from rich.table import Table
 
     from planner.cli.output import console, human_bytes, human_count, human_time
 
-    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
-        console = Console(highlight=False, width=170)
     i = result.inputs
     console.print(
         f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
