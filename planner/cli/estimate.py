@@ -145,8 +145,10 @@ def _render_memory(plan) -> None:
 
 
 def _render_time(plan) -> None:
-    """The exposed step time by part, and the throughput."""
+    """The exposed step time by the parts that apply to the plan, and the throughput."""
     from rich.table import Table
+
+    from planner.cli.output import time_parts
 
     t = plan.time
     total = t.total
@@ -154,14 +156,17 @@ def _render_time(plan) -> None:
     tt.add_column("part")
     tt.add_column("time", justify="right")
     tt.add_column("share", justify="right")
-    for name, value in (("compute", t.compute), ("recompute", t.recompute), ("TP comm", t.tp_comm),
-                        ("PP bubble", t.pp_bubble), ("PP comm", t.pp_comm), ("DP comm", t.dp_comm),
-                        ("EP comm", t.ep_comm), ("optimizer", t.optimizer)):
-        tt.add_row(name, human_time(value), f"{value / total:.1%}")
+    for part in time_parts(plan.cfg):
+        value = getattr(t, part)
+        tt.add_row(_PART_NAMES.get(part, part), human_time(value), f"{value / total:.1%}")
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, "
                   f"MFU {plan.mfu:.1%}")
+
+
+_PART_NAMES = {"tp_comm": "TP comm", "pp_bubble": "PP bubble", "pp_comm": "PP comm", "dp_comm": "DP comm",
+               "ep_comm": "EP comm"}
 
 
 def _gib(n: float) -> str:

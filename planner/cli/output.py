@@ -73,6 +73,21 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+# The parts of a step's time (planner/cost/step_time.py StepTime; ``<name>_s`` in --json), in
+# the order the breakdowns print them.
+TIME_PARTS = ("compute", "recompute", "tp_comm", "pp_bubble", "pp_comm", "dp_comm", "ep_comm", "optimizer")
+
+
+def time_parts(cfg: Any) -> list[str]:
+    """The TIME_PARTS that apply to a plan of layout ``cfg`` (a ParallelConfig): recompute
+    with recomputation, TP communication with tp > 1, the bubble and the sends with pp > 1, DP
+    communication with dp > 1, the expert all-to-all with ep > 1. Decided by the layout, not by
+    the value, so a part that applies but is hidden behind compute still shows as 0."""
+    applies = {"recompute": cfg.recompute != "none", "tp_comm": cfg.tp > 1, "pp_bubble": cfg.pp > 1,
+               "pp_comm": cfg.pp > 1, "dp_comm": cfg.dp > 1, "ep_comm": cfg.ep > 1}
+    return [part for part in TIME_PARTS if applies.get(part, True)]
+
+
 def human_count(n: float) -> str:
     """12.9B, 413M, 7.5K."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -90,6 +105,9 @@ def human_bytes(n: float) -> str:
 
 
 def human_time(s: float) -> str:
+    """2.50 s, 12.30 ms, 4.2 us; exactly 0 (a part that applies but is hidden) as 0 s."""
+    if s == 0:
+        return "0 s"
     if s >= 1:
         return f"{s:.2f} s"
     if s >= 1e-3:
