@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from planner.api_records import label, record, records, to_dataframe
+from planner.api_records import label, record, records, to_dataframe, uncertainty
 from planner.errors import UserError, arg, whole_number
 
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
@@ -47,6 +47,7 @@ __all__ = [
     "records",
     "suggest",
     "to_dataframe",
+    "uncertainty",
     "with_fabric",
 ]
 
@@ -323,7 +324,8 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the estimate's Plan,
     ``.why`` (why #1 won, or why this one ranks below it) and ``.to_json()``), ``.evaluated``,
     ``.rejected`` (counts by reason), ``.why`` and ``.notes`` (when the batch, not the layout,
-    limits the best plan). Raises ``UserError`` (``NoPlanFits``) when nothing fits.
+    limits the best plan); ``uncertainty(result)`` says which plans are within the model's
+    measured error of #1. Raises ``UserError`` (``NoPlanFits``) when nothing fits.
 
     >>> result = suggest("vl2", load_cluster(nodes=8), top=3, framework="deepspeed")
     >>> [p.plan.cfg.zero_stage for p in result.plans]     # doctest: +SKIP
