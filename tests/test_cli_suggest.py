@@ -13,6 +13,17 @@ from click.testing import CliRunner
 from planner.cli import main
 
 
+@pytest.fixture(autouse=True)
+def wide_output(monkeypatch):
+    """The output 200 columns wide, whatever COLUMNS the test runner set (pytest-xdist's workers
+    get 80), so the table is a table; tests/test_cli_suggest_output.py checks narrow widths."""
+    from rich.console import Console
+
+    import planner.cli.output as output
+
+    monkeypatch.setattr(output, "console", Console(highlight=False, width=200), raising=False)
+
+
 def run(*args: str):
     return CliRunner().invoke(main, ["suggest", *args])
 
