@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from planner.api_records import label, record, records, to_dataframe
+from planner.api_records import label, record, records, to_dataframe, uncertainty
 from planner.errors import UserError, arg, whole_number
 
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
@@ -47,6 +47,7 @@ __all__ = [
     "records",
     "suggest",
     "to_dataframe",
+    "uncertainty",
     "with_fabric",
 ]
 
@@ -318,12 +319,13 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
     ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``; the
     workload is ``workload`` or its fields as keywords (``global_batch``, ``seq_len``, ...,
-    as for ``estimate``; default batch: ``make_workload``'s). ``progress`` is called with the
-    fraction of the search done. Returns the search's ``SuggestResult``: ``.plans`` (best
-    first; each has ``.plan``, the estimate's Plan, ``.why`` (why #1 won, or why this one
-    ranks below it) and ``.to_json()``), ``.evaluated``, ``.rejected`` (counts by reason),
-    ``.why`` and ``.notes`` (when the batch, not the layout, limits the best plan). Raises
-    ``UserError`` (``NoPlanFits``) when nothing fits.
+    ``flash_attention``, ``dropout``, as for ``estimate``; default batch: ``make_workload``'s).
+    ``progress`` is called with the fraction of the search done. Returns the search's
+    ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the estimate's Plan,
+    ``.why`` (why #1 won, or why this one ranks below it) and ``.to_json()``), ``.evaluated``,
+    ``.rejected`` (counts by reason), ``.why`` and ``.notes`` (when the batch, not the layout,
+    limits the best plan); ``uncertainty(result)`` says which plans are within the model's
+    measured error of #1. Raises ``UserError`` (``NoPlanFits``) when nothing fits.
 
     >>> result = suggest("vl2", load_cluster(nodes=8), top=3, framework="deepspeed")
     >>> [p.plan.cfg.zero_stage for p in result.plans]     # doctest: +SKIP
@@ -335,9 +337,8 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     given = _workload_options(workload, axes)
     cons = constraints(**axes)
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
-    if not wl.flash_attention or wl.dropout:
-        raise UserError("suggest searches with FlashAttention and no dropout; use estimate for other kernels")
     return _suggest(spec, cluster.profile, cluster.nodes, global_batch=wl.global_batch, seq_len=wl.seq_len,
                     images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
-                    precision=wl.precision_name, optimizer=wl.optimizer, constraints=cons, balancer=balancer,
-                    objective=objective, top=top, progress=progress)
+                    precision=wl.precision_name, optimizer=wl.optimizer, flash_attention=wl.flash_attention,
+                    dropout=wl.dropout, constraints=cons, balancer=balancer, objective=objective, top=top,
+                    progress=progress)

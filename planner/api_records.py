@@ -1,5 +1,6 @@
 """Plans as flat records: one dict of numbers and strings per plan, for tables, JSON and
-DataFrames (``planner.api`` re-exports these). Nothing here imports pandas until asked.
+DataFrames, and a ``suggest`` result's uncertainty record (``planner.api`` re-exports these).
+Nothing here imports pandas until asked.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from planner.errors import UserError
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
     from planner.cost.plan import Plan
 
-__all__ = ["label", "record", "records", "to_dataframe"]
+__all__ = ["label", "record", "records", "to_dataframe", "uncertainty"]
 
 
 _CONFIG_KEYS = ("model", "hardware", "nodes", "gpus_per_node", "gpus", "framework", "dp", "tp", "pp", "ep",
@@ -94,3 +95,22 @@ def to_dataframe(rows: "Iterable[Any]") -> Any:
         rows = rows.plans
     rows = [r if isinstance(r, Mapping) and "label" in r else record(r) for r in rows]
     return pd.DataFrame(rows)
+
+
+def uncertainty(result: Any) -> dict[str, Any]:
+    """How far the cost model's measured error reaches in a ``suggest`` result: the figure
+    (``model_error``, a fraction of the step time), where it comes from, and ``ties_with_best``,
+    the ids of the plans whose predicted step time is within it of #1's, #1 included: a ranking
+    among them is not a finding. ``ties_with_best`` is None under the memory objective, which
+    ranks by predicted memory, not time (planner/accuracy.py).
+
+    >>> uncertainty(suggest("vl2", load_cluster(nodes=8)))["ties_with_best"]   # doctest: +SKIP
+    [1, 2, 3, 4, 5]
+    """
+    from planner.accuracy import MODEL_ERROR, MODEL_ERROR_SOURCE, ties_with_best
+
+    ties = None
+    if result.objective != "memory":
+        ties = [result.plans[i].id for i in ties_with_best([rp.plan.step_time_s for rp in result.plans])]
+    return {"model_error": MODEL_ERROR, "source": MODEL_ERROR_SOURCE, "compared": "step_time_s",
+            "ties_with_best": ties}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -186,15 +187,31 @@ def test_full_stdout_is_one_line_and_status_2(args: tuple[str, ...]):
                      "(free some space, or send the output elsewhere)"], proc.stderr
 
 
-@pytest.mark.parametrize("args", [("models",), ("estimate", "--model", "gpt3-1.3b", "--nodes", "1", "--json")])
-def test_closed_stdout_exits_quietly(args: tuple[str, ...]):
+@pytest.mark.parametrize("args", [("models",), ("estimate", "--model", "gpt3-1.3b", "--nodes", "1", "--json"),
+                                  ("estimate", "--model", "gpt3-1.3b", "--nodes", "1"),
+                                  ("suggest", "--model", "gpt3-1.3b", "--nodes", "1"),
+                                  ("suggest", "--model", "gpt3-1.3b", "--nodes", "1", "--json"), ("--help",)])
+def test_closed_stdout_exits_quietly_with_status_0(args: tuple[str, ...]):
+    """The reader took what it wanted (`dsplan ... | head`): no message, and status 0, so a
+    pipeline under `set -o pipefail` does not fail for it. rich's, click's and print's writes alike."""
     proc = subprocess.Popen([sys.executable, "-m", "planner", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     proc.stdout.close()  # the reader is gone before the first write: `dsplan ... | head -0`
     stderr = proc.stderr.read()
     proc.stderr.close()
-    assert proc.wait(timeout=120) == 1, stderr
+    assert proc.wait(timeout=120) == 0, stderr
     assert stderr == ""
+
+
+def test_suggest_into_head_takes_the_first_line_and_exits_0():
+    """`dsplan suggest | head -1`, in a shell with pipefail: the first line, status 0 for both
+    (the output outgrows the pipe, so dsplan writes after head has left)."""
+    script = (f"set -o pipefail; {shlex.quote(sys.executable)} -m planner suggest --model gpt3-1.3b --nodes 1 "
+              "--top 1000 | head -1")  # 400 KB: more than the pipe holds
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("gpt3-1.3b on 1 x 8 dgx-a100-80g") and proc.stdout.count("\n") == 1
+    assert proc.stderr == ""
 
 
 def test_unrelated_os_errors_are_not_blamed_on_an_output_option(tmp_path: Path, monkeypatch):

@@ -56,6 +56,15 @@ class _Group(click.Group):
                 raise  # not an output path or stdout: a bug, with its traceback
             _fail(message)
 
+    def make_context(self, *args, **kwargs):  # type: ignore[override]
+        # ``dsplan --help`` prints while the group parses, before click's own closed-pipe
+        # handler (status 1) would see it.
+        try:
+            return super().make_context(*args, **kwargs)
+        except OSError as err:
+            _stdout_failure(err)
+            raise
+
     def main(self, *args, **kwargs):  # type: ignore[override]
         # click's own output (--help, --version, usage errors) can hit a full stdout too.
         try:
@@ -76,8 +85,10 @@ def _fail(message: str) -> None:
 
 def _stdout_failure(err: OSError) -> None:
     """Exit when ``err`` is a failed write to stdout; returns for any other error. A full disk
-    (``> /dev/full``) is one line and status 2; a closed pipe (``| head``) exits quietly with
-    status 1, as click and rich do when they meet it first (the convention of Python's docs)."""
+    (``> /dev/full``) is one line and status 2. A closed pipe (``dsplan suggest | head -1``)
+    exits quietly with status 0: the reader took what it wanted, and a pipeline under ``set -o
+    pipefail`` must not fail for it (rich's consoles hand their closed pipes here:
+    planner/cli/output.py)."""
     from planner.cli.outputs import is_stdout_error, silence_stdout, stdout_error_message
 
     if not is_stdout_error(err):
@@ -85,7 +96,7 @@ def _stdout_failure(err: OSError) -> None:
     silence_stdout()
     message = stdout_error_message(err)
     if message is None:
-        sys.exit(1)
+        sys.exit(0)
     _fail(message)
 
 

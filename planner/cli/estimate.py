@@ -13,8 +13,8 @@ import click
 
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
+from planner.cli.options import workload_options
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
-from planner.cost.precision import PRECISION_HELP, PRECISIONS
 from planner.errors import UserError
 
 
@@ -37,26 +37,13 @@ from planner.errors import UserError
               help="optimizer: DeepSpeed ZeRO-Offload or Megatron-Core's optimizer CPU offload (bf16, Adam); "
                    "optimizer+params: ZeRO-3 only.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Samples per micro-batch per GPU.")
-@click.option("--global-batch", type=int, default=None,
-              help="Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
-                   "least pp micro-batches].")
-@click.option("--seq-len", type=int, default=None,
-              help="Tokens per sample [default: the model's training sequence length].")
+@workload_options("Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
+                  "least pp micro-batches].")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
 @click.option("--virtual-stages", type=int, default=1, show_default=True, help="Interleaved pipeline chunks per rank.")
 @click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron"]), default="deepspeed",
               show_default=True)
-@click.option("--images-per-sample", type=int, default=None,
-              help="Vision-language models: images per sample [default: the model's].")
-@click.option("--tiles-per-image", type=int, default=None,
-              help="Vision-language models: local tiles per image [default: the model's].")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
-              help=PRECISION_HELP)
-@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True)
-@click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
-              help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of Korthikanti et al.")
-@click.option("--dropout", is_flag=True, help="Model hidden/attention dropout (1-byte masks kept for backward).")
 @click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
               help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them "
                    "[default: even split].")
@@ -158,8 +145,10 @@ def _render_memory(plan) -> None:
 
 
 def _render_time(plan) -> None:
-    """The exposed step time by part, and the throughput."""
+    """The exposed step time by the parts that apply to the plan, and the throughput."""
     from rich.table import Table
+
+    from planner.cli.output import time_parts
 
     t = plan.time
     total = t.total
@@ -167,14 +156,17 @@ def _render_time(plan) -> None:
     tt.add_column("part")
     tt.add_column("time", justify="right")
     tt.add_column("share", justify="right")
-    for name, value in (("compute", t.compute), ("recompute", t.recompute), ("TP comm", t.tp_comm),
-                        ("PP bubble", t.pp_bubble), ("PP comm", t.pp_comm), ("DP comm", t.dp_comm),
-                        ("EP comm", t.ep_comm), ("optimizer", t.optimizer)):
-        tt.add_row(name, human_time(value), f"{value / total:.1%}")
+    for part in time_parts(plan.cfg):
+        value = getattr(t, part)
+        tt.add_row(_PART_NAMES.get(part, part), human_time(value), f"{value / total:.1%}")
     tt.add_row("[bold]step[/bold]", f"[bold]{human_time(total)}[/bold]", "100%")
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, "
                   f"MFU {plan.mfu:.1%}")
+
+
+_PART_NAMES = {"tp_comm": "TP comm", "pp_bubble": "PP bubble", "pp_comm": "PP comm", "dp_comm": "DP comm",
+               "ep_comm": "EP comm"}
 
 
 def _gib(n: float) -> str:

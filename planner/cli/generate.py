@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from planner.cli.flags import FLAGS, cli_text
-from planner.cli.options import balancer_option, constraint_options
+from planner.cli.options import balancer_option, constraint_options, workload_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.cli.outputs import OutputPath
-from planner.cost.precision import PRECISION_HELP, PRECISIONS
 from planner.errors import UserError, whole_number
 
 if TYPE_CHECKING:
@@ -28,8 +27,8 @@ if TYPE_CHECKING:
 # they are refused. Each defaults to None, so any value given on the command line counts.
 _SEARCH_FLAGS = (
     "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
-    "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework",
-    "sequence_parallel",
+    "flash_attention", "dropout", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute",
+    "virtual_stages", "framework", "sequence_parallel",
 )
 
 
@@ -45,12 +44,7 @@ _SEARCH_FLAGS = (
               help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
 @click.option("--rank", type=int, default=None,
               help="Without --plan: use the K-th best plan of the search [default: 1].")
-@click.option("--global-batch", type=int, default=None, help="Samples per optimizer step.")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
-@click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample.")
-@click.option("--tiles-per-image", type=int, default=None, help="Vision-language models: local tiles per image.")
-@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help=f"{PRECISION_HELP} [default: bf16]")
-@click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None, help="[default: adamw]")
+@workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
 @constraint_options
 @balancer_option
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput",
@@ -217,7 +211,8 @@ def _choose_plan(opts: dict[str, Any]):
     if opts["nodes"] is not None:  # the check every command makes (with --plan too)
         whole_number("nodes", opts["nodes"])
     if opts["plan_path"] is not None:
-        given = [f"--{k.replace('_', '-')}" for k in _SEARCH_FLAGS if opts.get(k) is not None]
+        given = [f"--{'no-' if opts[k] is False else ''}{k.replace('_', '-')}" for k in _SEARCH_FLAGS
+                 if opts.get(k) is not None]
         if given:
             raise UserError(f"--plan fixes every degree and batch size; drop {', '.join(given)} "
                             "(or drop --plan to search)")
@@ -273,8 +268,8 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
 
 _SUGGEST_KEYS = (
     "model", "hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "images_per_sample", "tiles_per_image",
-    "precision", "optimizer", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages",
-    "framework", "sequence_parallel", "allow_tp_across_nodes", "balancer", "objective",
+    "precision", "optimizer", "flash_attention", "dropout", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch",
+    "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes", "balancer", "objective",
 )
 
 

@@ -1,7 +1,8 @@
 """Options shared by commands that take parallel degrees (``suggest``, ``generate``, ``plot``, ``estimate``).
 
-``workload_options`` (the batch, sequence, images, precision and optimizer flags) and
-``balancer_option`` are defined once for the commands that search (``suggest``, ``plot``).
+``workload_options`` (the batch, sequence, images, precision, optimizer, attention-kernel and
+dropout flags) is defined once for every command that prices plans; ``balancer_option`` once
+for the commands that search (``suggest``, ``generate``, ``plot``).
 
 Each degree flag takes one value or a comma list (``--pp 2,4``); ``parse_int_list`` and
 ``parse_choice_list`` turn the text into a tuple and raise UserError naming the flag, so a
@@ -75,9 +76,15 @@ _CONSTRAINT_FLAGS = (
 
 
 def workload_options(global_batch_help: str):
-    """--global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
-    --precision and --optimizer, with the model's defaults."""
+    """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
+    --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
+    --precision, --optimizer, --flash-attention/--no-flash-attention and --dropout/--no-dropout.
+    Each defaults to None (the API fills the model's and the planner's defaults, named in the
+    help), so a command can tell a flag given from one left out (``generate --plan`` refuses
+    them; ``suggest`` repeats the ones given in its next step)."""
     import click
+
+    from planner.cost.precision import PRECISION_HELP, PRECISIONS
 
     decorators = [
         click.option("--global-batch", type=int, default=None, help=global_batch_help),
@@ -87,8 +94,16 @@ def workload_options(global_batch_help: str):
                      help="Vision-language models: images per sample [default: the model's]."),
         click.option("--tiles-per-image", type=int, default=None,
                      help="Vision-language models: local tiles per image [default: the model's]."),
-        click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True),
-        click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default="adamw", show_default=True),
+        click.option("--precision", type=click.Choice(PRECISIONS, case_sensitive=False), default=None,
+                     help=f"{PRECISION_HELP} [default: bf16]"),
+        click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None,
+                     help="Optimizer [default: adamw]."),
+        click.option("--flash-attention/--no-flash-attention", default=None,
+                     help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of "
+                          "Korthikanti et al. [default: FlashAttention]."),
+        click.option("--dropout/--no-dropout", default=None,
+                     help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
+                          "Llama, DeepSeek and Qwen pre-training]."),
     ]
 
     def apply(command):
@@ -97,6 +112,14 @@ def workload_options(global_batch_help: str):
         return command
 
     return apply
+
+
+def workload_from_options(opts: dict) -> dict:
+    """The workload flags given, as ``planner.api`` keywords (those left out are absent, so the
+    API's defaults apply). The flags above are the API's WORKLOAD_KEYS, one each."""
+    from planner.api import WORKLOAD_KEYS
+
+    return {k: opts[k] for k in WORKLOAD_KEYS if opts.get(k) is not None}
 
 
 def balancer_option(command):

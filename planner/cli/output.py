@@ -12,27 +12,45 @@ from typing import Any
 import click
 
 _CONSOLES = {"console": {}, "err_console": {"stderr": True}}
-# Piped output (logs, CI) has no terminal width; rich would assume 80 columns and squeeze the
-# breakdown tables. COLUMNS still wins when set.
-PIPE_WIDTH = 120
+# The width of output that goes to a file or a pipe (logs, CI, ``| less``), where there is no
+# terminal to measure: wide enough for suggest's table (about 140 columns), which rich would
+# otherwise squeeze into 80. COLUMNS still wins when set.
+PIPE_WIDTH = 160
+
+
+def output_width(stream: Any) -> int | None:
+    """The one width rule for every command's output: COLUMNS when it is set to a positive whole
+    number, else the terminal's (None: rich measures it), else PIPE_WIDTH."""
+    import os
+
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    isatty = getattr(stream, "isatty", None)
+    return None if isatty is not None and isatty() else PIPE_WIDTH
 
 
 def __getattr__(name: str) -> Any:
     """``console`` / ``err_console``: rich consoles, built (and rich imported) when first asked for."""
     if name not in _CONSOLES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import os
     import sys
 
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            """A closed pipe is the group's to handle (planner/cli/__init__.py): one rule for
+            rich's writes, click's and print's. rich's own handler exits with status 1."""
+            self.quiet = True
+            raise  # the BrokenPipeError being handled
+
     options = dict(_CONSOLES[name])
     stream = sys.stderr if options.get("stderr") else sys.stdout
-    if "COLUMNS" not in os.environ and not stream.isatty():
-        options["width"] = PIPE_WIDTH
-    value = Console(highlight=False, **options)
+    value = _Console(highlight=False, width=output_width(stream), **options)
     globals()[name] = value
     return value
+
 
 json_option = click.option(
     "--json", "as_json", is_flag=True,
@@ -55,6 +73,21 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+# The parts of a step's time (planner/cost/step_time.py StepTime; ``<name>_s`` in --json), in
+# the order the breakdowns print them.
+TIME_PARTS = ("compute", "recompute", "tp_comm", "pp_bubble", "pp_comm", "dp_comm", "ep_comm", "optimizer")
+
+
+def time_parts(cfg: Any) -> list[str]:
+    """The TIME_PARTS that apply to a plan of layout ``cfg`` (a ParallelConfig): recompute
+    with recomputation, TP communication with tp > 1, the bubble and the sends with pp > 1, DP
+    communication with dp > 1, the expert all-to-all with ep > 1. Decided by the layout, not by
+    the value, so a part that applies but is hidden behind compute still shows as 0."""
+    applies = {"recompute": cfg.recompute != "none", "tp_comm": cfg.tp > 1, "pp_bubble": cfg.pp > 1,
+               "pp_comm": cfg.pp > 1, "dp_comm": cfg.dp > 1, "ep_comm": cfg.ep > 1}
+    return [part for part in TIME_PARTS if applies.get(part, True)]
+
+
 def human_count(n: float) -> str:
     """12.9B, 413M, 7.5K."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -72,6 +105,9 @@ def human_bytes(n: float) -> str:
 
 
 def human_time(s: float) -> str:
+    """2.50 s, 12.30 ms, 4.2 us; exactly 0 (a part that applies but is hidden) as 0 s."""
+    if s == 0:
+        return "0 s"
     if s >= 1:
         return f"{s:.2f} s"
     if s >= 1e-3:

@@ -12,7 +12,14 @@ from typing import Any
 import click
 
 from planner.cli.hardware import hardware_option
-from planner.cli.options import axes_from_options, balancer_option, constraint_options, parse_int_list, workload_options
+from planner.cli.options import (
+    axes_from_options,
+    balancer_option,
+    constraint_options,
+    parse_int_list,
+    workload_from_options,
+    workload_options,
+)
 from planner.cli.output import console, json_option, print_json
 from planner.cli.outputs import OutputPath
 from planner.errors import UserError, marked
@@ -48,8 +55,7 @@ def plot_command(kind: str, model_name: str, hardware: str, nodes: str, out: str
     from planner import api, explore, plots
 
     balancer = opts.pop("balancer")
-    workload_opts = {k: opts.pop(k) for k in ("global_batch", "seq_len", "images_per_sample", "tiles_per_image",
-                                              "precision", "optimizer")}
+    workload_opts = workload_from_options(opts)
     axes = _axes(opts)
     model = api.load_model(model_name)
     counts = _node_counts(nodes, kind)

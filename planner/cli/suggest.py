@@ -7,13 +7,20 @@ imported inside the command so ``dsplan --help`` stays fast.
 
 from __future__ import annotations
 
+import shlex
 import sys
 from typing import Any
 
 import click
 
 from planner.cli.flags import cli_text
-from planner.cli.options import axes_from_options, balancer_option, constraint_options, workload_options
+from planner.cli.options import (
+    axes_from_options,
+    balancer_option,
+    constraint_options,
+    workload_from_options,
+    workload_options,
+)
 from planner.cli.output import json_option
 
 
@@ -38,10 +45,22 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
 
     \b
     Prunes by memory, ranks by the objective, shows the best plan's stage partition and
-    breakdowns. Column "stage, greedy": a pipelined plan's slowest stage per micro-batch
-    (optimal balancer) and how much slower the greedy balancer's would be. Then one line
-    per plan on why it ranks below #1. Exit status 2 when the input is wrong or no plan
-    fits (with the closest plan and what would make it fit).
+    breakdowns, then one line per plan on why it ranks below #1, and last the `dsplan
+    generate` command that writes plan #1's run directory. Plans whose predicted step time is
+    within the model's mean error on published runs (13.3%, docs/accuracy.md) of #1's are
+    marked "~": treat them as ties. Exit status 2 when the input is wrong or no plan fits
+    (with the closest plan and what would make it fit).
+
+    \b
+    The table (a legend under it names the abbreviations that appear):
+      8+sp           tensor parallelism 8 with sequence parallelism
+      2x4 (pp)       2 pipeline stages x 4 interleaved virtual stages per rank
+      opt            optimizer states offloaded to the CPU (opt+params: and the parameters)
+      meg-ds         megatron-deepspeed; deepspeed/meg-ds: the same prediction under both
+      mb x acc       micro-batch x gradient-accumulation steps
+      stage, greedy  a pipelined plan's slowest stage per micro-batch (optimal balancer) and
+                     how much slower the greedy balancer's would be; * its split is balanced
+                     within memory
 
     \b
     Examples:
@@ -67,28 +86,28 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
     finally:
         if bar is not None:
             bar.close()
+    from planner.cli.next_step import default_out, generate_argv
+
+    argv = generate_argv(click.get_current_context(), default_out(result.inputs["model"], result.inputs["nodes"]))
     if as_json:
+        from planner.api_records import uncertainty
         from planner.cli.output import print_json
 
-        print_json(result.to_json())
+        print_json({**result.to_json(), "uncertainty": uncertainty(result), "next_command": shlex.join(argv)})
     else:
-        render(result)
-
-
-# The workload flags, passed to the API under the same names.
-WORKLOAD_FLAGS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer")
+        render(result, argv)
 
 
 def run_suggest(opts: dict[str, Any], progress=None):
-    """Click options -> ``planner.api.suggest`` (the model, the cluster, the workload and the
-    parsed search axes; the API fills the defaults and checks the values)."""
+    """Click options -> ``planner.api.suggest`` (the model, the cluster, the workload flags given
+    and the parsed search axes; the API fills the defaults and checks the values)."""
     from planner import api
 
     axes = axes_from_options(opts)
     model = api.load_model(opts["model"])
     cluster = api.load_cluster(opts["hardware"], opts["nodes"], gpus_per_node=opts.get("gpus_per_node"))
     return api.suggest(model, cluster, top=opts["top"], objective=opts["objective"], balancer=opts["balancer"],
-                       progress=progress, **{k: opts.get(k) for k in WORKLOAD_FLAGS}, **axes)
+                       progress=progress, **workload_from_options(opts), **axes)
 
 
 # -- human output ------------------------------------------------------------------------------
@@ -118,55 +137,134 @@ _SHORT_FW = {"deepspeed": "deepspeed", "megatron-deepspeed": "meg-ds", "megatron
 _SHORT_OFFLOAD = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+params"}
 
 
-def render(result) -> None:
+def render(result, next_argv: list[str] | None = None) -> None:
+    """The human output, as wide as planner/cli/output.py's one width rule allows: the inputs,
+    the table and its legend, how far the model's error reaches, #1 in detail, why the others
+    rank below it, the search's counts, and (``next_argv``) the command that writes #1's run
+    directory."""
+    from planner.api_records import uncertainty
+    from planner.cli.output import console, human_bytes, human_time
+
+    console.print(_inputs_line(result.inputs))
+    ties = uncertainty(result)["ties_with_best"]
+    tied = set(ties or ())
+    rows = [_row(rp, tied) for rp in result.plans]
+    _render_table(console, rows)
+    if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
+        console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
+                      "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
+    console.print(_legend(rows), markup=False)
+    if ties is not None and len(result.plans) > 1:
+        console.print(_ties_line(ties), markup=False)
+    _render_best(result, console, human_bytes, human_time)
+    if len(result.plans) > 1:
+        console.print("[bold]why the others rank below #1[/]:")
+        # one call: --top 1000 prints fast
+        console.print("\n".join(f"  #{rp.id} {cli_text(rp.why)}" for rp in result.plans[1:]))
+    r, top = result.rejected, result.inputs["top"]
+    console.print(
+        f"{result.evaluated:,} candidates evaluated ({result.fully_evaluated:,} in full, {result.pruned:,} ruled out "
+        f"by a bound that proves they cannot reach the top {top:,}) in {result.elapsed_s:.2f} s; rejected before "
+        f"ranking: {r['out_of_memory']:,} out of memory, {r['indivisible']:,} indivisible degree combinations, "
+        f"{r['framework']:,} the framework cannot run.")
+    if next_argv is not None:
+        from planner.cli.next_step import shell_lines
+
+        console.print("[bold]next[/]: write plan #1's run directory (configs and launch scripts) with")
+        console.print("\n".join(f"  {line}" for line in shell_lines(next_argv, console.width - 2)), markup=False,
+                      highlight=False, soft_wrap=True)
+
+
+def _inputs_line(i: dict) -> str:
+    """What was searched, defaults filled in: one line (wrapped to the width)."""
+    from planner.cli.output import human_count
+
+    return (f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
+            f"global batch {i['global_batch']} x {i['seq_len']} tokens = {human_count(i['tokens_per_step'])} "
+            f"tokens/step | {i['precision']}, {i['optimizer']}"
+            + ("" if i.get("flash_attention", True) else ", unfused attention")
+            + (", dropout" if i.get("dropout") else "")
+            + (f" | {i['images_per_sample']} image(s) x {i['tiles_per_image']} tiles" if i["images_per_sample"] else "")
+            + f" | balancer {i['balancer']}, objective {i['objective']}")
+
+
+def _render_table(console, rows: list[tuple[str, ...]]) -> None:
+    """The plans as a table, or, on a console too narrow for it, two lines per plan (so no
+    number is cut short)."""
     from rich import box
     from rich.cells import cell_len
-    from rich.console import Console
     from rich.measure import Measurement
     from rich.table import Table
 
-    from planner.cli.output import console, human_bytes, human_count, human_time
-
-    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
-        console = Console(highlight=False, width=170)
-    i = result.inputs
-    console.print(
-        f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
-        f"global batch {i['global_batch']} x {i['seq_len']} tokens = {human_count(i['tokens_per_step'])} tokens/step | "
-        f"{i['precision']}, {i['optimizer']}"
-        + (f" | {i['images_per_sample']} image(s) x {i['tiles_per_image']} tiles" if i["images_per_sample"] else "")
-        + f" | balancer {i['balancer']}, objective {i['objective']}")
-    rows = [_row(rp, human_count, human_time) for rp in result.plans]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     # Cells are plain one-line strings: each column is as wide as its widest cell. Saying so
     # spares rich measuring every cell twice (the fit test below, then printing), which took
     # seconds for --top 1000.
     widths = [max(cell_len(text) for text in column) for column in zip(_COLUMNS, *rows)]
     for col, width in zip(_COLUMNS, widths):
-        table.add_column(col, justify="left" if col in ("framework", "offload", "recompute") else "right", no_wrap=True,
-                         width=width)
+        left = col in ("#", "framework", "offload", "recompute")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True, width=width)
     for row in rows:
         table.add_row(*row)
     if Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width:
         console.print(table)
-    else:  # a narrow terminal would cut the table's numbers short: two lines per plan instead
+    else:
         for row in rows:
             for line in _plan_lines(dict(zip(_COLUMNS, row))):
                 console.print(line)
-    if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
-        console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
-                      "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
-    _render_best(result, console, human_bytes, human_time)
-    if len(result.plans) > 1:
-        console.print("[bold]why the others rank below #1[/]:")
-        # one call: --top 1000 prints fast
-        console.print("\n".join(f"  #{rp.id} {cli_text(rp.why)}" for rp in result.plans[1:]))
-    r = result.rejected
-    console.print(
-        f"{result.evaluated} candidates evaluated ({result.fully_evaluated} in full, {result.pruned} ruled out by a "
-        f"bound that proves they cannot reach the top {i['top']}) in {result.elapsed_s:.2f} s; rejected before "
-        f"ranking: {r['out_of_memory']} out of memory, {r['indivisible']} indivisible degree combinations, "
-        f"{r['framework']} the framework cannot run.")
+
+
+def _legend(rows: list[tuple[str, ...]]) -> str:
+    """One line naming each abbreviation the table shows (only those that appear)."""
+    cells = [dict(zip(_COLUMNS, row)) for row in rows]
+
+    def first(column: str, mark: str) -> str | None:
+        return next((c[column] for c in cells if mark in c[column]), None)
+
+    parts = []
+    if first("#", "~"):
+        parts.append("~ = within the model's error of #1 (below)")
+    if sp := first("tp", "+sp"):
+        parts.append(f"{sp} = TP {sp.removesuffix('+sp')} with sequence parallelism")
+    if vs := first("pp", "x"):
+        stages, virtual = vs.split("x")
+        parts.append(f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages per rank")
+    offloads = {c["offload"] for c in cells}
+    if "opt" in offloads:
+        parts.append("opt = optimizer states offloaded to the CPU")
+    if "opt+params" in offloads:
+        parts.append("opt+params = optimizer states and parameters offloaded to the CPU")
+    if first("framework", "meg-ds"):
+        parts.append("meg-ds = megatron-deepspeed")
+    if both := first("framework", "/"):
+        parts.append(f"{both} = the same prediction under each")
+    parts.append("mb x acc = micro-batch x gradient-accumulation steps")
+    if any(c["stage, greedy"] != "-" for c in cells):
+        parts.append("stage, greedy = the slowest pipeline stage per micro-batch (optimal balancer), "
+                     "+ how much slower the greedy balancer's would be")
+    return "legend: " + "; ".join(parts)
+
+
+def _ties_line(ties: list[int]) -> str:
+    """Whether the plans shown are further apart than the model's error (planner/accuracy.py)."""
+    from planner.accuracy import MODEL_ERROR, MODEL_ERROR_SOURCE
+
+    if len(ties) == 1:
+        return (f"#1 is faster than the other plans shown by more than {MODEL_ERROR:.1%} of its step time, "
+                f"{MODEL_ERROR_SOURCE}")
+    return (f"~ plans {_id_ranges(ties)} predict step times within {MODEL_ERROR:.1%} of #1's, "
+            f"{MODEL_ERROR_SOURCE}: treat them as ties (measure before choosing among them)")
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """[1, 2, 3, 5] -> '#1-#3, #5'."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}-#{r[-1]}" for r in runs)
 
 
 _COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "zero", "offload", "mb x acc", "recompute", "peak / cap",
@@ -184,13 +282,17 @@ def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
     return layout, figures
 
 
-def _row(rp, human_count, human_time) -> tuple[str, ...]:
-    """One plan's cells, in _COLUMNS order."""
+def _row(rp, ties) -> tuple[str, ...]:
+    """One plan's cells, in _COLUMNS order; ``ties``: the ids within the model's error of #1
+    (marked "~", #1 itself aside)."""
+    from planner.cli.output import human_count, human_time
+
     p = rp.plan.to_json()
     gib = 2**30
     mem = p["memory"]
     return (
-        str(rp.id), "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on)),  # identical predictions
+        f"{rp.id}{'~' if rp.id in ties and rp.id != 1 else ''}",
+        "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on)),  # identical predictions
         str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
         f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}", str(p["ep"]),
         str(p["zero_stage"]), _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
@@ -212,6 +314,8 @@ def _bottlenecks(b: dict) -> str:
 
 
 def _render_best(result, console, human_bytes, human_time) -> None:
+    from planner.cli.output import time_parts
+
     best = result.plans[0]
     p = best.plan.to_json()
     console.print(f"[bold]best plan #1[/]: {cli_text(result.why)}")
@@ -237,7 +341,7 @@ def _render_best(result, console, human_bytes, human_time) -> None:
                           f"{human_time(s['microbatch_time']['total_s'])} per micro-batch, "
                           f"peak {human_bytes(s['memory']['peak_bytes'])}")
     t = p["time"]
-    parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {human_time(v)}" for k, v in t.items() if v > 0)
+    parts = ", ".join(f"{k.replace('_', ' ')} {human_time(t[f'{k}_s'])}" for k in time_parts(best.plan.cfg))
     console.print(f"time per step {human_time(p['step_time_s'])}: {parts}")
     m = p["memory"]
     mparts = ", ".join(f"{k.removesuffix('_bytes')} {human_bytes(m[k])}" for k in

@@ -114,7 +114,8 @@ def _profile(hardware: str | HardwareProfile, gpus_per_node: int | None) -> Hard
 def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-80g", nodes: int = 1, *,
             gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
             images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
-            optimizer: str = "adamw", constraints: Constraints | None = None, balancer: str = "optimal",
+            optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False,
+            constraints: Constraints | None = None, balancer: str = "optimal",
             objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None) -> SuggestResult:
     """Rank the plans that fit; raise ``NoPlanFits`` (a UserError) when none does."""
@@ -142,11 +143,13 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     whole_number("global_batch", gb)
     images, tiles = vision_inputs(model, images_per_sample, tiles_per_image, seq)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
-                        precision=precision, optimizer=optimizer)  # type: ignore[arg-type]
+                        precision=precision, optimizer=optimizer, flash_attention=flash_attention,
+                        dropout=dropout)  # type: ignore[arg-type]
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
-              "optimizer": optimizer, "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer,
-              "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
+              "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
+              "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
+              "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
     space = candidate_space(model, cluster, workload, cons)
     result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress)
