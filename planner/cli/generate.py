@@ -250,19 +250,26 @@ def _choose_plan(opts: dict[str, Any]):
 
 
 def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
-    """The rank-K plan of ``dsplan suggest`` for the same flags, as a plan dict."""
+    """The rank-K plan of ``dsplan suggest`` for the same flags, as a plan dict; for the reference
+    trainer (``--entry builtin``), the rank-K plan of those it runs (planner/cli/trainer_plans.py)."""
     from planner.api import DEFAULT_HARDWARE
     from planner.cli.flags import cli_data
     from planner.cli.suggest import run_suggest
+    from planner.cli.trainer_plans import trainer_search
 
     search_opts = {k: v for k, v in opts.items() if k in _SUGGEST_KEYS}
     search_opts["model"] = model
     search_opts["hardware"] = opts["hardware"] or DEFAULT_HARDWARE
     search_opts["nodes"] = 1 if opts["nodes"] is None else opts["nodes"]
-    search_opts["top"] = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
-    result = run_suggest(search_opts)
+    need = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
+    if opts["entry"] == "builtin":
+        result = trainer_search(search_opts, model.is_moe, need)
+        kind = "that fit and the reference trainer (--entry builtin) runs"
+    else:
+        result = run_suggest({**search_opts, "top": need})
+        kind = "that fit"
     if len(result.plans) < opts["rank"]:
-        raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) that fit; "
+        raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) {kind}; "
                         "pick a smaller --rank")
     data = cli_data(result.plans[opts["rank"] - 1].to_json())
     data.setdefault("hardware", search_opts["hardware"])
