@@ -7,10 +7,12 @@ command so ``dsplan --help`` stays fast.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
 
+from planner.cli.fit import DOES_NOT_FIT_EXIT, allow_oom_option, warn_does_not_fit
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
@@ -58,13 +60,18 @@ from planner.errors import UserError
 @click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
               help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them "
                    "[default: even split].")
+@allow_oom_option("Exit with status 0 when the plan does not fit in memory (the warning stays).")
 @json_option
-def estimate_command(as_json: bool, **opts: Any) -> None:
+def estimate_command(as_json: bool, allow_oom: bool, **opts: Any) -> None:
     """Memory per GPU and step time of one plan.
+
+    A plan that does not fit in memory is still priced and printed, with
+    `warning: plan does not fit: ...` on stderr and exit status 3 (0 with --allow-oom);
+    `generate --plan` and `run` refuse such a plan unless given --allow-oom too.
 
     \b
     Examples:
-      dsplan estimate --model llama-3-8b --nodes 1 --tp 2 --micro-batch 2 --global-batch 512
+      dsplan estimate --model llama-3-8b --nodes 1 --tp 2 --micro-batch 1 --global-batch 512
       dsplan estimate --model llama-2-70b --nodes 16 --tp 8 --pp 4 --framework megatron \\
           --zero 1 --sequence-parallel --recompute selective --global-batch 1024 --json
     """
@@ -73,6 +80,10 @@ def estimate_command(as_json: bool, **opts: Any) -> None:
         print_json(plan.to_json())
     else:
         render(plan)
+    if not plan.fits:
+        warn_does_not_fit(plan.why_not())
+        if not allow_oom:
+            sys.exit(DOES_NOT_FIT_EXIT)
 
 
 def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int | None, zero_stage: int | None,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from planner.cli.fit import allow_oom_option, check_fits
 from planner.cli.flags import FLAGS, cli_text
 from planner.cli.options import balancer_option, constraint_options
 from planner.cli.output import console, err_console, json_option, print_json
@@ -82,6 +83,7 @@ _SEARCH_FLAGS = (
 @click.option("--ib-hca", default=None, help="NCCL_IB_HCA for nccl.env, e.g. mlx5_0,mlx5_1 [default: mlx5].")
 @click.option("--socket-ifname", default=None, help="NCCL_SOCKET_IFNAME for nccl.env, e.g. eth0 [default: ^lo,docker].")
 @click.option("--force", is_flag=True, help="Replace files in DIR that differ from what dsplan generated last time.")
+@allow_oom_option("Write a --plan that does not fit in memory (a warning instead of a refusal).")
 @json_option
 @click.argument("entry_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENTRY ARGS...]")
 def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) -> None:
@@ -91,12 +93,13 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
     \b
     Examples:
       dsplan generate --model vl2 --nodes 8 --out runs/vl2 --hosts node1,node2,node3,node4,node5,node6,node7,node8
-      dsplan estimate --model llama-3.1-8b --nodes 1 --tp 2 --pp 1 --micro-batch 2 --global-batch 64 --json > plan.json
+      dsplan estimate --model llama-3.1-8b --nodes 1 --tp 2 --pp 1 --micro-batch 1 --global-batch 64 --json > plan.json
       dsplan generate --plan plan.json --out runs/llama8b --entry train.py -- --data /data/tokens --tag "first run"
 
     Arguments after `--` are passed, quoted, to the entry on every rank.
     """
     from planner.emit.ds_config import TrainSettings
+    from planner.emit.plan_file import fit_problem
     from planner.emit.render import DEFAULT_IMAGE, LaunchOptions, render_run_dir
     from planner.emit.write import write_run_dir
     from planner.hardware.load import load_profile
@@ -105,6 +108,9 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         raise UserError("--hosts and --hostfile: give one of them, not both")
     entry = resolve_entry(opts["entry"])
     plan, model = _choose_plan(opts)
+    oom = fit_problem(plan.to_json())  # the search's plans fit; a --plan file may not
+    check_fits(oom, f"--plan {opts['plan_path']}", opts["allow_oom"], "write",
+               "pick a plan that fits (`dsplan suggest`, or `dsplan estimate` other degrees)")
     profile = load_profile(opts["hardware"] or plan.hardware)
     hosts = _hosts(opts, plan)
     options = LaunchOptions(
@@ -125,8 +131,8 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
     report = write_run_dir(opts["out_dir"], files, force=opts["force"])
     note = _trainer_note(files, model) if entry == "builtin" else None
     if as_json:
-        print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(),
-                    "warnings": [note] if note else []})
+        warnings = ([f"plan does not fit: {oom}"] if oom else []) + ([note] if note else [])
+        print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(), "warnings": warnings})
         return
     _print_written(report, plan, note)
 
