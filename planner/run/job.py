@@ -29,11 +29,14 @@ LAUNCH_TOOLS = {"deepspeed": "deepspeed", "torchrun": "torchrun", "slurm": "sbat
 RUN_ID_ENV = "DSPLAN_RUN_ID"  # optional: the job id to use (tests set it to find the job's processes)
 INSTALL_HINT = "pip install 'dsplan[run]'"
 
-# Runs one rank's Python with each output line prefixed by the rank (the launchers give all ranks
-# of a node one shared stdout). ``exec`` keeps the rank's PID: the launcher sees Python's own exit.
-RANK_WRAPPER = """#!/usr/bin/env bash
-# Written by `dsplan run`: one rank's Python, every output line prefixed with its rank.
-exec "${DSPLAN_RANK_PYTHON:?}" "$@" > >(awk -v p="[rank ${RANK:-?}] " '{ print p $0; fflush() }') 2>&1
+# Runs one rank's Python with each output line prefixed by the rank as it comes (the launchers
+# give all ranks of a node one shared stdout), through planner/run/line_prefix.py's copy beside
+# it. ``exec`` keeps the rank's PID: the launcher sees Python's own exit.
+LINE_PREFIX = "line_prefix.py"
+RANK_WRAPPER = f"""#!/usr/bin/env bash
+# Written by `dsplan run`: one rank's Python, every output line prefixed with its rank as it comes.
+exec "${{DSPLAN_RANK_PYTHON:?}}" "$@" \\
+  > >(exec "$DSPLAN_RANK_PYTHON" -I -S "${{BASH_SOURCE[0]%/*}}/{LINE_PREFIX}" "[rank ${{RANK:-?}}] ") 2>&1
 """
 
 
@@ -191,7 +194,8 @@ def build_job(
         entry_args += ["--steps", str(steps)]
     if checkpoint_every is not None:
         entry_args += ["--checkpoint-every", str(checkpoint_every)]
-    files = {f"{RUNTIME_DIR}/rank_python": RANK_WRAPPER}
+    files = {f"{RUNTIME_DIR}/rank_python": RANK_WRAPPER,
+             f"{RUNTIME_DIR}/{LINE_PREFIX}": (Path(__file__).parent / LINE_PREFIX).read_text(encoding="utf-8")}
     local_plan = None
     if local:
         local_plan = adapt_for_local(info, scale=scale, max_procs=max_local_procs)
