@@ -202,6 +202,28 @@ def test_dry_run_two_nodes_json(run_dirs):
     assert len({c["env"]["DSPLAN_JOB_ID"] for c in nodes}) == 1
 
 
+def test_local_runs_build_deepspeed_ops_in_the_cache_the_tests_use(run_dirs):
+    """The tests compile DeepSpeed's CPU ops once (minutes); `dsplan run --local` must load them
+    from the same cache, not compile them again into another. TORCH_EXTENSIONS_DIR, when set
+    (CI sets it), is left to the job, and the tests take it too."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    probe = "import os, tests.conftest; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    tests_cache = subprocess.run([sys.executable, "-c", probe], env=env, cwd=repo, capture_output=True, text=True,
+                                 timeout=120, check=True).stdout.strip()
+    dry = [sys.executable, "-m", "planner", "run", str(run_dirs["two"]), "--local", "--dry-run", "--json"]
+    commands = json.loads(subprocess.run(dry, env=env, capture_output=True, text=True, timeout=120,
+                                         check=True).stdout)["commands"]
+    assert [c["env"]["TORCH_EXTENSIONS_DIR"] for c in commands] == [tests_cache, tests_cache]
+    assert tests_cache.startswith(str(Path.home() / ".cache" / "torch_extensions" / "dsplan-"))
+    given = {**env, "TORCH_EXTENSIONS_DIR": "/somewhere/else"}
+    commands = json.loads(subprocess.run(dry, env=given, capture_output=True, text=True, timeout=120,
+                                         check=True).stdout)["commands"]
+    assert all("TORCH_EXTENSIONS_DIR" not in c["env"] for c in commands)  # the environment's, inherited
+    assert subprocess.run([sys.executable, "-c", probe], env=given, cwd=repo, capture_output=True, text=True,
+                          timeout=120, check=True).stdout.strip() == "/somewhere/else"
+
+
 def test_dry_run_cluster_launchers(run_dirs):
     one = run_cli(str(run_dirs["one"]), "--dry-run", "--json")
     assert json.loads(one.stdout)["commands"][0]["argv"] == ["./launch_deepspeed.sh", "local"]

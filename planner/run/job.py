@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import UserError
-from planner.run.local import LocalPlan, adapt_for_local, local_env, local_hostfile
+from planner.run.local import EXTENSIONS_ENV, LocalPlan, adapt_for_local, extensions_dir, local_env, local_hostfile
 from planner.run.processes import JOB_ID_ENV
 from planner.run.rundir import RUNTIME_DIR, SCRIPTS, RunDirInfo, inspect_run_dir
 
@@ -94,6 +94,13 @@ class Job:
         return self.info.path / RUNTIME_DIR
 
     @property
+    def extensions_dir(self) -> str:
+        """Where the job's ranks build DeepSpeed's ops (for messages about a stale build lock)."""
+        if EXTENSIONS_ENV in os.environ:
+            return os.environ[EXTENSIONS_ENV]
+        return str(extensions_dir(self.python)) if self.local is not None else "~/.cache/torch_extensions"
+
+    @property
     def bindir(self) -> str | None:
         """The interpreter's directory, added at the end of PATH when the launcher command is not on
         PATH already (an un-activated virtualenv). Appended, not prepended: its other tools (ninja,
@@ -131,9 +138,10 @@ class Job:
             return [Command("launcher", (script, mode, *entry_args), cwd, env, path_append=self.bindir)]
         port = master_port if master_port is not None else 29500
         hostfile = self.runtime_dir / "hostfile"
+        extensions = None if EXTENSIONS_ENV in os.environ else str(extensions_dir(self.python))
         commands = []
         for node in range(self.local.nodes):
-            node_env = {**env, **local_env(self.local, node, port, hostfile, self.launcher)}
+            node_env = {**env, **local_env(self.local, node, port, hostfile, self.launcher, extensions)}
             if self.launcher == "deepspeed":
                 mode = ("local",) if self.local.nodes == 1 else ("node",)
             else:
