@@ -111,15 +111,19 @@ def _parse_stage_blocks(text: str) -> list[tuple[int, int]]:
 
 
 def render(plan) -> None:
+    """The plan in two lines, its memory and time tables, and its notes (names and notes are
+    data, escaped, never read as rich markup)."""
+    from rich.markup import escape
+
     from planner.cost.memory import group_to_set
 
     c, w = plan.cfg, plan.workload
-    verdict = "[green]fits[/green]" if plan.fits else f"[red]does not fit[/red]: {plan.why_not()}"
+    verdict = "[green]fits[/green]" if plan.fits else f"[red]does not fit[/red]: {escape(plan.why_not())}"
     virtual = ""
     if c.virtual_stages > 1:  # a micro-batch count pp does not divide runs with a larger group (cost/memory.py)
         g = group_to_set(c.pp, c.virtual_stages, c.grad_accum)
         virtual = f" (v {c.virtual_stages}" + (f", micro-batch group {g}" if g else "") + ")"
-    console.print(f"[bold]{plan.model}[/bold] on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
+    console.print(f"[bold]{escape(plan.model)}[/bold] on {plan.nodes} x {plan.gpus_per_node} {escape(plan.hardware)} "
                   f"({plan.gpus} GPUs), {c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
                   + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
@@ -129,7 +133,7 @@ def render(plan) -> None:
     _render_memory(plan)
     _render_time(plan)
     for line in plan.notes:
-        console.print(f"[bold]note[/bold]: {cli_text(line)}")
+        console.print(f"[bold]note[/bold]: {escape(cli_text(line))}")
 
 
 def _render_memory(plan) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,14 +139,17 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
 
 
 def _print_written(report, plan, note: str | None) -> None:
-    """What was written, the plan in one line, and the next command to run."""
+    """What was written, the plan in one line, and the next command to run (the path shell-quoted
+    there, and never read as rich markup anywhere)."""
+    from rich.markup import escape
+
     from planner.cost.memory import group_to_set
 
-    out = report.out_dir
+    out = escape(report.out_dir)
     console.print(f"[bold]{out}[/bold]: {len(report.written)} file(s) written, {len(report.unchanged)} unchanged"
                   + (f", {len(report.removed)} stale removed" if report.removed else ""), soft_wrap=True)
     if report.replaced_edits:
-        console.print(f"  replaced your edits (--force): {', '.join(report.replaced_edits)}")
+        console.print(f"  replaced your edits (--force): {escape(', '.join(report.replaced_edits))}")
     console.print(f"  plan: {plan.framework}, DP {plan.dp} x TP {plan.tp} x PP {plan.pp}"
                   + (f" ({plan.virtual_stages} virtual stages per rank"
                      + (f", micro-batch group {g}"
@@ -154,13 +158,16 @@ def _print_written(report, plan, note: str | None) -> None:
                   + (f", EP {plan.ep}" if plan.ep > 1 else "")
                   + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} "
                     f"= {plan.global_batch}")
+    quoted = shlex.quote(report.out_dir)
+    readme = shlex.quote(os.path.join(report.out_dir, "README.md"))
     if note:  # the default entry cannot run it: point at Megatron-LM's script, not at the launcher
-        console.print(f"  [yellow]note:[/yellow] {note}", soft_wrap=True)
-        console.print(f"  next: dsplan generate ... --out {out} --entry pretrain_gpt.py -- ARGS  (see {out}/README.md)",
-                      soft_wrap=True)
+        console.print(f"  [yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
+        console.print(f"  next: dsplan generate ... --out {quoted} --entry pretrain_gpt.py -- ARGS  (see {readme})",
+                      soft_wrap=True, markup=False)
         return
     launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
-    console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)", soft_wrap=True)
+    console.print(f"  next: cd {quoted} && {launch}    (or: dsplan run {quoted}; see {readme})", soft_wrap=True,
+                  markup=False)
 
 
 def _trainer_note(files: dict, model: "ModelSpec") -> str | None:

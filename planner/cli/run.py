@@ -165,6 +165,7 @@ def _fmt(metric: str, value: Any) -> str:
 
 
 def _print_summary(report: dict[str, Any], path: Any) -> None:
+    """The comparison table, the restarts and the report's path (text that is data, never rich markup)."""
     from rich.table import Table
 
     table = Table(title=f"{report['status']}: {report['steps']['last'] or 0}/{report['steps']['target'] or '?'} steps, "
@@ -179,10 +180,10 @@ def _print_summary(report: dict[str, Any], path: Any) -> None:
     for restart in report["restarts"]:
         console.print(f"restart {restart['attempt']}: {restart['reason']} (resumed from step "
                       f"{restart['resumed_from_step'] if restart['resumed_from_step'] is not None else 0})",
-                      soft_wrap=True)
+                      soft_wrap=True, markup=False)
     if report["note"]:
-        console.print(f"note: {report['note']}", soft_wrap=True)
-    console.print(f"report: {path}", soft_wrap=True)
+        console.print(f"note: {report['note']}", soft_wrap=True, markup=False)
+    console.print(f"report: {path}", soft_wrap=True, markup=False)
 
 
 commands = [run_command]
