@@ -1,12 +1,14 @@
 """``generate --out``: paths that cannot be written into scripts are refused up front (exit 2,
 one line, nothing written); legal paths with shell or rich-markup characters simply work, and the
-printed next step is shell-quoted."""
+printed next step is shell-quoted; a write killed midway leaves temporaries that the next
+successful write removes."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from click.testing import CliRunner
 
 from planner.cli import main
 from tests.test_cli_generate import RUN_FILES, write_plan
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def generate(plan: Path, out: str, *extra: str):
@@ -62,3 +66,33 @@ def test_the_next_step_runs_as_printed(tmp_path: Path, monkeypatch):
     cd = hint.split("&&")[0]
     shown = subprocess.run(["bash", "-c", f"{cd} && pwd"], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert shown.stdout.strip() == str((tmp_path / name).resolve())
+
+
+KILLED_WRITE = """
+import os, sys
+import planner.emit.write as write
+write._commit = lambda *args, **kwargs: os._exit(137)  # killed after staging, before any rename
+from planner.cli import main
+sys.argv = ["dsplan", "generate", "--plan", sys.argv[1], "--out", sys.argv[2], "--force"]
+main()
+"""
+
+
+def test_a_killed_write_leaves_temporaries_the_next_write_removes(tmp_path: Path):
+    out = tmp_path / "run"
+    first = write_plan(tmp_path, "gpt3-125m", 1, zero_stage=1)
+    assert generate(first, str(out)).exit_code == 0
+    other = write_plan(tmp_path, "gpt3-125m", 1, name="other.json", zero_stage=2)
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(other), str(out)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 137, killed.stderr
+    left = sorted(n for n in os.listdir(out) if n.endswith(".tmp"))
+    assert ".dsplan-manifest.json" in " ".join(left) and any(n.startswith(".plan.json.") for n in left)
+    mine = [".notes.abcdefgh.tmp", ".plan.json.tmp", ".plan.json.short.tmp"]  # not dsplan's temporaries
+    for name in mine:
+        (out / name).write_text("keep me")
+    result = generate(other, str(out))
+    assert result.exit_code == 0, result.output
+    assert f"{len(left)} left-over temporary file(s) of an interrupted write removed" in " ".join(result.stdout.split())
+    assert sorted(n for n in os.listdir(out) if n.endswith(".tmp")) == sorted(mine)
+    assert '"zero_stage": 2' in (out / "plan.json").read_text()

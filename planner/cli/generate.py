@@ -147,7 +147,9 @@ def _print_written(report, plan, note: str | None) -> None:
 
     out = escape(report.out_dir)
     console.print(f"[bold]{out}[/bold]: {len(report.written)} file(s) written, {len(report.unchanged)} unchanged"
-                  + (f", {len(report.removed)} stale removed" if report.removed else ""), soft_wrap=True)
+                  + (f", {len(report.removed)} stale removed" if report.removed else "")
+                  + (f", {len(report.temporaries_removed)} left-over temporary file(s) of an interrupted write removed"
+                     if report.temporaries_removed else ""), soft_wrap=True)
     if report.replaced_edits:
         console.print(f"  replaced your edits (--force): {escape(', '.join(report.replaced_edits))}")
     console.print(f"  plan: {plan.framework}, DP {plan.dp} x TP {plan.tp} x PP {plan.pp}"
