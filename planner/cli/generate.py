@@ -45,7 +45,8 @@ _SEARCH_FLAGS = (
 @click.option("--plan", "plan_path", default=None, metavar="FILE",
               help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
 @click.option("--rank", type=int, default=None,
-              help="Without --plan: use the K-th best plan of the search [default: 1].")
+              help="Without --plan: use the K-th best plan of the search (with --entry builtin, of the plans "
+                   "the reference trainer runs) [default: 1].")
 @click.option("--global-batch", type=int, default=None, help="Samples per optimizer step.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample.")
 @click.option("--images-per-sample", type=int, default=None, help="Vision-language models: images per sample.")
@@ -60,7 +61,9 @@ _SEARCH_FLAGS = (
               help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",
               help="What each rank runs: dsplan's reference trainer, or your training script, copied into DIR "
-                   "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config).")
+                   "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config). "
+                   "For builtin the search keeps to plans the trainer runs: virtual stages 1, tensor "
+                   "parallelism only under framework deepspeed.")
 @click.option("--hosts", default=None, metavar="H1,H2,...", help="Host names, one per node, comma-separated.")
 @click.option("--hostfile", "hostfile_path", default=None, metavar="FILE",
               help="A hostfile ('host slots=N' lines), one host per node.")
