@@ -8,9 +8,15 @@ give (0666 less the umask), so plots, drawings and run reports stay readable by 
 from __future__ import annotations
 
 import os
+import re
+import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+# stage()'s temporaries: ".NAME." + mkstemp's 8 random characters (tempfile's alphabet) + ".tmp".
+_SUFFIX = ".tmp"
+_RANDOM = re.compile(r"[a-z0-9_]{8}")
 
 
 def default_mode() -> int:
@@ -27,7 +33,7 @@ def stage(path: str | Path, write: Callable[[str], None], mode: int | None = Non
     Callers that replace several files at once stage them all before renaming any."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=_SUFFIX)
     os.close(fd)
     try:
         write(tmp)
@@ -55,3 +61,27 @@ def replace_atomically(path: str | Path, write: Callable[[str], None], mode: int
 
 def write_bytes_atomically(path: str | Path, data: bytes, fsync: bool = False) -> Path:
     return replace_atomically(path, lambda tmp: Path(tmp).write_bytes(data), fsync=fsync)
+
+
+def leftovers(directory: str | Path, names: Iterable[str]) -> list[Path]:
+    """Regular files in ``directory`` named as ``stage`` names the temporaries of ``names``: what
+    a process killed between staging and renaming (SIGKILL, power loss) left behind."""
+    wanted = set(names)
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(".") and name.endswith(_SUFFIX)):
+            continue
+        target, dot, random = name[1:-len(_SUFFIX)].rpartition(".")
+        if not (dot and target in wanted and _RANDOM.fullmatch(random)):
+            continue
+        try:
+            if stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
+                found.append(Path(entry.path))
+        except OSError:
+            continue
+    return sorted(found)

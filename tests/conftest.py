@@ -3,11 +3,12 @@
 DeepSpeed runs on CPU here: every test process (and the launchers it starts) gets
 DS_ACCELERATOR=cpu unless the caller set something else.
 
-DeepSpeed JIT-compiles its ops into TORCH_EXTENSIONS_DIR. The build files name the
-interpreter's torch headers, so two virtual environments sharing one cache rebuild every op
-each time they alternate; the tests get a cache of their own per interpreter (unless the
-caller set one). The ops are built once per session, before any launch, so a launch's
-timeout measures training, not a compiler on a busy machine.
+DeepSpeed JIT-compiles its ops into TORCH_EXTENSIONS_DIR. Unless the caller set one (CI does),
+the tests use the cache ``dsplan run --local`` uses for this interpreter
+(planner.run.local.extensions_dir: one per environment, since the builds name its torch and
+DeepSpeed headers), so the first local run after the tests finds its ops built. The ops are
+built once per session, before any launch, so a launch's timeout measures training, not a
+compiler on a busy machine.
 
 The ``fake_bin`` fixture puts recording launchers on PATH for the tests of the generated launch
 scripts (tests/test_emit_scripts.py, tests/test_launch_files.py).
@@ -15,7 +16,6 @@ scripts (tests/test_emit_scripts.py, tests/test_launch_files.py).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from planner.run.local import EXTENSIONS_ENV, extensions_dir
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
-    Path.home() / ".cache" / "torch_extensions" / f"dsplan-tests-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}"))
+os.environ.setdefault(EXTENSIONS_ENV, str(extensions_dir(sys.executable)))
 
 # DeepSpeed ops the CPU jobs load: the shared-memory comm op (every launch), fused Adam (ZeRO
 # 0-2 without offload), CPU Adam (optimizer offload).
@@ -54,7 +55,7 @@ def deepspeed_ops() -> None:
     """Build (or load from the cache) the DeepSpeed ops the launched jobs use."""
     from deepspeed.accelerator import get_accelerator
 
-    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    cache = Path(os.environ[EXTENSIONS_ENV])
     for lock in cache.glob("**/lock"):
         if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink(missing_ok=True)

@@ -106,12 +106,16 @@ def test_generate_rank_k_is_the_kth_plan_of_suggest(tmp_path: Path):
 
 def test_readme_carries_the_searchs_why_and_the_batch_notes(tmp_path: Path):
     """The run directory's README says why the search picked the plan (or where it ranks) and
-    repeats the planner's batch notes, so whoever launches the job sees them."""
+    repeats the planner's batch notes, so whoever launches the job sees them. (With an entry of
+    the user's, generate searches what suggest does; the reference trainer's search is narrower:
+    tests/test_generate_trainer_plans.py.)"""
     flags = ["--model", "llama-3.1-8b", "--nodes", "1024", "--global-batch", "512"]
     best = invoke("suggest", *flags, "--top", "2", "--json")
     assert best.exit_code == 0, best.output
     data = json.loads(best.output)
     out = tmp_path / "run"
+    (tmp_path / "pretrain_gpt.py").write_text("print('hi')\n")
+    flags += ["--entry", str(tmp_path / "pretrain_gpt.py")]
     result = invoke("generate", *flags, "--out", str(out))
     assert result.exit_code == 0, result.output
     readme = (out / "README.md").read_text()

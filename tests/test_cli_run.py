@@ -120,15 +120,23 @@ def test_options_the_entry_cannot_take(tmp_path):
 
 def test_plans_the_reference_trainer_cannot_run_are_refused_before_any_rank_starts(tmp_path):
     """Interleaved pipelines and Megatron's tensor parallelism are beyond the reference trainer
-    (the default entry): generate notes it, and `dsplan run` refuses with what to run instead
+    (the default entry). The search of generate never picks them for it (test_generate_trainer_plans.py);
+    a --plan file may hold one: generate notes it, and `dsplan run` refuses with what to run instead
     (exit 2) before it writes or starts anything, where every rank used to fail after start-up.
     With the user's own entry the same plan is theirs to run."""
     runner = CliRunner()
     flags = ["--model", MODEL, "--nodes", "1", "--framework", "megatron", "--global-batch", "64"]
-    vpp = tmp_path / "vpp"
-    gen = runner.invoke(main, ["generate", *flags, "--tp", "1", "--pp", "4", "--virtual-stages", "2",
-                               "--out", str(vpp)])
+
+    def from_plan(name: str, *degrees: str, entry: tuple[str, ...] = ()):
+        est = runner.invoke(main, ["estimate", *flags, *degrees, "--json"])
+        assert est.exit_code == 0, est.output
+        (tmp_path / f"{name}.json").write_text(est.stdout)
+        return runner.invoke(main, ["generate", "--plan", str(tmp_path / f"{name}.json"), *entry,
+                                    "--out", str(tmp_path / name)])
+
+    gen = from_plan("vpp", "--tp", "1", "--pp", "4", "--virtual-stages", "2")
     assert gen.exit_code == 0, gen.output
+    vpp = tmp_path / "vpp"
     assert "note: the default entry cannot run this plan" in gen.output
     # ... and the next step it suggests is Megatron-LM's script, not the launcher that would fail
     assert "next: dsplan generate ... --out" in gen.output and "--entry pretrain_gpt.py" in gen.output
@@ -136,14 +144,15 @@ def test_plans_the_reference_trainer_cannot_run_are_refused_before_any_rank_star
     for extra in (("--dry-run",), ()):
         assert_user_error(run_cli(str(vpp), *extra), "virtual_stages=2", "Megatron-LM's own training script", "--entry")
     assert not (vpp / ".dsplan-run").exists() and not (vpp / "report.json").exists()
-    tp = tmp_path / "tp"
-    assert runner.invoke(main, ["generate", *flags, "--tp", "2", "--pp", "1", "--out", str(tp)]).exit_code == 0
-    assert_user_error(run_cli(str(tp), "--dry-run"), "a megatron plan with tp=2", "AutoTP", "megatron_args.sh")
+    assert from_plan("tp", "--tp", "2", "--pp", "1").exit_code == 0
+    assert_user_error(run_cli(str(tmp_path / "tp"), "--dry-run"), "a megatron plan with tp=2", "AutoTP",
+                      "megatron_args.sh")
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("print('hello')\n")
     own = runner.invoke(main, ["generate", *flags, "--tp", "2", "--pp", "1", "--entry", str(script),
                                "--out", str(tmp_path / "own"), "--json"])
     assert own.exit_code == 0 and json.loads(own.stdout)["warnings"] == []
+    assert json.loads(own.stdout)["plan"]["tp"] == 2
     assert run_cli(str(tmp_path / "own"), "--dry-run").exit_code == 0
 
 
@@ -191,6 +200,28 @@ def test_dry_run_two_nodes_json(run_dirs):
     hostfile = nodes[0]["env"]["DSPLAN_HOSTFILE"]
     assert hostfile in data["files"] and not Path(hostfile).exists()
     assert len({c["env"]["DSPLAN_JOB_ID"] for c in nodes}) == 1
+
+
+def test_local_runs_build_deepspeed_ops_in_the_cache_the_tests_use(run_dirs):
+    """The tests compile DeepSpeed's CPU ops once (minutes); `dsplan run --local` must load them
+    from the same cache, not compile them again into another. TORCH_EXTENSIONS_DIR, when set
+    (CI sets it), is left to the job, and the tests take it too."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    probe = "import os, tests.conftest; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    tests_cache = subprocess.run([sys.executable, "-c", probe], env=env, cwd=repo, capture_output=True, text=True,
+                                 timeout=120, check=True).stdout.strip()
+    dry = [sys.executable, "-m", "planner", "run", str(run_dirs["two"]), "--local", "--dry-run", "--json"]
+    commands = json.loads(subprocess.run(dry, env=env, capture_output=True, text=True, timeout=120,
+                                         check=True).stdout)["commands"]
+    assert [c["env"]["TORCH_EXTENSIONS_DIR"] for c in commands] == [tests_cache, tests_cache]
+    assert tests_cache.startswith(str(Path.home() / ".cache" / "torch_extensions" / "dsplan-"))
+    given = {**env, "TORCH_EXTENSIONS_DIR": "/somewhere/else"}
+    commands = json.loads(subprocess.run(dry, env=given, capture_output=True, text=True, timeout=120,
+                                         check=True).stdout)["commands"]
+    assert all("TORCH_EXTENSIONS_DIR" not in c["env"] for c in commands)  # the environment's, inherited
+    assert subprocess.run([sys.executable, "-c", probe], env=given, cwd=repo, capture_output=True, text=True,
+                          timeout=120, check=True).stdout.strip() == "/somewhere/else"
 
 
 def test_dry_run_cluster_launchers(run_dirs):

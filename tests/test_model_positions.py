@@ -97,11 +97,19 @@ def test_mla_takes_yarn_from_the_mla_flags() -> None:
     assert megatron_notes(model, plan) == []  # original 4096, beta 32 / 1 are Megatron's MLA defaults
 
 
+def megatron_script(tmp_path: Path) -> Path:
+    """A stand-in for Megatron-LM's pretrain_gpt.py: the reference trainer (the default entry)
+    runs no Megatron tensor parallelism, so generate searches such plans for another entry only."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("print('megatron')\n")
+    return script
+
+
 def test_mrope_sections_reach_megatron_as_separate_words(tmp_path: Path) -> None:
     """--mrope-section is nargs='+': the script must hand Megatron three integers, not one string."""
     out = tmp_path / "run"
     r = CliRunner().invoke(main, ["generate", "--model", "qwen2-vl-7b", "--nodes", "1", "--framework", "megatron",
-                                  "--tp", "4", "--out", str(out)])
+                                  "--tp", "4", "--entry", str(megatron_script(tmp_path)), "--out", str(out)])
     assert r.exit_code == 0, r.output
     words = subprocess.run(["bash", str(out / "megatron_args.sh")], capture_output=True, text=True,
                            check=True).stdout.splitlines()
@@ -114,7 +122,8 @@ def test_mrope_sections_reach_megatron_as_separate_words(tmp_path: Path) -> None
 def test_notes_are_written_into_megatron_args_sh(tmp_path: Path) -> None:
     out = tmp_path / "run"
     r = CliRunner().invoke(main, ["generate", "--model", "llama-3.1-8b", "--nodes", "1", "--framework",
-                                  "megatron-deepspeed", "--tp", "2", "--zero", "1", "--out", str(out)])
+                                  "megatron-deepspeed", "--tp", "2", "--zero", "1",
+                                  "--entry", str(megatron_script(tmp_path)), "--out", str(out)])
     assert r.exit_code == 0, r.output
     text = (out / "megatron_args.sh").read_text()
     assert "# note: rope_scaling (llama3, factor 8.0) has no Megatron-DeepSpeed flag" in text
@@ -140,7 +149,7 @@ def test_runtimes_that_cannot_build_the_model_are_refused(model, framework, word
     assert words in str(err.value) and "use framework " in str(err.value)  # the API keyword, not --framework
 
 
-def test_suggest_never_offers_them_and_estimate_says_why() -> None:
+def test_suggest_never_offers_them_and_estimate_says_why(tmp_path: Path) -> None:
     from planner.search.suggest import suggest
 
     plans = suggest("bloom-176b", nodes=48, top=50).plans
@@ -150,7 +159,8 @@ def test_suggest_never_offers_them_and_estimate_says_why() -> None:
                                   "--framework", "megatron-deepspeed", "--ep", "4"])
     assert r.exit_code == 2 and "multi-latent attention" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["generate", "--model", "bloom-176b", "--nodes", "12", "--framework", "megatron",
-                                  "--tp", "8", "--pp", "12", "--out", "/nonexistent/never"])
+                                  "--tp", "8", "--pp", "12", "--entry", str(megatron_script(tmp_path)),
+                                  "--out", "/nonexistent/never"])
     assert r.exit_code == 2 and "ALiBi" in r.output
 
 

@@ -3,7 +3,8 @@
 Every ``deepspeed``-marked test starts the real ``deepspeed`` launcher with two CPU ranks
 (gloo) on a tiny-scale model for a few steps and checks what the run wrote: per-rank metrics,
 what each rank built (run_info), checkpoints. The first test in a fresh machine JIT-builds
-DeepSpeed's comm op (a few minutes); later runs reuse ~/.cache/torch_extensions.
+DeepSpeed's comm op (a few minutes); later runs, and `dsplan run --local`, reuse the cache
+planner.run.local.extensions_dir names (tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ command so ``dsplan --help`` stays fast.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
 
+from planner.cli.fit import DOES_NOT_FIT_EXIT, allow_oom_option, warn_does_not_fit
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
 from planner.cli.options import workload_options
@@ -47,13 +49,18 @@ from planner.errors import UserError
 @click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
               help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them "
                    "[default: even split].")
+@allow_oom_option("Exit with status 0 when the plan does not fit in memory (the warning stays).")
 @json_option
-def estimate_command(as_json: bool, **opts: Any) -> None:
+def estimate_command(as_json: bool, allow_oom: bool, **opts: Any) -> None:
     """Memory per GPU and step time of one plan.
+
+    A plan that does not fit in memory is still priced and printed, with
+    `warning: plan does not fit: ...` on stderr and exit status 3 (0 with --allow-oom);
+    `generate --plan` and `run` refuse such a plan unless given --allow-oom too.
 
     \b
     Examples:
-      dsplan estimate --model llama-3-8b --nodes 1 --tp 2 --micro-batch 2 --global-batch 512
+      dsplan estimate --model llama-3-8b --nodes 1 --tp 2 --micro-batch 1 --global-batch 512
       dsplan estimate --model llama-2-70b --nodes 16 --tp 8 --pp 4 --framework megatron \\
           --zero 1 --sequence-parallel --recompute selective --global-batch 1024 --json
     """
@@ -62,6 +69,10 @@ def estimate_command(as_json: bool, **opts: Any) -> None:
         print_json(plan.to_json())
     else:
         render(plan)
+    if not plan.fits:
+        warn_does_not_fit(plan.why_not())
+        if not allow_oom:
+            sys.exit(DOES_NOT_FIT_EXIT)
 
 
 def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int | None, zero_stage: int | None,
@@ -89,15 +100,19 @@ def _parse_stage_blocks(text: str) -> list[tuple[int, int]]:
 
 
 def render(plan) -> None:
+    """The plan in two lines, its memory and time tables, and its notes (names and notes are
+    data, escaped, never read as rich markup)."""
+    from rich.markup import escape
+
     from planner.cost.memory import group_to_set
 
     c, w = plan.cfg, plan.workload
-    verdict = "[green]fits[/green]" if plan.fits else f"[red]does not fit[/red]: {plan.why_not()}"
+    verdict = "[green]fits[/green]" if plan.fits else f"[red]does not fit[/red]: {escape(plan.why_not())}"
     virtual = ""
     if c.virtual_stages > 1:  # a micro-batch count pp does not divide runs with a larger group (cost/memory.py)
         g = group_to_set(c.pp, c.virtual_stages, c.grad_accum)
         virtual = f" (v {c.virtual_stages}" + (f", micro-batch group {g}" if g else "") + ")"
-    console.print(f"[bold]{plan.model}[/bold] on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
+    console.print(f"[bold]{escape(plan.model)}[/bold] on {plan.nodes} x {plan.gpus_per_node} {escape(plan.hardware)} "
                   f"({plan.gpus} GPUs), {c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
                   + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
@@ -107,7 +122,7 @@ def render(plan) -> None:
     _render_memory(plan)
     _render_time(plan)
     for line in plan.notes:
-        console.print(f"[bold]note[/bold]: {cli_text(line)}")
+        console.print(f"[bold]note[/bold]: {escape(cli_text(line))}")
 
 
 def _render_memory(plan) -> None:

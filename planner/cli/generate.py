@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from planner.cli.fit import allow_oom_option, check_fits
 from planner.cli.flags import FLAGS, cli_text
 from planner.cli.options import balancer_option, constraint_options, workload_options
 from planner.cli.output import console, err_console, json_option, print_json
@@ -43,7 +45,8 @@ _SEARCH_FLAGS = (
 @click.option("--plan", "plan_path", default=None, metavar="FILE",
               help="Use this plan.json (from `dsplan estimate --json` or `suggest --json`).")
 @click.option("--rank", type=int, default=None,
-              help="Without --plan: use the K-th best plan of the search [default: 1].")
+              help="Without --plan: use the K-th best plan of the search (with --entry builtin, of the plans "
+                   "the reference trainer runs) [default: 1].")
 @workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
 @constraint_options
 @balancer_option
@@ -53,7 +56,9 @@ _SEARCH_FLAGS = (
               help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",
               help="What each rank runs: dsplan's reference trainer, or your training script, copied into DIR "
-                   "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config).")
+                   "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config). "
+                   "For builtin the search keeps to plans the trainer runs: virtual stages 1, tensor "
+                   "parallelism only under framework deepspeed.")
 @click.option("--hosts", default=None, metavar="H1,H2,...", help="Host names, one per node, comma-separated.")
 @click.option("--hostfile", "hostfile_path", default=None, metavar="FILE",
               help="A hostfile ('host slots=N' lines), one host per node.")
@@ -77,6 +82,7 @@ _SEARCH_FLAGS = (
 @click.option("--ib-hca", default=None, help="NCCL_IB_HCA for nccl.env, e.g. mlx5_0,mlx5_1 [default: mlx5].")
 @click.option("--socket-ifname", default=None, help="NCCL_SOCKET_IFNAME for nccl.env, e.g. eth0 [default: ^lo,docker].")
 @click.option("--force", is_flag=True, help="Replace files in DIR that differ from what dsplan generated last time.")
+@allow_oom_option("Write a --plan that does not fit in memory (a warning instead of a refusal).")
 @json_option
 @click.argument("entry_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENTRY ARGS...]")
 def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) -> None:
@@ -86,12 +92,13 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
     \b
     Examples:
       dsplan generate --model vl2 --nodes 8 --out runs/vl2 --hosts node1,node2,node3,node4,node5,node6,node7,node8
-      dsplan estimate --model llama-3.1-8b --nodes 1 --tp 2 --pp 1 --micro-batch 2 --global-batch 64 --json > plan.json
+      dsplan estimate --model llama-3.1-8b --nodes 1 --tp 2 --pp 1 --micro-batch 1 --global-batch 64 --json > plan.json
       dsplan generate --plan plan.json --out runs/llama8b --entry train.py -- --data /data/tokens --tag "first run"
 
     Arguments after `--` are passed, quoted, to the entry on every rank.
     """
     from planner.emit.ds_config import TrainSettings
+    from planner.emit.plan_file import fit_problem
     from planner.emit.render import DEFAULT_IMAGE, LaunchOptions, render_run_dir
     from planner.emit.write import write_run_dir
     from planner.hardware.load import load_profile
@@ -100,6 +107,9 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         raise UserError("--hosts and --hostfile: give one of them, not both")
     entry = resolve_entry(opts["entry"])
     plan, model = _choose_plan(opts)
+    oom = fit_problem(plan.to_json())  # the search's plans fit; a --plan file may not
+    check_fits(oom, f"--plan {opts['plan_path']}", opts["allow_oom"], "write",
+               "pick a plan that fits (`dsplan suggest`, or `dsplan estimate` other degrees)")
     profile = load_profile(opts["hardware"] or plan.hardware)
     hosts = _hosts(opts, plan)
     options = LaunchOptions(
@@ -120,21 +130,26 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
     report = write_run_dir(opts["out_dir"], files, force=opts["force"])
     note = _trainer_note(files, model) if entry == "builtin" else None
     if as_json:
-        print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(),
-                    "warnings": [note] if note else []})
+        warnings = ([f"plan does not fit: {oom}"] if oom else []) + ([note] if note else [])
+        print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(), "warnings": warnings})
         return
     _print_written(report, plan, note)
 
 
 def _print_written(report, plan, note: str | None) -> None:
-    """What was written, the plan in one line, and the next command to run."""
+    """What was written, the plan in one line, and the next command to run (the path shell-quoted
+    there, and never read as rich markup anywhere)."""
+    from rich.markup import escape
+
     from planner.cost.memory import group_to_set
 
-    out = report.out_dir
+    out = escape(report.out_dir)
     console.print(f"[bold]{out}[/bold]: {len(report.written)} file(s) written, {len(report.unchanged)} unchanged"
-                  + (f", {len(report.removed)} stale removed" if report.removed else ""), soft_wrap=True)
+                  + (f", {len(report.removed)} stale removed" if report.removed else "")
+                  + (f", {len(report.temporaries_removed)} left-over temporary file(s) of an interrupted write removed"
+                     if report.temporaries_removed else ""), soft_wrap=True)
     if report.replaced_edits:
-        console.print(f"  replaced your edits (--force): {', '.join(report.replaced_edits)}")
+        console.print(f"  replaced your edits (--force): {escape(', '.join(report.replaced_edits))}")
     console.print(f"  plan: {plan.framework}, DP {plan.dp} x TP {plan.tp} x PP {plan.pp}"
                   + (f" ({plan.virtual_stages} virtual stages per rank"
                      + (f", micro-batch group {g}"
@@ -143,13 +158,16 @@ def _print_written(report, plan, note: str | None) -> None:
                   + (f", EP {plan.ep}" if plan.ep > 1 else "")
                   + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} "
                     f"= {plan.global_batch}")
+    quoted = shlex.quote(report.out_dir)
+    readme = shlex.quote(os.path.join(report.out_dir, "README.md"))
     if note:  # the default entry cannot run it: point at Megatron-LM's script, not at the launcher
-        console.print(f"  [yellow]note:[/yellow] {note}", soft_wrap=True)
-        console.print(f"  next: dsplan generate ... --out {out} --entry pretrain_gpt.py -- ARGS  (see {out}/README.md)",
-                      soft_wrap=True)
+        console.print(f"  [yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
+        console.print(f"  next: dsplan generate ... --out {quoted} --entry pretrain_gpt.py -- ARGS  (see {readme})",
+                      soft_wrap=True, markup=False)
         return
     launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
-    console.print(f"  next: cd {out} && {launch}    (or: dsplan run {out}; see {out}/README.md)", soft_wrap=True)
+    console.print(f"  next: cd {quoted} && {launch}    (or: dsplan run {quoted}; see {readme})", soft_wrap=True,
+                  markup=False)
 
 
 def _trainer_note(files: dict, model: "ModelSpec") -> str | None:
@@ -246,19 +264,26 @@ def _choose_plan(opts: dict[str, Any]):
 
 
 def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
-    """The rank-K plan of ``dsplan suggest`` for the same flags, as a plan dict."""
+    """The rank-K plan of ``dsplan suggest`` for the same flags, as a plan dict; for the reference
+    trainer (``--entry builtin``), the rank-K plan of those it runs (planner/cli/trainer_plans.py)."""
     from planner.api import DEFAULT_HARDWARE
     from planner.cli.flags import cli_data
     from planner.cli.suggest import run_suggest
+    from planner.cli.trainer_plans import trainer_search
 
     search_opts = {k: v for k, v in opts.items() if k in _SUGGEST_KEYS}
     search_opts["model"] = model
     search_opts["hardware"] = opts["hardware"] or DEFAULT_HARDWARE
     search_opts["nodes"] = 1 if opts["nodes"] is None else opts["nodes"]
-    search_opts["top"] = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
-    result = run_suggest(search_opts)
+    need = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
+    if opts["entry"] == "builtin":
+        result = trainer_search(search_opts, model.is_moe, need)
+        kind = "that fit and the reference trainer (--entry builtin) runs"
+    else:
+        result = run_suggest({**search_opts, "top": need})
+        kind = "that fit"
     if len(result.plans) < opts["rank"]:
-        raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) that fit; "
+        raise UserError(f"--rank {opts['rank']}: the search found only {len(result.plans)} plan(s) {kind}; "
                         "pick a smaller --rank")
     data = cli_data(result.plans[opts["rank"] - 1].to_json())
     data.setdefault("hardware", search_opts["hardware"])

@@ -44,6 +44,7 @@ class OutputPath(click.ParamType):
         flag = _flag(param)
         if not text.strip():
             raise UserError(f"{flag}: empty path; give a {'directory' if self.kind == 'dir' else 'file'} to write")
+        _check_printable(flag, text)
         _precheck(flag, text, self.kind)
         if self.suffix and not text.lower().endswith(self.suffix):
             raise UserError(f"{flag} {text}: dsplan writes {self.suffix[1:].upper()} here; "
@@ -59,6 +60,31 @@ def _flag(param: click.Parameter | None) -> str:
     if param is None or not param.opts:
         return "output path"
     return max(param.opts, key=len)
+
+
+# Characters no output path may hold: control characters (newline, CR, tab, ESC, ...), line and
+# paragraph separators, and lone surrogates (bytes that are not UTF-8). The path reaches shell
+# scripts, YAML, README files and the terminal, where each of these breaks a line, ends a
+# comment, fails to encode or drives the terminal.
+_UNPRINTABLE = frozenset({"Cc", "Cs", "Zl", "Zp"})
+_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x1b": "an escape character (ESC)"}
+
+
+def _check_printable(flag: str, text: str) -> None:
+    """A UserError naming the first unprintable character of ``text`` (the path shown as Python
+    writes it, escaped, so the message stays one line)."""
+    import unicodedata
+
+    bad = next((ch for ch in text if unicodedata.category(ch) in _UNPRINTABLE), None)
+    if bad is None:
+        return
+    if bad in _NAMES:
+        what = _NAMES[bad]
+    elif unicodedata.category(bad) == "Cs":  # how os.fsdecode keeps a byte that is not UTF-8
+        what = f"a byte that is not UTF-8 (\\x{ord(bad) - 0xDC00:02x})"
+    else:
+        what = f"a {unicodedata.name(bad, 'control character').lower()} (U+{ord(bad):04X})"
+    raise UserError(f"{flag} {text!r}: the path holds {what}; choose a path of printable characters")
 
 
 def _nearest_existing(path: str) -> str:

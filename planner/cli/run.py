@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from planner.cli.fit import allow_oom_option, check_fits, warn_does_not_fit
 from planner.cli.output import console, err_console, human_bytes, human_time, json_option, print_json
 
 INTERRUPTED_EXIT = 130
@@ -37,10 +38,11 @@ INTERRUPTED_EXIT = 130
 @click.option("--grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping the job.")
 @click.option("--dry-run", is_flag=True, help="Print the commands and environment it would run; run nothing.")
+@allow_oom_option("Run a plan that plan.json predicts does not fit in GPU memory (a warning instead of a refusal).")
 @json_option
 def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, checkpoint_every: int | None,
                 scale: str | None, resume: bool, max_restarts: int, hang_timeout: float, startup_timeout: float,
-                grace: float, dry_run: bool, as_json: bool) -> None:
+                grace: float, dry_run: bool, allow_oom: bool, as_json: bool) -> None:
     """Run the launch script of a run directory (from `dsplan generate`), stream its logs with
     rank prefixes, restart it from the last good checkpoint when a rank dies or hangs, and write
     DIR/report.json: measured step time, tokens/s, peak memory per rank and loss beside the plan's
@@ -52,14 +54,20 @@ def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, che
       dsplan run runs/llama8b --local --steps 20 --checkpoint-every 5 --max-restarts 2
       dsplan run runs/vl2 --launcher slurm --dry-run
     """
+    from planner.emit.plan_file import fit_problem
     from planner.run.job import build_job, check_runnable
-    from planner.run.rundir import REPORT_FILE
+    from planner.run.rundir import PLAN_FILE, REPORT_FILE
 
     job = build_job(run_dir, launcher=launcher, local=local, steps=steps, checkpoint_every=checkpoint_every,
                     resume=resume, scale=scale)
+    oom = fit_problem(job.info.plan)
     if dry_run:
+        if oom:
+            warn_does_not_fit(oom)
         _print_dry_run(job, as_json)
         return
+    check_fits(oom, str(job.info.path / PLAN_FILE), allow_oom, "run", "regenerate the run directory with a plan "
+               "that fits")
     check_runnable(job)
     every = checkpoint_every if checkpoint_every is not None else job.info.checkpoint_every
     if max_restarts and job.info.builtin and not every:
@@ -157,6 +165,7 @@ def _fmt(metric: str, value: Any) -> str:
 
 
 def _print_summary(report: dict[str, Any], path: Any) -> None:
+    """The comparison table, the restarts and the report's path (text that is data, never rich markup)."""
     from rich.table import Table
 
     table = Table(title=f"{report['status']}: {report['steps']['last'] or 0}/{report['steps']['target'] or '?'} steps, "
@@ -171,10 +180,10 @@ def _print_summary(report: dict[str, Any], path: Any) -> None:
     for restart in report["restarts"]:
         console.print(f"restart {restart['attempt']}: {restart['reason']} (resumed from step "
                       f"{restart['resumed_from_step'] if restart['resumed_from_step'] is not None else 0})",
-                      soft_wrap=True)
+                      soft_wrap=True, markup=False)
     if report["note"]:
-        console.print(f"note: {report['note']}", soft_wrap=True)
-    console.print(f"report: {path}", soft_wrap=True)
+        console.print(f"note: {report['note']}", soft_wrap=True, markup=False)
+    console.print(f"report: {path}", soft_wrap=True, markup=False)
 
 
 commands = [run_command]

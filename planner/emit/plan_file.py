@@ -113,6 +113,15 @@ class PlanFile(BaseModel):
         return data
 
 
+def fit_problem(data: dict[str, Any]) -> str | None:
+    """Why a plan does not fit in memory, by its own prediction (``fits: false`` and ``reason``,
+    as ``Plan.to_json`` writes them), or None: it fits, or the file carries no prediction."""
+    if data.get("fits") is not False:
+        return None
+    reason = data.get("reason")
+    return reason if isinstance(reason, str) and reason.strip() else "the planner predicts it runs out of memory"
+
+
 WRITE_A_PLAN = "write it with `dsplan estimate --json` or `dsplan suggest --json`"
 
 

@@ -7,7 +7,8 @@ already has the new content); anything else is a user edit, and the whole write 
 every file (the manifest too) is staged under a temporary name before any is renamed into
 place: if staging fails (no permission, full disk, a path under /proc), the temporary files and
 the directories this call created are removed and the error propagates, with nothing of the
-run directory changed.
+run directory changed. A write killed outright (SIGKILL) cannot clean up: the next successful
+write removes the ``.NAME.XXXXXXXX.tmp`` files it left (planner.atomic ``leftovers``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
-from planner.atomic import stage
+from planner.atomic import leftovers, stage
 from planner.emit.render import GeneratedFile
 from planner.errors import UserError
 
@@ -35,6 +36,7 @@ class WriteReport(BaseModel):
     unchanged: list[str] = Field(default_factory=list)
     removed: list[str] = Field(default_factory=list)  # generated last time, not any more
     replaced_edits: list[str] = Field(default_factory=list)  # user edits overwritten by --force
+    temporaries_removed: list[str] = Field(default_factory=list)  # a killed earlier write's staged files
 
 
 def sha256_text(text: str) -> str:
@@ -118,7 +120,21 @@ def write_run_dir(out_dir: str | Path, files: dict[str, GeneratedFile], *, force
     return WriteReport(
         out_dir=str(out), written=sorted(written + edited), unchanged=sorted(unchanged), removed=sorted(removed),
         replaced_edits=sorted(edited + [n for n in stale_edited if n in removed]),
+        temporaries_removed=_remove_leftovers(out, [*files, *previous, MANIFEST]),
     )
+
+
+def _remove_leftovers(out: Path, names: list[str]) -> list[str]:
+    """Remove the temporaries of ``names`` that a generate killed while writing left in ``out``
+    (this write's own are renamed or removed already); their names."""
+    removed = []
+    for path in leftovers(out, names):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError:
+            pass
+    return removed
 
 
 def _sort_files(out: Path, files: dict[str, GeneratedFile],

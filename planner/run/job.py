@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import UserError
-from planner.run.local import LocalPlan, adapt_for_local, local_env, local_hostfile
+from planner.run.local import EXTENSIONS_ENV, LocalPlan, adapt_for_local, extensions_dir, local_env, local_hostfile
 from planner.run.processes import JOB_ID_ENV
 from planner.run.rundir import RUNTIME_DIR, SCRIPTS, RunDirInfo, inspect_run_dir
 
@@ -29,11 +29,14 @@ LAUNCH_TOOLS = {"deepspeed": "deepspeed", "torchrun": "torchrun", "slurm": "sbat
 RUN_ID_ENV = "DSPLAN_RUN_ID"  # optional: the job id to use (tests set it to find the job's processes)
 INSTALL_HINT = "pip install 'dsplan[run]'"
 
-# Runs one rank's Python with each output line prefixed by the rank (the launchers give all ranks
-# of a node one shared stdout). ``exec`` keeps the rank's PID: the launcher sees Python's own exit.
-RANK_WRAPPER = """#!/usr/bin/env bash
-# Written by `dsplan run`: one rank's Python, every output line prefixed with its rank.
-exec "${DSPLAN_RANK_PYTHON:?}" "$@" > >(awk -v p="[rank ${RANK:-?}] " '{ print p $0; fflush() }') 2>&1
+# Runs one rank's Python with each output line prefixed by the rank as it comes (the launchers
+# give all ranks of a node one shared stdout), through planner/run/line_prefix.py's copy beside
+# it. ``exec`` keeps the rank's PID: the launcher sees Python's own exit.
+LINE_PREFIX = "line_prefix.py"
+RANK_WRAPPER = f"""#!/usr/bin/env bash
+# Written by `dsplan run`: one rank's Python, every output line prefixed with its rank as it comes.
+exec "${{DSPLAN_RANK_PYTHON:?}}" "$@" \\
+  > >(exec "$DSPLAN_RANK_PYTHON" -I -S "${{BASH_SOURCE[0]%/*}}/{LINE_PREFIX}" "[rank ${{RANK:-?}}] ") 2>&1
 """
 
 
@@ -91,6 +94,13 @@ class Job:
         return self.info.path / RUNTIME_DIR
 
     @property
+    def extensions_dir(self) -> str:
+        """Where the job's ranks build DeepSpeed's ops (for messages about a stale build lock)."""
+        if EXTENSIONS_ENV in os.environ:
+            return os.environ[EXTENSIONS_ENV]
+        return str(extensions_dir(self.python)) if self.local is not None else "~/.cache/torch_extensions"
+
+    @property
     def bindir(self) -> str | None:
         """The interpreter's directory, added at the end of PATH when the launcher command is not on
         PATH already (an un-activated virtualenv). Appended, not prepended: its other tools (ninja,
@@ -128,9 +138,10 @@ class Job:
             return [Command("launcher", (script, mode, *entry_args), cwd, env, path_append=self.bindir)]
         port = master_port if master_port is not None else 29500
         hostfile = self.runtime_dir / "hostfile"
+        extensions = None if EXTENSIONS_ENV in os.environ else str(extensions_dir(self.python))
         commands = []
         for node in range(self.local.nodes):
-            node_env = {**env, **local_env(self.local, node, port, hostfile, self.launcher)}
+            node_env = {**env, **local_env(self.local, node, port, hostfile, self.launcher, extensions)}
             if self.launcher == "deepspeed":
                 mode = ("local",) if self.local.nodes == 1 else ("node",)
             else:
@@ -191,7 +202,8 @@ def build_job(
         entry_args += ["--steps", str(steps)]
     if checkpoint_every is not None:
         entry_args += ["--checkpoint-every", str(checkpoint_every)]
-    files = {f"{RUNTIME_DIR}/rank_python": RANK_WRAPPER}
+    files = {f"{RUNTIME_DIR}/rank_python": RANK_WRAPPER,
+             f"{RUNTIME_DIR}/{LINE_PREFIX}": (Path(__file__).parent / LINE_PREFIX).read_text(encoding="utf-8")}
     local_plan = None
     if local:
         local_plan = adapt_for_local(info, scale=scale, max_procs=max_local_procs)

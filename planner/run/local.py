@@ -8,15 +8,19 @@ What changes and why:
 - fp16 becomes bf16 (DeepSpeed's CPU accelerator trains in bf16 or fp32; fp16 kernels are not
   guaranteed there);
 - a multi-node plan becomes one DeepSpeed launcher per node on localhost in ``node`` mode
-  (``--no_ssh --node_rank i``, master 127.0.0.1), so the multi-node code path runs for real.
+  (``--no_ssh --node_rank i``, master 127.0.0.1), so the multi-node code path runs for real;
+- DeepSpeed's CPU ops are built into (and loaded from) ``extensions_dir``, the cache the test
+  suite builds them in too, unless ``TORCH_EXTENSIONS_DIR`` is set.
 
 The measured numbers are CPU numbers for a scaled model; the report says so next to them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +34,7 @@ DEFAULT_SCALE = "tiny"
 MAX_LOCAL_SEQ_LEN = 256  # tokens per sample on CPU: keeps a tiny-scale step well under a second
 PROCS_PER_CORE = 2  # more processes than this per core only measure the scheduler
 LOCAL_MASTER_ADDR = "127.0.0.1"  # every simulated node of a --local job runs on this machine
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"  # where torch's JIT (DeepSpeed's op builder) builds ops
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,22 @@ def local_hostfile(local: LocalPlan) -> str:
     return "".join(f"node{i} slots={local.procs_per_node}\n" for i in range(local.nodes))
 
 
-def local_env(local: LocalPlan, node_rank: int, master_port: int, hostfile: Path, launcher: str) -> dict[str, str]:
-    """Environment overrides for the launcher of simulated node ``node_rank``."""
+def extensions_dir(python: str) -> Path:
+    """Where a --local job's ranks build DeepSpeed's ops when ``TORCH_EXTENSIONS_DIR`` is not set:
+    ``~/.cache/torch_extensions/dsplan-KEY``, one per Python environment (KEY: a hash of the
+    interpreter's directory). tests/conftest.py builds the tests' ops there too, so the first
+    ``dsplan run --local`` after the tests loads them instead of compiling for minutes. One per
+    environment, because a build names its environment's torch and DeepSpeed headers: two
+    environments sharing one cache rebuild every op each time they alternate."""
+    where = shutil.which(python) or python
+    key = hashlib.sha1(os.path.dirname(os.path.abspath(where)).encode()).hexdigest()[:10]
+    return Path.home() / ".cache" / "torch_extensions" / f"dsplan-{key}"
+
+
+def local_env(local: LocalPlan, node_rank: int, master_port: int, hostfile: Path, launcher: str,
+              extensions: str | None = None) -> dict[str, str]:
+    """Environment overrides for the launcher of simulated node ``node_rank`` (``extensions``: the
+    TORCH_EXTENSIONS_DIR to set, None to leave the environment's)."""
     env = {
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": str(local.threads_per_proc),
@@ -117,6 +136,8 @@ def local_env(local: LocalPlan, node_rank: int, master_port: int, hostfile: Path
         "MASTER_ADDR": LOCAL_MASTER_ADDR,
         "MASTER_PORT": str(master_port),
     }
+    if extensions is not None:
+        env[EXTENSIONS_ENV] = extensions
     if local.nodes > 1:
         env["NODE_RANK"] = str(node_rank)
         if launcher == "deepspeed":

@@ -140,24 +140,39 @@ def _megatron_hint(framework: str) -> str:
             "-- ARGS`; megatron_args.sh holds the plan's flags)")
 
 
+# What the reference trainer runs, stated once: it trains on DeepSpeed's engine, so tensor
+# parallelism is DeepSpeed's AutoTP (a framework-deepspeed plan, without pipeline stages or MoE
+# layers) and a pipeline is PipelineModule, one contiguous chunk per stage. ``dsplan generate``
+# restricts its search to these plans when the entry is the trainer (planner/cli/trainer_plans.py).
+TRAINER_VIRTUAL_STAGES = 1
+TRAINER_TP_FRAMEWORK = "deepspeed"
+
+
+def trainer_refusal(framework: str, tp: int, pp: int, virtual_stages: int, is_moe: bool) -> str | None:
+    """Why the reference trainer cannot run a plan of this layout (a sentence naming plan.json's
+    fields), or None when it can."""
+    if tp > 1 and framework != TRAINER_TP_FRAMEWORK:
+        return (f"plan.json: a {framework} plan with tp={tp}, which the reference trainer shards only with "
+                f"DeepSpeed's AutoTP (framework {TRAINER_TP_FRAMEWORK}); {_megatron_hint(framework)}")
+    if tp > 1 and (pp > 1 or is_moe):
+        return ("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
+                "and MoE layers; use tp=1 for this plan")
+    if virtual_stages != TRAINER_VIRTUAL_STAGES:
+        return (f"plan.json: virtual_stages={virtual_stages}; DeepSpeed's PipelineModule runs one "
+                "contiguous chunk per stage, so the reference trainer needs virtual_stages=1; "
+                f"{_megatron_hint('megatron')}")
+    return None
+
+
 def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: bool) -> None:
     """A UserError naming what of ``plan`` the reference trainer cannot run, else nothing.
 
-    It runs plans on DeepSpeed's engine: AutoTP for tensor parallelism (and only without
-    pipeline stages or MoE layers), PipelineModule with one contiguous chunk per stage. Every
-    rank checks this before it trains, and ``dsplan run`` before it starts any rank.
+    The layout rules are ``trainer_refusal``'s; every rank checks this before it trains, and
+    ``dsplan run`` before it starts any rank.
     """
-    if plan.tp > 1 and plan.framework != "deepspeed":
-        raise UserError(f"plan.json: a {plan.framework} plan with tp={plan.tp}, "
-                        "which the reference trainer shards only with DeepSpeed's AutoTP (framework deepspeed); "
-                        f"{_megatron_hint(plan.framework)}")
-    if plan.tp > 1 and (plan.pp > 1 or is_moe):
-        raise UserError("plan.json: the reference trainer runs AutoTP (tp > 1) only without pipeline stages "
-                        "and MoE layers; use tp=1 for this plan")
-    if plan.virtual_stages > 1:
-        raise UserError(f"plan.json: virtual_stages={plan.virtual_stages}; DeepSpeed's PipelineModule runs one "
-                        "contiguous chunk per stage, so the reference trainer needs virtual_stages=1; "
-                        f"{_megatron_hint('megatron')}")
+    refusal = trainer_refusal(plan.framework, plan.tp, plan.pp, plan.virtual_stages, is_moe)
+    if refusal is not None:
+        raise UserError(refusal)
     if plan.pp > 1 and not plan.stage_blocks:
         raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
     tp_cfg = int(ds_config.get("tensor_parallel", {}).get("autotp_size", 1) or 1)

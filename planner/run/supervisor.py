@@ -214,7 +214,7 @@ class Supervisor:
             if silent > limit:
                 if attempt.last_step is None:
                     reason = (f"hang: no step within {limit:.0f} s of the start (a run killed while DeepSpeed "
-                              "builds an op can leave a stale lock in ~/.cache/torch_extensions)")
+                              f"builds an op can leave a stale lock in {self.job.extensions_dir})")
                 else:
                     reason = f"hang: no progress for {silent:.0f} s after step {attempt.last_step}"
                 return self._fail(attempt, "hang", reason, codes)

@@ -11,7 +11,7 @@ When nothing fits, say what would (nothing_fits.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +36,7 @@ from planner.search.request import candidate_space, check_pins
 from planner.search.space import Constraints, Space
 from planner.search.splits import BALANCERS
 
-__all__ = ["NoPlanFits", "RankedPlan", "SuggestResult", "candidate_space", "describe", "suggest"]
+__all__ = ["NoPlanFits", "RankedPlan", "SuggestResult", "candidate_space", "describe", "restrict", "suggest"]
 
 @dataclass
 class RankedPlan:
@@ -221,6 +221,20 @@ def _explain(result: SuggestResult, objective: str, others: bool) -> dict:
         result.why = "the only plan that fits"
     result.plans[0].why = result.why
     return best_json
+
+
+def restrict(result: SuggestResult, keep: Callable[[RankedPlan], bool]) -> SuggestResult:
+    """``result`` with only the plans ``keep`` accepts, renumbered from 1 and explained again
+    among themselves: for a caller whose rule the search's pins cannot state (``dsplan generate``
+    for the reference trainer). The kept plans are the best of their kind exactly, since every
+    plan ranked above the last of them was seen. ``notes`` belong to the search's #1, so they
+    go when #1 is not kept."""
+    kept = [replace(rp, id=k + 1, why="") for k, rp in enumerate(rp for rp in result.plans if keep(rp))]
+    first_kept = bool(kept) and kept[0].plan is result.plans[0].plan
+    out = replace(result, plans=kept, why="", notes=list(result.notes) if first_kept else [])
+    if kept:
+        _explain(out, result.objective, len(result.plans) > 1 or result.pruned > 0)
+    return out
 
 
 def _closest(p: Pricing, ks: KeyedSpace, out: Outcome, overrides: dict) -> Plan:
