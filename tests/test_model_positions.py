@@ -203,7 +203,7 @@ def test_blooms_published_layout_is_priced_and_written_for_bigscience_fork(tmp_p
     est = json.loads(r.output)
     assert est["fits"] and est["memory"]["peak_bytes"] < 60e9  # BigScience saw 60 GB per GPU used on this layout
     out = tmp_path / "bloom"
-    r = CliRunner().invoke(main, ["generate", *BLOOM_RUN, "--out", str(out)])
+    r = CliRunner().invoke(main, ["generate", *BLOOM_RUN, "--entry", str(megatron_script(tmp_path)), "--out", str(out)])
     assert r.exit_code == 0, r.output
     printed = subprocess.run(["bash", str(out / "megatron_args.sh")], capture_output=True, text=True,
                              check=True).stdout.splitlines()
