@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
+from planner import limits
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
 from planner.cli.outputs import OutputPath
-from planner.errors import UserError
 from planner.hardware.load import load_profile
 from planner.units import parse_size
 
@@ -55,10 +55,8 @@ def topo(hardware: str, nodes: int, collective: str | None, group_size: int | No
         written.append(str(write_png(cluster, draw_path)))
     if collective is not None or group_size is not None or size is not None:
         op = normalize_op(collective or "allreduce")
-        nbytes = parse_size(size or "1GiB", "--bytes")
-        group = cluster.gpus_per_node if group_size is None else group_size
-        if group < 1:
-            raise UserError(f"--group-size: need at least 1 rank, got {group}")
+        nbytes = limits.count("bytes", parse_size(size or "1GiB", "--bytes"))
+        group = cluster.gpus_per_node if group_size is None else limits.count("group_size", group_size)
         cost = collective_time_for_size(cluster, op, group, nbytes, nvls=False if no_nvls else None)
         if as_json:
             print_json(cost.as_dict() | {"hardware": cluster.profile.name, "nodes": nodes})
