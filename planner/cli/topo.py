@@ -29,11 +29,12 @@ OPS = ("allreduce", "reducescatter", "allgather", "alltoall", "p2p", "broadcast"
     """,
 )
 @hardware_option
-@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes (at most 2^20 GPUs in all).")
 @click.option("--collective", metavar="OP", help=f"Predict one collective: {', '.join(OPS)}.")
 @click.option("--group-size", type=int, help="Ranks in the group (consecutive ranks, TP-style). Default: one node.")
 @click.option("--bytes", "size", default=None,
-              help="Buffer size as nccl-tests counts it (KiB/MiB/GiB) [default: 1GiB]; alone, predicts an all-reduce.")
+              help="Buffer size as nccl-tests counts it (KiB/MiB/GiB, at most 1TiB) [default: 1GiB]; alone, predicts "
+                   "an all-reduce.")
 @click.option("--no-nvls", is_flag=True, help="Disable NVLink SHARP (as NCCL_NVLS_ENABLE=0).")
 @click.option("--draw", "draw_path", type=OutputPath("file", ".png"), help="Write a PNG drawing (needs matplotlib).")
 @click.option("--dot", "dot_path", type=OutputPath("file", ".dot"), help="Write a Graphviz .dot file.")
