@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from planner import limits
 from planner.api_records import label, record, records, to_dataframe, uncertainty
-from planner.errors import UserError, arg, whole_number
+from planner.errors import UserError, arg
 
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
     from planner.cost.parallel import ParallelConfig, Workload
@@ -186,7 +187,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     seq = _seq_len(spec, seq_len)
     if global_batch is None:
         global_batch = default_global_batch(seq, gpus or 1)
-    whole_number("global_batch", global_batch)
+    limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
@@ -196,7 +197,21 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
 
 
 def _seq_len(spec: "ModelSpec", seq_len: int | None) -> int:
-    return whole_number("seq_len", spec.train_seq_len if seq_len is None else seq_len)
+    return limits.count("seq_len", spec.train_seq_len if seq_len is None else seq_len)
+
+
+def _check_workload(workload: "Workload") -> None:
+    """A Workload given whole (``workload=``) within the same bounds as its fields given one by one."""
+    seq = limits.count("seq_len", workload.seq_len)
+    limits.tokens_per_step(limits.count("global_batch", workload.global_batch), seq)
+
+
+def _check_counts(values: Mapping[str, Any]) -> None:
+    """The counts among ``values`` (degrees, batch sizes) within planner/limits.py's bounds,
+    checked before any arithmetic on them (a default batch, a divisor search)."""
+    for key in (*_COUNT_AXES, "global_batch"):
+        if values.get(key) is not None:
+            limits.count(key, values[key])
 
 
 def _workload_options(workload: "Workload | None", keywords: dict[str, Any]) -> dict[str, Any]:
@@ -258,11 +273,13 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
     spec = load_model(model)
     given = _workload_options(workload, knobs)
     _check_keys("estimate", knobs, PLAN_KEYS)
+    _check_counts({**knobs, **given})
     if workload is None:
         cfg = build_parallel_config(cluster, global_batch=given.pop("global_batch", None),
                                     seq_len=_seq_len(spec, given.get("seq_len")), **knobs)
         workload = make_workload(spec, global_batch=cfg.samples_per_step, **given)
     else:
+        _check_workload(workload)
         cfg = build_parallel_config(cluster, global_batch=workload.global_batch, **knobs)
     plan = _estimate(spec, cluster, workload, cfg, partition)
     notes = batch_notes(plan.to_json(), workload.seq_len) + plan_schedule_notes(spec, cluster, workload, cfg,
@@ -301,7 +318,7 @@ def constraints(**axes: Any) -> Any:
             raise UserError(f"{key}: empty list; give one value or several, or leave it out")
         for v in values:
             if key in _COUNT_AXES:
-                whole_number(key, v)
+                limits.count(key, v)
             elif key == "zero" and (isinstance(v, bool) or v not in (0, 1, 2, 3)):
                 raise UserError(f"{arg('zero')}: stages are 0, 1, 2 or 3, got {','.join(map(str, values))}")
             elif key in choices and v not in choices[key]:
@@ -333,10 +350,12 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     """
     from planner.search.suggest import suggest as _suggest
 
+    limits.count("top", top)
     spec = load_model(model)
     given = _workload_options(workload, axes)
     cons = constraints(**axes)
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
+    _check_workload(wl)
     return _suggest(spec, cluster.profile, cluster.nodes, global_batch=wl.global_batch, seq_len=wl.seq_len,
                     images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
                     precision=wl.precision_name, optimizer=wl.optimizer, flash_attention=wl.flash_attention,

@@ -42,6 +42,8 @@ FLAGS: dict[str, str] = {
     "top": "--top",
     "balancer": "--balancer",
     "objective": "--objective",
+    "bytes": "--bytes",
+    "rank": "--rank",
 }
 
 

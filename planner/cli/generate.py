@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from planner import limits
 from planner.cli.fit import allow_oom_option, check_fits
 from planner.cli.flags import FLAGS, cli_text
 from planner.cli.options import balancer_option, constraint_options, workload_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.cli.outputs import OutputPath
 from planner.errors import UserError, whole_number
+from planner.limits import path_kind, shown_path
 
 if TYPE_CHECKING:
     from planner.model.spec import ModelSpec
@@ -189,9 +191,11 @@ def resolve_entry(text: str) -> str:
     if text == "builtin":
         return text
     path = Path(text).expanduser()
-    if not path.exists():
-        raise UserError(f"--entry {text}: no such file; give your training script, or 'builtin' for dsplan's trainer")
-    if not path.is_file():
+    kind = path_kind(path)
+    if kind is None:
+        raise UserError(f"--entry {shown_path(text)}: no such file; give your training script, or 'builtin' for "
+                        "dsplan's trainer")
+    if kind != "file":
         raise UserError(f"--entry {text}: not a file; give your training script (a .py file)")
     if not os.access(path, os.R_OK):
         raise UserError(f"--entry {text}: cannot read it (permission denied)")
@@ -257,6 +261,7 @@ def _choose_plan(opts: dict[str, Any]):
         opts["rank"] = 1
     if opts["rank"] < 1:
         raise UserError(f"--rank {opts['rank']}: ranks start at 1 (the best plan)")
+    limits.count("rank", opts["rank"])
     model = load_model(opts["model"])
     data = _plan_from_search(opts, model)
     data.setdefault("model", model.name)

@@ -18,33 +18,77 @@ from planner.errors import UserError
 
 
 def parse_int_list(flag: str, text: str | None, *, minimum: int = 1) -> tuple[int, ...] | None:
-    """'2,4' -> (2, 4); None stays None; non-numbers and values below ``minimum`` are errors."""
+    """'2,4' -> (2, 4); None stays None; non-numbers, values below ``minimum`` and values above
+    the input's bound (planner/limits.py) are errors."""
+    from planner import limits
+
     if text is None:
         return None
     items = [t.strip() for t in str(text).split(",")]
     if not items or any(not t for t in items):
-        raise UserError(f"{flag}: empty value in {text!r}; give one number or a comma list such as 2,4")
+        raise UserError(f"{flag}: empty value in {limits.shown_text(str(text))}; "
+                        "give one number or a comma list such as 2,4")
+    name = flag.removeprefix("--").replace("-", "_")
+    bounded = name in limits.BOUNDS
     out = []
     for item in items:
         try:
             value = int(item)
         except ValueError:
-            raise UserError(f"{flag}: {item!r} is not a whole number; "
+            digits = item.lstrip("+-")
+            if digits.isascii() and digits.isdigit():  # more digits than Python reads (4,300)
+                if item.startswith("-"):
+                    raise UserError(f"{flag}: a {len(digits):,}-digit negative number is below {minimum}; "
+                                    f"give values >= {minimum}") from None
+                raise UserError(limits.above(name, digits) if bounded else
+                                f"{flag}: a {len(digits):,}-digit number is out of range") from None
+            raise UserError(f"{flag}: {limits.shown_text(item)} is not a whole number; "
                             "give one number or a comma list such as 2,4") from None
         if value < minimum:
-            raise UserError(f"{flag}: {value} is below {minimum}; give values >= {minimum}")
+            raise UserError(f"{flag}: {limits.shown(value)} is below {minimum}; give values >= {minimum}")
+        if bounded and value > limits.BOUNDS[name].most:
+            raise UserError(limits.above(name, value))
         out.append(value)
     return tuple(dict.fromkeys(out))
+
+
+def seconds_type(low: float, most: float, what: str):
+    """A click type for a number of seconds from ``low`` to ``most`` (``what``: why that most,
+    planner/limits.py): finite, so ``nan`` and ``inf`` are refused at parse time, where
+    click.FloatRange lets them through (nan compares false with every bound)."""
+    import math
+
+    import click
+
+    class Seconds(click.ParamType):
+        name = "seconds"
+
+        def convert(self, value, param, ctx):
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not (math.isfinite(number) and low <= number <= most):
+                from planner.limits import shown_text
+
+                self.fail(f"{shown_text(str(value))} is not a number of seconds from {low:g} to {most:,.0f} "
+                          f"({what}); give one in that range", param, ctx)
+            return number
+
+    return Seconds()
 
 
 def parse_choice_list(flag: str, text: str | None, choices: Sequence[str]) -> tuple[str, ...] | None:
     """'none,full' -> ('none', 'full'), each checked against ``choices`` (case-insensitive)."""
     if text is None:
         return None
+    from planner.limits import shown_text
+
     out = []
     for item in (t.strip().lower() for t in str(text).split(",")):
         if item not in choices:
-            raise UserError(f"{flag}: unknown value {item!r}; choose from {', '.join(choices)} (one or a comma list)")
+            raise UserError(f"{flag}: unknown value {shown_text(item)}; choose from {', '.join(choices)} "
+                            "(one or a comma list)")
         out.append(item)
     return tuple(dict.fromkeys(out))
 

@@ -8,7 +8,9 @@ from typing import Any
 import click
 
 from planner.cli.fit import allow_oom_option, check_fits, warn_does_not_fit
+from planner.cli.options import seconds_type
 from planner.cli.output import console, err_console, human_bytes, human_time, json_option, print_json
+from planner.limits import MAX_GRACE_S, MAX_TIMEOUT_S
 
 INTERRUPTED_EXIT = 130
 
@@ -30,13 +32,13 @@ INTERRUPTED_EXIT = 130
 @click.option("--resume", is_flag=True, help="Start from the latest good checkpoint in DIR/checkpoints.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart a failed or hung job this many times, resuming from the last good checkpoint.")
-@click.option("--hang-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
-              help="Seconds without a new step or log line before the job counts as hung.")
-@click.option("--startup-timeout", type=click.FloatRange(min=1), default=1800.0, show_default=True,
+@click.option("--hang-timeout", type=seconds_type(1, MAX_TIMEOUT_S, "a week"), default=600.0, show_default=True,
+              help="Seconds without a new step or log line before the job counts as hung (1 to 604800, a week).")
+@click.option("--startup-timeout", type=seconds_type(1, MAX_TIMEOUT_S, "a week"), default=1800.0, show_default=True,
               help="Like --hang-timeout, until the first step of each start (DeepSpeed may compile ops "
-                   "silently for minutes).")
-@click.option("--grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping the job.")
+                   "silently for minutes; 1 to 604800).")
+@click.option("--grace", type=seconds_type(0, MAX_GRACE_S, "an hour"), default=15.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping the job (0 to 3600).")
 @click.option("--dry-run", is_flag=True, help="Print the commands and environment it would run; run nothing.")
 @allow_oom_option("Run a plan that plan.json predicts does not fit in GPU memory (a warning instead of a refusal).")
 @json_option

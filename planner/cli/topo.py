@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
+from planner import limits
 from planner.cli.hardware import hardware_option
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
 from planner.cli.outputs import OutputPath
-from planner.errors import UserError
 from planner.hardware.load import load_profile
 from planner.units import parse_size
 
@@ -29,11 +29,12 @@ OPS = ("allreduce", "reducescatter", "allgather", "alltoall", "p2p", "broadcast"
     """,
 )
 @hardware_option
-@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes (at most 2^20 GPUs in all).")
 @click.option("--collective", metavar="OP", help=f"Predict one collective: {', '.join(OPS)}.")
 @click.option("--group-size", type=int, help="Ranks in the group (consecutive ranks, TP-style). Default: one node.")
 @click.option("--bytes", "size", default=None,
-              help="Buffer size as nccl-tests counts it (KiB/MiB/GiB) [default: 1GiB]; alone, predicts an all-reduce.")
+              help="Buffer size as nccl-tests counts it (KiB/MiB/GiB, at most 1TiB) [default: 1GiB]; alone, predicts "
+                   "an all-reduce.")
 @click.option("--no-nvls", is_flag=True, help="Disable NVLink SHARP (as NCCL_NVLS_ENABLE=0).")
 @click.option("--draw", "draw_path", type=OutputPath("file", ".png"), help="Write a PNG drawing (needs matplotlib).")
 @click.option("--dot", "dot_path", type=OutputPath("file", ".dot"), help="Write a Graphviz .dot file.")
@@ -55,10 +56,8 @@ def topo(hardware: str, nodes: int, collective: str | None, group_size: int | No
         written.append(str(write_png(cluster, draw_path)))
     if collective is not None or group_size is not None or size is not None:
         op = normalize_op(collective or "allreduce")
-        nbytes = parse_size(size or "1GiB", "--bytes")
-        group = cluster.gpus_per_node if group_size is None else group_size
-        if group < 1:
-            raise UserError(f"--group-size: need at least 1 rank, got {group}")
+        nbytes = limits.count("bytes", parse_size(size or "1GiB", "--bytes"))
+        group = cluster.gpus_per_node if group_size is None else limits.count("group_size", group_size)
         cost = collective_time_for_size(cluster, op, group, nbytes, nvls=False if no_nvls else None)
         if as_json:
             print_json(cost.as_dict() | {"hardware": cluster.profile.name, "nodes": nodes})

@@ -64,7 +64,7 @@ def read_hostfile(path: str | Path) -> list[Host]:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: not UTF-8, or a NUL byte in the name
         raise UserError(f"{source}: cannot read it ({err.__class__.__name__})") from None
     hosts: list[Host] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):

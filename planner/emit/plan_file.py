@@ -142,7 +142,7 @@ def load_plan_file(path: str | Path) -> PlanFile:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"--plan {p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, ValueError) as err:  # ValueError: not UTF-8, or a NUL byte in the name
         raise UserError(f"--plan {p}: cannot read it ({err.__class__.__name__}: {err})") from None
     try:
         data = json.loads(text)

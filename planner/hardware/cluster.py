@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from planner.errors import whole_number
+from planner import limits
+from planner.errors import UserError, arg
 from planner.hardware.node_fabric import NodeFabric
 from planner.hardware.profile import HardwareProfile
 
@@ -81,7 +82,15 @@ class Cluster:
 
     @classmethod
     def build(cls, profile: HardwareProfile, nodes: int) -> "Cluster":
-        return cls(profile, whole_number("nodes", nodes))
+        """``nodes`` of ``profile``, checked: a whole number, and at most limits.MAX_GPUS GPUs in all."""
+        nodes = limits.count("nodes", nodes)
+        gpus = nodes * profile.node.gpus
+        if gpus > limits.MAX_GPUS:
+            most = limits.MAX_GPUS // profile.node.gpus
+            raise UserError(f"{arg('nodes')} {nodes:,} x {profile.node.gpus} GPUs per node = {gpus:,} GPUs is above "
+                            f"the largest supported {limits.MAX_GPUS:,} ({limits.BOUNDS['gpus'].why}); "
+                            f"give at most {most:,} nodes of {profile.name}")
+        return cls(profile, nodes)
 
     def __hash__(self) -> int:
         return hash(self.key)

@@ -8,6 +8,7 @@ and the field, so the CLI exits with status 2 and no traceback.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from planner.errors import UserError, arg, describe_validation_error
 from planner.hardware.profile import HardwareProfile
+from planner.limits import nesting, path_kind, profile_why, shown_path, shown_text
 from planner.resources import hardware_profiles_dir
 
 DEFAULT_PROFILE = "dgx-a100-80g"
@@ -44,7 +46,7 @@ def builtin_profile_path(name: str) -> Path | None:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     path = hardware_profiles_dir() / f"{key}.yaml"
-    return path if path.is_file() else None
+    return path if path_kind(path) == "file" else None
 
 
 def load_profile(name_or_path: str = DEFAULT_PROFILE) -> HardwareProfile:
@@ -56,14 +58,15 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> HardwareProfile:
     if builtin is not None:
         return _load_file_cached(str(builtin), builtin.stat().st_mtime_ns)
     path = Path(text).expanduser()
-    if path.is_file():
+    kind = path_kind(path)
+    if kind == "file":
         resolved = path.resolve()
         return _load_file_cached(str(resolved), resolved.stat().st_mtime_ns)
-    if path.is_dir():
+    if kind == "dir":
         raise UserError(f"hardware profile {text} is a directory; "
                         "give one YAML file (schema: hardware_profiles/README.md)")
     if _looks_like_path(text):
-        raise UserError(f"hardware profile file {text} not found; "
+        raise UserError(f"hardware profile file {shown_path(text)} not found; "
                         "give an existing YAML file or a built-in name (`dsplan hardware`)")
     raise UserError(_unknown_name_message(text))
 
@@ -80,7 +83,7 @@ def _unknown_name_message(name: str) -> str:
     close = list(dict.fromkeys(ALIASES.get(c, c) for c in close))
     hint = f"did you mean {', '.join(close)}? " if close else ""
     return (
-        f"unknown hardware profile {name!r}; {hint}built-in profiles: {', '.join(known)}. "
+        f"unknown hardware profile {shown_text(name)}; {hint}built-in profiles: {', '.join(known)}. "
         "Run `dsplan hardware` to list them, or pass a path to your own YAML file."
     )
 
@@ -165,6 +168,15 @@ def _parse_yaml(path: Path, text: str) -> dict[str, Any]:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise UserError(f"{path}: malformed YAML{where}: {problem}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise UserError(f"{path}: nested too deeply to read; a hardware profile is nested 3 levels: "
+                        f"fix the file ({_SCHEMA_HINT})") from None
+    except ValueError:  # an integer of over 4,300 digits: Python's limit on reading one
+        digits = re.search(r"\d{4000,}", text)
+        where = f" (line {text.count(chr(10), 0, digits.start()) + 1})" if digits else ""
+        raise UserError(f"{path}: a number{where} has thousands of digits, more than Python reads; "
+                        f"give the field a real value ({_SCHEMA_HINT})") from None
+    nesting(data, str(path))
     if data is None:
         raise UserError(f"{path}: the file is empty; {_SCHEMA_HINT}")
     if not isinstance(data, dict):
@@ -180,12 +192,17 @@ def _describe(source: str, err: ValidationError) -> str:
     message = describe_validation_error(source, err)
     hints = []
     for item in err.errors():
+        loc = tuple(item.get("loc", ()))
+        where = ".".join(map(str, loc))
+        if item.get("type") == "less_than_equal":
+            why = next(filter(None, (profile_why(str(part)) for part in reversed(loc))), None)
+            if why:
+                hints.append(f"{where}: the bound is {why}")
         if item.get("type") == "extra_forbidden":
-            loc = tuple(item.get("loc", ()))
             fields = _fields_at(HardwareProfile, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.6)
             if close:
-                hints.append(f"{'.'.join(map(str, loc))} -> did you mean {close[0]!r}?")
+                hints.append(f"{where} -> did you mean {close[0]!r}?")
     if hints:
         message += " (" + "; ".join(hints) + ")"
     return f"{message}; {_SCHEMA_HINT}"

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from planner import limits
 from planner.errors import UserError, arg
 
 GiB = 2**30
+
+# Every number of a profile is bounded (planner/limits.py says why each bound is where it is):
+# a count of 2**64 NICs or a 1e300 GB/s link is a typo, refused at load, not a graph that never
+# finishes building or an overflow deep in the cost model.
+Rate = Annotated[float, Field(gt=0, le=limits.MAX_RATE)]  # GB/s, Gb/s, TFLOP/s
+Latency = Annotated[float, Field(gt=0, le=limits.MAX_LATENCY_US)]  # microseconds
+Memory = Annotated[float, Field(gt=0, le=limits.MAX_MEMORY_GIB)]  # GiB
+PerNode = Annotated[int, Field(gt=0, le=limits.MAX_GPUS_PER_NODE)]  # GPUs, links: at most a node's GPUs
 
 
 class _Strict(BaseModel):
@@ -32,9 +41,9 @@ def _empty_list() -> list:
 class GPU(_Strict):
     name: str
     vendor: Literal["nvidia", "amd", "other"] = "nvidia"
-    memory_GiB: PositiveFloat
-    peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "fp4", "tf32", "fp32"], PositiveFloat]  # dense, no sparsity
-    hbm_GBps: PositiveFloat
+    memory_GiB: Memory
+    peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "fp4", "tf32", "fp32"], Rate]  # dense, no sparsity
+    hbm_GBps: Rate
     # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; reference/
     # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
     matmul_efficiency: float = Field(0.8, gt=0, le=1)
@@ -46,7 +55,7 @@ class GPU(_Strict):
     # flash_efficiency); None: the GEMM's MAMF. Hopper sets it lower: FlashAttention-2 does
     # not use wgmma/TMA there and reaches 35% of H100 peak (Shah et al. 2024).
     flash_attention_efficiency: float | None = Field(None, gt=0, le=1)
-    tdp_W: PositiveFloat | None = None
+    tdp_W: Annotated[float, Field(gt=0, le=1e6)] | None = None
 
     @property
     def memory_bytes(self) -> float:
@@ -66,18 +75,18 @@ class IntraNode(_Strict):
     """How the GPUs of one node talk to each other."""
 
     kind: Literal["nvswitch", "nvlink_mesh", "pcie", "xgmi_mesh", "infinity_fabric"]
-    bw_GBps: PositiveFloat  # per GPU, per direction, to the fabric (NVSwitch) or summed over links (mesh)
-    latency_us: PositiveFloat = 2.0
-    links_per_gpu: PositiveInt | None = None  # mesh fabrics: point-to-point links from each GPU
+    bw_GBps: Rate  # per GPU, per direction, to the fabric (NVSwitch) or summed over links (mesh)
+    latency_us: Latency = 2.0
+    links_per_gpu: PerNode | None = None  # mesh fabrics: point-to-point links from each GPU
     nvls: bool = False  # NVLink SHARP in-switch reduction (H100/H200 NVSwitch gen 3)
-    gpus_per_pcie_switch: PositiveInt | None = None  # pcie: GPUs sharing one PCIe switch
+    gpus_per_pcie_switch: PerNode | None = None  # pcie: GPUs sharing one PCIe switch
 
 
 class NIC(_Strict):
-    count: PositiveInt  # NICs per node used for the compute fabric
-    speed_gbit: PositiveFloat  # per NIC, per direction
-    gpus_per_nic: PositiveInt = 1  # GPU affinity: GPUs behind the same PCIe switch as one NIC
-    latency_us: PositiveFloat = 5.0
+    count: int = Field(gt=0, le=limits.MAX_NICS_PER_NODE)  # NICs per node used for the compute fabric
+    speed_gbit: Rate  # per NIC, per direction
+    gpus_per_nic: PerNode = 1  # GPU affinity: GPUs behind the same PCIe switch as one NIC
+    latency_us: Latency = 5.0
     gpudirect_rdma: bool = True
 
     @property
@@ -85,10 +94,9 @@ class NIC(_Strict):
         return self.speed_gbit * 1e9 / 8
 
 
-# The most GPUs one node (one NVLink or xGMI domain) may hold: NVIDIA's largest announced NVLink
-# domain, Rubin Ultra NVL576. The intra-node router prices every pair of a node's GPUs, so an
-# absurd count (100000 for 1000) would run for hours and tens of GB instead of failing.
-MAX_GPUS_PER_NODE = 576
+# The most GPUs one node may hold (planner/limits.py): the intra-node router prices every pair
+# of a node's GPUs, so an absurd count (100000 for 1000) would run for hours instead of failing.
+MAX_GPUS_PER_NODE = limits.MAX_GPUS_PER_NODE
 
 
 class Node(_Strict):
@@ -96,11 +104,11 @@ class Node(_Strict):
     intra: IntraNode
     nics: NIC
     pcie_gen: Literal[3, 4, 5, 6] = 4
-    pcie_GBps: PositiveFloat  # host <-> one GPU, per direction (offload traffic)
-    host_memory_GiB: PositiveFloat
-    cpu_cores: PositiveInt = 128
-    cpu_adam_GBps: PositiveFloat = 20.0  # DeepSpeedCPUAdam parameter throughput per node (bytes of fp32 params/s)
-    storage_GBps: PositiveFloat = 2.0  # local NVMe, for checkpoints
+    pcie_GBps: Rate  # host <-> one GPU, per direction (offload traffic)
+    host_memory_GiB: Memory
+    cpu_cores: int = Field(128, gt=0, le=limits.MAX_CPU_CORES)
+    cpu_adam_GBps: Rate = 20.0  # DeepSpeedCPUAdam parameter throughput per node (bytes of fp32 params/s)
+    storage_GBps: Rate = 2.0  # local NVMe, for checkpoints
 
 
 class Fabric(_Strict):
@@ -108,10 +116,10 @@ class Fabric(_Strict):
 
     kind: Literal["infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce", "ethernet"]
     levels: Literal[1, 2, 3] = 2
-    switch_radix: int = Field(40, ge=2)  # a leaf needs a port down and one up
-    oversubscription: float = Field(1.0, ge=1.0)  # leaf downlinks : uplinks
+    switch_radix: int = Field(40, ge=2, le=limits.MAX_SWITCH_RADIX)  # a leaf needs a port down and one up
+    oversubscription: float = Field(1.0, ge=1.0, le=limits.MAX_OVERSUBSCRIPTION)  # leaf downlinks : uplinks
     rail_optimized: bool = True
-    latency_us: PositiveFloat = 1.0  # per switch hop
+    latency_us: Latency = 1.0  # per switch hop
     sharp: bool = False  # in-network reduction (IB SHARP)
 
 
@@ -139,7 +147,7 @@ class HardwareProfile(_Strict):
         when the counts divide one another, else one per GPU."""
         if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS_PER_NODE:
             raise UserError(f"{arg('gpus_per_node')}: need a whole number from 1 to {MAX_GPUS_PER_NODE} "
-                            f"(the largest NVLink domain), got {gpus!r}")
+                            f"(the largest NVLink domain), got {limits.shown(gpus)}")
         if gpus == self.node.gpus:
             return self
         nics = self.node.nics

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import UserError, arg
+from planner.limits import path_kind, shown_path, shown_text
 from planner.model.hf_import import HFImportWarning, spec_from_hf_config
 from planner.model.hf_keys import read_config_file
 from planner.model.spec import ModelSpec
@@ -96,16 +97,18 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     if resolve_preset_name(text) is not None:
         return load_preset(text)
     path = Path(text).expanduser()
-    if path.is_dir():
+    kind = path_kind(path)
+    if kind == "dir":
         config = path / "config.json"
-        if not config.is_file():
+        if path_kind(config) != "file":
             raise UserError(f"{path}: directory has no config.json; point {arg('model')} at a Hugging Face model "
                             "directory or its config.json")
         return _load_file(config)
-    if path.is_file():
+    if kind == "file":
         return _load_file(path)
     if path.suffix == ".json" or "/" in text or "\\" in text:
-        raise UserError(f"{path}: no such file; give an existing config.json or a preset name (see `dsplan models`)")
+        raise UserError(f"{shown_path(path)}: no such file; give an existing config.json or a preset name "
+                        "(see `dsplan models`)")
     raise _unknown(text)
 
 
@@ -134,5 +137,5 @@ def _unknown(name: str) -> UserError:
 
     close = difflib.get_close_matches(name.strip().lower(), list(_aliases()), n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
-    return UserError(f"unknown model {name!r}: not a preset, an alias or an existing config.json path.{hint} "
+    return UserError(f"unknown model {shown_text(name)}: not a preset, an alias or an existing config.json path.{hint} "
                      "Run `dsplan models` for the list of presets.")

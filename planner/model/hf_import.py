@@ -17,7 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from planner import limits
 from planner.errors import UserError, describe_validation_error
+from planner.limits import shown
 from planner.model import hf_keys as K
 from planner.model.hf_keys import ConfigReader
 from planner.model.hf_vision import deepseek_vl2_vision, qwen2_vl_vision
@@ -38,7 +40,6 @@ from planner.model.spec import (
 # length (Llama 3.1: 8K then 128K; DeepSeek-V2/V3: 4K then YaRN). Plans are for the main phase,
 # so an imported model's default training length is its window capped at this value.
 TRAIN_SEQ_CAP = 8192
-MAX_LAYERS = 4096  # decoder layers a config may declare (guards against a typo building 1e9 blocks)
 
 
 class HFImportWarning(UserWarning):
@@ -116,9 +117,14 @@ def spec_from_hf_config(config: dict[str, Any], name: str, source: str) -> Model
     Raises UserError for anything the file gets wrong; warns (HFImportWarning) on guesses.
     """
     try:
-        return _build(config, name, source)
+        spec = _build(config, name, source)
     except ValidationError as err:  # a rule in spec.py the explicit checks here did not catch
         raise UserError(describe_validation_error(source, err)) from None
+    params = spec.total_params()
+    if params > limits.MAX_PARAMS:
+        raise UserError(f"{source}: the model has {shown(params)} parameters, above the largest supported "
+                        f"{limits.MAX_PARAMS:,} (five hundred times the largest published models); check its sizes")
+    return spec
 
 
 def _language_config(config: dict[str, Any], source: str) -> tuple[ConfigReader, ConfigReader, Any, str | None]:
@@ -154,9 +160,8 @@ def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
     root, lm, family, model_type = _language_config(config, source)
     ds = DEEPSEEK_DEFAULTS if family.deepseek else {}
     hidden = lm.get_int(K.HIDDEN)
-    # Every layer becomes a block the planner walks; the deepest published models have ~200.
-    layers = lm.get_int(K.LAYERS, ds.get("layers", K.REQUIRED), maximum=MAX_LAYERS,
-                        why=" (dsplan plans models of up to that many layers)")
+    # Every layer becomes a block the planner walks: at most limits.MAX_LAYERS (hf_keys bounds each key).
+    layers = lm.get_int(K.LAYERS, ds.get("layers", K.REQUIRED))
     vocab = lm.get_int(K.VOCAB, ds.get("vocab", K.REQUIRED))
     default_seq = ds.get("max_seq") or family.default_max_seq or K.REQUIRED
     max_seq = lm.get_int(K.MAX_SEQ, default_seq)

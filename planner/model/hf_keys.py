@@ -10,10 +10,13 @@ what was guessed), and turns every problem into one ``UserError`` naming the fil
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
 from planner.errors import UserError
+from planner.limits import MODEL_BOUNDS, nesting, shown
 
 # Canonical field -> accepted keys, in priority order (reference README section 5).
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -31,6 +34,20 @@ NORM_EPS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilo
 
 REQUIRED: Any = object()  # sentinel default: the key must be present
 
+# What each integer key counts, for its bound (planner/limits.py MODEL_BOUNDS; unlisted: "other").
+_WIDTHS = HIDDEN + HEAD_DIM + ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                               "width", "embed_dim", "n_embed", "input_dim")
+BOUNDED_AS: dict[str, str] = {
+    **dict.fromkeys(LAYERS + ("layers", "depth", "first_k_dense_replace"), "layers"),
+    **dict.fromkeys(_WIDTHS, "width"),
+    **dict.fromkeys(FFN + ("moe_intermediate_size", "shared_expert_intermediate_size"), "ffn"),
+    **dict.fromkeys(HEADS + KV_HEADS + ("heads", "num_heads"), "heads"),
+    **dict.fromkeys(VOCAB, "vocab"),
+    **dict.fromkeys(("n_routed_experts", "num_local_experts", "num_experts", "n_shared_experts",
+                     "num_experts_per_tok"), "experts"),
+    **dict.fromkeys(MAX_SEQ, "positions"),
+}
+
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a config.json into a dict, or raise a UserError naming the file and the problem."""
@@ -41,15 +58,36 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a UTF-8 text file; give a Hugging Face config.json") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as err:
         raise UserError(
             f"{path}: malformed JSON at line {err.lineno} column {err.colno}: {err.msg}; "
             "fix the file (it must be a Hugging Face config.json)"
         ) from None
+    except RecursionError:  # the decoder recurses per level: ~1,000 levels exhaust the stack
+        raise UserError(f"{path}: nested too deeply to read; a Hugging Face config.json is nested 3 levels: "
+                        "fix the file") from None
+    except ValueError as err:  # an integer of over 4,300 digits (Python's limit), or NaN / Infinity
+        raise UserError(f"{path}: {_unreadable(text, err)}: fix the file (it must be a Hugging Face config.json)") \
+            from None
+    nesting(data, str(path))
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object (a Hugging Face config.json), got {type(data).__name__}")
     return data
+
+
+def _no_constant(name: str) -> Any:
+    """NaN, Infinity and -Infinity: Python's json reads them; no config value is one."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _unreadable(text: str, err: ValueError) -> str:
+    """What made ``json.loads`` raise a plain ValueError, with the line it is on."""
+    found = re.search(r"\d{4000,}", text)
+    if found is None:
+        return f"{err} (a config's values are finite numbers)"
+    return f"a number at line {text.count(chr(10), 0, found.start()) + 1} has {len(found[0]):,} digits, more than " \
+           "Python reads"
 
 
 class ConfigReader:
@@ -113,10 +151,9 @@ class ConfigReader:
         self.defaulted.append(self.path(name))
         return name, default
 
-    def get_int(self, keys: tuple[str, ...] | str, default: Any = REQUIRED, *, minimum: int = 1,
-                maximum: int | None = None, why: str = "") -> int:
-        """An integer >= minimum (and <= maximum, ``why`` saying why; integral floats such as
-        4096.0 are accepted)."""
+    def get_int(self, keys: tuple[str, ...] | str, default: Any = REQUIRED, *, minimum: int = 1) -> int:
+        """An integer from ``minimum`` to the bound of what the key counts (BOUNDED_AS;
+        integral floats such as 4096.0 are accepted)."""
         keys = (keys,) if isinstance(keys, str) else keys
         key, value = self._raw(keys, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -127,9 +164,10 @@ class ConfigReader:
             value = int(value)
         if value < minimum:
             need = "positive" if minimum == 1 else f">= {minimum}"
-            self.fail(key, f"must be {need}, got {value}")
-        if maximum is not None and value > maximum:
-            self.fail(key, f"must be at most {maximum:,}{why}, got {value:,}")
+            self.fail(key, f"must be {need}, got {shown(value)}")
+        bound = MODEL_BOUNDS[BOUNDED_AS.get(key, "other")]
+        if value > bound.most:
+            self.fail(key, f"must be at most {bound.most:,} ({bound.why}), got {shown(value)}")
         return value
 
     def opt_int(self, key: str, default: int | None = None, *, minimum: int = 1) -> int | None:
@@ -142,14 +180,23 @@ class ConfigReader:
             return default
         return self.get_int(key, minimum=minimum)
 
-    def get_float(self, keys: tuple[str, ...] | str, default: Any = REQUIRED) -> float:
+    def get_float(self, keys: tuple[str, ...] | str, default: Any = REQUIRED, *, maximum: float | None = None,
+                  why: str = "") -> float:
+        """A finite number > 0 (and <= ``maximum``, ``why`` saying why)."""
         keys = (keys,) if isinstance(keys, str) else keys
         key, value = self._raw(keys, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(key, f"must be a number, got {_kind(value)}")
-        if value <= 0:
-            self.fail(key, f"must be positive, got {value}")
-        return float(value)
+        if not value > 0:
+            self.fail(key, f"must be positive, got {shown(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number) or (maximum is not None and number > maximum):
+            self.fail(key, f"must be at most {maximum:g}{why}, got {shown(value)}" if maximum is not None
+                      else f"must be a finite number, got {shown(value)}")
+        return number
 
     def get_bool(self, keys: tuple[str, ...] | str, default: Any = REQUIRED) -> bool:
         keys = (keys,) if isinstance(keys, str) else keys

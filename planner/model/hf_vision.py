@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.limits import MAX_CONFIG_INT
 from planner.model.hf_keys import ConfigReader
 from planner.model.spec import (
     NormBlock,
@@ -42,6 +43,10 @@ VL2_DEFAULT_LOCAL_TILES = 4
 QWEN2VL_TILE_PX = 448
 QWEN2VL_DEFAULT_TILES = 4
 QWEN2VL_MAX_TILES = 64
+
+# A ViT's MLP is width x mlp_ratio wide; published towers use 4 (SigLIP-SO400M: 3.74).
+MAX_MLP_RATIO = 64.0
+_MLP_RATIO_WHY = " (the MLP is width x mlp_ratio wide; towers use about 4)"
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def deepseek_vl2_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
     layers = v.get_int("layers", 27)
     width = v.get_int("width", 1152)
     heads = v.get_int("heads", 16)
-    mlp_ratio = v.get_float("mlp_ratio", 3.7362)
+    mlp_ratio = v.get_float("mlp_ratio", 3.7362, maximum=MAX_MLP_RATIO, why=_MLP_RATIO_WHY)
     patch = v.get_int("patch_size", 14)
     image = v.get_int("image_size", 384)
     if width % heads:
@@ -140,11 +145,13 @@ def _max_local_tiles(root: ConfigReader, tile: int) -> int:
         return 9
     value = root.config["candidate_resolutions"]
     ok = isinstance(value, list) and value and all(
-        isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in r)
+        isinstance(r, list) and len(r) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_CONFIG_INT for x in r)
         for r in value
     )
     if not ok:
-        root.fail("candidate_resolutions", "must be a non-empty list of [width, height] pixel pairs")
+        root.fail("candidate_resolutions", f"must be a non-empty list of [width, height] pixel pairs, each at most "
+                                           f"{MAX_CONFIG_INT:,}")
     return max(max(1, (w // tile) * (h // tile)) for w, h in value)
 
 
@@ -158,7 +165,7 @@ def qwen2_vl_vision(root: ConfigReader, lm_hidden: int) -> VisionParts:
     depth = v.get_int("depth", 32)
     embed = v.get_int("embed_dim", 1280)
     heads = v.get_int("num_heads", 16)
-    mlp_ratio = v.get_float("mlp_ratio", 4.0)
+    mlp_ratio = v.get_float("mlp_ratio", 4.0, maximum=MAX_MLP_RATIO, why=_MLP_RATIO_WHY)
     patch = v.get_int(("patch_size", "spatial_patch_size"), 14)
     temporal = v.get_int("temporal_patch_size", 2)
     merge = v.get_int("spatial_merge_size", 2)

@@ -8,6 +8,7 @@ sequence (the trainer refuses such a plan when it starts; the planner refuses it
 
 from __future__ import annotations
 
+from planner import limits
 from planner.errors import UserError, arg
 from planner.model.spec import ModelSpec
 
@@ -31,11 +32,8 @@ def vision_inputs(model: ModelSpec, images: int | None, tiles: int | None, seq_l
             if value:
                 raise UserError(f"{name}: {model.name} is not a vision-language model; leave it out")
         return 0, 0
-    images = v.default_images_per_sample if images is None else images
-    tiles = v.default_tiles_per_image if tiles is None else tiles
-    for name, value in ((img_name, images), (tile_name, tiles)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise UserError(f"{name}: need a whole number >= 0, got {value!r}")
+    images = limits.count("images_per_sample", v.default_images_per_sample if images is None else images, low=0)
+    tiles = limits.count("tiles_per_image", v.default_tiles_per_image if tiles is None else tiles, low=0)
     if tiles > v.max_local_tiles:
         raise UserError(f"{tile_name} {tiles} exceeds {model.name}'s {v.max_local_tiles} local tiles per image")
     used = image_tokens(model, images, tiles)

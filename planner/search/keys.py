@@ -8,6 +8,7 @@ the search splits and tabulates once per key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -81,9 +82,14 @@ def group_by_key(space: Space) -> KeyedSpace:
         return KeyedSpace(space, np.zeros((0, len(cols)), dtype=np.int64), np.zeros(0, dtype=np.intp), {},
                           np.zeros(0, dtype=np.intp), np.zeros(1, dtype=np.int64), np.zeros(0, dtype=bool))
     # One int64 per row (mixed radix, Horner's scheme) so the grouping is a 1-D sort, not a row lexsort.
-    radix = [int(col.max()) + 1 for col in cols]
-    code = cols[0].copy()
-    for col, r in zip(cols[1:], radix[1:]):
+    digits = cols
+    radix = [int(col.max()) + 1 for col in digits]
+    if math.prod(radix) >= 2**63:  # a code would overflow (a million GPUs, a 2**24 batch): code each
+        # column by its rank among its distinct values, which keeps the order and needs far fewer digits
+        digits = [np.unique(col, return_inverse=True)[1].reshape(col.shape) for col in cols]
+        radix = [int(col.max()) + 1 for col in digits]
+    code = digits[0].astype(np.int64)
+    for col, r in zip(digits[1:], radix[1:]):
         code *= r
         code += col
     order = np.argsort(code, kind="stable")
@@ -98,7 +104,7 @@ def group_by_key(space: Space) -> KeyedSpace:
     keys = np.stack([col[first] for col in cols], axis=1)
     # Keys are sorted by their code, whose leading digits are (tp, sp, ep): each group's keys
     # form one run, met in sorted order.
-    group = sorted_code[cuts] // int(np.prod(radix[3:]))
+    group = sorted_code[cuts] // math.prod(radix[3:])
     runs = np.concatenate(([0], np.flatnonzero(np.diff(group)) + 1, [len(keys)]))
     micro = {tuple(int(x) for x in keys[a, :3]): tuple(sorted(set(keys[a:b, 3].tolist())))
              for a, b in zip(runs[:-1], runs[1:]) if b > a}

@@ -19,6 +19,7 @@ planner/cost/parallel.py) so evaluation can be vectorised over them.
 from __future__ import annotations
 
 import itertools
+import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
@@ -103,7 +104,9 @@ class Space:
 
 
 def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    """The divisors of ``n``, ascending: O(sqrt n), so callers bound ``n`` (planner/limits.py:
+    the GPUs and the global batch, at most 2**24, take at most 4,096 steps)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
 
