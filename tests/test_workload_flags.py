@@ -77,9 +77,10 @@ def test_suggest_header_names_the_kernel_and_dropout() -> None:
 
 
 def test_generate_without_plan_searches_with_the_flags(tmp_path) -> None:
-    out = tmp_path / "run"
+    out, entry = tmp_path / "run", tmp_path / "pretrain_gpt.py"  # Megatron TP plans: not the reference trainer's
+    entry.write_text("print('stand-in for Megatron-LM')\n")
     result = CliRunner().invoke(main, ["generate", *BASE, *LAYOUT, "--dropout", "--no-flash-attention",
-                                       "--out", str(out)])
+                                       "--entry", str(entry), "--out", str(out)])
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())
     best = _suggest("--dropout", "--no-flash-attention")["plans"][0]
