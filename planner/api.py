@@ -354,10 +354,14 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     spec = load_model(model)
     given = _workload_options(workload, axes)
     cons = constraints(**axes)
+    precisions = given.get("precision")
+    if isinstance(precisions, (tuple, list)):  # several precisions: each searched, the plans ranked together
+        given["precision"] = precisions[0] if precisions else "bf16"
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
     _check_workload(wl)
+    many = tuple(precisions) if isinstance(precisions, (tuple, list)) and len(precisions) > 1 else None
     return _suggest(spec, cluster.profile, cluster.nodes, global_batch=wl.global_batch, seq_len=wl.seq_len,
                     images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
-                    precision=wl.precision_name, optimizer=wl.optimizer, flash_attention=wl.flash_attention,
+                    precision=many or wl.precision_name, optimizer=wl.optimizer, flash_attention=wl.flash_attention,
                     dropout=wl.dropout, constraints=cons, balancer=balancer, objective=objective, top=top,
                     progress=progress)

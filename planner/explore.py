@@ -108,7 +108,7 @@ def candidates(model: Any, cluster: Any, *, workload: Any = None, balancer: str 
     res = evaluate_keys(pricing, group_by_key(space))
     col = take(space.columns, res.rows)
     tokens = wl.global_batch * wl.seq_len / res.step_time
-    mfu = pricing.tables.runs.flops_per_step() / res.step_time / cluster.num_gpus / pricing.ctx.dev.peak_flops
+    mfu = pricing.tables.runs.flops_per_step() / res.step_time / cluster.num_gpus / pricing.ctx.dev.mfu_peak
     capacity = cluster.profile.gpu.memory_bytes
     base = {"model": spec.name, "hardware": cluster.profile.name, "nodes": cluster.nodes, "gpus": cluster.num_gpus,
             "global_batch": wl.global_batch, "seq_len": wl.seq_len, "capacity_bytes": capacity}

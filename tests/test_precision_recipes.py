@@ -138,3 +138,22 @@ def test_generate_writes_the_recipe_as_megatron_flags(tmp_path):
     lm, _ = megatron_flags(out)
     assert set(lm) <= MEGATRON_LM_FLAGS, set(lm) - MEGATRON_LM_FLAGS
     assert json.loads((out / "ds_config.json").read_text())["bf16"] == {"enabled": True}
+
+
+def test_suggest_searches_a_list_of_precisions_and_ranks_them_together():
+    cluster = api.load_cluster("dgx-h100", nodes=8)
+    common = dict(global_batch=128, seq_len=8192, top=4)
+    both = api.suggest("llama-3-70b", cluster, precision=("bf16", "fp8-tensorwise", "mxfp8"), **common)
+    fp8 = api.suggest("llama-3-70b", cluster, precision="fp8-tensorwise", **common)
+    bf16 = api.suggest("llama-3-70b", cluster, precision="bf16", **common)
+    pooled = sorted([rp.plan.step_time_s for rp in fp8.plans + bf16.plans])[:4]
+    assert [rp.plan.step_time_s for rp in both.plans] == pooled  # one ranking over both searches
+    assert [rp.id for rp in both.plans] == [1, 2, 3, 4] and both.evaluated == fp8.evaluated + bf16.evaluated
+    assert both.inputs["precision"] == "bf16,fp8-tensorwise,mxfp8"
+    assert any("mxfp8" in str(n) and "left out" in str(n) for n in both.notes)  # H100 cannot run it
+    r = CliRunner().invoke(main, ["suggest", "--model", "llama-3-70b", "--hardware", "dgx-h100", "--nodes", "8",
+                                  "--global-batch", "128", "--seq-len", "8192", "--precision", "bf16,fp8-tensorwise",
+                                  "--top", "2"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "megatron fp8-tensorwise" in r.output
+    r = CliRunner().invoke(main, ["suggest", "--model", "llama-3-8b", "--precision", "mxfp8,nvfp4"])
+    assert r.exit_code == 2 and "Blackwell" in r.output  # nothing of the list runs on an A100: the first reason

@@ -49,7 +49,8 @@ _SEARCH_FLAGS = (
 @click.option("--rank", type=int, default=None,
               help="Without --plan: use the K-th best plan of the search (with --entry builtin, of the plans "
                    "the reference trainer runs) [default: 1].")
-@workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
+@workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].",
+                  precision_list=True)
 @constraint_options
 @balancer_option
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput",

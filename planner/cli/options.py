@@ -119,7 +119,7 @@ _CONSTRAINT_FLAGS = (
 )
 
 
-def workload_options(global_batch_help: str):
+def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention/--no-flash-attention and --dropout/--no-dropout.
@@ -138,8 +138,12 @@ def workload_options(global_batch_help: str):
                      help="Vision-language models: images per sample [default: the model's]."),
         click.option("--tiles-per-image", type=int, default=None,
                      help="Vision-language models: local tiles per image [default: the model's]."),
-        click.option("--precision", type=click.Choice(PRECISIONS, case_sensitive=False), default=None,
-                     help=f"{PRECISION_HELP} [default: bf16]"),
+        (click.option("--precision", default=None, metavar="NAME[,NAME...]",
+                      help=f"{PRECISION_HELP} One or a comma list, each searched; recipes the GPU cannot run are "
+                           "left out [default: bf16].")
+         if precision_list else
+         click.option("--precision", type=click.Choice(PRECISIONS, case_sensitive=False), default=None,
+                      help=f"{PRECISION_HELP} [default: bf16]")),
         click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None,
                      help="Optimizer [default: adamw]."),
         click.option("--flash-attention/--no-flash-attention", default=None,
@@ -162,8 +166,13 @@ def workload_from_options(opts: dict) -> dict:
     """The workload flags given, as ``planner.api`` keywords (those left out are absent, so the
     API's defaults apply). The flags above are the API's WORKLOAD_KEYS, one each."""
     from planner.api import WORKLOAD_KEYS
+    from planner.cost.precision import PRECISIONS
 
-    return {k: opts[k] for k in WORKLOAD_KEYS if opts.get(k) is not None}
+    out = {k: opts[k] for k in WORKLOAD_KEYS if opts.get(k) is not None}
+    if "precision" in out:  # one name, or a tuple of them (suggest and generate search each)
+        names = parse_choice_list("--precision", out["precision"], PRECISIONS) or ()
+        out["precision"] = names[0] if len(names) == 1 else names
+    return out
 
 
 def balancer_option(command):

@@ -32,7 +32,8 @@ from planner.cli.output import json_option
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
 @click.option("--gpus-per-node", type=int, default=None,
               help="GPUs per node, 1-576 [default: from the hardware profile].")
-@workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].")
+@workload_options("Samples per optimizer step [default: about 4M tokens, rounded to what divides].",
+                  precision_list=True)
 @constraint_options
 @balancer_option
 @click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput",
@@ -148,7 +149,8 @@ def render(result, next_argv: list[str] | None = None) -> None:
     console.print(_inputs_line(result.inputs))
     ties = uncertainty(result)["ties_with_best"]
     tied = set(ties or ())
-    rows = [_row(rp, tied) for rp in result.plans]
+    many = "," in str(result.inputs.get("precision", ""))  # several precisions searched: name each plan's
+    rows = [_row(rp, tied, many) for rp in result.plans]
     _render_table(console, rows)
     if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
         console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
@@ -282,9 +284,9 @@ def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
     return layout, figures
 
 
-def _row(rp, ties) -> tuple[str, ...]:
+def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
     """One plan's cells, in _COLUMNS order; ``ties``: the ids within the model's error of #1
-    (marked "~", #1 itself aside)."""
+    (marked "~", #1 itself aside); ``precision``: name the plan's precision beside its runtime."""
     from planner.cli.output import human_count, human_time
 
     p = rp.plan.to_json()
@@ -292,7 +294,8 @@ def _row(rp, ties) -> tuple[str, ...]:
     mem = p["memory"]
     return (
         f"{rp.id}{'~' if rp.id in ties and rp.id != 1 else ''}",
-        "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on)),  # identical predictions
+        "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on))  # identical predictions
+        + (f" {p['precision']}" if precision else ""),
         str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
         f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}", str(p["ep"]),
         str(p["zero_stage"]), _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],

@@ -86,6 +86,12 @@ class Device:
         return self.mamf if self.flash is None else self.flash
 
     @property
+    def mfu_peak(self) -> float:
+        """MFU's denominator: the dense peak of the format the linear GEMMs run in (a recipe's
+        FP8/FP4 peak, else the working dtype's), so MFU says how much of that rate a plan uses."""
+        return self.low.peak_flops if self.low is not None else self.peak_flops
+
+    @property
     def hbm_effective(self) -> float:
         return self.hbm * HBM_EFFICIENCY
 

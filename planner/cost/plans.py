@@ -69,4 +69,4 @@ def build_plan(model: ModelSpec, ctx: CostContext, cfg: ParallelConfig, parts: S
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=ctx.workload, partition=list(parts),
                 stages=stages, time=time, capacity_bytes=cluster.profile.gpu.memory_bytes,
                 host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB),
-                model_flops_per_step=flops_per_step, peak_flops=ctx.dev.peak_flops)
+                model_flops_per_step=flops_per_step, peak_flops=ctx.dev.mfu_peak)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from planner.cost.degrees import default_global_batch
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
+from planner.cost.precision import RECIPES, split_precision, unsupported
 from planner.cost.schedule_check import schedule_notes
 from planner.errors import Message, UserError, arg, whole_number
 from planner.hardware.cluster import Cluster
@@ -112,13 +113,59 @@ def _profile(hardware: str | HardwareProfile, gpus_per_node: int | None) -> Hard
 
 
 def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-80g", nodes: int = 1, *,
+            precision: str | Sequence[str] = "bf16", **options: Any) -> SuggestResult:
+    """Rank the plans that fit; raise ``NoPlanFits`` (a UserError) when none does.
+
+    ``precision``: one name, or several: each is searched as its own workload and the plans are
+    ranked together (precision is a property of the workload, so of every block's cost). A recipe
+    the GPU cannot run, or one no plan fits, is left out with a note; all of them: the first's error.
+    ``options``: the keywords of ``_suggest_one``."""
+    names = (precision,) if isinstance(precision, str) else tuple(dict.fromkeys(precision))
+    if len(names) == 1:
+        return _suggest_one(model, hardware, nodes, precision=names[0], **options)
+    profile = _profile(hardware, options.get("gpus_per_node"))
+    results, left_out, first_error = [], [], None
+    for name in names:
+        recipe = RECIPES.get(split_precision(name)[1] or "")
+        why = recipe and unsupported(recipe, profile.gpu.peak_TFLOPs, profile.gpu.name)  # type: ignore[arg-type]
+        try:
+            if why:
+                raise UserError(f"{arg('precision')} {name}: {why}")
+            results.append(_suggest_one(model, hardware, nodes, precision=name, **options))
+        except UserError as err:
+            first_error = first_error or err
+            left_out.append(f"left out: {err}")
+    if not results:
+        raise first_error  # type: ignore[misc]
+    return _merge(results, names, left_out, options.get("objective", "throughput"), options.get("top", 5))
+
+
+def _merge(results: list[SuggestResult], names: tuple[str, ...], left_out: list[str], objective: str,
+           top: int) -> SuggestResult:
+    """One ranking of the plans of several searches (one per precision): renumbered, explained
+    again among themselves, the counts added; notes are the best plan's search's."""
+    gpus = results[0].inputs["gpus"]
+    pooled = sorted((rp for r in results for rp in r.plans), key=lambda rp: _scalar_key(objective, rp.plan, gpus))
+    plans = [replace(rp, id=k + 1, why="") for k, rp in enumerate(pooled[:top])]
+    home = next(r for r in results if any(rp.plan is plans[0].plan for rp in r.plans[:1]))
+    rejected = {k: sum(r.rejected[k] for r in results) for k in results[0].rejected}
+    out = SuggestResult(plans, sum(r.evaluated for r in results), rejected, sum(r.fully_evaluated for r in results),
+                        sum(r.pruned for r in results), {**results[0].inputs, "precision": ",".join(names)}, objective,
+                        elapsed_s=sum(r.elapsed_s for r in results), cpu_s=sum(r.cpu_s for r in results),
+                        setup_cpu_s=sum(r.setup_cpu_s for r in results),
+                        notes=list(home.notes) + [Message(n) for n in left_out])
+    _explain(out, objective, True)
+    return out
+
+
+def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-80g", nodes: int = 1, *,
             gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
             images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
             optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False,
             constraints: Constraints | None = None, balancer: str = "optimal",
             objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None) -> SuggestResult:
-    """Rank the plans that fit; raise ``NoPlanFits`` (a UserError) when none does."""
+    """The search for one precision (``suggest``)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     whole_number("nodes", nodes)
     whole_number("top", top)
