@@ -73,7 +73,7 @@ def predict(row: dict, profile_name: str = "dgx-a100-80g") -> dict:
     model = megatron_gpt(row["hidden"], row["heads"], row["layers"], row["vocab"], row["seq_len"])
     cluster = Cluster.build(profile, row["gpus"] // profile.gpus_per_node)
     workload = Workload(global_batch=row["global_batch"], seq_len=row["seq_len"], precision="fp16",
-                        flash_attention=False, dropout=True)
+                        flash_attention=False, dropout=True, tp_comm_overlap=False)
     cfg = ParallelConfig(dp=row["dp"], tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
                          grad_accum=row["global_batch"] // (row["micro_batch"] * row["dp"]), recompute="full",
                          virtual_stages=row["virtual_stages"], framework="megatron", zero_stage=0)

@@ -100,7 +100,9 @@ def korthikanti() -> list[dict]:
     for name, h, a, layers, pp, gb, mb, v, selective_s, full_s in KORTHIKANTI:
         model = megatron_gpt(h, a, layers)
         cluster = Cluster.build(profile, 8 * pp // profile.gpus_per_node)
-        wl = Workload(global_batch=gb, seq_len=2048, precision="fp16", flash_attention=False, dropout=True)
+        # Megatron-LM of 2022: unfused attention, dropout, and no TE userbuffers TP overlap.
+        wl = Workload(global_batch=gb, seq_len=2048, precision="fp16", flash_attention=False, dropout=True,
+                      tp_comm_overlap=False)
         for mode, sp, published in (("selective", True, selective_s), ("full", False, full_s)):
             cfg = ParallelConfig(dp=1, tp=8, pp=pp, micro_batch=mb, grad_accum=gb // mb, recompute=mode,
                                  sequence_parallel=sp, virtual_stages=v, framework="megatron", zero_stage=0)
@@ -115,7 +117,8 @@ def mtnlg() -> list[dict]:
     out = []
     profile = load_profile("dgx-a100-80g")
     model = megatron_gpt(20480, 128, 105, vocab=50257)
-    wl = Workload(global_batch=1920, seq_len=2048, precision="fp16", flash_attention=False, dropout=True)
+    wl = Workload(global_batch=1920, seq_len=2048, precision="fp16", flash_attention=False, dropout=True,
+                  tp_comm_overlap=False)
     for nodes, published in MTNLG:
         dp = nodes * 8 // (8 * 35)
         cfg = ParallelConfig(dp=dp, tp=8, pp=35, micro_batch=1, grad_accum=1920 // dp, recompute="full",
@@ -132,7 +135,8 @@ def llama3() -> list[dict]:
     for nodes, tflops in LLAMA3:
         gpus = nodes * 8
         dp = gpus // (8 * 16)
-        wl = Workload(global_batch=2048, seq_len=8192)
+        # Meta's own training stack, priced as Megatron-Core: no TE userbuffers overlap assumed.
+        wl = Workload(global_batch=2048, seq_len=8192, tp_comm_overlap=False)
         cfg = ParallelConfig(dp=dp, tp=8, pp=16, micro_batch=1, grad_accum=2048 // dp, recompute="none",
                              sequence_parallel=True, virtual_stages=4, framework="megatron", zero_stage=1)
         plan = estimate(model, Cluster.build(profile, nodes), wl, cfg)

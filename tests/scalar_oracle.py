@@ -90,9 +90,18 @@ def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str) -> float:
     return 0.0
 
 
-def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
-    ops = c.tp_fwd + c.tp_bwd + (c.tp_fwd if (recompute == "full" and c.checkpointed) else ())
-    return sum(comms.tp(op, n * b) for op, n in ops)
+def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str, overlap_tp: int = 0,
+            dev: eff.Device | None = None) -> float:
+    """The block's TP seconds; ``overlap_tp`` (the TP degree, 0: none): overlapped with the
+    block's GEMMs, forward, twice backward, again when recomputed, one of tp chunks exposed."""
+    again = recompute == "full" and c.checkpointed
+    ops = c.tp_fwd + c.tp_bwd + (c.tp_fwd if again else ())
+    t = sum(comms.tp(op, n * b) for op, n in ops)
+    if overlap_tp and t > 0:
+        assert dev is not None
+        gemm = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
+        t = max(t - (3 + again) * gemm, t / overlap_tp)
+    return t
 
 
 def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
@@ -105,7 +114,7 @@ def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
 def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev: eff.Device, comms: Comms,
               recompute: str, pp_send_divisor: int, last_block: int,
               boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
-              transfers: int = 1, meta_bytes: float = 0.0) -> MicroBatchTime:
+              transfers: int = 1, meta_bytes: float = 0.0, overlap_tp: int = 0) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
     boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication.
@@ -123,7 +132,7 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
             f += forward_time(c, b, dev)
             bw += backward_time(c, b, dev)
             rc += recompute_time(c, b, dev, recompute)
-            tp += tp_time(c, b, comms, recompute)
+            tp += tp_time(c, b, comms, recompute, overlap_tp, dev)
             ep += ep_time(c, b, comms, recompute)
         # Each chunk boundary costs one transfer per micro-batch on each side: the activation
         # sent forward after the chunk (unless it ends the model) and the gradient sent back
@@ -259,8 +268,11 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     gathers = fw.pp_boundary_gathers(send, cfg.tp)
     transfers, meta = fw.pp_transfers(traits), fw.pp_meta_bytes(send, cfg.tp)
     crosses = pp_hops(cluster, cfg)
+    overlap = (workload.tp_comm_overlap and traits.tp_comm_overlap and cfg.sequence_parallel
+               and 1 < cfg.tp <= cluster.gpus_per_node)
     times = [rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
-                          (crosses[r], crosses[r - 1]), transfers, meta) for r, ch in enumerate(chunks)]
+                       (crosses[r], crosses[r - 1]), transfers, meta, cfg.tp if overlap else 0)
+             for r, ch in enumerate(chunks)]
     worst, bubble = pipeline(times, m, cfg.virtual_stages)
     tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)
     tied_ranks = _tied_group(model, chunks, cfg.tp)

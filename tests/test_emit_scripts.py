@@ -58,6 +58,8 @@ MEGATRON_LM_FLAGS = {
     # Transformer Engine recipes (megatron/core/transformer/transformer_config.py fp8 / fp8_recipe /
     # fp4 / fp4_recipe, turned into flags by megatron/training/argument_utils.py).
     "--fp8-format", "--fp8-recipe", "--fp4-format", "--fp4-recipe",
+    # TE userbuffers TP overlap (megatron/core/model_parallel_config.py tp_comm_overlap).
+    "--tp-comm-overlap",
 }
 # Megatron-DeepSpeed's additions (microsoft/Megatron-DeepSpeed megatron/arguments.py: _add_zero_args,
 # _add_activation_checkpoint_args, --no-pipeline-parallel, MoE flags; deepspeed.add_config_arguments).

@@ -369,7 +369,7 @@ def test_a_batch_bound_best_plan_gets_a_note_with_a_batch_that_fixes_it(name, no
 
 
 def test_no_note_when_the_batch_keeps_the_pipelines_and_reductions_busy() -> None:
-    res = suggest("llama-3.1-70b", nodes=8)
+    res = suggest("llama-3.1-70b", nodes=8, tp_comm_overlap=False)  # a pipelined best plan (overlap: pp 1)
     assert res.plans[0].plan.time.dp_comm / res.plans[0].plan.step_time_s < 0.25
     assert res.plans[0].plan.cfg.pp > 1 and res.plans[0].plan.time.pp_bubble / res.plans[0].plan.step_time_s < 0.25
     assert res.notes == []

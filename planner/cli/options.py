@@ -149,6 +149,9 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--flash-attention/--no-flash-attention", default=None,
                      help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of "
                           "Korthikanti et al. [default: FlashAttention]."),
+        click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=None,
+                     help="Overlap tensor-parallel collectives with the GEMMs where the runtime can (Megatron-Core "
+                          "with Transformer Engine, --tp-comm-overlap, under sequence parallelism) [default: on]."),
         click.option("--dropout/--no-dropout", default=None,
                      help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
                           "Llama, DeepSeek and Qwen pre-training]."),

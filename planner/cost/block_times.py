@@ -44,6 +44,7 @@ class BlockTable:
     bwd: np.ndarray  # [b, block]
     rc: np.ndarray  # [mode, b, block]
     tp: np.ndarray  # [mode, b, block]
+    tp_ov: np.ndarray  # [mode, b, block]: TP seconds left exposed when overlapped with the GEMMs (overlapped_tp)
     ep: np.ndarray  # [mode, b, block]
     params: np.ndarray  # params_rank per block
     expert: np.ndarray  # expert_params_rank per block
@@ -58,9 +59,11 @@ class BlockTable:
     def b_index(self, b: int) -> int:
         return self.micro_batches.index(b)
 
-    def total(self, mode: int, bi: int) -> np.ndarray:
-        """Seconds of one micro-batch per block: what the balancer balances."""
-        return self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + self.tp[mode, bi] + self.ep[mode, bi]
+    def total(self, mode: int, bi: int, overlap: bool = False) -> np.ndarray:
+        """Seconds of one micro-batch per block: what the balancer balances (``overlap``: with
+        TP overlapped, as a runtime that can pays it)."""
+        tp = (self.tp_ov if overlap else self.tp)[mode, bi]
+        return self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + self.ep[mode, bi]
 
 
 def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> tuple[np.ndarray, np.ndarray]:
@@ -167,11 +170,12 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         return np.array(values, dtype=float).reshape(n_groups, n_blocks)
 
     ckpt = per_block([c.checkpointed for c in costs]) > 0
-    fwd, bwd, rc = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt,
-                                  per_block([c.attn is not None for c in costs]) > 0)
+    fwd, bwd, rc, gemm = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt,
+                                        per_block([c.attn is not None for c in costs]) > 0)
     tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]))
+    sizes = np.array([tp_shape.size for _, tp_shape, _ in groups], dtype=float)
     fields = {
-        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep,
+        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes),
         "params": per_block([c.params_rank for c in costs]),
         "expert": per_block([c.expert_params_rank for c in costs]),
         "low": per_block([c.low_params for c in costs]),
@@ -186,10 +190,22 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
             for g in range(n_groups)]
 
 
+def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: np.ndarray) -> np.ndarray:
+    """[group, mode, b, block] TP seconds left exposed when each block's TP collectives overlap
+    its GEMMs (frameworks.Traits.tp_comm_overlap): the GEMMs hide up to their own seconds,
+    forward and twice that backward (and the recomputed forward's again), and the first of the
+    tp chunks is always exposed."""
+    passes = np.full((tp.shape[0], tp.shape[1], 1, tp.shape[3]), 3.0)
+    passes[:, RECOMPUTES.index("full"), 0] += ckpt
+    chunk = tp / tp_size[:, None, None, None]
+    return np.where(tp > 0, np.maximum(tp - passes * gemm[:, None], chunk), 0.0)
+
+
 def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarray, dev: eff.Device,
-                   ckpt: np.ndarray, has_attn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Forward and backward seconds ([group, b, block]) and recompute seconds ([group, mode, b,
-    block]) of the blocks ``costs`` (groups x blocks, flat).
+                   ckpt: np.ndarray, has_attn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Forward and backward seconds ([group, b, block]), recompute seconds ([group, mode, b,
+    block]) and forward GEMM seconds ([group, b, block]) of the blocks ``costs`` (groups x
+    blocks, flat).
 
     The kernels run once per distinct cost: groups share the blocks that their (tp, sp, ep) do
     not change (one LayerCost object from layer_costs' memo), then each column is copied out."""
@@ -211,7 +227,7 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
     rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
     rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0)
-    return fwd, bwd, rc
+    return fwd, bwd, rc, spread(gemm)
 
 
 def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,

@@ -98,6 +98,20 @@ class Traits:
     # (zero/stage_1_and_2.py:2293-2294, reduce_ready_partitions_and_remove_grads reduces when
     # partition_gradients or at the accumulation boundary; ZeRO-1 only at the boundary).
     zero2_reduces_every_microbatch: bool = False
+    # Tensor-parallel collectives overlapped with the GEMMs beside them: Transformer Engine's
+    # userbuffers (Megatron-Core ``--tp-comm-overlap``, which needs sequence parallelism and a TP
+    # group inside one NVLink domain) split each all-gather / reduce-scatter into tp chunks and
+    # pipeline them with the QKV, projection and MLP GEMMs, forward and backward. What stays
+    # exposed per block: max(TP seconds - its GEMM seconds, one chunk = TP seconds / tp)
+    # (block_times.overlapped_tp).
+    tp_comm_overlap: bool = False
+
+
+def tp_overlapped(framework: str, sp: bool, tp: int, tp_in_node: bool, allowed: bool) -> bool:
+    """Whether a plan's TP collectives overlap its GEMMs (Traits.tp_comm_overlap): the runtime
+    can, the workload allows it, and TE's userbuffers apply (sequence parallelism, TP > 1
+    inside one node)."""
+    return allowed and traits(framework).tp_comm_overlap and sp and tp > 1 and tp_in_node
 
 
 TRAITS = {
@@ -105,7 +119,7 @@ TRAITS = {
                         zero2_reduces_every_microbatch=True),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True),
-    "megatron": Traits("megatron", True, "sequence_parallel", True, False),
+    "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config

@@ -51,6 +51,10 @@ class Workload(BaseModel):
     # Hidden/attention dropout (GPT-2/3 era, Megatron GPT defaults 0.1). Modern LLM
     # pre-training (Llama, DeepSeek, Qwen) uses none; with it each dropout stores a 1-byte mask.
     dropout: bool = False
+    # Tensor-parallel collectives overlapped with the GEMMs where the runtime can
+    # (frameworks.Traits.tp_comm_overlap: Megatron-Core with TE's userbuffers, --tp-comm-overlap,
+    # under sequence parallelism). False models runs without it (Megatron-LM 2021-22).
+    tp_comm_overlap: bool = True
 
     @model_validator(mode="before")
     @classmethod

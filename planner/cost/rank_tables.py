@@ -56,8 +56,10 @@ TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")]  # MicroBat
 # The per-block series summed over a chunk's blocks (by prefix sums), and then the chunk's pipeline
 # seconds: the rows of the per-chunk array a rank table is summed from. The first seven are
 # RANK_FIELDS' first seven; "act" is stored bytes per sample, "low" the weights of the GEMMs
-# that run in a precision recipe's format (their quantized copies are cached for the step).
-PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low")
+# that run in a precision recipe's format (their quantized copies are cached for the step),
+# "tp_ov" the TP seconds left exposed where the runtime overlaps them (the "tp" row of a spec
+# with ``overlap``).
+PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -101,20 +103,25 @@ class RankSpec(NamedTuple):
     transfers: int = 1
     meta: float = 0.0
     zero3: bool = False
+    overlap: bool = False  # TP collectives overlapped with the GEMMs (frameworks.Traits.tp_comm_overlap)
 
     @classmethod
     def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
-              ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None) -> "RankSpec":
-        """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``)."""
+              ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None,
+              tp_overlap: bool = False) -> "RankSpec":
+        """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``);
+        ``tp_overlap``: the workload lets a runtime that can overlap TP with the GEMMs do so."""
         traits = fw.traits(FRAMEWORKS[framework])
         send = send or traits.pp_send
+        overlap = fw.tp_overlapped(FRAMEWORKS[framework], sp, tp, layout.tp.nodes_spanned == 1, tp_overlap)
         return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, fw.pp_send_divisor(send, tp, sp), layout,
-                   fw.pp_boundary_gathers(send, tp), fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp), zero3)
+                   fw.pp_boundary_gathers(send, tp), fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp), zero3,
+                   overlap)
 
     def base_key(self) -> tuple:
         """What the rows but the ZeRO-3 ones depend on (not dp or the framework beyond its sends)."""
         return (id(self.table), tuple(self.parts), self.mode, self.b, self.pp, self.vs, self.tp, self.send_div,
-                self.gathers, self.transfers, self.meta, self.layout.pp)
+                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap)
 
 
 class _Chunks:
@@ -122,7 +129,7 @@ class _Chunks:
     its rank k % pp), and the specs' ranks side by side as columns."""
 
     # Per-spec numbers, repeated per chunk (``chunk``) and per rank (``rank``).
-    VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy")
+    VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy", "overlap")
 
     def __init__(self, specs: list[RankSpec], nblocks: int, tied_size: float) -> None:
         self.specs = specs
@@ -136,7 +143,7 @@ class _Chunks:
         counts, pps, prefix, base = np.array([(len(s.parts), s.pp, prefixes[id(s.table), s.mode, s.b][0],
                                                tables[id(s.table)][0] * stride) for s in specs]).T
         values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, RECOMPUTES[s.mode] == "full", s.pp,
-                            tied_size / s.tp) for s in specs], dtype=float).T
+                            tied_size / s.tp, s.overlap) for s in specs], dtype=float).T
         self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
         self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
         self.counts, self.pps = counts, pps
@@ -272,7 +279,7 @@ class RankTables:
         if todo:
             series = np.stack([row for (_, mode, bi), s in todo for row in (
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
-                s.table.params, s.table.expert, s.table.act[mode], s.table.low)])
+                s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi])])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -297,6 +304,7 @@ class RankTables:
         out[ROW["largest"]] = largest
         out[ROW["stored"]] = sums[_CHUNK["act"]] * b
         out[ROW["low"]] = sums[_CHUNK["low"]]
+        out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]], sums[_CHUNK["tp"]])
         out[ROW["live"]] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # under full recompute
         out[ROW["ppbuf"]] = np.where(ch.rank["pp"] > 1, 2.0 * buf * b, 0.0)  # pipeline receive buffers
         if self.tied is not None:

@@ -282,6 +282,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
                  _a("--adam-eps", settings.eps)]
     if plan.sequence_parallel:
         args.append(_a("--sequence-parallel"))
+        if plan.framework == "megatron" and plan.tp_comm_overlap and 1 < plan.tp <= plan.gpus_per_node:
+            args.append(_a("--tp-comm-overlap"))  # TE userbuffers, as the plan was priced (Traits.tp_comm_overlap)
     if plan.work_precision in ("bf16", "fp16"):
         args.append(_a(f"--{plan.work_precision}"))
     if plan.recipe is not None:  # Transformer Engine's recipe (precision.py): Megatron-Core's flags for it

@@ -46,6 +46,7 @@ class PlanFile(BaseModel):
     sequence_parallel: bool = False
     virtual_stages: PositiveInt = 1
     precision: PrecisionName = "bf16"  # a working precision or a TE recipe (planner/cost/precision.py)
+    tp_comm_overlap: bool = True  # TP collectives overlapped with the GEMMs where the runtime can (Workload)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -89,6 +90,7 @@ class PlanFile(BaseModel):
         return Workload(
             global_batch=self.global_batch, seq_len=self.seq_len, images_per_sample=self.images_per_sample,
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
+            tp_comm_overlap=self.tp_comm_overlap,
         )
 
     @property

@@ -14,12 +14,13 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
+from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.assemble import Assembly, assemble
 from planner.cost.block_times import BlockTable, BlockTables
 from planner.cost.candidates import config_at, take
 from planner.cost.context import CostContext
-from planner.cost.parallel import Workload
+from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.cost.plans import BlockKinds, build_plan
 from planner.cost.rank_tables import Z3_ROWS, RankSpec, RankTables, Split, padded, rank_fields
@@ -52,12 +53,20 @@ class Pricing:
         return self.tables.table(key.tp, key.sp, key.ep, ks.micro[key.group])
 
     def split(self, ks: KeyedSpace, key: Key) -> SplitResult:
-        return self.splits.split(self.table(ks, key), key.split)
+        return self.splits.split(self.table(ks, key), key.split, self.overlap(key))
+
+    def overlap(self, key: Key) -> bool:
+        """Whether ``key``'s candidates overlap TP with the GEMMs (their blocks cost tp_ov, and
+        their split balances that)."""
+        return fw.tp_overlapped(FRAMEWORKS[key.framework], bool(key.sp), key.tp,
+                                self.ctx.layout(key.tp, key.ep, key.dp, key.pp).tp.nodes_spanned == 1,
+                                self.ctx.workload.tp_comm_overlap)
 
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
                               sp=bool(key.sp), ep=key.ep, dp=key.dp, framework=key.framework,
-                              layout=self.ctx.layout(key.tp, key.ep, key.dp, key.pp), zero3=zero3)
+                              layout=self.ctx.layout(key.tp, key.ep, key.dp, key.pp), zero3=zero3,
+                              tp_overlap=self.ctx.workload.tp_comm_overlap)
 
 
 class Detail(NamedTuple):
@@ -98,7 +107,7 @@ def evaluate_keys(p: Pricing, ks: KeyedSpace, key_ids: np.ndarray | None = None)
     for g in key_ids.tolist():
         key = ks.key(g)
         table = p.table(ks, key)
-        split = p.splits.split(table, key.split)
+        split = p.splits.split(table, key.split, p.overlap(key))
         specs.append(p.spec(table, split.parts, key, bool(ks.zero3[g])))
         splits.append(split)
     if not specs:
@@ -166,7 +175,7 @@ def _one(p: Pricing, ks: KeyedSpace, i: int, overrides: dict[int, Split]) -> tup
     """Candidate ``i``'s split (its key's; the parts of its override if any) and rank table."""
     key = ks.key_of(i)
     table = p.table(ks, key)
-    split = p.splits.split(table, key.split)
+    split = p.splits.split(table, key.split, p.overlap(key))
     parts = overrides.get(i, split.parts)
     return split, p.ranks.tables([p.spec(table, parts, key, bool(ks.columns["zero"][i] == 3))])[0]
 

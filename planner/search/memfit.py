@@ -114,8 +114,9 @@ def rebalance(p: Pricing, ks: KeyedSpace, rows: np.ndarray, bar: float = float("
         pp, vs = key.pp, key.vs
         table = p.table(ks, key)
         # The time-only optimum of the same split problem: no memory-limited split beats it.
-        fastest = p.splits.split(table, key.split).optimal
-        costs = p.splits.unit_costs(table, key.recompute, key.micro_batch)
+        overlap = p.overlap(key)
+        fastest = p.splits.split(table, key.split, overlap).optimal
+        costs = p.splits.unit_costs(table, key.recompute, key.micro_batch, overlap)
         m = int(ks.columns["grad_accum"][i])
         limit = None
         if m * vs > 1 and np.isfinite(bar):

@@ -66,24 +66,27 @@ class Splits:
         self._splits: dict[tuple, SplitResult] = {}
         self._unit_costs: dict[tuple, tuple[BlockTable, list[float]]] = {}
 
-    def unit_costs(self, table: BlockTable, mode: int, b: int) -> list[float]:
+    def unit_costs(self, table: BlockTable, mode: int, b: int, overlap: bool = False) -> list[float]:
         """Seconds per micro-batch of each pipeline unit: what the balancers split (the same for
-        every pp and virtual-stage count, so kept per table, mode and micro-batch)."""
-        key = (id(table), mode, b)
+        every pp and virtual-stage count, so kept per table, mode and micro-batch); ``overlap``:
+        with TP overlapped (block_times.overlapped_tp), for bounds."""
+        key = (id(table), mode, b, overlap)
         hit = self._unit_costs.get(key)
         if hit is None or hit[0] is not table:
-            prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b)))))
+            prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b), overlap))))
             hit = (table, (prefix[self.units.ends] - prefix[self.units.starts]).tolist())
             self._unit_costs[key] = hit  # holding the table keeps its id unique
         return hit[1]
 
-    def split(self, table: BlockTable, key: tuple[int, int, int, int, int, int, int]) -> SplitResult:
-        """The split of ``key`` = (tp, sp, ep, micro-batch, recompute, pp, virtual stages)."""
-        hit = self._splits.get(key)
+    def split(self, table: BlockTable, key: tuple[int, int, int, int, int, int, int],
+              overlap: bool = False) -> SplitResult:
+        """The split of ``key`` = (tp, sp, ep, micro-batch, recompute, pp, virtual stages), its
+        blocks costed with TP overlapped when ``overlap`` (as the candidates pay them)."""
+        hit = self._splits.get((*key, overlap))
         if hit is not None:
             return hit
         _, _, _, b, mode, pp, vs = key
-        costs = self.unit_costs(table, mode, b)
+        costs = self.unit_costs(table, mode, b, overlap)
         if pp * vs == 1:
             parts, greedy, optimal = [(0, self.units.nblocks)], float("nan"), float("nan")
         else:
@@ -92,5 +95,5 @@ class Splits:
             parts, greedy, optimal = self.units.blocks((o if self.balancer == "optimal" else g).counts), g.bottleneck, \
                 o.bottleneck
         self.all.append(parts)
-        out = self._splits[key] = SplitResult(parts, greedy, optimal, len(self.all) - 1)
+        out = self._splits[(*key, overlap)] = SplitResult(parts, greedy, optimal, len(self.all) - 1)
         return out
