@@ -135,8 +135,9 @@ def llama3() -> list[dict]:
     for nodes, tflops in LLAMA3:
         gpus = nodes * 8
         dp = gpus // (8 * 16)
-        # Meta's own training stack, priced as Megatron-Core: no TE userbuffers overlap assumed.
-        wl = Workload(global_batch=2048, seq_len=8192, tp_comm_overlap=False)
+        # Meta's own training stack, priced as Megatron-Core without Transformer Engine's kernels:
+        # no userbuffers TP overlap, FlashAttention-2's Hopper level for attention.
+        wl = Workload(global_batch=2048, seq_len=8192, tp_comm_overlap=False, te_attention=False)
         cfg = ParallelConfig(dp=dp, tp=8, pp=16, micro_batch=1, grad_accum=2048 // dp, recompute="none",
                              sequence_parallel=True, virtual_stages=4, framework="megatron", zero_stage=1)
         plan = estimate(model, Cluster.build(profile, nodes), wl, cfg)

@@ -11,6 +11,7 @@ checks it against this walk.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -65,28 +66,29 @@ def attention_time(core: AttnCore, b: int, dev: eff.Device, backward: bool = Fal
     return 2.0 * fwd if backward else fwd
 
 
-def forward_time(c: LayerCost, b: int, dev: eff.Device) -> float:
+def forward_time(c: LayerCost, b: int, dev: eff.Device, attn_dev: eff.Device | None = None) -> float:
+    """``attn_dev``: the device attention runs on (TE's attention: no FlashAttention-2 ceiling)."""
     t = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
     if c.attn is not None:
-        t += attention_time(c.attn, b, dev)
+        t += attention_time(c.attn, b, attn_dev or dev)
     return t + float(eff.hbm_time(c.hbm_fwd * b, dev))
 
 
-def backward_time(c: LayerCost, b: int, dev: eff.Device) -> float:
+def backward_time(c: LayerCost, b: int, dev: eff.Device, attn_dev: eff.Device | None = None) -> float:
     """Data and weight gradients: two GEMMs of each forward shape, twice the HBM traffic."""
     t = 2.0 * sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
     if c.attn is not None:
-        t += attention_time(c.attn, b, dev, backward=True)
+        t += attention_time(c.attn, b, attn_dev or dev, backward=True)
     return t + 2.0 * float(eff.hbm_time(c.hbm_fwd * b, dev))
 
 
-def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str) -> float:
+def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str, attn_dev: eff.Device | None = None) -> float:
     """Full: the checkpointed layer's forward again. Selective (Korthikanti Sec 4.1): the
     attention core (scores, softmax, dropout, values)."""
     if mode == "full" and c.checkpointed:
-        return forward_time(c, b, dev)
+        return forward_time(c, b, dev, attn_dev)
     if mode == "selective" and c.attn is not None:
-        return attention_time(c.attn, b, dev) + float(eff.hbm_time(c.extra.get("score_hbm", 0.0) * b, dev))
+        return attention_time(c.attn, b, attn_dev or dev) + float(eff.hbm_time(c.extra.get("score_hbm", 0.0) * b, dev))
     return 0.0
 
 
@@ -114,7 +116,8 @@ def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
 def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev: eff.Device, comms: Comms,
               recompute: str, pp_send_divisor: int, last_block: int,
               boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
-              transfers: int = 1, meta_bytes: float = 0.0, overlap_tp: int = 0) -> MicroBatchTime:
+              transfers: int = 1, meta_bytes: float = 0.0, overlap_tp: int = 0,
+              attn_dev: eff.Device | None = None) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
     boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication.
@@ -129,9 +132,9 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
         return transfers * (fn(nbytes) + (fn(meta_bytes) if meta_bytes else 0.0))
     for first, last in chunks:
         for c in costs[first:last]:
-            f += forward_time(c, b, dev)
-            bw += backward_time(c, b, dev)
-            rc += recompute_time(c, b, dev, recompute)
+            f += forward_time(c, b, dev, attn_dev)
+            bw += backward_time(c, b, dev, attn_dev)
+            rc += recompute_time(c, b, dev, recompute, attn_dev)
             tp += tp_time(c, b, comms, recompute, overlap_tp, dev)
             ep += ep_time(c, b, comms, recompute)
         # Each chunk boundary costs one transfer per micro-batch on each side: the activation
@@ -270,8 +273,9 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     crosses = pp_hops(cluster, cfg)
     overlap = (workload.tp_comm_overlap and traits.tp_comm_overlap and cfg.sequence_parallel
                and 1 < cfg.tp <= cluster.gpus_per_node)
+    attn_dev = dataclasses.replace(dev, flash=None) if workload.te_attention and traits.te_attention else dev
     times = [rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
-                       (crosses[r], crosses[r - 1]), transfers, meta, cfg.tp if overlap else 0)
+                       (crosses[r], crosses[r - 1]), transfers, meta, cfg.tp if overlap else 0, attn_dev)
              for r, ch in enumerate(chunks)]
     worst, bubble = pipeline(times, m, cfg.virtual_stages)
     tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)

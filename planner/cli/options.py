@@ -152,6 +152,9 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=None,
                      help="Overlap tensor-parallel collectives with the GEMMs where the runtime can (Megatron-Core "
                           "with Transformer Engine, --tp-comm-overlap, under sequence parallelism) [default: on]."),
+        click.option("--te-attention/--no-te-attention", default=None,
+                     help="Megatron-Core's attention through Transformer Engine (cuDNN fused attention, "
+                          "Hopper-native); off: FlashAttention-2's level, as the other runtimes [default: on]."),
         click.option("--dropout/--no-dropout", default=None,
                      help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
                           "Llama, DeepSeek and Qwen pre-training]."),

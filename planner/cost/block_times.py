@@ -22,12 +22,13 @@ builds one per group over every micro-batch size it tries (``BlockTables`` keeps
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_times_keyed
+from planner.cost.frameworks import Paid
 from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.hardware.cluster import Cluster
@@ -45,6 +46,11 @@ class BlockTable:
     rc: np.ndarray  # [mode, b, block]
     tp: np.ndarray  # [mode, b, block]
     tp_ov: np.ndarray  # [mode, b, block]: TP seconds left exposed when overlapped with the GEMMs (overlapped_tp)
+    # Seconds TE's attention saves over FlashAttention-2 (frameworks.Traits.te_attention; zero
+    # where the two level off alike): forward and backward [b, block], recomputed [mode, b, block].
+    te_f: np.ndarray
+    te_b: np.ndarray
+    te_rc: np.ndarray
     ep: np.ndarray  # [mode, b, block]
     params: np.ndarray  # params_rank per block
     expert: np.ndarray  # expert_params_rank per block
@@ -59,11 +65,12 @@ class BlockTable:
     def b_index(self, b: int) -> int:
         return self.micro_batches.index(b)
 
-    def total(self, mode: int, bi: int, overlap: bool = False) -> np.ndarray:
-        """Seconds of one micro-batch per block: what the balancer balances (``overlap``: with
-        TP overlapped, as a runtime that can pays it)."""
-        tp = (self.tp_ov if overlap else self.tp)[mode, bi]
-        return self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + self.ep[mode, bi]
+    def total(self, mode: int, bi: int, paid: Paid = Paid()) -> np.ndarray:
+        """Seconds of one micro-batch per block: what the balancer balances, as a runtime pays
+        them (``paid``: TP overlapped, TE's attention)."""
+        tp = (self.tp_ov if paid.overlap else self.tp)[mode, bi]
+        out = self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + self.ep[mode, bi]
+        return out - (self.te_f[bi] + self.te_b[bi] + self.te_rc[mode, bi]) if paid.te else out
 
 
 def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> tuple[np.ndarray, np.ndarray]:
@@ -170,12 +177,12 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         return np.array(values, dtype=float).reshape(n_groups, n_blocks)
 
     ckpt = per_block([c.checkpointed for c in costs]) > 0
-    fwd, bwd, rc, gemm = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt,
-                                        per_block([c.attn is not None for c in costs]) > 0)
+    fwd, bwd, rc, gemm, te = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt,
+                                            per_block([c.attn is not None for c in costs]) > 0)
     tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]))
     sizes = np.array([tp_shape.size for _, tp_shape, _ in groups], dtype=float)
     fields = {
-        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes),
+        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes), **te,
         "params": per_block([c.params_rank for c in costs]),
         "expert": per_block([c.expert_params_rank for c in costs]),
         "low": per_block([c.low_params for c in costs]),
@@ -202,10 +209,11 @@ def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: n
 
 
 def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarray, dev: eff.Device,
-                   ckpt: np.ndarray, has_attn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   ckpt: np.ndarray, has_attn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                     dict[str, np.ndarray]]:
     """Forward and backward seconds ([group, b, block]), recompute seconds ([group, mode, b,
-    block]) and forward GEMM seconds ([group, b, block]) of the blocks ``costs`` (groups x
-    blocks, flat).
+    block]), forward GEMM seconds ([group, b, block]) of the blocks ``costs`` (groups x blocks,
+    flat), and what TE's attention saves of each (``te_f``, ``te_b``, ``te_rc``).
 
     The kernels run once per distinct cost: groups share the blocks that their (tp, sp, ep) do
     not change (one LayerCost object from layer_costs' memo), then each column is copied out."""
@@ -227,7 +235,14 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
     rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
     rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0)
-    return fwd, bwd, rc, spread(gemm)
+    save_f, save_b = np.zeros_like(attn_f), np.zeros_like(attn_b)
+    if dev.flash is not None:  # FlashAttention-2 levels off below the GPU's MAMF here (Hopper); TE's does not
+        te_f, te_b = _attention(uniq, bs, replace(dev, flash=None))
+        save_f, save_b = np.maximum(attn_f - te_f, 0.0), np.maximum(attn_b - te_b, 0.0)
+    te_rc = np.zeros_like(rc)
+    te_rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], spread(save_f), 0.0)
+    te_rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(save_f), 0.0)
+    return fwd, bwd, rc, spread(gemm), {"te_f": spread(save_f), "te_b": spread(save_b), "te_rc": te_rc}
 
 
 def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,

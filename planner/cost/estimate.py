@@ -44,7 +44,9 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     spec = RankSpec.build(table, parts, mode=RECOMPUTES.index(cfg.recompute), b=cfg.micro_batch, pp=cfg.pp,
                           vs=cfg.virtual_stages, tp=cfg.tp, sp=bool(sp), ep=cfg.ep, dp=cfg.dp,
                           framework=FRAMEWORKS.index(cfg.framework), layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp, cfg.pp),
-                          zero3=cfg.zero_stage == 3, send=pp_send, tp_overlap=workload.tp_comm_overlap)
+                          zero3=cfg.zero_stage == 3, send=pp_send,
+                          paid=fw.paid(cfg.framework, bool(sp), cfg.tp, ctx.layout(cfg.tp, cfg.ep, cfg.dp, cfg.pp).tp
+                                       .nodes_spanned == 1, workload.tp_comm_overlap, workload.te_attention))
     (ranks,) = RankTables(model, ctx).tables([spec])
     asm = assemble(ctx, columns_of([cfg]), rank_fields(ranks[None]), cfg.pp)
     return build_plan(model, ctx, cfg, parts, ranks, asm, 0, tables.runs.flops_per_step(), BlockKinds(model))

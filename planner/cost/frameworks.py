@@ -34,7 +34,7 @@ the accumulation is filled in: planner/cost/degrees.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -105,6 +105,11 @@ class Traits:
     # exposed per block: max(TP seconds - its GEMM seconds, one chunk = TP seconds / tp)
     # (block_times.overlapped_tp).
     tp_comm_overlap: bool = False
+    # Attention through Transformer Engine (Megatron-Core's default TE layers: cuDNN's fused
+    # attention), written for Hopper and Blackwell, so it levels off at the GPU's MAMF; the
+    # others run FlashAttention-2 (flash-attn, PyTorch SDPA), which on Hopper levels off at
+    # gpu.flash_attention_efficiency (efficiency.flash_efficiency).
+    te_attention: bool = False
 
 
 def tp_overlapped(framework: str, sp: bool, tp: int, tp_in_node: bool, allowed: bool) -> bool:
@@ -114,12 +119,26 @@ def tp_overlapped(framework: str, sp: bool, tp: int, tp_in_node: bool, allowed: 
     return allowed and traits(framework).tp_comm_overlap and sp and tp > 1 and tp_in_node
 
 
+class Paid(NamedTuple):
+    """How a plan's runtime pays its blocks: TP overlapped with the GEMMs, TE's attention."""
+
+    overlap: bool = False
+    te: bool = False
+
+
+def paid(framework: str, sp: bool, tp: int, tp_in_node: bool, workload_overlap: bool, workload_te: bool) -> Paid:
+    """What ``framework`` does with a plan's blocks, as the workload allows (Workload.tp_comm_overlap,
+    Workload.te_attention)."""
+    return Paid(tp_overlapped(framework, sp, tp, tp_in_node, workload_overlap),
+                workload_te and traits(framework).te_attention)
+
+
 TRAITS = {
     "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True,
                         zero2_reduces_every_microbatch=True),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True),
-    "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True),
+    "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config

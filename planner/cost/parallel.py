@@ -55,6 +55,9 @@ class Workload(BaseModel):
     # (frameworks.Traits.tp_comm_overlap: Megatron-Core with TE's userbuffers, --tp-comm-overlap,
     # under sequence parallelism). False models runs without it (Megatron-LM 2021-22).
     tp_comm_overlap: bool = True
+    # Megatron-Core's attention through Transformer Engine (frameworks.Traits.te_attention); False
+    # prices FlashAttention-2 for it too (a stack without TE).
+    te_attention: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -111,6 +111,7 @@ class Plan:
             "sequence_parallel": c.sequence_parallel, "virtual_stages": c.virtual_stages, "precision": w.precision_name,
             "optimizer": w.optimizer, "images_per_sample": w.images_per_sample, "tiles_per_image": w.tiles_per_image,
             "flash_attention": w.flash_attention, "dropout": w.dropout, "tp_comm_overlap": w.tp_comm_overlap,
+            "te_attention": w.te_attention,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,
             "reason": self.why_not(),

@@ -58,8 +58,8 @@ TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")]  # MicroBat
 # RANK_FIELDS' first seven; "act" is stored bytes per sample, "low" the weights of the GEMMs
 # that run in a precision recipe's format (their quantized copies are cached for the step),
 # "tp_ov" the TP seconds left exposed where the runtime overlaps them (the "tp" row of a spec
-# with ``overlap``).
-PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov")
+# with ``overlap``), "te_*" what TE's attention saves of fwd, bwd and rc (a spec with ``te``).
+PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov", "te_f", "te_b", "te_rc")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -104,24 +104,24 @@ class RankSpec(NamedTuple):
     meta: float = 0.0
     zero3: bool = False
     overlap: bool = False  # TP collectives overlapped with the GEMMs (frameworks.Traits.tp_comm_overlap)
+    te: bool = False  # attention through Transformer Engine (frameworks.Traits.te_attention)
 
     @classmethod
     def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
               ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None,
-              tp_overlap: bool = False) -> "RankSpec":
-        """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``);
-        ``tp_overlap``: the workload lets a runtime that can overlap TP with the GEMMs do so."""
+              paid: fw.Paid = fw.Paid()) -> "RankSpec":
+        """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``) and
+        how it pays its blocks (``paid``: frameworks.paid)."""
         traits = fw.traits(FRAMEWORKS[framework])
         send = send or traits.pp_send
-        overlap = fw.tp_overlapped(FRAMEWORKS[framework], sp, tp, layout.tp.nodes_spanned == 1, tp_overlap)
         return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, fw.pp_send_divisor(send, tp, sp), layout,
                    fw.pp_boundary_gathers(send, tp), fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp), zero3,
-                   overlap)
+                   paid.overlap, paid.te)
 
     def base_key(self) -> tuple:
         """What the rows but the ZeRO-3 ones depend on (not dp or the framework beyond its sends)."""
         return (id(self.table), tuple(self.parts), self.mode, self.b, self.pp, self.vs, self.tp, self.send_div,
-                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap)
+                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap, self.te)
 
 
 class _Chunks:
@@ -129,7 +129,8 @@ class _Chunks:
     its rank k % pp), and the specs' ranks side by side as columns."""
 
     # Per-spec numbers, repeated per chunk (``chunk``) and per rank (``rank``).
-    VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy", "overlap")
+    VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy", "overlap",
+              "te")
 
     def __init__(self, specs: list[RankSpec], nblocks: int, tied_size: float) -> None:
         self.specs = specs
@@ -143,7 +144,7 @@ class _Chunks:
         counts, pps, prefix, base = np.array([(len(s.parts), s.pp, prefixes[id(s.table), s.mode, s.b][0],
                                                tables[id(s.table)][0] * stride) for s in specs]).T
         values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, RECOMPUTES[s.mode] == "full", s.pp,
-                            tied_size / s.tp, s.overlap) for s in specs], dtype=float).T
+                            tied_size / s.tp, s.overlap, s.te) for s in specs], dtype=float).T
         self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
         self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
         self.counts, self.pps = counts, pps
@@ -279,7 +280,8 @@ class RankTables:
         if todo:
             series = np.stack([row for (_, mode, bi), s in todo for row in (
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
-                s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi])])
+                s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi],
+                s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi])])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -305,6 +307,9 @@ class RankTables:
         out[ROW["stored"]] = sums[_CHUNK["act"]] * b
         out[ROW["low"]] = sums[_CHUNK["low"]]
         out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]], sums[_CHUNK["tp"]])
+        te = ch.rank["te"] > 0
+        for row, saved in (("fwd", "te_f"), ("bwd", "te_b"), ("rc", "te_rc")):  # what TE's attention saves
+            out[ROW[row]] -= np.where(te, sums[_CHUNK[saved]], 0.0)
         out[ROW["live"]] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # under full recompute
         out[ROW["ppbuf"]] = np.where(ch.rank["pp"] > 1, 2.0 * buf * b, 0.0)  # pipeline receive buffers
         if self.tied is not None:

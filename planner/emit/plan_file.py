@@ -47,6 +47,7 @@ class PlanFile(BaseModel):
     virtual_stages: PositiveInt = 1
     precision: PrecisionName = "bf16"  # a working precision or a TE recipe (planner/cost/precision.py)
     tp_comm_overlap: bool = True  # TP collectives overlapped with the GEMMs where the runtime can (Workload)
+    te_attention: bool = True  # Megatron-Core's attention through Transformer Engine (Workload)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -90,7 +91,7 @@ class PlanFile(BaseModel):
         return Workload(
             global_batch=self.global_batch, seq_len=self.seq_len, images_per_sample=self.images_per_sample,
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
-            tp_comm_overlap=self.tp_comm_overlap,
+            tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
         )
 
     @property

@@ -106,10 +106,11 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
         sel = np.flatnonzero(np.isin(run_of, rs)) if len(rs) < len(tables) else slice(None)
         lr, mode = local[run_of[sel]], k[sel, 4]
         bi = np.searchsorted(np.array(sizes), k[sel, 3])
-        fb = stacked(ts, "fwd") + stacked(ts, "bwd")  # [table, b, block]
-        # [table, mode, b, block]; TP as the runtime that overlaps it most leaves it (tp_ov <= tp),
-        # so the bound holds for every framework of the key
-        rc, tpt, ept = (stacked(ts, f) for f in ("rc", "tp_ov", "ep"))
+        # Every block as the runtime that pays least for it (TP overlapped: tp_ov <= tp; TE's
+        # attention saving te_*), so the bound holds for every framework of the key.
+        fb = stacked(ts, "fwd") + stacked(ts, "bwd") - stacked(ts, "te_f") - stacked(ts, "te_b")  # [table, b, block]
+        rc, tpt, ept = (stacked(ts, f) for f in ("rc", "tp_ov", "ep"))  # [table, mode, b, block]
+        rc = rc - stacked(ts, "te_rc")
         rest = rc + tpt + ept
         _, modes, nb, blocks = rest.shape
         row = (lr * modes + mode) * nb + bi  # per key: its (table, mode, b) row
@@ -315,9 +316,9 @@ def split_time_bound(p: Pricing, ks: KeyedSpace, rows: np.ndarray) -> np.ndarray
         key = ks.key_of(i)
         pp, vs = key.pp, key.vs
         table = p.table(ks, key)
-        overlap = p.overlap(key)  # the key's blocks as it pays them (TP overlapped or not)
-        costs = p.splits.unit_costs(table, key.recompute, key.micro_batch, overlap)
-        bottleneck = p.splits.split(table, key.split, overlap).optimal
+        paid = p.paid(key)  # the key's blocks as its runtime pays them
+        costs = p.splits.unit_costs(table, key.recompute, key.micro_batch, paid)
+        bottleneck = p.splits.split(table, key.split, paid).optimal
         total = float(sum(costs))
         spread = float(spread_bound(np.sort(costs)[None, ::-1], np.array([pp]))[0])
         out[j] = (int(c["grad_accum"][i]) - 1 / vs) * max(bottleneck, total / pp, spread) + total / vs

@@ -53,20 +53,21 @@ class Pricing:
         return self.tables.table(key.tp, key.sp, key.ep, ks.micro[key.group])
 
     def split(self, ks: KeyedSpace, key: Key) -> SplitResult:
-        return self.splits.split(self.table(ks, key), key.split, self.overlap(key))
+        return self.splits.split(self.table(ks, key), key.split, self.paid(key))
 
-    def overlap(self, key: Key) -> bool:
-        """Whether ``key``'s candidates overlap TP with the GEMMs (their blocks cost tp_ov, and
-        their split balances that)."""
-        return fw.tp_overlapped(FRAMEWORKS[key.framework], bool(key.sp), key.tp,
-                                self.ctx.layout(key.tp, key.ep, key.dp, key.pp).tp.nodes_spanned == 1,
-                                self.ctx.workload.tp_comm_overlap)
+    def paid(self, key: Key) -> fw.Paid:
+        """How ``key``'s runtime pays its blocks (TP overlapped, TE's attention): its rank tables
+        and its split both use it."""
+        w = self.ctx.workload
+        return fw.paid(FRAMEWORKS[key.framework], bool(key.sp), key.tp,
+                       self.ctx.layout(key.tp, key.ep, key.dp, key.pp).tp.nodes_spanned == 1, w.tp_comm_overlap,
+                       w.te_attention)
 
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
                               sp=bool(key.sp), ep=key.ep, dp=key.dp, framework=key.framework,
                               layout=self.ctx.layout(key.tp, key.ep, key.dp, key.pp), zero3=zero3,
-                              tp_overlap=self.ctx.workload.tp_comm_overlap)
+                              paid=self.paid(key))
 
 
 class Detail(NamedTuple):
@@ -107,7 +108,7 @@ def evaluate_keys(p: Pricing, ks: KeyedSpace, key_ids: np.ndarray | None = None)
     for g in key_ids.tolist():
         key = ks.key(g)
         table = p.table(ks, key)
-        split = p.splits.split(table, key.split, p.overlap(key))
+        split = p.splits.split(table, key.split, p.paid(key))
         specs.append(p.spec(table, split.parts, key, bool(ks.zero3[g])))
         splits.append(split)
     if not specs:
@@ -175,7 +176,7 @@ def _one(p: Pricing, ks: KeyedSpace, i: int, overrides: dict[int, Split]) -> tup
     """Candidate ``i``'s split (its key's; the parts of its override if any) and rank table."""
     key = ks.key_of(i)
     table = p.table(ks, key)
-    split = p.splits.split(table, key.split, p.overlap(key))
+    split = p.splits.split(table, key.split, p.paid(key))
     parts = overrides.get(i, split.parts)
     return split, p.ranks.tables([p.spec(table, parts, key, bool(ks.columns["zero"][i] == 3))])[0]
 

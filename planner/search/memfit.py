@@ -114,9 +114,9 @@ def rebalance(p: Pricing, ks: KeyedSpace, rows: np.ndarray, bar: float = float("
         pp, vs = key.pp, key.vs
         table = p.table(ks, key)
         # The time-only optimum of the same split problem: no memory-limited split beats it.
-        overlap = p.overlap(key)
-        fastest = p.splits.split(table, key.split, overlap).optimal
-        costs = p.splits.unit_costs(table, key.recompute, key.micro_batch, overlap)
+        paid = p.paid(key)
+        fastest = p.splits.split(table, key.split, paid).optimal
+        costs = p.splits.unit_costs(table, key.recompute, key.micro_batch, paid)
         m = int(ks.columns["grad_accum"][i])
         limit = None
         if m * vs > 1 and np.isfinite(bar):

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.cost.block_times import BlockTable
+from planner.cost.frameworks import Paid
 from planner.cost.rank_tables import Split
 from planner.model.spec import ModelSpec
 from planner.search.partition import greedy_partition, optimal_partition
@@ -66,27 +67,27 @@ class Splits:
         self._splits: dict[tuple, SplitResult] = {}
         self._unit_costs: dict[tuple, tuple[BlockTable, list[float]]] = {}
 
-    def unit_costs(self, table: BlockTable, mode: int, b: int, overlap: bool = False) -> list[float]:
+    def unit_costs(self, table: BlockTable, mode: int, b: int, paid: Paid = Paid()) -> list[float]:
         """Seconds per micro-batch of each pipeline unit: what the balancers split (the same for
-        every pp and virtual-stage count, so kept per table, mode and micro-batch); ``overlap``:
-        with TP overlapped (block_times.overlapped_tp), for bounds."""
-        key = (id(table), mode, b, overlap)
+        every pp and virtual-stage count, so kept per table, mode, micro-batch and how the
+        runtime pays the blocks, frameworks.Paid)."""
+        key = (id(table), mode, b, paid)
         hit = self._unit_costs.get(key)
         if hit is None or hit[0] is not table:
-            prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b), overlap))))
+            prefix = np.concatenate(([0.0], np.cumsum(table.total(mode, table.b_index(b), paid))))
             hit = (table, (prefix[self.units.ends] - prefix[self.units.starts]).tolist())
             self._unit_costs[key] = hit  # holding the table keeps its id unique
         return hit[1]
 
     def split(self, table: BlockTable, key: tuple[int, int, int, int, int, int, int],
-              overlap: bool = False) -> SplitResult:
+              paid: Paid = Paid()) -> SplitResult:
         """The split of ``key`` = (tp, sp, ep, micro-batch, recompute, pp, virtual stages), its
-        blocks costed with TP overlapped when ``overlap`` (as the candidates pay them)."""
-        hit = self._splits.get((*key, overlap))
+        blocks costed as the candidates' runtime pays them (``paid``)."""
+        hit = self._splits.get((*key, paid))
         if hit is not None:
             return hit
         _, _, _, b, mode, pp, vs = key
-        costs = self.unit_costs(table, mode, b, overlap)
+        costs = self.unit_costs(table, mode, b, paid)
         if pp * vs == 1:
             parts, greedy, optimal = [(0, self.units.nblocks)], float("nan"), float("nan")
         else:
@@ -95,5 +96,5 @@ class Splits:
             parts, greedy, optimal = self.units.blocks((o if self.balancer == "optimal" else g).counts), g.bottleneck, \
                 o.bottleneck
         self.all.append(parts)
-        out = self._splits[(*key, overlap)] = SplitResult(parts, greedy, optimal, len(self.all) - 1)
+        out = self._splits[(*key, paid)] = SplitResult(parts, greedy, optimal, len(self.all) - 1)
         return out

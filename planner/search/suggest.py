@@ -162,6 +162,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
             images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
             optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
+            te_attention: bool = True,
             constraints: Constraints | None = None, balancer: str = "optimal",
             objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None) -> SuggestResult:
@@ -191,12 +192,12 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
     images, tiles = vision_inputs(model, images_per_sample, tiles_per_image, seq)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                        tp_comm_overlap=tp_comm_overlap,
+                        tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         dropout=dropout)  # type: ignore[arg-type]
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
               "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
-              "tp_comm_overlap": tp_comm_overlap,
+              "tp_comm_overlap": tp_comm_overlap, "te_attention": te_attention,
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
