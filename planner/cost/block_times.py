@@ -28,8 +28,8 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_times_keyed
-from planner.cost.frameworks import Paid
 from planner.cost.layers import LayerCost, layer_costs
+from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.placement import GroupShape, strided_shape

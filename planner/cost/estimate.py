@@ -14,6 +14,7 @@ from planner.cost.block_times import BlockTables, RunModel
 from planner.cost.candidates import columns_of
 from planner.cost.context import CostContext
 from planner.cost.degrees import check_world
+from planner.cost.paid import paid
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES, ParallelConfig, Workload, check_against_model
 from planner.cost.partition import Partition, check_partition, default_partition
 from planner.cost.plan import Plan
@@ -45,7 +46,7 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
                           vs=cfg.virtual_stages, tp=cfg.tp, sp=bool(sp), ep=cfg.ep, dp=cfg.dp,
                           framework=FRAMEWORKS.index(cfg.framework), layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp, cfg.pp),
                           zero3=cfg.zero_stage == 3, send=pp_send,
-                          paid=fw.paid(cfg.framework, bool(sp), cfg.tp, ctx.layout(cfg.tp, cfg.ep, cfg.dp, cfg.pp).tp
+                          paid=paid(cfg.framework, bool(sp), cfg.tp, ctx.layout(cfg.tp, cfg.ep, cfg.dp, cfg.pp).tp
                                        .nodes_spanned == 1, workload.tp_comm_overlap, workload.te_attention))
     (ranks,) = RankTables(model, ctx).tables([spec])
     asm = assemble(ctx, columns_of([cfg]), rank_fields(ranks[None]), cfg.pp)

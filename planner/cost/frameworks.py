@@ -34,7 +34,7 @@ the accumulation is filled in: planner/cost/degrees.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -110,27 +110,6 @@ class Traits:
     # others run FlashAttention-2 (flash-attn, PyTorch SDPA), which on Hopper levels off at
     # gpu.flash_attention_efficiency (efficiency.flash_efficiency).
     te_attention: bool = False
-
-
-def tp_overlapped(framework: str, sp: bool, tp: int, tp_in_node: bool, allowed: bool) -> bool:
-    """Whether a plan's TP collectives overlap its GEMMs (Traits.tp_comm_overlap): the runtime
-    can, the workload allows it, and TE's userbuffers apply (sequence parallelism, TP > 1
-    inside one node)."""
-    return allowed and traits(framework).tp_comm_overlap and sp and tp > 1 and tp_in_node
-
-
-class Paid(NamedTuple):
-    """How a plan's runtime pays its blocks: TP overlapped with the GEMMs, TE's attention."""
-
-    overlap: bool = False
-    te: bool = False
-
-
-def paid(framework: str, sp: bool, tp: int, tp_in_node: bool, workload_overlap: bool, workload_te: bool) -> Paid:
-    """What ``framework`` does with a plan's blocks, as the workload allows (Workload.tp_comm_overlap,
-    Workload.te_attention)."""
-    return Paid(tp_overlapped(framework, sp, tp, tp_in_node, workload_overlap),
-                workload_te and traits(framework).te_attention)
 
 
 TRAITS = {

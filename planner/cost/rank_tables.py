@@ -38,6 +38,7 @@ from planner.cost.block_times import BlockTable
 from planner.cost.collectives import collective_time_array, collective_times_keyed
 from planner.cost.context import CostContext
 from planner.cost.layout import Layout
+from planner.cost.paid import Paid
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
 from planner.hardware.placement import GroupShape
 from planner.model.spec import ModelSpec
@@ -109,7 +110,7 @@ class RankSpec(NamedTuple):
     @classmethod
     def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
               ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None,
-              paid: fw.Paid = fw.Paid()) -> "RankSpec":
+              paid: Paid = Paid()) -> "RankSpec":
         """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``) and
         how it pays its blocks (``paid``: frameworks.paid)."""
         traits = fw.traits(FRAMEWORKS[framework])

@@ -14,12 +14,12 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.assemble import Assembly, assemble
 from planner.cost.block_times import BlockTable, BlockTables
 from planner.cost.candidates import config_at, take
 from planner.cost.context import CostContext
+from planner.cost.paid import Paid, paid
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.cost.plans import BlockKinds, build_plan
@@ -55,11 +55,11 @@ class Pricing:
     def split(self, ks: KeyedSpace, key: Key) -> SplitResult:
         return self.splits.split(self.table(ks, key), key.split, self.paid(key))
 
-    def paid(self, key: Key) -> fw.Paid:
+    def paid(self, key: Key) -> Paid:
         """How ``key``'s runtime pays its blocks (TP overlapped, TE's attention): its rank tables
         and its split both use it."""
         w = self.ctx.workload
-        return fw.paid(FRAMEWORKS[key.framework], bool(key.sp), key.tp,
+        return paid(FRAMEWORKS[key.framework], bool(key.sp), key.tp,
                        self.ctx.layout(key.tp, key.ep, key.dp, key.pp).tp.nodes_spanned == 1, w.tp_comm_overlap,
                        w.te_attention)
 
