@@ -45,7 +45,7 @@ def test_estimate_exits_3_with_a_warning_unless_allow_oom():
     allowed = invoke(*args, "--allow-oom")
     assert allowed.exit_code == 0 and allowed.stderr == result.stderr
     fits = invoke(*args[:-4], "--micro-batch", "1", "--global-batch", "512")
-    assert fits.exit_code == 0 and fits.stderr == "" and "; fits" in fits.stdout
+    assert fits.exit_code == 0 and fits.stderr == "" and "; fits" in " ".join(fits.stdout.split())  # any width
 
 
 def test_the_first_example_of_estimate_help_fits():
@@ -53,7 +53,7 @@ def test_the_first_example_of_estimate_help_fits():
     first = next(line.strip() for line in text.splitlines() if line.strip().startswith("dsplan estimate"))
     result = invoke(*shlex.split(first)[1:])
     assert result.exit_code == 0 and result.stderr == "", result.output
-    assert "; fits" in result.stdout
+    assert "; fits" in " ".join(result.stdout.split())  # the line may wrap at the console width
 
 
 def test_generates_help_example_writes_a_plan_file_that_fits():

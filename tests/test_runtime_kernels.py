@@ -90,3 +90,22 @@ def test_search_agrees_with_the_scalar_walk_on_hopper(framework, pins):
         assert rp.plan.step_time_s == pytest.approx(oracle.step_time_s, rel=1e-9), rp.plan.cfg
         assert rp.plan.memory.peak == pytest.approx(oracle.memory.peak, rel=1e-9)
     assert isinstance(rp.plan.cfg, ParallelConfig) and isinstance(rp.plan.workload, Workload)
+
+
+def test_zero3_rows_land_on_their_own_fields():
+    """ZeRO-3's per-block gathers and reduce-scatters go to the z3_gather and z3_reduce rows by
+    name, whatever rows RANK_FIELDS gains after them (a row appended once took their place)."""
+    from planner.cost.block_times import BlockTables
+    from planner.cost.context import CostContext
+    from planner.cost.rank_tables import RankSpec, RankTables, rank_fields
+
+    model = load_model("llama-3.1-8b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+    ctx = CostContext.of(cluster, Workload(global_batch=64, seq_len=4096))
+    table = BlockTables(model, cluster, ctx.workload, ctx.dev).table(1, 0, 1, (1,))
+    spec = RankSpec.build(table, [(0, len(model.blocks))], mode=0, b=1, pp=1, vs=1, tp=1, sp=False, ep=1, dp=8,
+                          framework=0, layout=ctx.layout(1, 1, 8, 1), zero3=True)
+    rows = rank_fields(RankTables(model, ctx).tables([spec])[0][None])
+    gather = (2 * table.params).sum()  # 16-bit weights of every block, gathered over the 8 DP ranks
+    assert rows["z3_gather"][0, 0] > 0 and rows["z3_reduce"][0, 0] > 0 and gather > 0
+    assert rows["low"][0, 0] == 0.0  # bf16: no quantized weights to cache

@@ -242,8 +242,8 @@ class RankTables:
         out = base.copy()
         starts = np.array([a for a, _ in spec.parts])
         ends = np.array([e for _, e in spec.parts])
-        for row, name in ((-2, "z3_gather"), (-1, "z3_reduce")):
-            out[row] = (z3[name][ends] - z3[name][starts]).reshape(spec.vs, spec.pp).sum(axis=0)
+        for name in ("z3_gather", "z3_reduce"):
+            out[ROW[name]] = (z3[name][ends] - z3[name][starts]).reshape(spec.vs, spec.pp).sum(axis=0)
         return out
 
     def _z3_prefix(self, spec: RankSpec) -> dict[str, np.ndarray] | None:
