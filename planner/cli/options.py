@@ -122,7 +122,8 @@ _CONSTRAINT_FLAGS = (
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
-    --precision, --optimizer, --flash-attention/--no-flash-attention and --dropout/--no-dropout.
+    --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
+    --te-attention/--no-te-attention and --dropout/--no-dropout.
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""

@@ -46,8 +46,7 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
                           vs=cfg.virtual_stages, tp=cfg.tp, sp=bool(sp), ep=cfg.ep, dp=cfg.dp,
                           framework=FRAMEWORKS.index(cfg.framework), layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp, cfg.pp),
                           zero3=cfg.zero_stage == 3, send=pp_send,
-                          paid=paid(cfg.framework, bool(sp), cfg.tp, ctx.layout(cfg.tp, cfg.ep, cfg.dp, cfg.pp).tp
-                                       .nodes_spanned == 1, workload.tp_comm_overlap, workload.te_attention))
+                          paid=paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp, cfg.pp))
     (ranks,) = RankTables(model, ctx).tables([spec])
     asm = assemble(ctx, columns_of([cfg]), rank_fields(ranks[None]), cfg.pp)
     return build_plan(model, ctx, cfg, parts, ranks, asm, 0, tables.runs.flops_per_step(), BlockKinds(model))

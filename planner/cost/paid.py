@@ -5,9 +5,12 @@ table, a pipeline split and a bound pick the way of their plan."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from planner.cost.frameworks import traits
+
+if TYPE_CHECKING:
+    from planner.cost.context import CostContext
 
 
 def tp_overlapped(framework: str, sp: bool, tp: int, tp_in_node: bool, allowed: bool) -> bool:
@@ -24,8 +27,10 @@ class Paid(NamedTuple):
     te: bool = False
 
 
-def paid(framework: str, sp: bool, tp: int, tp_in_node: bool, workload_overlap: bool, workload_te: bool) -> Paid:
-    """What ``framework`` does with a plan's blocks, as the workload allows (Workload.tp_comm_overlap,
-    Workload.te_attention)."""
-    return Paid(tp_overlapped(framework, sp, tp, tp_in_node, workload_overlap),
-                workload_te and traits(framework).te_attention)
+def paid(ctx: "CostContext", framework: str, sp: bool, tp: int, ep: int, dp: int, pp: int) -> Paid:
+    """What ``framework`` does with the blocks of a plan of these degrees on ``ctx``'s cluster, as
+    its workload allows (Workload.tp_comm_overlap, Workload.te_attention)."""
+    w = ctx.workload
+    in_node = ctx.layout(tp, ep, dp, pp).tp.nodes_spanned == 1
+    return Paid(tp_overlapped(framework, sp, tp, in_node, w.tp_comm_overlap),
+                w.te_attention and traits(framework).te_attention)

@@ -58,10 +58,7 @@ class Pricing:
     def paid(self, key: Key) -> Paid:
         """How ``key``'s runtime pays its blocks (TP overlapped, TE's attention): its rank tables
         and its split both use it."""
-        w = self.ctx.workload
-        return paid(FRAMEWORKS[key.framework], bool(key.sp), key.tp,
-                       self.ctx.layout(key.tp, key.ep, key.dp, key.pp).tp.nodes_spanned == 1, w.tp_comm_overlap,
-                       w.te_attention)
+        return paid(self.ctx, FRAMEWORKS[key.framework], bool(key.sp), key.tp, key.ep, key.dp, key.pp)
 
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
