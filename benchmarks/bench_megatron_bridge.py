@@ -6,7 +6,7 @@
 
 Rows: reference/megatron_bridge_25.11_pretrain.csv (NVIDIA-NeMo/Megatron-Bridge
 docs/performance-summary.md, 25.11). For each row this runs ``suggest`` with the row's GPUs,
-system, global batch, sequence, precision and layout pinned (tp, pp, vp, ep, micro-batch,
+system, global batch, sequence, precision and layout pinned (tp, pp, cp, vp, ep, micro-batch,
 Megatron-Core with its distributed optimizer), letting dsplan choose what the table does not
 say (recomputation, sequence parallelism), and compares the best plan's tokens/s per GPU with
 the published one. A row dsplan cannot express yet is listed with the reason. Plan quality:
@@ -51,8 +51,6 @@ def not_expressible(row: dict) -> str | None:
         return f"no {row['system']} profile (NVL72 systems are not modelled yet)"
     if MODELS[row["model"]] is None:
         return f"no {row['model']} preset"
-    if _int(row["cp"]) > 1:
-        return "context parallelism"
     if _int(row["fsdp"], 0) > 0:
         return "FSDP"
     if row["model"] == "DeepSeekV3" and "with MTP" in row["notes"]:
@@ -62,7 +60,7 @@ def not_expressible(row: dict) -> str | None:
 
 def layout(row: dict) -> dict:
     return {"tp": _int(row["tp"]), "pp": _int(row["pp"]), "virtual_stages": _int(row["vp"]), "ep": _int(row["ep"]),
-            "micro_batch": _int(row["micro_batch"])}
+            "cp": _int(row["cp"]), "micro_batch": _int(row["micro_batch"])}
 
 
 def _search(row: dict, pins: dict, top: int):
@@ -83,7 +81,8 @@ def pinned(row: dict) -> dict:
     predicted = plan.tokens_per_s / gpus
     published = float(row["tokens_per_s_per_gpu"])
     return {"predicted": predicted, "ratio": predicted / published, "seconds": seconds,
-            "chosen": f"recompute {plan.cfg.recompute}{', sp' if plan.cfg.sequence_parallel else ''}"}
+            "chosen": f"recompute {plan.cfg.recompute}{', sp' if plan.cfg.sequence_parallel else ''}"
+                      + (f", cp {plan.cfg.cp_comm}" if plan.cfg.cp > 1 else "")}
 
 
 def free(row: dict) -> dict:
@@ -95,7 +94,8 @@ def free(row: dict) -> dict:
                 None)
     best = out.plans[0].plan
     c = best.cfg
-    return {"rank": rank, "best": f"{c.framework} tp{c.tp} pp{c.pp}x{c.virtual_stages} ep{c.ep} mb{c.micro_batch}",
+    return {"rank": rank, "best": f"{c.framework} tp{c.tp} pp{c.pp}x{c.virtual_stages} ep{c.ep} cp{c.cp} "
+                                  f"mb{c.micro_batch}",
             "best_tokens": best.tokens_per_s / gpus, "seconds": seconds}
 
 

@@ -159,17 +159,17 @@ def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float
 
 # The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
 WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
-                 "flash_attention", "dropout", "tp_comm_overlap", "te_attention")
+                 "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather")
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
-             "virtual_stages", "framework")
+             "virtual_stages", "framework", "cp", "cp_comm")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
                   seq_len: int | None = None, images_per_sample: int | None = None,
                   tiles_per_image: int | None = None, precision: str = "bf16", optimizer: str = "adamw",
                   flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
-                  te_attention: bool = True) -> "Workload":
+                  te_attention: bool = True, fp8_param_gather: bool = True) -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), and the model's default images and
@@ -193,7 +193,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
-                        tp_comm_overlap=tp_comm_overlap, te_attention=te_attention)
+                        tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
+                        fp8_param_gather=fp8_param_gather)
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
 
@@ -254,8 +255,8 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
     ``suggest`` gives its best plan (what the batch holds back; the interleaved schedule).
 
     ``knobs``: the plan's ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``offload``,
-    ``micro_batch``, ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework``
-    (CLI defaults), and either ``workload`` or its fields (``global_batch``, ``seq_len``,
+    ``micro_batch``, ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework``,
+    ``cp`` and ``cp_comm`` (CLI defaults), and either ``workload`` or its fields (``global_batch``, ``seq_len``,
     ``images_per_sample``, ``tiles_per_image``, ``precision``, ``optimizer``,
     ``flash_attention``, ``dropout``). The default global batch is ~4M tokens that the plan's
     micro-batch x dp divides, with at least pp micro-batches (planner/cost/degrees.py).
@@ -292,8 +293,8 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 # -- many plans ------------------------------------------------------------------------------
 
 SEARCH_AXES = ("dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework",
-               "sequence_parallel", "allow_tp_across_nodes")
-_COUNT_AXES = ("dp", "tp", "pp", "ep", "micro_batch", "virtual_stages")
+               "sequence_parallel", "allow_tp_across_nodes", "cp", "cp_comm")
+_COUNT_AXES = ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages")
 
 
 def constraints(**axes: Any) -> Any:
@@ -303,11 +304,11 @@ def constraints(**axes: Any) -> Any:
     >>> constraints(tp=8, pp=[2, 4]).pp
     (2, 4)
     """
-    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
+    from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES
     from planner.search.space import Constraints
 
     _check_keys("search constraint", axes, SEARCH_AXES)
-    choices = {"offload": OFFLOADS, "recompute": RECOMPUTES, "framework": FRAMEWORKS}
+    choices = {"offload": OFFLOADS, "recompute": RECOMPUTES, "framework": FRAMEWORKS, "cp_comm": CP_COMMS}
     out: dict[str, Any] = {}
     for key, value in axes.items():
         if value is None:
@@ -336,7 +337,8 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
 
     ``axes`` pin or restrict the search like the CLI flags, each one value or a sequence:
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
-    ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``; the
+    ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``,
+    ``cp``, ``cp_comm``; the
     workload is ``workload`` or its fields as keywords (``global_batch``, ``seq_len``, ...,
     ``flash_attention``, ``dropout``, as for ``estimate``; default batch: ``make_workload``'s).
     ``progress`` is called with the fraction of the search done. Returns the search's
@@ -366,5 +368,6 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
                     precision=many or wl.precision_name, optimizer=wl.optimizer, flash_attention=wl.flash_attention,
                     tp_comm_overlap=wl.tp_comm_overlap, te_attention=wl.te_attention,
-                    dropout=wl.dropout, constraints=cons, balancer=balancer, objective=objective, top=top,
+                    fp8_param_gather=wl.fp8_param_gather, dropout=wl.dropout, constraints=cons, balancer=balancer,
+                    objective=objective, top=top,
                     progress=progress)

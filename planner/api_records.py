@@ -68,6 +68,8 @@ def label(row: Mapping[str, Any]) -> str:
     parts = [f"tp{row.get('tp', 1)}", f"pp{row.get('pp', 1)}", f"dp{row.get('dp', 1)}"]
     if row.get("ep", 1) > 1:
         parts.append(f"ep{row['ep']}")
+    if row.get("cp", 1) > 1:
+        parts.append(f"cp{row['cp']}" + ("" if row.get("cp_comm", "p2p") == "p2p" else f"-{row['cp_comm']}"))
     parts.append(f"z{row.get('zero_stage', 0)}")
     parts.append(f"mb{row.get('micro_batch', 1)}")
     if row.get("recompute", "none") != "none":

@@ -96,34 +96,46 @@ def candidates(model: Any, cluster: Any, *, workload: Any = None, balancer: str 
     import numpy as np
 
     from planner.cost.candidates import take
-    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
+    from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES
+    from planner.search.context_splits import context_splits
     from planner.search.evaluate import Pricing, evaluate_keys
     from planner.search.keys import group_by_key
     from planner.search.request import candidate_space
 
     spec = api.load_model(model)
     wl = workload if workload is not None else api.make_workload(spec, gpus=cluster.num_gpus)
-    space = candidate_space(spec, cluster, wl, api.constraints(**axes))
-    pricing = Pricing.of(spec, cluster, wl, balancer)
-    res = evaluate_keys(pricing, group_by_key(space))
-    col = take(space.columns, res.rows)
-    tokens = wl.global_batch * wl.seq_len / res.step_time
-    mfu = pricing.tables.runs.flops_per_step() / res.step_time / cluster.num_gpus / pricing.ctx.dev.mfu_peak
+    cons = api.constraints(**axes)
     capacity = cluster.profile.gpu.memory_bytes
     base = {"model": spec.name, "hardware": cluster.profile.name, "nodes": cluster.nodes, "gpus": cluster.num_gpus,
             "global_batch": wl.global_batch, "seq_len": wl.seq_len, "capacity_bytes": capacity}
-    rows = []
-    for i in np.argsort(-tokens, kind="stable"):
-        row = dict(base, dp=int(col["dp"][i]), tp=int(col["tp"][i]), pp=int(col["pp"][i]), ep=int(col["ep"][i]),
-                   zero_stage=int(col["zero"][i]), offload=OFFLOADS[col["offload"][i]],
-                   micro_batch=int(col["micro_batch"][i]), grad_accum=int(col["grad_accum"][i]),
-                   recompute=RECOMPUTES[col["recompute"][i]], sequence_parallel=bool(col["sp"][i]),
-                   virtual_stages=int(col["vs"][i]), framework=FRAMEWORKS[col["framework"][i]],
-                   fits=bool(res.fits[i]), step_time_s=float(res.step_time[i]), tokens_per_s=float(tokens[i]),
-                   mfu=float(mfu[i]), peak_bytes=float(res.peak_bytes[i]), peak_gib=float(res.peak_bytes[i]) / 2**30)
-        row["label"] = api.label(row)
-        rows.append(row)
-    return rows
+    rows, spaces, errors = [], [], []
+    for split in context_splits(cons, spec, wl.seq_len, wl.flash_attention, cluster.num_gpus):  # as suggest does
+        try:
+            spaces.append((split, candidate_space(spec, cluster, wl, cons, cp=split)))
+        except UserError as err:  # a split the pins leave nothing of: the others stand
+            errors.append(err)
+    if not spaces:
+        raise errors[0]
+    for split, space in spaces:
+        pricing = Pricing.of(spec, cluster, wl, balancer, *split)
+        res = evaluate_keys(pricing, group_by_key(space))
+        col = take(space.columns, res.rows)
+        tokens = wl.global_batch * wl.seq_len / res.step_time
+        mfu = pricing.tables.runs.flops_per_step() / res.step_time / cluster.num_gpus / pricing.ctx.dev.mfu_peak
+        for i in range(len(res.rows)):
+            row = dict(base, dp=int(col["dp"][i]), tp=int(col["tp"][i]), pp=int(col["pp"][i]), ep=int(col["ep"][i]),
+                       cp=int(col["cp"][i]), cp_comm=CP_COMMS[col["cp_comm"][i]],
+                       zero_stage=int(col["zero"][i]), offload=OFFLOADS[col["offload"][i]],
+                       micro_batch=int(col["micro_batch"][i]), grad_accum=int(col["grad_accum"][i]),
+                       recompute=RECOMPUTES[col["recompute"][i]], sequence_parallel=bool(col["sp"][i]),
+                       virtual_stages=int(col["vs"][i]), framework=FRAMEWORKS[col["framework"][i]],
+                       fits=bool(res.fits[i]), step_time_s=float(res.step_time[i]), tokens_per_s=float(tokens[i]),
+                       mfu=float(mfu[i]), peak_bytes=float(res.peak_bytes[i]),
+                       peak_gib=float(res.peak_bytes[i]) / 2**30)
+            row["label"] = api.label(row)
+            rows.append(row)
+    order = np.argsort(-np.array([r["tokens_per_s"] for r in rows]), kind="stable")
+    return [rows[i] for i in order]
 
 
 # -- Pareto front ----------------------------------------------------------------------------
@@ -199,13 +211,14 @@ def zero_stages(model: Any, cluster: Any, *, stages: Sequence[int] = (0, 1, 2, 3
 
 
 def block_seconds(model: Any, cluster: Any, workload: Any, cfg: Any) -> list[float]:
-    """Seconds of one micro-batch (forward, backward, recompute, TP and EP collectives) per
+    """Seconds of one micro-batch (forward, backward, recompute, TP, EP and CP collectives) per
     block of ``model`` under ``cfg``: the cost the layer balancers balance."""
     from planner.cost.block_times import BlockTables
     from planner.cost.efficiency import device
     from planner.cost.parallel import RECOMPUTES
 
-    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
+    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe),
+                         cfg.cp, cfg.cp_comm)
     table = tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
     return table.total(RECOMPUTES.index(cfg.recompute), table.b_index(cfg.micro_batch)).tolist()
 

@@ -107,6 +107,7 @@ BOUNDS: dict[str, Bound] = {
     "tp": _GPUS,
     "pp": _GPUS,
     "ep": _GPUS,
+    "cp": _GPUS,
     "group_size": _GPUS,
     "global_batch": _SAMPLES,
     "micro_batch": _SAMPLES,

@@ -19,8 +19,8 @@ VALUE_NAMES = {
     "tokens_per_s": "tokens/s", "mfu": "MFU", "tflops_per_gpu": "TFLOP/s per GPU", "peak_gib": "peak GiB per GPU",
 }
 TIME_PARTS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"),
-              ("pp_bubble_s", "PP bubble"), ("pp_comm_s", "PP comm"), ("dp_comm_s", "DP comm"),
-              ("ep_comm_s", "EP comm"), ("optimizer_s", "optimizer"))
+              ("cp_comm_s", "CP comm"), ("pp_bubble_s", "PP bubble"), ("pp_comm_s", "PP comm"),
+              ("dp_comm_s", "DP comm"), ("ep_comm_s", "EP comm"), ("optimizer_s", "optimizer"))
 MEMORY_PARTS = (("weights_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer"),
                 ("activations_bytes", "activations"), ("buffers_bytes", "buffers"), ("overhead_bytes", "overhead"))
 

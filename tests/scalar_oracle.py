@@ -20,6 +20,7 @@ from typing import Callable
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
+from planner.cost import pipeline_sends as ps
 from planner.cost.efficiency import Device, device
 from planner.cost.estimate import check_plan
 from planner.cost.layers import AttnCore, LayerCost, layer_costs
@@ -46,6 +47,10 @@ class Comms:
     # The same send between stages on one node (placement.pipeline_hops), where the pp group
     # spans nodes but not every hop does; None: every hop is priced by ``pp``.
     pp_near: Callable[[float], float] | None = None
+    # Context parallelism: the ring's p2p and its size, the all-to-all's (context_parallel.py).
+    cp_ring: Callable[[float], float] = lambda nbytes: 0.0
+    cp_ring_size: int = 1
+    cp_a2a: Callable[[float], float] = lambda nbytes: 0.0
 
     def hop(self, crosses: bool) -> Callable[[float], float]:
         return self.pp if crosses or self.pp_near is None else self.pp_near
@@ -106,6 +111,21 @@ def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str, overlap_tp: int 
     return t
 
 
+def cp_time(c: LayerCost, b: int, comms: Comms, recompute: str, attn_dev: eff.Device) -> float:
+    """Context-parallel exchange of one attention: each of the ring's n - 1 sending steps hides
+    under 1/n of the attention (TE's kernels), backward passes K/V and their gradients; the
+    all-to-alls of Q, K, V and the output show whole; a recomputed attention exchanges again."""
+    if "cp_kv" not in c.extra or c.attn is None:
+        return 0.0
+    n = comms.cp_ring_size
+    fa, ba = attention_time(c.attn, b, attn_dev), attention_time(c.attn, b, attn_dev, backward=True)
+    a2a = comms.cp_a2a(c.extra["cp_qkv"] * b) + comms.cp_a2a(c.extra["cp_o"] * b)
+    f = a2a + ((n - 1) * max(0.0, comms.cp_ring(c.extra["cp_kv"] * b) - fa / n) if n > 1 else 0.0)
+    bw = a2a + ((n - 1) * max(0.0, comms.cp_ring(2 * c.extra["cp_kv"] * b) - ba / n) if n > 1 else 0.0)
+    again = (recompute == "full" and c.checkpointed) or recompute == "selective"
+    return f + bw + (f if again else 0.0)
+
+
 def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
     if not c.ep_a2a_count:
         return 0.0
@@ -120,12 +140,13 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
               attn_dev: eff.Device | None = None) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
-    boundary (frameworks.pp_boundary_gathers), counted with the pipeline's communication.
+    boundary (pipeline_sends.pp_boundary_gathers), counted with the pipeline's communication.
     ``crossing``: whether the hop to the next rank and the one from the previous leave the
     node (placement.pipeline_hops). ``transfers``: transfers per neighbour and micro-batch on
-    each side of a boundary (frameworks.pp_transfers), each preceded by a ``meta_bytes``
-    transfer where the runtime sends one (frameworks.pp_meta_bytes)."""
-    f = bw = rc = tp = ep = pp = 0.0
+    each side of a boundary (pipeline_sends.pp_transfers), each preceded by a ``meta_bytes``
+    transfer where the runtime sends one (pipeline_sends.pp_meta_bytes)."""
+    f = bw = rc = tp = ep = pp = cp = 0.0
+    cp_dev = dataclasses.replace(dev, flash=None)
     send, recv = comms.hop(crossing[0]), comms.hop(crossing[1])
 
     def hop(fn: Callable[[float], float], nbytes: float) -> float:
@@ -137,6 +158,7 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
             rc += recompute_time(c, b, dev, recompute, attn_dev)
             tp += tp_time(c, b, comms, recompute, overlap_tp, dev)
             ep += ep_time(c, b, comms, recompute)
+            cp += cp_time(c, b, comms, recompute, cp_dev)
         # Each chunk boundary costs one transfer per micro-batch on each side: the activation
         # sent forward after the chunk (unless it ends the model) and the gradient sent back
         # before it (unless it starts the model). Megatron pairs a send with the opposite
@@ -150,7 +172,7 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
             pp += hop(recv, costs[first - 1].pp_bytes * b / pp_send_divisor)
             if boundary_gathers[1]:
                 pp += boundary_gathers[1] * comms.tp("allgather", costs[first - 1].pp_bytes * b)
-    return MicroBatchTime(f, bw, rc, tp, ep, pp)
+    return MicroBatchTime(f, bw, rc, tp, ep, pp, cp)
 
 
 # -- the step ------------------------------------------------------------------------------
@@ -252,24 +274,24 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
              partition: Partition | None = None, pp_send: str | None = None) -> Plan:
     """Memory per GPU and step time of ``cfg`` training ``model`` on ``cluster``.
 
-    ``pp_send`` overrides how the runtime sends across pipeline stages (frameworks.PP_SENDS;
+    ``pp_send`` overrides how the runtime sends across pipeline stages (pipeline_sends.PP_SENDS;
     the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
     check_plan(model, cluster, workload, cfg)
     stages = cfg.pp * cfg.virtual_stages
     parts = (default_partition(model, stages) if partition is None
              else check_partition(partition, len(model.blocks), stages))
-    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep)
+    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep, cp=cfg.cp)
     dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
     comms = build_comms(cluster, cfg)
     traits = fw.traits(cfg.framework)
     chunks = [parts[r::cfg.pp] for r in range(cfg.pp)]  # rank r runs virtual stages r, r + pp, ...
     b, m = cfg.micro_batch, cfg.grad_accum
     send = pp_send or traits.pp_send
-    if send not in fw.PP_SENDS:
-        raise ValueError(f"pp_send {send!r}: one of {', '.join(fw.PP_SENDS)}")
-    send_div = fw.pp_send_divisor(send, cfg.tp, cfg.sequence_parallel)
-    gathers = fw.pp_boundary_gathers(send, cfg.tp)
-    transfers, meta = fw.pp_transfers(traits), fw.pp_meta_bytes(send, cfg.tp)
+    if send not in ps.PP_SENDS:
+        raise ValueError(f"pp_send {send!r}: one of {', '.join(ps.PP_SENDS)}")
+    send_div = ps.pp_send_divisor(send, cfg.tp, cfg.sequence_parallel)
+    gathers = ps.pp_boundary_gathers(send, cfg.tp)
+    transfers, meta = ps.pp_transfers(traits), ps.pp_meta_bytes(send, cfg.tp)
     crosses = pp_hops(cluster, cfg)
     overlap = (workload.tp_comm_overlap and traits.tp_comm_overlap and cfg.sequence_parallel
                and 1 < cfg.tp <= cluster.gpus_per_node)
@@ -302,7 +324,8 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
 
     t = times[worst]
     time = StepTime(compute=m * (t.fwd + t.bwd), recompute=m * t.recompute, tp_comm=m * t.tp, pp_bubble=bubble,
-                       pp_comm=m * t.pp, dp_comm=max(dp_exposed), ep_comm=m * t.ep, optimizer=max(opt_time))
+                       pp_comm=m * t.pp, dp_comm=max(dp_exposed), ep_comm=m * t.ep, optimizer=max(opt_time),
+                       cp_comm=m * t.cp)
     return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=workload, partition=parts, stages=stage_plans,
                 time=time,
@@ -355,13 +378,13 @@ def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: fl
     b = cfg.micro_batch
     largest = max((c.params_rank + c.expert_params_rank for c in blocks), default=0.0)
     states = model_states(dense, expert, framework=cfg.framework, zero=cfg.zero_stage, offload=cfg.offload,
-                              dp=cfg.dp, ep=cfg.ep, precision=w.precision, moments=w.optimizer_moments,
+                              dp=cfg.dp_ranks, ep=cfg.ep, precision=w.precision, moments=w.optimizer_moments,
                               live_layer_params=largest)
     stored = sum(c.act[cfg.recompute] for c in blocks) * b
     live = max((c.act_live for c in blocks if c.checkpointed), default=0.0) * b if cfg.recompute == "full" else 0.0
     inflight = inflight_microbatches(r, cfg.pp, cfg.virtual_stages, cfg.grad_accum)
     acts = activation_bytes(stored, live, inflight)
-    groups = sum(1 for d in (cfg.tp, cfg.pp, cfg.dp, cfg.ep) if d > 1)
+    groups = sum(1 for d in (cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.cp) if d > 1)
     pp_buffer = 2 * max(c.pp_bytes for c in blocks) * b if cfg.pp > 1 else 0.0
     buffers = buffer_bytes(cfg.framework, cfg.zero_stage, dense + expert, groups, pp_buffer)
     allocated = states.gpu + acts + buffers
@@ -382,13 +405,14 @@ def _grad_comm_bytes(cfg: ParallelConfig, w: Workload, traits: fw.Traits) -> int
 def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, traits: fw.Traits, comms: Comms,
              t: MicroBatchTime, cooldown: float, blocks: list[LayerCost]) -> float:
     """Exposed data-parallel time of one pipeline rank (see step_time.dp_exposed)."""
-    if cfg.dp == 1 and cfg.ep == 1:
+    dp = cfg.dp_ranks  # context-parallel ranks reduce gradients with the data-parallel ones
+    if dp == 1 and cfg.ep == 1:
         return 0.0
     gb = _grad_comm_bytes(cfg, w, traits)
-    edp = cfg.dp // cfg.ep
+    edp = dp // cfg.ep
 
     def on(op: str, nbytes_dense: float, nbytes_expert: float) -> float:
-        out = comms.dp(op, nbytes_dense) if cfg.dp > 1 else 0.0
+        out = comms.dp(op, nbytes_dense) if dp > 1 else 0.0
         return out + (comms.edp(op, nbytes_expert) if (edp > 1 and nbytes_expert) else 0.0)
 
     if cfg.zero_stage == 3:
@@ -414,7 +438,7 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
 def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, cluster: Cluster,
                     dev: Device) -> float:
     sharded = cfg.zero_stage >= 1
-    local = dense / (cfg.dp if sharded else 1) + expert / (max(cfg.dp // cfg.ep, 1) if sharded else 1)
+    local = dense / (cfg.dp_ranks if sharded else 1) + expert / (max(cfg.dp_ranks // cfg.ep, 1) if sharded else 1)
     if cfg.offload == "none":
         return gpu_optimizer_time(local, dev, sgd=w.optimizer == "sgd")
     node = cluster.profile.node
@@ -434,11 +458,11 @@ def build_comms(cluster: Cluster, cfg: ParallelConfig) -> Comms:
     Rank order is TP innermost, then EP, then the rest of DP, then PP (Megatron and DeepSpeed
     order); EP ranks are part of the DP group, so the dense DP group spans both.
     """
-    return _comms_cached(cluster, cfg.tp, cfg.ep, cfg.dp, cfg.pp)
+    return _comms_cached(cluster, cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.cp, cfg.cp_comm)
 
 
 @lru_cache(maxsize=256)
-def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> Comms:
+def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int, cp: int = 1, cp_comm: str = "p2p") -> Comms:
     from planner.cost.collectives import collective_seconds
     from planner.hardware.placement import Placement, pipeline_hops
 
@@ -462,11 +486,27 @@ def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> Comms
 
         return timed
 
+    # CP: the first cp of the dp x cp ranks after TP (Megatron's tp-cp-ep-dp-pp order); a2a+p2p
+    # all-to-alls among the CP ranks one node holds and rings among the nodes.
+    ring, a2a = 1, 1
+    if cp > 1:
+        whole = Placement(cluster, dims={"tp": tp, "cp": cp, "rest": dp // cp, "pp": pp},
+                          order=("tp", "cp", "rest", "pp")).group("cp")
+        inner = cp if cp_comm == "a2a" else (1 if cp_comm == "p2p" else whole.ranks_per_node)
+        split = Placement(cluster, dims={"tp": tp, "inner": inner, "outer": cp // inner, "rest": dp // cp, "pp": pp},
+                          order=("tp", "inner", "outer", "rest", "pp"))
+        shapes["cp_ring"], shapes["cp_a2a"] = split.group("outer"), split.group("inner")
+        ring, a2a = cp // inner, inner
     pp_fn = fn("pp")
     near_fn = fn("pp_near") if near is not None else None
+    ring_fn = fn("cp_ring") if ring > 1 else None
+    a2a_fn = fn("cp_a2a") if a2a > 1 else None
     return Comms(tp=fn("tp"), ep=fn("ep"), dp=fn("dp"), edp=fn("edp"),
                     pp=lambda nbytes: pp_fn("p2p", nbytes),
-                    pp_near=None if near_fn is None else (lambda nbytes: near_fn("p2p", nbytes)))
+                    pp_near=None if near_fn is None else (lambda nbytes: near_fn("p2p", nbytes)),
+                    cp_ring=(lambda nbytes: 0.0) if ring_fn is None else (lambda nbytes: ring_fn("p2p", nbytes)),
+                    cp_ring_size=ring,
+                    cp_a2a=(lambda nbytes: 0.0) if a2a_fn is None else (lambda nbytes: a2a_fn("alltoall", nbytes)))
 
 
 def pp_hops(cluster: Cluster, cfg: ParallelConfig) -> tuple[bool, ...]:
@@ -474,4 +514,4 @@ def pp_hops(cluster: Cluster, cfg: ParallelConfig) -> tuple[bool, ...]:
     the pp stride is tp x dp)."""
     from planner.hardware.placement import pipeline_hops
 
-    return pipeline_hops(cluster, cfg.tp * cfg.dp, cfg.pp)[0]
+    return pipeline_hops(cluster, cfg.tp * cfg.dp_ranks, cfg.pp)[0]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from planner.cost.assemble import Assembly
-from planner.cost.parallel import Workload
+from planner.cost.parallel import CP_COMMS, Workload
 from planner.cost.rank_tables import Split, rank_fields
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
@@ -42,7 +42,11 @@ def prepared(name: str, nodes: int, cons: Constraints, global_batch: int = 64, s
 
 
 def case_of(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str = "optimal") -> Case:
-    return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer), group_by_key(space))
+    """The search's pricing of ``space``, whose candidates share one context-parallel split."""
+    c = space.columns
+    cp = (int(c["cp"][0]), CP_COMMS[int(c["cp_comm"][0])]) if len(space) else (1, "p2p")
+    return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer, *cp),
+                group_by_key(space))
 
 
 def detail_row(asm: Assembly, n: int) -> dict[str, np.ndarray]:

@@ -58,6 +58,9 @@ MEGATRON_LM_FLAGS = {
     # Transformer Engine recipes (megatron/core/transformer/transformer_config.py fp8 / fp8_recipe /
     # fp4 / fp4_recipe, turned into flags by megatron/training/argument_utils.py).
     "--fp8-format", "--fp8-recipe", "--fp4-format", "--fp4-recipe",
+    # Context parallelism (megatron/training/arguments.py --cp-comm-type; ModelParallelConfig's
+    # hierarchical_context_parallel_sizes) and --fp8-param-gather (arguments.py).
+    "--cp-comm-type", "--hierarchical-context-parallel-sizes", "--fp8-param-gather",
     # TE userbuffers TP overlap (megatron/core/model_parallel_config.py tp_comm_overlap).
     "--tp-comm-overlap",
 }

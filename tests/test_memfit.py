@@ -34,7 +34,7 @@ def _rebalanced_is_estimates_and_its_time_split_does_not_fit(name: str, nodes: i
     assert again.fits
     assert again.step_time_s == pytest.approx(plan.step_time_s, rel=1e-9)
     assert again.memory.peak == pytest.approx(plan.memory.peak, rel=1e-9)
-    space = candidate_space(model, cluster, plan.workload, cons)
+    space = candidate_space(model, cluster, plan.workload, cons, cp=(plan.cfg.cp, plan.cfg.cp_comm))
     case = case_of(model, cluster, plan.workload, space)
     out = evaluate_keys(case.p, case.ks)
     same = [j for j, i in enumerate(out.rows) if space.config(int(i)) == plan.cfg]

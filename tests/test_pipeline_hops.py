@@ -64,7 +64,7 @@ def test_the_search_prices_hops_as_estimate_does() -> None:
         assert res.plans
         for rp in res.plans:
             p = rp.plan
-            assert pipeline_hops(c, p.cfg.tp * p.cfg.dp, p.cfg.pp)[1] is not None  # mixed hops
+            assert pipeline_hops(c, p.cfg.tp * p.cfg.dp_ranks, p.cfg.pp)[1] is not None  # mixed hops
             again = estimate(model, c, p.workload, p.cfg, partition=p.partition)
             assert again.step_time_s == pytest.approx(p.step_time_s, rel=1e-9)
             assert again.time.pp_comm == pytest.approx(p.time.pp_comm, rel=1e-9)

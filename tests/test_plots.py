@@ -67,7 +67,7 @@ def test_candidates_are_the_search_space_scored_like_estimate(one_node, llama_ca
         plan = api.estimate("llama-3-8b", one_node, workload=api.make_workload("llama-3-8b", gpus=8), tp=r["tp"],
                             zero=r["zero_stage"], offload=r["offload"], micro_batch=r["micro_batch"],
                             recompute=r["recompute"], sequence_parallel=r["sequence_parallel"],
-                            framework=r["framework"])
+                            framework=r["framework"], cp=r["cp"], cp_comm=r["cp_comm"])
         assert plan.step_time_s == pytest.approx(r["step_time_s"], rel=1e-6)
         assert plan.memory.peak == pytest.approx(r["peak_bytes"], rel=1e-6)
         assert plan.mfu == pytest.approx(r["mfu"], rel=1e-6)

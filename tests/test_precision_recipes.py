@@ -89,7 +89,7 @@ H100_70B = dict(tp=4, pp=8, virtual_stages=5, micro_batch=1, global_batch=128, s
 def test_fp8_on_h100_is_faster_and_holds_the_weight_cache():
     cluster = api.load_cluster("dgx-h100", nodes=8)
     bf16 = api.estimate("llama-3-70b", cluster, precision="bf16", **H100_70B)
-    fp8 = api.estimate("llama-3-70b", cluster, precision="fp8-tensorwise", **H100_70B)
+    fp8 = api.estimate("llama-3-70b", cluster, precision="fp8-tensorwise", fp8_param_gather=False, **H100_70B)
     assert 1.2 < fp8.tokens_per_s / bf16.tokens_per_s < 1.6  # the linear GEMMs at 2x peak, attention not
     # Weights per rank: bf16 weights plus both fp8 layouts of the linear weights (2 bytes each).
     gain = np.array([s.memory.weights for s in fp8.stages]) - np.array([s.memory.weights for s in bf16.stages])
@@ -97,6 +97,33 @@ def test_fp8_on_h100_is_faster_and_holds_the_weight_cache():
     low = 10 * (h * (h + 2 * kv) + h * h + 3 * h * ffn) / 4
     assert gain[1] == pytest.approx(2 * low, rel=1e-9)
     assert fp8.workload.precision_name == "fp8-tensorwise"
+    # With FP8 parameter gather (the default, as Megatron-Bridge runs it) the FP8 weights are the
+    # parameters: no bf16 copy of them, and the distributed optimizer all-gathers 1 byte of each.
+    gathered = api.estimate("llama-3-70b", cluster, precision="fp8-tensorwise", **H100_70B)
+    saved = np.array([s.memory.weights for s in fp8.stages]) - np.array([s.memory.weights for s in gathered.stages])
+    assert saved[1] == pytest.approx(2 * low, rel=1e-9)
+    assert gathered.time.dp_comm <= fp8.time.dp_comm
+
+
+def test_fp8_param_gather_is_the_recipes_and_the_distributed_optimizers(tmp_path):
+    cluster = api.load_cluster("dgx-h100", nodes=8)
+    blockwise = [api.estimate("llama-3-70b", cluster, precision="fp8-blockwise", fp8_param_gather=g, **H100_70B)
+                 for g in (True, False)]
+    assert blockwise[0].memory.weights == blockwise[1].memory.weights  # Bridge's blockwise recipe has none
+    no_zero = {**H100_70B, "zero": 0}
+    plain = [api.estimate("llama-3-70b", cluster, precision="fp8-tensorwise", fp8_param_gather=g, **no_zero)
+             for g in (True, False)]
+    assert plain[0].memory.weights == plain[1].memory.weights  # needs the distributed optimizer
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["generate", "--model", "llama-3-8b", "--hardware", "dgx-h100", "--framework",
+                                  "megatron", "--zero", "1", "--precision", "fp8-tensorwise", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "--fp8-param-gather" in (out / "megatron_args.sh").read_text()
+    r = CliRunner().invoke(main, ["generate", "--model", "llama-3-8b", "--hardware", "dgx-h100", "--framework",
+                                  "megatron", "--zero", "1", "--precision", "fp8-tensorwise", "--no-fp8-param-gather",
+                                  "--out", str(tmp_path / "off")])
+    assert r.exit_code == 0, r.output
+    assert "--fp8-param-gather" not in (tmp_path / "off" / "megatron_args.sh").read_text()
 
 
 @pytest.mark.parametrize("hardware, precision, words", [

@@ -12,6 +12,7 @@ from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
 from planner.search.bounds import lower_bounds
+from planner.search.context_splits import context_splits
 from planner.search.evaluate import evaluate_keys
 from planner.search.request import candidate_space
 from planner.search.space import Constraints
@@ -46,16 +47,19 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
     fast = suggest(model, nodes=nodes, global_batch=gb, seq_len=seq, images_per_sample=images if model.is_vlm else None,
                    tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1)
 
-    # Exhaustive: every candidate through the scalar oracle, with the balancer's partition.
-    space = candidate_space(model, cluster, workload, cons)
-    case = case_of(model, cluster, workload, space)
-    res = evaluate_keys(case.p, case.ks)
-    plans = []
-    for j, i in enumerate(res.rows):
-        plan = oracle_estimate(model, cluster, workload, space.config(int(i)),
-                               partition=case.p.splits.all[res.split_id[j]])
-        if plan.fits:
-            plans.append(plan)
+    # Exhaustive: every candidate of every context-parallel split the search tries through the
+    # scalar oracle, with the balancer's partition.
+    plans, evaluated = [], 0
+    for split in context_splits(cons, model, seq, True, cluster.num_gpus):
+        space = candidate_space(model, cluster, workload, cons, cp=split)
+        case = case_of(model, cluster, workload, space)
+        res = evaluate_keys(case.p, case.ks)
+        evaluated += len(space)
+        for j, i in enumerate(res.rows):
+            plan = oracle_estimate(model, cluster, workload, space.config(int(i)),
+                                   partition=case.p.splits.all[res.split_id[j]])
+            if plan.fits:
+                plans.append(plan)
     assert plans, "the case must have plans that fit"
     best = min(plans, key=lambda p: _scalar_key(objective, p, cluster.num_gpus))
     got = fast.plans[0].plan
@@ -64,7 +68,7 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
         _scalar_key(objective, best, cluster.num_gpus), rel=1e-12)
     if objective != "cost":
         assert got.to_json()["step_time_s"] == pytest.approx(best.step_time_s, rel=1e-12)
-    assert fast.evaluated == len(space)
+    assert fast.evaluated == evaluated
 
 
 def test_pruning_actually_prunes() -> None:

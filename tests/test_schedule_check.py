@@ -86,7 +86,7 @@ def test_estimate_suggest_and_the_run_readme_print_the_note(tmp_path: Path) -> N
     # differ, and with so few micro-batches the schedule overlaps them better than the formula.
     found = runner.invoke(main, ["suggest", "--model", "llama-3.1-70b", "--nodes", "64", "--pp", "8",
                                  "--virtual-stages", "2", "--global-batch", "64", "--top", "2",
-                                 "--no-tp-comm-overlap", "--json"])
+                                 "--no-tp-comm-overlap", "--cp", "1", "--json"])
     assert found.exit_code == 0, found.output
     data = json.loads(found.output)
     best = data["plans"][0]

@@ -88,7 +88,7 @@ def _exposed(framework: str, zero: int, reduce: list[float], gather: list[float]
     """step_time.dp_exposed of one candidate on dp 8 with the given per-rank collective seconds."""
     pp = len(reduce)
     col = {"zero": np.array([zero]), "framework": np.array([FRAMEWORKS.index(framework)]), "grad_accum": np.array([m]),
-           "vs": np.array([1]), "pp": np.array([pp]), "dp": np.array([8]), "ep": np.array([1])}
+           "vs": np.array([1]), "pp": np.array([pp]), "dp": np.array([8]), "ep": np.array([1]), "cp": np.array([1])}
     zeros = [[0.0] * pp]
     r = {"fwd": np.array([fwd]), "bwd": np.array([bwd]), "rc": np.array(zeros), "tied": np.array(zeros),
          "z3_gather": np.full((1, pp), z3[0]), "z3_reduce": np.full((1, pp), z3[1])}

@@ -337,8 +337,10 @@ def test_cost_objective_breaks_equal_costs_by_host_memory_then_gpu_memory() -> N
 
 
 @pytest.mark.parametrize(("name", "nodes", "kwargs", "part"), [
-    ("llama-3.1-405b", 2048, {}, "pp_bubble"),  # 512 samples on 16,384 GPUs: one micro-batch per pipeline
-    ("llama-3.1-70b", 64, {"constraints": Constraints(pp=(8,), virtual_stages=(2,)), "global_batch": 64}, "pp_bubble"),
+    # cp 1: context parallelism would give the same GPUs more micro-batches per pipeline
+    ("llama-3.1-405b", 2048, {"constraints": Constraints(cp=(1,))}, "pp_bubble"),  # 512 samples on 16,384 GPUs
+    ("llama-3.1-70b", 64, {"constraints": Constraints(pp=(8,), virtual_stages=(2,), cp=(1,)), "global_batch": 64},
+     "pp_bubble"),
     # dp 2048, one micro-batch: the all-reduce hides behind one backward (without a pipeline,
     # which gives the same GPUs a faster layout that is bubble-bound instead)
     ("gpt3-13b", 1024, {"constraints": Constraints(pp=(1,))}, "dp_comm"),
@@ -369,7 +371,8 @@ def test_a_batch_bound_best_plan_gets_a_note_with_a_batch_that_fixes_it(name, no
 
 
 def test_no_note_when_the_batch_keeps_the_pipelines_and_reductions_busy() -> None:
-    res = suggest("llama-3.1-70b", nodes=8, tp_comm_overlap=False)  # a pipelined best plan (overlap: pp 1)
+    # a pipelined best plan (with TP overlap: pp 1; with context parallelism: Ulysses under ZeRO-3)
+    res = suggest("llama-3.1-70b", nodes=8, tp_comm_overlap=False, constraints=Constraints(cp=(1,)))
     assert res.plans[0].plan.time.dp_comm / res.plans[0].plan.step_time_s < 0.25
     assert res.plans[0].plan.cfg.pp > 1 and res.plans[0].plan.time.pp_bubble / res.plans[0].plan.step_time_s < 0.25
     assert res.notes == []

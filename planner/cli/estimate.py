@@ -32,6 +32,12 @@ from planner.errors import UserError
 @click.option("--dp", type=int, default=None, help="Data-parallel degree [default: GPUs / (tp x pp)].")
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Expert-parallel degree (ranks taken from the DP group).")
+@click.option("--cp", type=int, default=1, show_default=True,
+              help="Context-parallel degree: each sample's sequence split over cp ranks (Megatron-Core "
+                   "--context-parallel-size; DeepSpeed Ulysses with --cp-comm a2a).")
+@click.option("--cp-comm", type=click.Choice(["p2p", "a2a", "a2a+p2p"]), default="p2p", show_default=True,
+              help="How context-parallel ranks exchange attention inputs: p2p (ring of K/V chunks, overlapped "
+                   "with attention), a2a (all-to-all over heads, Ulysses), a2a+p2p (a2a inside a node, ring across).")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=None,
               help="ZeRO stage [default: 1 (distributed optimizer) when dp > 1, else 0].")
 @click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none",
@@ -114,7 +120,8 @@ def render(plan) -> None:
         virtual = f" (v {c.virtual_stages}" + (f", micro-batch group {g}" if g else "") + ")"
     console.print(f"[bold]{escape(plan.model)}[/bold] on {plan.nodes} x {plan.gpus_per_node} {escape(plan.hardware)} "
                   f"({plan.gpus} GPUs), {c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
-                  + (f", ep {c.ep}" if c.ep > 1 else "") + f", ZeRO-{c.zero_stage}"
+                  + (f", ep {c.ep}" if c.ep > 1 else "")
+                  + (f", cp {c.cp} ({c.cp_comm})" if c.cp > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}")
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
@@ -181,7 +188,7 @@ def _render_time(plan) -> None:
 
 
 _PART_NAMES = {"tp_comm": "TP comm", "pp_bubble": "PP bubble", "pp_comm": "PP comm", "dp_comm": "DP comm",
-               "ep_comm": "EP comm"}
+               "ep_comm": "EP comm", "cp_comm": "CP comm"}
 
 
 def _gib(n: float) -> str:

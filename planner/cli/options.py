@@ -109,6 +109,10 @@ _CONSTRAINT_FLAGS = (
     ("--tp", f"Tensor-parallel degree: {_LIST_HELP}."),
     ("--pp", f"Pipeline-parallel degree: {_LIST_HELP}."),
     ("--ep", f"Expert-parallel degree: {_LIST_HELP}."),
+    ("--cp", "Context-parallel degree (each sample's sequence split over cp ranks): one value or a comma list "
+     "[default: 1 and 2, 4, ... while each rank keeps at least 2,048 tokens]."),
+    ("--cp-comm", "How context-parallel ranks exchange: p2p (ring, Megatron only), a2a (all-to-all over heads, "
+     "Ulysses on DeepSpeed), a2a+p2p (one or a comma list) [default: p2p,a2a]."),
     ("--zero", "ZeRO stage(s): 0,1,2,3."),
     ("--offload", "none, optimizer, optimizer+params (one or a comma list). optimizer: DeepSpeed ZeRO-Offload or "
      "Megatron-Core's optimizer CPU offload (bf16, Adam); optimizer+params: ZeRO-3 only."),
@@ -123,7 +127,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
-    --te-attention/--no-te-attention and --dropout/--no-dropout.
+    --te-attention/--no-te-attention, --fp8-param-gather/--no-fp8-param-gather and --dropout/--no-dropout.
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -156,6 +160,10 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--te-attention/--no-te-attention", default=None,
                      help="Megatron-Core's attention through Transformer Engine (cuDNN fused attention, "
                           "Hopper-native); off: FlashAttention-2's level, as the other runtimes [default: on]."),
+        click.option("--fp8-param-gather/--no-fp8-param-gather", default=None,
+                     help="Under an FP8 recipe that allows it (tensorwise, delayed, mxfp8), keep the weights only in "
+                          "FP8 and all-gather them so (Megatron-Core --fp8-param-gather with the distributed "
+                          "optimizer, as NVIDIA's Megatron-Bridge recipes do) [default: on]."),
         click.option("--dropout/--no-dropout", default=None,
                      help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
                           "Llama, DeepSeek and Qwen pre-training]."),
@@ -207,12 +215,14 @@ def constraint_options(command):
 def axes_from_options(opts: dict) -> dict:
     """The search-axis flags, parsed, as ``planner.api.suggest`` keywords (tuples; None: not
     pinned). The API checks the values (planner/api.py ``constraints``)."""
-    from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
+    from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES
 
     sp = opts.get("sequence_parallel")
     return {
         "dp": parse_int_list("--dp", opts.get("dp")), "tp": parse_int_list("--tp", opts.get("tp")),
         "pp": parse_int_list("--pp", opts.get("pp")), "ep": parse_int_list("--ep", opts.get("ep")),
+        "cp": parse_int_list("--cp", opts.get("cp")),
+        "cp_comm": parse_choice_list("--cp-comm", opts.get("cp_comm"), CP_COMMS),
         "zero": parse_int_list("--zero", opts.get("zero"), minimum=0),
         "offload": parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
         "micro_batch": parse_int_list("--micro-batch", opts.get("micro_batch")),

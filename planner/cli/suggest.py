@@ -216,6 +216,10 @@ def _render_table(console, rows: list[tuple[str, ...]]) -> None:
                 console.print(line)
 
 
+# The cp column's mark for how the ranks exchange (none: the ring, Megatron's default).
+_CP_MARK = {"p2p": "", "a2a": "a", "a2a+p2p": "h"}
+
+
 def _legend(rows: list[tuple[str, ...]]) -> str:
     """One line naming each abbreviation the table shows (only those that appear)."""
     cells = [dict(zip(_COLUMNS, row)) for row in rows]
@@ -231,6 +235,11 @@ def _legend(rows: list[tuple[str, ...]]) -> str:
     if vs := first("pp", "x"):
         stages, virtual = vs.split("x")
         parts.append(f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages per rank")
+    for comm, mark in _CP_MARK.items():
+        if cp := first("cp", mark or "\0"):
+            parts.append(f"cp {cp} = context parallel over {cp.removesuffix(mark)} ranks, {comm}")
+    if any(c["cp"] != "1" and c["cp"].isdigit() for c in cells):
+        parts.append("cp = context-parallel ranks, exchanging K/V in a ring (p2p)")
     offloads = {c["offload"] for c in cells}
     if "opt" in offloads:
         parts.append("opt = optimizer states offloaded to the CPU")
@@ -269,14 +278,15 @@ def _id_ranges(ids: list[int]) -> str:
     return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}-#{r[-1]}" for r in runs)
 
 
-_COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "zero", "offload", "mb x acc", "recompute", "peak / cap",
+_COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "cp", "zero", "offload", "mb x acc", "recompute", "peak / cap",
             "step", "tokens/s", "MFU", "stage, greedy")
 
 
 def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
     """A table row as two lines of text, for terminals too narrow for the table."""
     layout = (f"#{cell['#']} {cell['framework']}: dp {cell['dp']} x tp {cell['tp']} x pp {cell['pp']}"
-              + (f" (ep {cell['ep']})" if cell["ep"] != "1" else "") + f", ZeRO-{cell['zero']}"
+              + (f" (ep {cell['ep']})" if cell["ep"] != "1" else "")
+              + (f" x cp {cell['cp']}" if cell["cp"] != "1" else "") + f", ZeRO-{cell['zero']}"
               + (f", offload {cell['offload']}" if cell["offload"] != "-" else "")
               + f", mb x acc {cell['mb x acc']}, recompute {cell['recompute']}")
     figures = (f"    peak {cell['peak / cap']}, step {cell['step']}, {cell['tokens/s']} tokens/s, MFU {cell['MFU']}"
@@ -298,6 +308,7 @@ def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
         + (f" {p['precision']}" if precision else ""),
         str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
         f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}", str(p["ep"]),
+        f"{p['cp']}{_CP_MARK[p['cp_comm']] if p['cp'] > 1 else ''}",
         str(p["zero_stage"]), _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
         f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB", human_time(p["step_time_s"]),
         human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", _bottlenecks(rp.balancer_bottleneck_s))

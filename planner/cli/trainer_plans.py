@@ -42,6 +42,11 @@ def trainer_pins(opts: dict[str, Any], is_moe: bool) -> list[str]:
                         "one contiguous pipeline chunk per stage (DeepSpeed's PipelineModule); pin "
                         f"--virtual-stages {TRAINER_VIRTUAL_STAGES}, {_OTHER_ENTRY}")
     pin("virtual_stages", str(TRAINER_VIRTUAL_STAGES))
+    cp = parse_int_list("--cp", opts.get("cp"))
+    if cp is not None and 1 not in cp:
+        raise UserError(f"--cp {opts['cp']}: the reference trainer (--entry builtin) has no context-parallel "
+                        f"attention; pin --cp 1, {_OTHER_ENTRY}")
+    pin("cp", "1")
     tp = parse_int_list("--tp", opts.get("tp"))
     frameworks = parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS)
     no_autotp = is_moe or (frameworks is not None and TRAINER_TP_FRAMEWORK not in frameworks)
@@ -77,7 +82,7 @@ def trainer_search(opts: dict[str, Any], is_moe: bool, need: int):
 
     def runs(ranked: Any) -> bool:
         c = ranked.plan.cfg
-        return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe) is None
+        return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe, c.cp) is None
 
     top = need
     while True:
@@ -94,7 +99,7 @@ def trainer_search(opts: dict[str, Any], is_moe: bool, need: int):
         top = min(top * GROWTH, MAX_TOP)
     if not kept.plans:
         first = result.plans[0].plan.cfg
-        refusal = trainer_refusal(first.framework, first.tp, first.pp, first.virtual_stages, is_moe)
+        refusal = trainer_refusal(first.framework, first.tp, first.pp, first.virtual_stages, is_moe, first.cp)
         raise UserError(f"--entry builtin: the reference trainer runs none of the {len(result.plans)} best plans "
                         f"that fit (the best: {cli_text(refusal or '')}); pin --tp 1, or --framework "
                         f"{TRAINER_TP_FRAMEWORK} --pp 1, {_OTHER_ENTRY}")

@@ -56,6 +56,8 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
                                                w.optimizer_moments)
     if w.recipe is not None:  # the quantized weights (both layouts), cached across the step's micro-batches
         weights = weights + RECIPES[w.recipe].weight_cache_bytes * r["low"]
+        # Under FP8 parameter gather those are the weights: no 16-bit copy of them is kept.
+        weights = weights - np.where(st.fp8_param_gather(ctx, col), w.bytes_per_param * r["low"], 0.0)
     inflight = _inflight(col, pp)
     acts = mem.activation_bytes(r["stored"], r["live"], inflight)
     buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],
@@ -64,7 +66,7 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
     peak = mem.peak_bytes(allocated)
     cpu_node = mem.cpu_bytes_per_node(cpu, gpus_per_node)
 
-    total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"]
+    total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"] + r["cp"]
     worst, bubble = st.pipeline(total, col["pp"], vs)
     body = m[:, 0] * total[np.arange(len(total)), worst]
     dp_t = st.dp_exposed(col, r, *st.dp_collectives(ctx, col, r))

@@ -28,6 +28,7 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_times_keyed
+from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
@@ -52,6 +53,7 @@ class BlockTable:
     te_b: np.ndarray
     te_rc: np.ndarray
     ep: np.ndarray  # [mode, b, block]
+    cp: np.ndarray  # [mode, b, block]: exposed context-parallel attention traffic (context_parallel.py)
     params: np.ndarray  # params_rank per block
     expert: np.ndarray  # expert_params_rank per block
     low: np.ndarray  # LayerCost.low_params per block (the recipe's quantized weights)
@@ -69,7 +71,7 @@ class BlockTable:
         """Seconds of one micro-batch per block: what the balancer balances, as a runtime pays
         them (``paid``: TP overlapped, TE's attention)."""
         tp = (self.tp_ov if paid.overlap else self.tp)[mode, bi]
-        out = self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + self.ep[mode, bi]
+        out = self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + self.ep[mode, bi] + self.cp[mode, bi]
         return out - (self.te_f[bi] + self.te_b[bi] + self.te_rc[mode, bi]) if paid.te else out
 
 
@@ -158,7 +160,8 @@ def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, fl
 
 
 def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], micro_batches: tuple[int, ...],
-                 dev: eff.Device, cluster: Cluster, runs: np.ndarray | None = None) -> list[BlockTable]:
+                 dev: eff.Device, cluster: Cluster, runs: np.ndarray | None = None,
+                 cp: list[CpGroups] | None = None) -> list[BlockTable]:
     """One table per (layer costs, TP shape, EP shape) group, over the same micro-batches.
 
     The groups list the same blocks (one model under different tp, sp, ep). Every quantity is
@@ -166,7 +169,8 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     side as [group x micro-batch x block] arrays (a search needs dozens of groups); the
     collectives, which depend on each group's process-group shapes, are priced once per
     (shape, collective). ``runs``: how many consecutive blocks of the tables each priced block
-    stands for (runs of identical blocks are priced once, then widened here: ``_widen``)."""
+    stands for (runs of identical blocks are priced once, then widened here: ``_widen``).
+    ``cp``: per group, the context-parallel groups its attention talks over (none: cp 1)."""
     bs = np.asarray(micro_batches, dtype=float)
     n_groups, n_blocks = len(groups), len(groups[0][0])
     if any(len(group) != n_blocks for group, _, _ in groups):
@@ -177,12 +181,22 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         return np.array(values, dtype=float).reshape(n_groups, n_blocks)
 
     ckpt = per_block([c.checkpointed for c in costs]) > 0
-    fwd, bwd, rc, gemm, te = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt,
-                                            per_block([c.attn is not None for c in costs]) > 0)
+    has_attn = per_block([c.attn is not None for c in costs]) > 0
+    fwd, bwd, rc, gemm, te, attn = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt, has_attn)
     tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]))
+    cp_t = np.zeros_like(tp)
+    if cp is not None:
+        for g, cp_groups_g in enumerate(cp):
+            extra = [[c.extra.get(k, 0.0) for c in groups[g][0]] for k in ("cp_kv", "cp_qkv", "cp_o")]
+            kv, qkv, out = (np.outer(bs, x) for x in extra)
+            f, b = cp_seconds(cluster, cp_groups_g, kv, qkv, out, attn[0][g], attn[1][g])
+            cp_t[g] = f + b  # the recomputed forward (full or selective: the attention runs again) adds f
+            cp_t[g, RECOMPUTES.index("full")] += np.where(ckpt[g], f, 0.0)
+            cp_t[g, RECOMPUTES.index("selective")] += np.where(has_attn[g], f, 0.0)
     sizes = np.array([tp_shape.size for _, tp_shape, _ in groups], dtype=float)
     fields = {
-        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes), **te,
+        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t,
+        "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes), **te,
         "params": per_block([c.params_rank for c in costs]),
         "expert": per_block([c.expert_params_rank for c in costs]),
         "low": per_block([c.low_params for c in costs]),
@@ -210,10 +224,13 @@ def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: n
 
 def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarray, dev: eff.Device,
                    ckpt: np.ndarray, has_attn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                                     dict[str, np.ndarray]]:
+                                                                     dict[str, np.ndarray],
+                                                                     tuple[np.ndarray, np.ndarray]]:
     """Forward and backward seconds ([group, b, block]), recompute seconds ([group, mode, b,
     block]), forward GEMM seconds ([group, b, block]) of the blocks ``costs`` (groups x blocks,
-    flat), and what TE's attention saves of each (``te_f``, ``te_b``, ``te_rc``).
+    flat), what TE's attention saves of each (``te_f``, ``te_b``, ``te_rc``), and the attention
+    core's seconds forward and backward as TE runs it ([group, b, block]: what a context-parallel
+    ring hides its transfers under).
 
     The kernels run once per distinct cost: groups share the blocks that their (tp, sp, ep) do
     not change (one LayerCost object from layer_costs' memo), then each column is copied out."""
@@ -242,7 +259,8 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     te_rc = np.zeros_like(rc)
     te_rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], spread(save_f), 0.0)
     te_rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(save_f), 0.0)
-    return fwd, bwd, rc, spread(gemm), {"te_f": spread(save_f), "te_b": spread(save_b), "te_rc": te_rc}
+    return (fwd, bwd, rc, spread(gemm), {"te_f": spread(save_f), "te_b": spread(save_b), "te_rc": te_rc},
+            (spread(attn_f - save_f), spread(attn_b - save_b)))
 
 
 def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,
@@ -301,8 +319,8 @@ class RunModel:
     afterwards (``block_tables(..., runs=)``). Equal to pricing every block
     (tests/test_search_space.py)."""
 
-    def __init__(self, model: ModelSpec, workload: Workload) -> None:
-        self.model, self.workload = model, workload
+    def __init__(self, model: ModelSpec, workload: Workload, cp: int = 1) -> None:
+        self.model, self.workload, self.cp = model, workload, cp
         blocks = model.blocks
         # Most copies are one object: ``is`` answers before pydantic's field-by-field ==.
         keep = [i for i in range(len(blocks))
@@ -314,26 +332,27 @@ class RunModel:
         self._flops: float | None = None
 
     def layer_costs(self, tp: int, sp: bool, ep: int) -> list[LayerCost]:
-        return layer_costs(self.short, self.workload, tp, sp, ep, self._memo)
+        return layer_costs(self.short, self.workload, tp, sp, ep, self._memo, self.cp)
 
     def flops_per_step(self) -> float:
         """Model FLOPs of one step: 3x the forward (backward = 2x), no recomputation, attention
         at full s^2 (the Megatron/Korthikanti convention); each block's own forward, summed in
         model order."""
         if self._flops is None:
-            fwd = [c.fwd_flops for c in self.layer_costs(1, False, 1)]
+            fwd = [c.fwd_flops for c in layer_costs(self.short, self.workload, 1, False, 1, self._memo)]
             self._flops = 3.0 * sum(fwd[j] for j in self.positions.tolist()) * self.workload.global_batch
         return self._flops
 
 
 class BlockTables:
-    """The block tables of one (model, cluster, workload), one per (tp, sp, ep) group, each
-    covering every micro-batch size asked for so far (the kernels are elementwise in the size,
-    so a wider table holds the same numbers for the sizes a group uses)."""
+    """The block tables of one (model, cluster, workload, context-parallel split), one per (tp,
+    sp, ep) group, each covering every micro-batch size asked for so far (the kernels are
+    elementwise in the size, so a wider table holds the same numbers for the sizes a group uses)."""
 
-    def __init__(self, model: ModelSpec, cluster: Cluster, workload: Workload, dev: eff.Device) -> None:
-        self.cluster, self.dev = cluster, dev
-        self.runs = RunModel(model, workload)
+    def __init__(self, model: ModelSpec, cluster: Cluster, workload: Workload, dev: eff.Device, cp: int = 1,
+                 cp_comm: str = "p2p") -> None:
+        self.cluster, self.dev, self.cp, self.cp_comm = cluster, dev, cp, cp_comm
+        self.runs = RunModel(model, workload, cp)
         self._tables: dict[tuple[int, int, int], BlockTable] = {}
 
     def table(self, tp: int, sp: int, ep: int, micro: tuple[int, ...]) -> BlockTable:
@@ -358,7 +377,9 @@ class BlockTables:
 
     def _build(self, keys: list[tuple[int, int, int]], mbs: tuple[int, ...]) -> list[BlockTable]:
         """``block_tables`` of the run model's layer costs per (tp, sp, ep): the TP group is the
-        innermost tp ranks, the EP group the next ep (cost/layout.py), whatever dp and pp are."""
+        innermost tp ranks, the CP and the EP group the next cp and ep (cost/layout.py), whatever
+        dp and pp are."""
         groups = [(self.runs.layer_costs(tp, bool(sp), ep), strided_shape(self.cluster, 1, tp, "tp"),
                    strided_shape(self.cluster, tp, ep, "ep")) for tp, sp, ep in keys]
-        return block_tables(groups, mbs, self.dev, self.cluster, runs=self.runs.runs)
+        cp = [cp_groups(self.cluster, tp, self.cp, self.cp_comm) for tp, _, _ in keys] if self.cp > 1 else None
+        return block_tables(groups, mbs, self.dev, self.cluster, runs=self.runs.runs, cp=cp)

@@ -11,9 +11,10 @@ from typing import Iterable
 
 import numpy as np
 
-from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
 
-COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum")
+COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum",
+           "cp", "cp_comm")
 
 Columns = dict[str, np.ndarray]
 
@@ -22,7 +23,7 @@ def columns_of(configs: Iterable[ParallelConfig]) -> Columns:
     """The columns of ``configs``, in order."""
     rows = [(c.dp, c.tp, c.pp, c.ep, c.virtual_stages, c.zero_stage, OFFLOADS.index(c.offload),
              RECOMPUTES.index(c.recompute), int(c.sequence_parallel), FRAMEWORKS.index(c.framework), c.micro_batch,
-             c.grad_accum) for c in configs]
+             c.grad_accum, c.cp, CP_COMMS.index(c.cp_comm)) for c in configs]
     table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
     return {name: table[:, k].copy() for k, name in enumerate(COLUMNS)}
 
@@ -34,7 +35,14 @@ def config_of(row: dict[str, int]) -> ParallelConfig:
         offload=OFFLOADS[row["offload"]], micro_batch=row["micro_batch"], grad_accum=row["grad_accum"],  # type: ignore[arg-type]
         recompute=RECOMPUTES[row["recompute"]], sequence_parallel=bool(row["sp"]),  # type: ignore[arg-type]
         virtual_stages=row["vs"], framework=FRAMEWORKS[row["framework"]],  # type: ignore[arg-type]
+        cp=row.get("cp", 1), cp_comm=CP_COMMS[row.get("cp_comm", 0)],  # type: ignore[arg-type]
     )
+
+
+def dp_ranks(columns: Columns) -> np.ndarray:
+    """Per candidate, the ranks a dense gradient is reduced and ZeRO-sharded over: dp x cp
+    (ParallelConfig.dp_ranks)."""
+    return columns["dp"] * columns["cp"]
 
 
 def config_at(columns: Columns, i: int) -> ParallelConfig:

@@ -56,24 +56,27 @@ def default_global_batch(seq_len: int, world: int, target_tokens: float = TARGET
     return unit * int(max(range(first, last + 1), key=key))
 
 
-def check_world(cluster: "Cluster", dp: int, tp: int, pp: int) -> None:
-    """dp x tp x pp must be the cluster's GPU count."""
+def check_world(cluster: "Cluster", dp: int, tp: int, pp: int, cp: int = 1) -> None:
+    """dp x tp x pp (x cp) must be the cluster's GPU count."""
     world = cluster.num_gpus
-    if dp * tp * pp != world:
-        raise UserError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} but the cluster has {world} GPUs "
+    if dp * tp * pp * cp != world:
+        names, values = ("dp x tp x pp", f"{dp} x {tp} x {pp}") if cp == 1 else (
+            "dp x tp x pp x cp", f"{dp} x {tp} x {pp} x {cp}")
+        raise UserError(f"{names} = {values} = {dp * tp * pp * cp} but the cluster has {world} GPUs "
                         f"({cluster.nodes} nodes x {cluster.gpus_per_node}); make the degrees multiply to {world}")
 
 
-def data_parallel(cluster: "Cluster", tp: int, pp: int, dp: int | None = None) -> int:
-    """``dp``, or when it is None the GPUs / (tp x pp) that fill the cluster; checked."""
+def data_parallel(cluster: "Cluster", tp: int, pp: int, dp: int | None = None, cp: int = 1) -> int:
+    """``dp``, or when it is None the GPUs / (tp x pp x cp) that fill the cluster; checked."""
     world = cluster.num_gpus
     if dp is None:
-        if world % (tp * pp):
-            raise UserError(f"{arg('tp')} {tp} x {arg('pp')} {pp} = {tp * pp} does not divide the {world} GPUs "
+        if world % (tp * pp * cp):
+            shown = f"{arg('tp')} {tp} x {arg('pp')} {pp}" + (f" x {arg('cp')} {cp}" if cp > 1 else "")
+            raise UserError(f"{shown} = {tp * pp * cp} does not divide the {world} GPUs "
                             f"({cluster.nodes} nodes x {cluster.gpus_per_node}); pick degrees whose product divides "
                             f"{world}")
-        dp = world // (tp * pp)
-    check_world(cluster, whole_number("dp", dp), tp, pp)
+        dp = world // (tp * pp * cp)
+    check_world(cluster, whole_number("dp", dp), tp, pp, cp)
     return dp
 
 
@@ -90,29 +93,30 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
                           tp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1, zero: int | None = None,
                           offload: str = "none", micro_batch: int = 1, recompute: str = "none",
                           sequence_parallel: bool = False, virtual_stages: int = 1,
-                          framework: str = "deepspeed") -> ParallelConfig:
+                          framework: str = "deepspeed", cp: int = 1, cp_comm: str = "p2p") -> ParallelConfig:
     """The ParallelConfig of the given degrees on ``cluster``, defaults filled (module
     docstring): dp, the ZeRO stage, accumulation, and, when ``global_batch`` is None, the
     batch of ``default_global_batch`` for ``seq_len`` tokens per sample (read
     ``samples_per_step`` for it). Each broken rule is one UserError."""
     from pydantic import ValidationError
 
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("micro_batch", micro_batch),
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("micro_batch", micro_batch),
                         ("virtual_stages", virtual_stages)):
         whole_number(name, value)
     if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
         raise UserError(f"{arg('zero')}: stages are 0, 1, 2 or 3, got {zero!r}")
-    dp = data_parallel(cluster, tp, pp, dp)
+    dp = data_parallel(cluster, tp, pp, dp, cp)
     if global_batch is None:
         if seq_len is None:
             raise TypeError("build_parallel_config: give global_batch or seq_len (for the default batch)")
         global_batch = default_global_batch(seq_len, cluster.num_gpus, unit=micro_batch * dp, min_microbatches=pp)
     grad_accum = grad_accum_for(whole_number("global_batch", global_batch), micro_batch, dp)
     try:
-        return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=(1 if dp > 1 else 0) if zero is None else zero,
+        zero = (1 if dp * cp > 1 else 0) if zero is None else zero
+        return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero,
                               offload=offload, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
                               sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
-                              framework=framework)  # type: ignore[arg-type]
+                              framework=framework, cp=cp, cp_comm=cp_comm)  # type: ignore[arg-type]
     except ValidationError as err:
         raise UserError(rule_message("plan", err)) from None
 

@@ -134,46 +134,10 @@ def traits(framework: str) -> Traits:
     return TRAITS[framework]
 
 
-# Megatron-LM as of Narayanan et al. 2021 (the "scatter/gather" of sec. 4.1): 1/t sent, one
-# all-gather on each receiving side. Not a runtime dsplan plans for (Megatron-Core dropped it);
-# benchmarks/bench_megatron_table1.py models the paper's runs with it.
-PP_SENDS = ("full", "sequence_parallel", "partitioned", "scatter_gather")
-
-
-def pp_send_divisor(send: str, tp: int, sequence_parallel: bool) -> int:
-    """The share of a stage boundary's activation one rank sends (1/returned) under the
-    pipeline-send behaviour ``send`` (Traits.pp_send)."""
-    if tp > 1 and (send in ("partitioned", "scatter_gather") or (send == "sequence_parallel" and sequence_parallel)):
-        return tp
-    return 1
-
-
 def grad_reduce_overlaps(t: Traits, pp: int) -> bool:
     """Whether gradient reduction starts during the last micro-batch's backward: where the
     runtime buckets it (Traits.overlap_grad_reduce), but not in DeepSpeed's PipelineEngine."""
     return t.overlap_grad_reduce and not (t.pipe_engine and pp > 1)
-
-
-def pp_transfers(t: Traits) -> int:
-    """Transfers per neighbour and micro-batch on each side of a stage boundary: 1 where the
-    activation and the gradient crossing it travel as one batched exchange on a full-duplex
-    link (Megatron), 2 where they are two blocking transfers in turn (Traits.pipe_engine)."""
-    return 2 if t.pipe_engine else 1
-
-
-def pp_meta_bytes(send: str, tp: int) -> float:
-    """Bytes of the meta tensor DeepSpeed sends before each partitioned activation or gradient
-    (runtime/utils.py PartitionedTensor.to_meta: int64 [ndims, s, b, h, parts, rank, the
-    parts + 1 offsets]), 0 where nothing is partitioned."""
-    return 8.0 * (7 + tp) if (send == "partitioned" and tp > 1) else 0.0
-
-
-def pp_boundary_gathers(send: str, tp: int) -> tuple[int, int]:
-    """All-gathers of a whole boundary tensor over the TP group, per micro-batch: (on the
-    sending side of a boundary, on the receiving side). See Traits.pp_send."""
-    if tp <= 1:
-        return (0, 0)
-    return {"partitioned": (2, 1), "scatter_gather": (1, 1)}.get(send, (0, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +264,17 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"framework megatron: the interleaved schedule needs at least {arg('pp')} {c.pp} micro-batches "
                       f"per step, not {c.grad_accum}; use a smaller {arg('micro_batch')} or {arg('dp')}, a larger "
                       f"{arg('global_batch')}, or {arg('virtual_stages')} 1"),
+    # Context parallelism off Megatron-Core is DeepSpeed Ulysses (an all-to-all over heads,
+    # deepspeed.sequence.layer.DistributedAttention), with ZeRO data parallelism; Megatron-DeepSpeed
+    # wires it as --ds-sequence-parallel-size, its Ulysses examples without a pipeline.
+    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron") & (c.cp_comm != "a2a"),
+         lambda c, x: f"framework {c.framework}: its context parallelism is DeepSpeed Ulysses (an all-to-all "
+                      f"over heads); use {arg('cp_comm')} a2a or {arg('framework')} megatron for {c.cp_comm}"),
+    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron")
+         & ((c.pp > 1) | ((c.tp > 1) & (c.framework == "deepspeed"))),
+         lambda c, x: f"framework {c.framework}: dsplan plans Ulysses sequence parallelism ({arg('cp')} {c.cp}) "
+                      f"without a pipeline{' or AutoTP' if c.framework == 'deepspeed' else ''}; use {arg('pp')} 1"
+                      f"{' ' + arg('tp') + ' 1' if c.framework == 'deepspeed' else ''} or {arg('framework')} megatron"),
     Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
          lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
 )
@@ -344,6 +319,8 @@ class ConfigColumns:
     sequence_parallel: np.ndarray
     virtual_stages: np.ndarray
     framework: np.ndarray | Coded
+    cp: np.ndarray | int = 1
+    cp_comm: np.ndarray | Coded | str = "p2p"
 
 
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,

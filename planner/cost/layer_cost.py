@@ -36,7 +36,10 @@ class Gemm(NamedTuple):
 
 
 class AttnCore(NamedTuple):
-    """Scores and attention-over-values: ``seqs`` sequences of ``seq`` tokens, ``heads`` per GPU."""
+    """Scores and attention-over-values: ``seqs`` sequences of ``seq`` query tokens, ``heads``
+    per GPU, each query block attending to ``context`` blocks of ``seq`` keys (context
+    parallelism: a rank's s/cp queries against the whole sequence, causally balanced so every
+    rank does 1/cp of the work)."""
 
     seqs: int  # independent sequences per sample (1 for text, the tiles for a ViT)
     seq: int
@@ -46,11 +49,12 @@ class AttnCore(NamedTuple):
     causal: bool
     flash: bool
     dropout: bool
+    context: int = 1
 
     @property
     def flops(self) -> float:
         """Model FLOPs, full s^2 (the Megatron/Korthikanti convention, causal or not)."""
-        return 2.0 * self.seqs * self.seq**2 * self.heads * (self.qk_dim + self.v_dim)
+        return 2.0 * self.seqs * self.seq**2 * self.context * self.heads * (self.qk_dim + self.v_dim)
 
 
 class LayerCost(NamedTuple):
@@ -98,7 +102,7 @@ class LayerCost(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class LayerContext:
-    """The layout (tp, sequence parallel, ep) and kernel choices a block is priced under."""
+    """The layout (tp, sequence parallel, ep, cp) and kernel choices a block is priced under."""
 
     tp: int
     sp: bool
@@ -107,6 +111,7 @@ class LayerContext:
     dropout: bool
     rope: bool = False
     recipe: Recipe | None = None  # the TE recipe of the transformer layers' linear GEMMs
+    cp: int = 1  # context parallel: the block sees seq_len / cp tokens of each sample
 
     @property
     def linear_input_bytes(self) -> float:

@@ -54,15 +54,17 @@ def vision_tiles(model: ModelSpec, workload: Workload) -> int:
 
 
 def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = False, ep: int = 1,
-                memo: dict[tuple[int, int, bool, int], LayerCost] | None = None) -> list[LayerCost]:
-    """The cost profile of every block, in ModelSpec order.
+                memo: dict[tuple[int, int, bool, int, int], LayerCost] | None = None, cp: int = 1) -> list[LayerCost]:
+    """The cost profile of every block, in ModelSpec order; under context parallelism ``cp``
+    each block sees seq_len / cp tokens of a sample (Megatron-Core splits the whole sequence,
+    embedding and loss included) and attention reads the whole context (AttnCore.context).
 
     ``memo``: a dict the caller keeps across calls for one (model, workload), holding each
-    block's cost by (index, tp, sp, ep), with ep 1 but for a mixture-of-experts layer (the only
+    block's cost by (index, tp, sp, ep, cp), with ep 1 but for a mixture-of-experts layer (the only
     block that reads it): a search prices dozens of (tp, sp, ep), which differ in those layers only."""
     ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
-                       RECIPES[workload.recipe] if workload.recipe else None)
-    s = workload.seq_len
+                       RECIPES[workload.recipe] if workload.recipe else None, cp)
+    s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []
     # Equal blocks cost the same (VL2's 27 ViT and 29 MoE layers, a dense model's every layer):
@@ -72,7 +74,7 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
         if memo is None:
             out.append(_block_cost(model, i, b, s, tiles, ctx, seen))
             continue
-        key = (i, tp, sp, ep if b.kind == "decoder" and b.mlp.kind == "moe" else 1)
+        key = (i, tp, sp, ep if b.kind == "decoder" and b.mlp.kind == "moe" else 1, cp)
         cost = memo.get(key)
         if cost is None:  # priced directly: hashing a layer for ``seen`` costs about as much
             cost = memo[key] = _block_cost(model, i, b, s, tiles, ctx, None)

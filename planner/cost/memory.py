@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cost import frameworks as fw
+from planner.cost.candidates import dp_ranks
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 
 GiB = 2**30
@@ -201,7 +202,7 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
             hit = factors[f, z, o, size] = bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], size, precision, moments)
         return hit
 
-    dp = col["dp"]
+    dp = dp_ranks(col)
     rows = [per_param(f, z, o, d) + per_param(f, z, o, e) for f, z, o, d, e in zip(
         col["framework"].tolist(), col["zero"].tolist(), col["offload"].tolist(), dp.tolist(),
         np.maximum(dp // col["ep"], 1).tolist())]
@@ -218,7 +219,8 @@ def model_states(dense_params: float, expert_params: float, *, framework: str, z
     """``state_bytes`` of one GPU holding ``dense_params`` and ``expert_params`` (``live_layer_params``:
     its largest layer), for one configuration."""
     col = {"framework": np.array([FRAMEWORKS.index(framework)]), "zero": np.array([zero]),
-           "offload": np.array([OFFLOADS.index(offload)]), "dp": np.array([dp]), "ep": np.array([ep])}
+           "offload": np.array([OFFLOADS.index(offload)]), "dp": np.array([dp]), "ep": np.array([ep]),
+           "cp": np.array([1])}
     one = np.array([[float(x)] for x in (dense_params, expert_params, live_layer_params)])
     return ModelStates(*(float(x[0, 0]) for x in state_bytes(col, *one[:, None], precision, moments)))
 
@@ -230,7 +232,7 @@ _ZERO_BUCKETS = np.array([fw.traits(f).zero_buckets for f in FRAMEWORKS])
 def process_groups(col: dict[str, np.ndarray]) -> np.ndarray:
     """Per candidate, the parallel dimensions with a process group of more than one rank (each
     holds NCCL buffers)."""
-    return sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep"))
+    return sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep", "cp"))
 
 
 def buffer_bytes(framework: np.ndarray, zero: np.ndarray, stage_params: np.ndarray, groups: np.ndarray,

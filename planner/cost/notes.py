@@ -59,7 +59,8 @@ def batch_notes(plan: dict, tokens_per_sample: int) -> list[Message]:
     if dp / step > NOTE_SHARE and plan.get("zero_stage") != 3:
         # What grows with m: every per-micro-batch part; what does not: the bubble, the
         # optimizer step and the exposed DP traffic itself. dp / (fixed + k grows) <= 1/5.
-        grows = sum(t.get(k, 0.0) for k in ("compute_s", "recompute_s", "tp_comm_s", "ep_comm_s", "pp_comm_s"))
+        grows = sum(t.get(k, 0.0) for k in ("compute_s", "recompute_s", "tp_comm_s", "ep_comm_s", "pp_comm_s",
+                                               "cp_comm_s"))
         fixed = step - grows
         k = max(2, math.ceil((dp / NOTE_TARGET - fixed) / grows)) if grows > 0 else 0
         line = (f"exposed data-parallel communication is {dp / step:.0%} of the step: each rank runs {runs}, "

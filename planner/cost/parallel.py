@@ -23,10 +23,15 @@ Precision = Literal["bf16", "fp16", "fp32"]
 RecipeName = Literal["fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 PrecisionName = Literal["bf16", "fp16", "fp32", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 Optimizer = Literal["adamw", "adam", "sgd"]
+# How context-parallel ranks exchange attention inputs (Megatron-Core's --cp-comm-type): a ring
+# of K/V chunks over p2p, overlapped with each step's attention; an all-to-all of Q, K, V and
+# the output over heads (DeepSpeed Ulysses, Megatron "a2a"); a2a inside a node and p2p across.
+CpComm = Literal["p2p", "a2a", "a2a+p2p"]
 
 FRAMEWORKS: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+CP_COMMS: tuple[str, ...] = ("p2p", "a2a", "a2a+p2p")
 
 
 class Workload(BaseModel):
@@ -58,6 +63,10 @@ class Workload(BaseModel):
     # Megatron-Core's attention through Transformer Engine (frameworks.Traits.te_attention); False
     # prices FlashAttention-2 for it too (a stack without TE).
     te_attention: bool = True
+    # Weights kept and all-gathered in the recipe's FP8 format where the runtime can (Megatron-Core's
+    # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
+    # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.
+    fp8_param_gather: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -96,6 +105,8 @@ class ParallelConfig(BaseModel):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
     ep: PositiveInt = 1
+    cp: PositiveInt = 1  # context parallel: each sample's sequence split over cp ranks
+    cp_comm: CpComm = "p2p"
     zero_stage: Literal[0, 1, 2, 3] = 0
     offload: Offload = "none"
     micro_batch: PositiveInt = 1
@@ -108,9 +119,10 @@ class ParallelConfig(BaseModel):
     @model_validator(mode="after")
     def _rules(self) -> "ParallelConfig":
         # Expert parallelism reuses data-parallel ranks (DeepSpeed MoE, Megatron-Core EP):
-        # experts are sharded over `ep` ranks of the DP group, so ep must divide dp.
-        if self.dp % self.ep:
-            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): "
+        # experts are sharded over `ep` ranks of the DP group (with context parallelism, of the
+        # dp x cp ranks that reduce a dense gradient: Megatron-Core's expert mapping folds cp in).
+        if self.dp_ranks % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp x cp ({self.dp_ranks}): "
                              "expert parallel ranks come from the data-parallel group")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallel needs tp > 1 (it splits the TP-replicated activations)")
@@ -124,7 +136,13 @@ class ParallelConfig(BaseModel):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def dp_ranks(self) -> int:
+        """Ranks a dense gradient is reduced over and ZeRO shards over: the DP group with its
+        context-parallel ranks (which hold the same weights and see other tokens)."""
+        return self.dp * self.cp
 
     @property
     def samples_per_step(self) -> int:
@@ -133,8 +151,8 @@ class ParallelConfig(BaseModel):
 
     @property
     def expert_dp(self) -> int:
-        """Data-parallel replicas of each expert (the rest of the DP group)."""
-        return self.dp // self.ep
+        """Data-parallel replicas of each expert (the rest of the DP x CP group)."""
+        return self.dp_ranks // self.ep
 
     @property
     def microbatches(self) -> int:

@@ -106,12 +106,13 @@ class Plan:
         data: dict[str, Any] = {
             "model": self.model, "hardware": self.hardware, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
             "gpus": self.gpus, "framework": c.framework, "dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep,
+            "cp": c.cp, "cp_comm": c.cp_comm,
             "zero_stage": c.zero_stage, "offload": c.offload, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
             "global_batch": w.global_batch, "seq_len": w.seq_len, "recompute": c.recompute,
             "sequence_parallel": c.sequence_parallel, "virtual_stages": c.virtual_stages, "precision": w.precision_name,
             "optimizer": w.optimizer, "images_per_sample": w.images_per_sample, "tiles_per_image": w.tiles_per_image,
             "flash_attention": w.flash_attention, "dropout": w.dropout, "tp_comm_overlap": w.tp_comm_overlap,
-            "te_attention": w.te_attention,
+            "te_attention": w.te_attention, "fp8_param_gather": w.fp8_param_gather,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,
             "reason": self.why_not(),
@@ -121,7 +122,7 @@ class Plan:
             "step_time_s": t.total,
             "time": {"compute_s": t.compute, "recompute_s": t.recompute, "tp_comm_s": t.tp_comm,
                      "pp_bubble_s": t.pp_bubble, "pp_comm_s": t.pp_comm, "dp_comm_s": t.dp_comm,
-                     "ep_comm_s": t.ep_comm, "optimizer_s": t.optimizer},
+                     "ep_comm_s": t.ep_comm, "cp_comm_s": t.cp_comm, "optimizer_s": t.optimizer},
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
@@ -147,4 +148,5 @@ def _stage_json(s: StagePlan, capacity: float, offload: bool) -> dict[str, Any]:
             "block_kinds": dict(s.block_kinds), "inflight_microbatches": s.inflight,
             "memory": _memory_json(s.memory, capacity, offload),
             "microbatch_time": {"forward_s": mb.fwd, "backward_s": mb.bwd, "recompute_s": mb.recompute,
-                                "tp_comm_s": mb.tp, "ep_comm_s": mb.ep, "pp_comm_s": mb.pp, "total_s": mb.total}}
+                                "tp_comm_s": mb.tp, "ep_comm_s": mb.ep, "pp_comm_s": mb.pp, "cp_comm_s": mb.cp,
+                                "total_s": mb.total}}

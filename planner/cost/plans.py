@@ -63,7 +63,7 @@ def build_plan(model: ModelSpec, ctx: CostContext, cfg: ParallelConfig, parts: S
     w = stages[int(asm.worst[n])].microbatch
     time = StepTime(compute=m * (w.fwd + w.bwd), recompute=m * w.recompute, tp_comm=m * w.tp,
                     pp_bubble=float(asm.bubble[n]), pp_comm=m * w.pp, dp_comm=float(asm.dp[n].max()),
-                    ep_comm=m * w.ep, optimizer=float(asm.opt[n].max()))
+                    ep_comm=m * w.ep, optimizer=float(asm.opt[n].max()), cp_comm=m * w.cp)
     cluster = ctx.cluster
     return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=ctx.workload, partition=list(parts),

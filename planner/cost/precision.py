@@ -56,6 +56,10 @@ class Recipe:
     amax_pass: bool  # a read of the bf16 tensor for its amax before the cast
     needs_microscaling: bool  # MX / NVFP4 block scales live in Blackwell's tensor cores
     megatron_flags: tuple[tuple[str, str], ...]  # Megatron-LM's flags for it
+    # The model's weights kept only in the recipe's format, all-gathered in it by the distributed
+    # optimizer (Megatron-Core --fp8-param-gather): Megatron-Bridge's delayed, current-scaling
+    # and MXFP8 recipes turn it on, its blockwise one off (megatron/bridge/training/mixed_precision.py).
+    param_gather: bool = False
 
     @property
     def element_bytes(self) -> float:
@@ -75,13 +79,14 @@ class Recipe:
 
 _FP8 = (("--fp8-format", "hybrid"),)  # e4m3 forward, e5m2 gradients (TE's Format.HYBRID)
 RECIPES: dict[str, Recipe] = {
-    "fp8-delayed": Recipe("fp8-delayed", "fp8", 1, 0, 4, False, False, _FP8 + (("--fp8-recipe", "delayed"),)),
+    "fp8-delayed": Recipe("fp8-delayed", "fp8", 1, 0, 4, False, False, _FP8 + (("--fp8-recipe", "delayed"),), True),
     "fp8-tensorwise": Recipe("fp8-tensorwise", "fp8", 1, 0, 4, True, False,
-                             _FP8 + (("--fp8-recipe", "tensorwise"),)),
+                             _FP8 + (("--fp8-recipe", "tensorwise"),), True),
     "fp8-blockwise": Recipe("fp8-blockwise", "fp8", 1, 128, 4, False, False,
                             (("--fp8-format", "e4m3"), ("--fp8-recipe", "blockwise"))),
     # MXFP8 keeps e4m3 everywhere: the 32-element E8M0 scales give gradients their range.
-    "mxfp8": Recipe("mxfp8", "fp8", 1, 32, 1, False, True, (("--fp8-format", "e4m3"), ("--fp8-recipe", "mxfp8"))),
+    "mxfp8": Recipe("mxfp8", "fp8", 1, 32, 1, False, True, (("--fp8-format", "e4m3"), ("--fp8-recipe", "mxfp8")),
+                    True),
     "nvfp4": Recipe("nvfp4", "fp4", 0.5, 16, 1, True, True, (("--fp4-format", "e2m1"), ("--fp4-recipe", "nvfp4"))),
 }
 

@@ -9,9 +9,9 @@ the parameters and stored activations, and adds what the split itself decides:
   receives from the chunk before it (unless it starts the model), one transfer per
   micro-batch on each side. Megatron pairs a send with the opposite receive
   (send_forward_recv_backward): one transfer on a full-duplex link; DeepSpeed's PipelineEngine
-  sends and receives one after the other (frameworks.pp_transfers), a partitioned tensor after
-  its meta tensor (frameworks.pp_meta_bytes), and all-gathers the boundary over TP
-  (frameworks.pp_boundary_gathers). A hop inside a node goes over NVLink, one that leaves it
+  sends and receives one after the other (pipeline_sends.pp_transfers), a partitioned tensor after
+  its meta tensor (pipeline_sends.pp_meta_bytes), and all-gathers the boundary over TP
+  (pipeline_sends.pp_boundary_gathers). A hop inside a node goes over NVLink, one that leaves it
   over the network (placement.pipeline_hops);
 - the largest block (ZeRO-3 gathers it whole), a fully recomputed block's live activations,
   the pipeline receive buffers;
@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.cost import frameworks as fw
+from planner.cost import pipeline_sends as ps
 from planner.cost.block_times import BlockTable
 from planner.cost.collectives import collective_time_array, collective_times_keyed
 from planner.cost.context import CostContext
@@ -48,19 +49,22 @@ Split = list[tuple[int, int]]
 # Rows of a rank table: per pipeline rank, one micro-batch's seconds of forward, backward,
 # recompute, TP, EP and pipeline traffic; the stage's dense and expert parameters, its largest
 # block, stored and live activation bytes and pipeline buffers; the parameters of a tied
-# embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and reduce-scatters.
+# embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and
+# reduce-scatters; the quantized weights; last, the exposed context-parallel traffic.
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
-               "tied", "z3_gather", "z3_reduce", "low")
+               "tied", "z3_gather", "z3_reduce", "low", "cp")
 ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
 Z3_ROWS = [ROW["z3_gather"], ROW["z3_reduce"]]  # zero unless the candidate runs ZeRO-3
-TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp")]  # MicroBatchTime's fields, in order
+TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp", "cp")]  # MicroBatchTime's fields, in order
 # The per-block series summed over a chunk's blocks (by prefix sums), and then the chunk's pipeline
 # seconds: the rows of the per-chunk array a rank table is summed from. The first seven are
 # RANK_FIELDS' first seven; "act" is stored bytes per sample, "low" the weights of the GEMMs
 # that run in a precision recipe's format (their quantized copies are cached for the step),
 # "tp_ov" the TP seconds left exposed where the runtime overlaps them (the "tp" row of a spec
-# with ``overlap``), "te_*" what TE's attention saves of fwd, bwd and rc (a spec with ``te``).
-PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov", "te_f", "te_b", "te_rc")
+# with ``overlap``), "te_*" what TE's attention saves of fwd, bwd and rc (a spec with ``te``),
+# "cp" the exposed context-parallel attention traffic.
+PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov", "te_f", "te_b", "te_rc",
+                 "cp")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -115,8 +119,8 @@ class RankSpec(NamedTuple):
         how it pays its blocks (``paid``: frameworks.paid)."""
         traits = fw.traits(FRAMEWORKS[framework])
         send = send or traits.pp_send
-        return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, fw.pp_send_divisor(send, tp, sp), layout,
-                   fw.pp_boundary_gathers(send, tp), fw.pp_transfers(traits), fw.pp_meta_bytes(send, tp), zero3,
+        return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, ps.pp_send_divisor(send, tp, sp), layout,
+                   ps.pp_boundary_gathers(send, tp), ps.pp_transfers(traits), ps.pp_meta_bytes(send, tp), zero3,
                    paid.overlap, paid.te)
 
     def base_key(self) -> tuple:
@@ -282,7 +286,7 @@ class RankTables:
             series = np.stack([row for (_, mode, bi), s in todo for row in (
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
                 s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi],
-                s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi])])
+                s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi], s.table.cp[mode, bi])])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -307,6 +311,7 @@ class RankTables:
         out[ROW["largest"]] = largest
         out[ROW["stored"]] = sums[_CHUNK["act"]] * b
         out[ROW["low"]] = sums[_CHUNK["low"]]
+        out[ROW["cp"]] = sums[_CHUNK["cp"]]
         out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]], sums[_CHUNK["tp"]])
         te = ch.rank["te"] > 0
         for row, saved in (("fwd", "te_f"), ("bwd", "te_b"), ("rc", "te_rc")):  # what TE's attention saves

@@ -36,10 +36,10 @@ def chunk_times(tables: BlockTables, cfg: ParallelConfig,
                 partition: list[tuple[int, int]]) -> tuple[list[list[float]], list[list[float]]]:
     """Per rank and chunk on it (model chunk k runs on rank k mod pp as its chunk k // pp), one
     micro-batch's forward and backward seconds from the block tables: backward with
-    recomputation, TP and EP traffic split evenly between the two."""
+    recomputation, TP, EP and CP traffic split evenly between the two."""
     table = tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
     bi, mode = table.b_index(cfg.micro_batch), RECOMPUTES.index(cfg.recompute)
-    comm = (table.tp[mode, bi] + table.ep[mode, bi]) / 2
+    comm = (table.tp[mode, bi] + table.ep[mode, bi] + table.cp[mode, bi]) / 2
     f_block, b_block = table.fwd[bi] + comm, table.bwd[bi] + table.rc[mode, bi] + comm
     fwd = [[0.0] * cfg.virtual_stages for _ in range(cfg.pp)]
     bwd = [[0.0] * cfg.virtual_stages for _ in range(cfg.pp)]
@@ -101,5 +101,6 @@ def plan_schedule_notes(model: ModelSpec, cluster: Cluster, workload: Workload, 
     """``schedule_notes`` of one plan, with the block tables of its own configuration."""
     if cfg.virtual_stages == 1:
         return []
-    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
+    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe),
+                         cfg.cp, cfg.cp_comm)
     return schedule_notes(tables, cfg, partition, step_s)

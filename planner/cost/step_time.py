@@ -32,9 +32,11 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
+from planner.cost.candidates import dp_ranks
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
+from planner.cost.precision import RECIPES
 from planner.hardware.placement import GroupShape
 
 
@@ -48,10 +50,11 @@ class MicroBatchTime:
     tp: float
     ep: float
     pp: float
+    cp: float = 0.0  # exposed context-parallel attention traffic
 
     @property
     def total(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.tp + self.ep + self.pp
+        return self.fwd + self.bwd + self.recompute + self.tp + self.ep + self.pp + self.cp
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +67,12 @@ class StepTime:
     dp_comm: float
     ep_comm: float
     optimizer: float
+    cp_comm: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.pp_bubble + self.pp_comm + self.dp_comm
-                + self.ep_comm + self.optimizer)
+                + self.ep_comm + self.optimizer + self.cp_comm)
 
 
 # -- the pipeline ----------------------------------------------------------------------------
@@ -122,10 +126,11 @@ def layout_keys(ctx: CostContext, col: dict[str, np.ndarray]) -> tuple[Callable[
     price, three per op of ``DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
     group; 2: the pp group's p2p), as a lookup that builds only the shapes asked for, and each
     row's layout number."""
-    code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (col["dp"].max() + 1) + col["dp"]
+    dp = dp_ranks(col)
+    code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (dp.max() + 1) + dp
     code = code * (col["pp"].max() + 1) + col["pp"]
     _, first, layout_of = np.unique(code, return_index=True, return_inverse=True)
-    layouts = [tuple(int(col[k][i]) for k in ("tp", "ep", "dp", "pp")) for i in first.tolist()]
+    layouts = [(int(col["tp"][i]), int(col["ep"][i]), int(dp[i]), int(col["pp"][i])) for i in first.tolist()]
 
     def key_of(k: int) -> tuple[str, GroupShape]:
         layout, slot = divmod(k, 3 * len(DP_OPS))
@@ -135,6 +140,15 @@ def layout_keys(ctx: CostContext, col: dict[str, np.ndarray]) -> tuple[Callable[
         return DP_OPS[slot // 3], shapes.edp if slot % 3 else shapes.dp
 
     return key_of, layout_of.reshape(-1)
+
+
+def fp8_param_gather(ctx: CostContext, col: dict[str, np.ndarray]) -> np.ndarray:
+    """Per candidate ([candidate x 1]), whether its weights of the recipe's GEMMs are kept only
+    in FP8 and all-gathered so (Workload.fp8_param_gather): Megatron-Core with the distributed
+    optimizer under a recipe that allows it (precision.Recipe.param_gather)."""
+    w = ctx.workload
+    on = w.recipe is not None and w.fp8_param_gather and RECIPES[w.recipe].param_gather
+    return ((col["framework"] == MEGATRON) & (col["zero"] == 1) & on)[:, None]
 
 
 def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
@@ -151,7 +165,8 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
     # all-reduce; none under ZeRO-3) and whether it gathers 16-bit weights (ZeRO-1/2).
     red_op = np.where(zero == 0, 1, np.where(z12, np.where(_ALLREDUCE[fwi], 1, 0), -1))
     key_of, layout_of = layout_keys(ctx, col)
-    has_dp, has_edp = col["dp"] > 1, col["dp"] // col["ep"] > 1
+    dp = dp_ranks(col)
+    has_dp, has_edp = dp > 1, dp // col["ep"] > 1
     ops = len(DP_OPS)
     # [request x row] key numbers of ``key_of`` (-1: nothing to price): dense parameters over the DP
     # group, expert parameters over the expert-DP group; ReduceTiedGrads over the pp group.
@@ -162,9 +177,12 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
         np.where(has_edp & z12, layout_of * 3 * ops + 3 * 2 + 1, -1),
         np.where(engine & (r["tied"] > 0).any(axis=1), layout_of * 3 * ops + 2, -1),  # ReduceTiedGrads, whatever dp
     ))
-    sizes = np.stack((gbytes * dense, gbytes * expert, 2 * dense, 2 * expert, gbytes * r["tied"]))
+    # The FP8 parameters' all-gather moves 1 byte each (a dense model's: which of an MoE's are
+    # expert weights the rank table does not say, so there it is priced at 2).
+    gathered = 2 * dense - np.where(fp8_param_gather(ctx, col) & (expert == 0), r["low"], 0.0)
+    sizes = np.stack((gbytes * dense, gbytes * expert, gathered, 2 * expert, gbytes * r["tied"]))
     t_red, e_red, t_gat, e_gat, tied = collective_times_numbered(ctx.cluster, key_of, which[..., None], sizes)
-    single = (col["dp"] == 1) & (col["ep"] == 1)  # nothing to reduce or gather
+    single = (dp == 1) & (col["ep"] == 1)  # nothing to reduce or gather
     reduce = np.where((~single & (red_op >= 0))[:, None],
                       np.where(has_edp[:, None], t_red + np.where(gbytes * expert > 0, e_red, 0.0), t_red), 0.0)
     gather = np.where((~single & z12)[:, None],
@@ -193,11 +211,12 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
     every = _EVERY_MICROBATCH[fwi] & (zero == 2)
     if every.any():  # DeepSpeed's ZeRO-2: each earlier micro-batch reduced in its own backward
         out[every] += (m[every] - 1.0) * np.maximum(0.0, reduce[every] - np.where(overlap[every], bwd[every], 0.0))
-    z3 = (zero == 3) & ((col["dp"] > 1) | (col["ep"] > 1))
+    dp = dp_ranks(col)
+    z3 = (zero == 3) & ((dp > 1) | (col["ep"] > 1))
     if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute, per micro-batch
         g3, r3 = r["z3_gather"][z3], r["z3_reduce"][z3]
         out[z3] = m[z3] * (np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 - bwd[z3]))
-    alone = (col["dp"] == 1) & (col["ep"] == 1)
+    alone = (dp == 1) & (col["ep"] == 1)
     out[alone] = tied[alone]
     return out
 
@@ -213,8 +232,9 @@ def optimizer_seconds(ctx: CostContext, col: dict[str, np.ndarray], dense: np.nd
     step is the larger of two terms proportional to them), so the mean rank's time bounds the
     slowest rank's (planner/search/bounds.py)."""
     sharded = (col["zero"] >= 1)[:, None]
-    dp = col["dp"][:, None].astype(float)
-    edp = np.maximum(col["dp"] // col["ep"], 1)[:, None].astype(float)
+    ranks = dp_ranks(col)
+    dp = ranks[:, None].astype(float)
+    edp = np.maximum(ranks // col["ep"], 1)[:, None].astype(float)
     local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)
     step_bytes = eff.SGD_STEP_BYTES if ctx.workload.optimizer == "sgd" else eff.ADAM_STEP_BYTES
     out = eff.hbm_time(local * step_bytes, ctx.dev)

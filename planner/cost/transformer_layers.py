@@ -47,8 +47,26 @@ def _attention_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     shard_store += ctx.linear_input_bytes * out_in  # output-projection input
     shard_params += out_in * h
     repl_params += h if a.out_bias else 0
-    core = AttnCore(1, tokens, heads, qk, v, causal=True, flash=ctx.flash, dropout=ctx.dropout)
+    core = AttnCore(1, tokens, heads, qk, v, causal=True, flash=ctx.flash, dropout=ctx.dropout, context=ctx.cp)
     return gemms, core, repl_store, shard_store, repl_params, shard_params
+
+
+def _cp_bytes(b: DecoderBlock, tokens: int, ctx: LayerContext) -> dict[str, float]:
+    """What context parallelism moves per sample for one attention (context_parallel.py): the
+    K and V chunk a ring step passes on (the keys and values TE's attention reads, after MLA's
+    up-projection), and the Q, K, V and output tensors the all-to-all variant exchanges."""
+    if ctx.cp == 1:
+        return {}
+    a = b.attention
+    if a.kind == "mla":
+        assert a.mla is not None
+        q = k = a.heads * a.mla.q_head_dim
+        v = o = a.heads * a.mla.v_head_dim
+    else:
+        q = o = a.heads * a.head_dim
+        k = v = a.kv_heads * a.head_dim
+    per = tokens * ACT / ctx.tp
+    return {"cp_kv": per * (k + v), "cp_qkv": per * (q + k + v), "cp_o": per * o}
 
 
 def _score_bytes(core: AttnCore) -> float:
@@ -121,9 +139,11 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
     if ctx.recipe is not None:  # quantize each low-precision GEMM's input, per token
         m_traffic += ctx.recipe.quantize_bytes_per_element() * sum(g.tokens * g.k * g.batch
                                                                     for g in ag + mg if g.low) / s
-    return _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
+    cost = _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
                               a2a, a2a_count, ctx)
+    cp = _cp_bytes(b, s, ctx)
+    return cost._replace(extra={**cost.extra, **cp}) if cp else cost
 
 
 def _rope_width(b: DecoderBlock) -> float:

@@ -162,6 +162,10 @@ def build_ds_config(plan: PlanFile, model: ModelSpec, settings: TrainSettings | 
         }
     if plan.framework == "deepspeed" and plan.tp > 1:
         config["tensor_parallel"] = {"autotp_size": plan.tp}
+    if plan.cp > 1:
+        # Ulysses: DeepSpeedConfig reads the data-parallel world as world / sequence_parallel_size
+        # (runtime/config.py), so the batch sizes above stay per data-parallel rank.
+        config["sequence_parallel_size"] = plan.cp
     config["checkpoint"] = {"tag_validation": "Warn", "use_node_local_storage": False}
     config["steps_per_print"] = settings.steps_per_print
     config["wall_clock_breakdown"] = False

@@ -262,10 +262,27 @@ def _moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     return args
 
 
+def _context_args(plan: PlanFile) -> list[Arg]:
+    """Context parallelism as the plan was priced (cost/context_parallel.py): Megatron-Core's
+    --context-parallel-size and --cp-comm-type, the hierarchical split a2a+p2p needs (a2a over
+    a node's CP ranks, then the ring: --hierarchical-context-parallel-sizes, inner first);
+    Megatron-DeepSpeed's Ulysses degree."""
+    if plan.cp == 1:
+        return []
+    if plan.framework == "megatron-deepspeed":
+        return [_a("--ds-sequence-parallel-size", plan.cp)]
+    args = [_a("--context-parallel-size", plan.cp), _a("--cp-comm-type", plan.cp_comm)]
+    if plan.cp_comm == "a2a+p2p":
+        inner = max(1, min(plan.cp, plan.gpus_per_node // plan.tp))
+        args.append(_a("--hierarchical-context-parallel-sizes", f"{inner} {plan.cp // inner}", raw=True))
+    return args
+
+
 def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = False) -> list[Arg]:
     args = [
         _a("--tensor-model-parallel-size", plan.tp),
         _a("--pipeline-model-parallel-size", plan.pp),
+        *_context_args(plan),
         _a("--micro-batch-size", plan.micro_batch),
         _a("--global-batch-size", plan.global_batch),
         _a("--train-iters", settings.steps),
@@ -288,6 +305,9 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
         args.append(_a(f"--{plan.work_precision}"))
     if plan.recipe is not None:  # Transformer Engine's recipe (precision.py): Megatron-Core's flags for it
         args += [_a(flag, value) for flag, value in RECIPES[plan.recipe].megatron_flags]
+        if (plan.fp8_param_gather and RECIPES[plan.recipe].param_gather and plan.framework == "megatron"
+                and plan.zero_stage == 1):  # as priced: step_time.fp8_param_gather
+            args.append(_a("--fp8-param-gather"))
     if plan.recompute == "selective":
         args.append(_a("--recompute-granularity", "selective"))
     elif plan.recompute == "full" and bigscience:

@@ -17,7 +17,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from planner.cost.parallel import Framework, Offload, Optimizer, ParallelConfig, PrecisionName, Recompute, Workload
+from planner.cost.parallel import (
+    CpComm,
+    Framework,
+    Offload,
+    Optimizer,
+    ParallelConfig,
+    PrecisionName,
+    Recompute,
+    Workload,
+)
 from planner.cost.precision import split_precision
 from planner.errors import UserError, describe_validation_error
 
@@ -36,6 +45,8 @@ class PlanFile(BaseModel):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
     ep: PositiveInt = 1
+    cp: PositiveInt = 1
+    cp_comm: CpComm = "p2p"
     zero_stage: Literal[0, 1, 2, 3] = 0
     offload: Offload = "none"
     micro_batch: PositiveInt
@@ -48,6 +59,7 @@ class PlanFile(BaseModel):
     precision: PrecisionName = "bf16"  # a working precision or a TE recipe (planner/cost/precision.py)
     tp_comm_overlap: bool = True  # TP collectives overlapped with the GEMMs where the runtime can (Workload)
     te_attention: bool = True  # Megatron-Core's attention through Transformer Engine (Workload)
+    fp8_param_gather: bool = True  # weights kept and all-gathered in FP8 where the recipe allows (Workload)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -56,10 +68,10 @@ class PlanFile(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> "PlanFile":
         world = self.nodes * self.gpus_per_node
-        if self.dp * self.tp * self.pp != world:
+        if self.dp * self.tp * self.pp * self.cp != world:
             raise ValueError(
-                f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.dp * self.tp * self.pp} "
-                f"but nodes x gpus_per_node = {world}"
+                f"dp x tp x pp x cp = {self.dp} x {self.tp} x {self.pp} x {self.cp} = "
+                f"{self.dp * self.tp * self.pp * self.cp} but nodes x gpus_per_node = {world}"
             )
         if self.micro_batch * self.grad_accum * self.dp != self.global_batch:
             raise ValueError(
@@ -85,6 +97,7 @@ class PlanFile(BaseModel):
             dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero_stage=self.zero_stage, offload=self.offload,
             micro_batch=self.micro_batch, grad_accum=self.grad_accum, recompute=self.recompute,
             sequence_parallel=self.sequence_parallel, virtual_stages=self.virtual_stages, framework=self.framework,
+            cp=self.cp, cp_comm=self.cp_comm,
         )
 
     def workload(self) -> Workload:
@@ -92,6 +105,7 @@ class PlanFile(BaseModel):
             global_batch=self.global_batch, seq_len=self.seq_len, images_per_sample=self.images_per_sample,
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
+            fp8_param_gather=self.fp8_param_gather,
         )
 
     @property

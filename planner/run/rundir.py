@@ -148,9 +148,12 @@ TRAINER_VIRTUAL_STAGES = 1
 TRAINER_TP_FRAMEWORK = "deepspeed"
 
 
-def trainer_refusal(framework: str, tp: int, pp: int, virtual_stages: int, is_moe: bool) -> str | None:
+def trainer_refusal(framework: str, tp: int, pp: int, virtual_stages: int, is_moe: bool, cp: int = 1) -> str | None:
     """Why the reference trainer cannot run a plan of this layout (a sentence naming plan.json's
     fields), or None when it can."""
+    if cp != 1:
+        return (f"plan.json: cp={cp}; the reference trainer has no context-parallel attention (Megatron-Core's or "
+                f"DeepSpeed Ulysses'); {_megatron_hint(framework)}")
     if tp > 1 and framework != TRAINER_TP_FRAMEWORK:
         return (f"plan.json: a {framework} plan with tp={tp}, which the reference trainer shards only with "
                 f"DeepSpeed's AutoTP (framework {TRAINER_TP_FRAMEWORK}); {_megatron_hint(framework)}")
@@ -170,7 +173,7 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
     The layout rules are ``trainer_refusal``'s; every rank checks this before it trains, and
     ``dsplan run`` before it starts any rank.
     """
-    refusal = trainer_refusal(plan.framework, plan.tp, plan.pp, plan.virtual_stages, is_moe)
+    refusal = trainer_refusal(plan.framework, plan.tp, plan.pp, plan.virtual_stages, is_moe, plan.cp)
     if refusal is not None:
         raise UserError(refusal)
     if plan.pp > 1 and not plan.stage_blocks:

@@ -13,7 +13,7 @@ import numpy as np
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.block_times import BlockTable, stacked, table_rows
-from planner.cost.candidates import take
+from planner.cost.candidates import dp_ranks, take
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
@@ -109,8 +109,9 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
         # Every block as the runtime that pays least for it (TP overlapped: tp_ov <= tp; TE's
         # attention saving te_*), so the bound holds for every framework of the key.
         fb = stacked(ts, "fwd") + stacked(ts, "bwd") - stacked(ts, "te_f") - stacked(ts, "te_b")  # [table, b, block]
-        rc, tpt, ept = (stacked(ts, f) for f in ("rc", "tp_ov", "ep"))  # [table, mode, b, block]
+        rc, tpt, ept, cpt = (stacked(ts, f) for f in ("rc", "tp_ov", "ep", "cp"))  # [table, mode, b, block]
         rc = rc - stacked(ts, "te_rc")
+        ept = ept + cpt
         rest = rc + tpt + ept
         _, modes, nb, blocks = rest.shape
         row = (lr * modes + mode) * nb + bi  # per key: its (table, mode, b) row
@@ -142,7 +143,8 @@ def _state_bytes(ctx: CostContext, c: dict[str, np.ndarray]) -> tuple[np.ndarray
     candidate of each setting; one lookup in the [setting x size] table hands out both values."""
     w = ctx.workload
     setting = (c["framework"] * 8 + c["zero"]) * 8 + c["offload"]
-    size = np.concatenate((c["dp"], np.maximum(c["dp"] // c["ep"], 1)))  # dense, then expert group sizes
+    ranks = dp_ranks(c)
+    size = np.concatenate((ranks, np.maximum(ranks // c["ep"], 1)))  # dense, then expert group sizes
     sizes = np.flatnonzero(np.bincount(size))  # the sizes present, ascending
     table, n = np.zeros((int(setting.max(initial=0)) + 1, len(sizes))), sizes.astype(float)
     for code in np.flatnonzero(np.bincount(setting)).tolist():
@@ -283,13 +285,13 @@ def gather_bound(ctx: CostContext, col: dict[str, np.ndarray], dense: np.ndarray
     out = np.zeros(n)
     hidden = np.array([f == MEGATRON and fw.grad_reduce_overlaps(fw.traits(name), 2)
                        for f, name in enumerate(FRAMEWORKS)])
-    rows = np.flatnonzero(((col["zero"] == 1) | (col["zero"] == 2)) & ~hidden[col["framework"]] & (col["dp"] > 1))
+    rows = np.flatnonzero(((col["zero"] == 1) | (col["zero"] == 2)) & ~hidden[col["framework"]] & (dp_ranks(col) > 1))
     if not rows.size:
         return out
     sub = take(col, rows)
     key_of, layout_of = layout_keys(ctx, sub)  # numbered as step_time.dp_collectives prices them
     dense_gather = layout_of * 3 * len(DP_OPS) + 3 * DP_OPS.index("allgather")
-    which = np.stack((dense_gather, np.where(sub["dp"] // sub["ep"] > 1, dense_gather + 1, -1)))
+    which = np.stack((dense_gather, np.where(dp_ranks(sub) // sub["ep"] > 1, dense_gather + 1, -1)))
     pp = sub["pp"].astype(float)
     t = collective_times_numbered(ctx.cluster, key_of, which, np.stack((2 * dense[rows] / pp, 2 * expert[rows] / pp)))
     out[rows] = t.max(axis=0) * (1 - 1e-9)

@@ -32,8 +32,9 @@ from planner.search.splits import SplitResult, Splits, Units
 
 @dataclass(frozen=True)
 class Pricing:
-    """What a search keeps of the cost model for one (model, cluster, workload): the block
-    tables, the splits and the rank tables it has built."""
+    """What a search keeps of the cost model for one (model, cluster, workload, context-parallel
+    split): the block tables, the splits and the rank tables it has built. Every candidate of one
+    search has the same ``cp`` (suggest searches each cp on its own and ranks them together)."""
 
     model: ModelSpec
     ctx: CostContext
@@ -41,12 +42,14 @@ class Pricing:
     splits: Splits
     ranks: RankTables
     kinds: BlockKinds
+    cp: int = 1
 
     @classmethod
-    def of(cls, model: ModelSpec, cluster: Cluster, workload: Workload, balancer: str = "optimal") -> "Pricing":
+    def of(cls, model: ModelSpec, cluster: Cluster, workload: Workload, balancer: str = "optimal", cp: int = 1,
+           cp_comm: str = "p2p") -> "Pricing":
         ctx = CostContext.of(cluster, workload)
-        return cls(model, ctx, BlockTables(model, cluster, workload, ctx.dev), Splits(Units(model), balancer),
-                   RankTables(model, ctx), BlockKinds(model))
+        return cls(model, ctx, BlockTables(model, cluster, workload, ctx.dev, cp, cp_comm),
+                   Splits(Units(model), balancer), RankTables(model, ctx), BlockKinds(model), cp)
 
     def table(self, ks: KeyedSpace, key: Key) -> BlockTable:
         """The block table of ``key``'s group, covering the sizes its group's keys use."""
@@ -58,12 +61,12 @@ class Pricing:
     def paid(self, key: Key) -> Paid:
         """How ``key``'s runtime pays its blocks (TP overlapped, TE's attention): its rank tables
         and its split both use it."""
-        return paid(self.ctx, FRAMEWORKS[key.framework], bool(key.sp), key.tp, key.ep, key.dp, key.pp)
+        return paid(self.ctx, FRAMEWORKS[key.framework], bool(key.sp), key.tp, key.ep, key.dp * self.cp, key.pp)
 
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
-                              sp=bool(key.sp), ep=key.ep, dp=key.dp, framework=key.framework,
-                              layout=self.ctx.layout(key.tp, key.ep, key.dp, key.pp), zero3=zero3,
+                              sp=bool(key.sp), ep=key.ep, dp=key.dp * self.cp, framework=key.framework,
+                              layout=self.ctx.layout(key.tp, key.ep, key.dp * self.cp, key.pp), zero3=zero3,
                               paid=self.paid(key))
 
 

@@ -61,6 +61,7 @@ _TIME_NAMES = {
     "compute_s": "compute", "recompute_s": "recomputation", "tp_comm_s": "tensor-parallel communication",
     "pp_bubble_s": "pipeline bubble", "pp_comm_s": "pipeline communication",
     "dp_comm_s": "exposed data-parallel communication", "ep_comm_s": "expert all-to-all",
+    "cp_comm_s": "context-parallel communication",
     "optimizer_s": "optimizer step",
 }
 _MEMORY_PARTS = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes")
@@ -153,8 +154,8 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
-_CONFIG_KEYS = ("dp", "tp", "pp", "ep", "zero_stage", "offload", "micro_batch", "grad_accum", "recompute",
-                "sequence_parallel", "virtual_stages", "framework")
+_CONFIG_KEYS = ("dp", "tp", "pp", "ep", "cp", "cp_comm", "zero_stage", "offload", "micro_batch", "grad_accum",
+                "recompute", "sequence_parallel", "virtual_stages", "framework")
 
 
 def _config_difference(a: dict, b: dict) -> str:
@@ -162,7 +163,8 @@ def _config_difference(a: dict, b: dict) -> str:
     return ", ".join(parts) if parts else "same configuration, different partition"
 
 
-_LAYOUT_COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "micro_batch", "grad_accum")
+_LAYOUT_COLUMNS = ("dp", "tp", "pp", "ep", "cp", "cp_comm", "vs", "zero", "offload", "recompute", "sp", "micro_batch",
+                   "grad_accum")
 
 
 def distinct_top(ranked: np.ndarray, columns: dict[str, np.ndarray], step: np.ndarray, peak: np.ndarray,

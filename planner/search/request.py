@@ -42,9 +42,10 @@ PINS = ("dp", "tp", "pp", "ep", "virtual_stages", "micro_batch", "zero", "offloa
 
 
 def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints,
-                    explain: bool = True) -> Space:
-    """The candidate space; UserError when it is empty, saying why (``explain``: and which
-    single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
+                    explain: bool = True, cp: tuple[int, str] = (1, "p2p")) -> Space:
+    """The candidate space beside one context-parallel split ``cp`` (degree, comm); UserError
+    when it is empty, saying why (``explain``: and which single pin, dropped, would leave
+    candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch
     run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
                          recipe=workload.recipe)
@@ -55,7 +56,8 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     facts = space_facts(model)
 
     def enumerate_with(c: Constraints) -> Space:
-        return enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, c, rule)
+        return enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, c, rule, cp[0], cp[1],
+                               1 if cp[1] == "p2p" else cp[0])
 
     space = enumerate_with(cons)
     if len(space):

@@ -28,7 +28,7 @@ import numpy as np
 
 from planner.cost.candidates import COLUMNS, config_of
 from planner.cost.frameworks import Coded, ConfigColumns
-from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
 from planner.hardware.placement import splits_evenly
 
 # Interleaved chunks per pipeline rank tried when the user does not pin --virtual-stages: every
@@ -64,6 +64,8 @@ class Constraints:
     framework: tuple[str, ...] | None = None
     sequence_parallel: tuple[bool, ...] | None = None
     allow_tp_across_nodes: bool = False
+    cp: tuple[int, ...] | None = None  # context-parallel degrees (search/context_splits.py)
+    cp_comm: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,10 @@ class Degrees(NamedTuple):
 
 
 def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
-                        cons: Constraints) -> tuple[list[Degrees], int]:
-    """Valid (dp, tp, pp, ep, vs) combinations and how many were rejected as indivisible.
+                        cons: Constraints, cp: int = 1, head_split: int = 1) -> tuple[list[Degrees], int]:
+    """Valid (dp, tp, pp, ep, vs) combinations beside a context-parallel degree ``cp`` (dp x
+    tp x pp x cp = world) and how many were rejected as indivisible. ``head_split``: the ranks
+    a context-parallel all-to-all splits heads over besides TP (context_parallel.py).
 
     The divisors of a number and the virtual-stage counts a pp allows are found once, and the
     rejected count is every combination the pins allow less the valid ones (not tallied per
@@ -136,7 +140,8 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
     combos = 0  # (tp, pp, ep) combinations the pins allow, each with every count of vss
     vss = sorted({v for v in cons.virtual_stages or DEFAULT_VIRTUAL_STAGES if 1 <= v <= facts.units})
     experts = facts.routed_experts
-    world_divisors = divisors(world)  # pp | world / tp and ep | dp divide the world too: filtered from these
+    world_divisors = divisors(world)  # pp | world / tp and ep | dp x cp divide the world too: filtered from these
+    world //= cp  # the ranks dp x tp x pp fill
     found: dict[int, list[int]] = {}
     pp_vss: dict[int, list[int]] = {}
 
@@ -145,33 +150,34 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
             found[n] = [d for d in world_divisors if n % d == 0]
         return found[n]
 
-    for tp in _allowed(world_divisors, cons.tp):
-        tp_ok = all(h % tp == 0 for h in facts.heads) and facts.kv_heads % tp == 0
+    for tp in _allowed([d for d in world_divisors if world % d == 0], cons.tp):
+        tp_ok = all(h % (tp * head_split) == 0 for h in facts.heads) and facts.kv_heads % (tp * head_split) == 0
         tp_ok = tp_ok and (cons.allow_tp_across_nodes or gpus_per_node % tp == 0)
         for pp in _allowed(divisors_of(world // tp), cons.pp):
             dp = world // (tp * pp)
             if cons.dp is not None and dp not in cons.dp:
                 continue
             # A dense model has no experts to shard: ep is 1, not a rejected candidate.
-            eps = _allowed(divisors_of(dp), cons.ep) if experts else [1]
+            eps = _allowed(divisors_of(dp * cp), cons.ep) if experts else [1]
             combos += len(eps)
             if not (tp_ok and pp <= facts.units and global_batch % dp == 0):
                 continue
             if pp not in pp_vss:
                 pp_vss[pp] = [vs for vs in vss if pp * vs <= facts.units and (vs == 1 or pp > 1)]
             for ep in eps:
-                if (not experts or experts % ep == 0) and _groups_split_evenly(gpus_per_node, tp, ep, dp, pp):
+                if (not experts or experts % ep == 0) and _groups_split_evenly(gpus_per_node, tp, ep, dp * cp, pp, cp):
                     valid += [Degrees(dp, tp, pp, ep, vs) for vs in pp_vss[pp]]
     return valid, combos * len(vss) - len(valid)
 
 
-def _groups_split_evenly(gpus_per_node: int, tp: int, ep: int, dp: int, pp: int) -> bool:
+def _groups_split_evenly(gpus_per_node: int, tp: int, ep: int, dp: int, pp: int, cp: int = 1) -> bool:
     """Every process group of the layout (TP innermost, then EP, expert-DP and PP; and TP, DP,
-    PP for dense parameters) holds equal shares of the nodes it touches. Other layouts run,
+    PP for dense parameters; CP the first ``cp`` of the ``dp`` ranks after TP, which here count
+    the context-parallel ones) holds equal shares of the nodes it touches. Other layouts run,
     but the collective model prices one group shape per dimension, so they are not offered:
     e.g. DP groups of 3 ranks 4 apart on 8-GPU nodes put two ranks on one node, one on the next."""
     return all(splits_evenly(gpus_per_node, stride, size) for stride, size in (
-        (1, tp), (tp, ep), (tp * ep, dp // ep), (tp, dp), (tp * dp, pp)))
+        (1, tp), (tp, ep), (tp * ep, dp // ep), (tp, dp), (tp * dp, pp), (tp, cp)))
 
 
 def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
@@ -214,7 +220,7 @@ class _Verdicts:
 
 
 def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
-                      rule: FrameworkRule) -> _Verdicts:
+                      rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p") -> _Verdicts:
     """Per pattern (given by a representative degree combination and its accumulation flag):
     the settings its framework runs, how many settings are structurally valid for it, and per
     broken rule the settings it refuses (how many, the first).
@@ -232,7 +238,7 @@ def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int
     cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=Coded(o, OFFLOADS),
                          micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
                          recompute=Coded(r, RECOMPUTES), sequence_parallel=sp == 1, virtual_stages=vs,
-                         framework=Coded(f, FRAMEWORKS))
+                         framework=Coded(f, FRAMEWORKS), cp=cp, cp_comm=cp_comm)
     broken = np.where(valid, rule(cols), -1)
     ok = valid & (broken < 0)
     ok_at = np.flatnonzero(ok)  # row i * k + j: pattern i, setting j
@@ -263,9 +269,11 @@ def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, li
 
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
-                    cons: Constraints, framework_rule: FrameworkRule) -> Space:
-    """Every candidate, as columns; rejected counts by reason."""
-    degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons)
+                    cons: Constraints, framework_rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p",
+                    head_split: int = 1) -> Space:
+    """Every candidate beside the context-parallel split (``cp``, ``cp_comm``; ``head_split``
+    as degree_combinations takes it), as columns; rejected counts by reason."""
+    degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons, cp, head_split)
     settings = allowed_settings(cons)
     # Micro-batches per dp, and split by whether the accumulation reaches pp per (dp, pp), which
     # many degree combinations share.
@@ -292,7 +300,7 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
                 reps.append((deg, flag))
                 pattern_first.append((deg, mbs[0]))
             blocks.append((deg, mbs, pattern_id))
-    verdicts = (_pattern_verdicts(reps, settings, framework_rule) if reps
+    verdicts = (_pattern_verdicts(reps, settings, framework_rule, cp, cp_comm) if reps
                 else _Verdicts(np.zeros((5, 0), dtype=np.int64), [], []))
     pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
     # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
@@ -310,9 +318,13 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
         for reason, (count, setting) in reasons.items():
             seen, example = refusals.get(reason, (0, ()))
             if not example:  # patterns are met in block order: the first example stands
-                example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b))
+                example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b), cp,
+                           CP_COMMS.index(cp_comm))
             refusals[reason] = (seen + count * weight, example)
     columns = _layout(kept, verdicts.ok_rows, global_batch)
+    n = len(columns["dp"])
+    columns["cp"], columns["cp_comm"] = np.full(n, cp, dtype=np.int64), np.full(n, CP_COMMS.index(cp_comm),
+                                                                                dtype=np.int64)
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected}, refusals)
 
 
@@ -344,4 +356,4 @@ def _layout(blocks: list[tuple[Degrees, int, int, list[int]]], ok_rows: np.ndarr
     head = np.repeat(heads, sizes, axis=1)
     setting = np.take(ok_rows, np.repeat(row_setting, row_m), axis=1)
     return {**dict(zip(COLUMNS[:5], head)), **dict(zip(COLUMNS[5:10], setting)),
-            **dict(zip(COLUMNS[10:], np.take(batch, at, axis=1)))}
+            **dict(zip(COLUMNS[10:12], np.take(batch, at, axis=1)))}

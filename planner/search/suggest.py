@@ -30,6 +30,7 @@ from planner.model.spec import ModelSpec
 from planner.model.vision_inputs import vision_inputs
 from planner.search import rank as rk
 from planner.search.branch_and_bound import Outcome, search
+from planner.search.context_splits import context_splits
 from planner.search.evaluate import Pricing, build_plans, evaluate_keys
 from planner.search.keys import KeyedSpace, group_by_key
 from planner.search.nothing_fits import describe, nothing_fits_message, relaxations
@@ -119,25 +120,50 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     ``precision``: one name, or several: each is searched as its own workload and the plans are
     ranked together (precision is a property of the workload, so of every block's cost). A recipe
     the GPU cannot run, or one no plan fits, is left out with a note; all of them: the first's error.
-    ``options``: the keywords of ``_suggest_one``."""
+    Each context-parallel split (search/context_splits.py) is searched on its own too, and ranked
+    with the rest. ``options``: the keywords of ``_suggest_one``."""
     names = (precision,) if isinstance(precision, str) else tuple(dict.fromkeys(precision))
-    if len(names) == 1:
-        return _suggest_one(model, hardware, nodes, precision=names[0], **options)
+    if isinstance(model, str):
+        from planner.model.catalog import load_model
+
+        model = load_model(model)
+    cons = options.get("constraints") or Constraints()
+    seq = options.get("seq_len") or model.train_seq_len
+    gpus = _profile(hardware, options.get("gpus_per_node")).node.gpus * whole_number("nodes", nodes)
+    splits = context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
+    if len(names) == 1 and len(splits) == 1:
+        return _suggest_one(model, hardware, nodes, precision=names[0], cp=splits[0], **options)
     profile = _profile(hardware, options.get("gpus_per_node"))
     results, left_out, first_error = [], [], None
     for name in names:
         recipe = RECIPES.get(split_precision(name)[1] or "")
         why = recipe and unsupported(recipe, profile.gpu.peak_TFLOPs, profile.gpu.name)  # type: ignore[arg-type]
-        try:
-            if why:
-                raise UserError(f"{arg('precision')} {name}: {why}")
-            results.append(_suggest_one(model, hardware, nodes, precision=name, **options))
-        except UserError as err:
-            first_error = first_error or err
-            left_out.append(f"left out: {err}")
+        errors = [UserError(f"{arg('precision')} {name}: {why}")] if why else []
+        for split in ([] if why else splits):
+            try:
+                results.append(_suggest_one(model, hardware, nodes, precision=name, cp=split,
+                                            **_share(options, len(results) + len(errors), len(names) * len(splits))))
+            except UserError as err:
+                errors.append(err)
+        first_error = first_error or (errors[0] if errors else None)
+        if len(errors) == (1 if why else len(splits)):  # nothing of this precision fits: say why
+            left_out.append(f"left out: {errors[0]}")
+    if options.get("progress") is not None:
+        options["progress"](1.0)
     if not results:
         raise first_error  # type: ignore[misc]
+    if len(names) == 1 and len(results) == 1:
+        return results[0]
     return _merge(results, names, left_out, options.get("objective", "throughput"), options.get("top", 5))
+
+
+def _share(options: dict, k: int, n: int) -> dict:
+    """``options`` with its ``progress`` callback reporting search ``k`` of ``n`` as its share of
+    the whole (k / n up to (k + 1) / n)."""
+    report = options.get("progress")
+    if report is None or n == 1:
+        return options
+    return {**options, "progress": lambda f: report(min(1.0, (k + f) / n))}
 
 
 def _merge(results: list[SuggestResult], names: tuple[str, ...], left_out: list[str], objective: str,
@@ -162,11 +188,11 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
             images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
             optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
-            te_attention: bool = True,
+            te_attention: bool = True, fp8_param_gather: bool = True,
             constraints: Constraints | None = None, balancer: str = "optimal",
             objective: str = "throughput", top: int = 5,
-            progress: Callable[[float], None] | None = None) -> SuggestResult:
-    """The search for one precision (``suggest``)."""
+            progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p")) -> SuggestResult:
+    """The search for one precision and one context-parallel split ``cp`` (``suggest``)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     whole_number("nodes", nodes)
     whole_number("top", top)
@@ -193,16 +219,18 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention,
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
+                        fp8_param_gather=fp8_param_gather,
                         dropout=dropout)  # type: ignore[arg-type]
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
               "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
               "tp_comm_overlap": tp_comm_overlap, "te_attention": te_attention,
+              "fp8_param_gather": fp8_param_gather,
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
-    space = candidate_space(model, cluster, workload, cons)
-    result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress)
+    space = candidate_space(model, cluster, workload, cons, cp=cp)
+    result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress, cp)
     result.elapsed_s = time.perf_counter() - started
     result.cpu_s = time.process_time() - search_cpu_started
     result.setup_cpu_s = search_cpu_started - cpu_started
@@ -214,8 +242,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
 
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
-            top: int, inputs: dict, progress) -> SuggestResult:
-    p = Pricing.of(model, cluster, workload, balancer)
+            top: int, inputs: dict, progress, cp: tuple[int, str] = (1, "p2p")) -> SuggestResult:
+    p = Pricing.of(model, cluster, workload, balancer, *cp)
     ks = group_by_key(space)
     out = search(p, ks, objective, top, progress)
     fitting = out.fitting(p)
