@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from planner import api
+from planner.cli import main
 from planner.cost.collectives import collective_time
 from planner.errors import UserError
 from planner.hardware.cluster import Cluster
@@ -175,7 +177,7 @@ def test_pipeline_hops_cross_only_between_domains():
     assert sum(crosses) == 2 and near is not None and links_crossed(c, near) == ("nvlink",)
 
 
-# --- search ------------------------------------------------------------------------------
+# --- search and CLI -----------------------------------------------------------------------
 
 
 def test_search_offers_tp_across_trays_inside_the_domain():
@@ -190,3 +192,11 @@ def test_search_offers_tp_across_trays_inside_the_domain():
     with pytest.raises(UserError, match="spans more than a node's 4 GPUs"):
         api.suggest("llama-3-8b", trays, global_batch=64, seq_len=4096, tp=8, top=1)
 
+
+def test_topo_shows_the_domain():
+    run = CliRunner().invoke(main, ["topo", "--hardware", "gb200-nvl72", "--nodes", "20"])
+    assert run.exit_code == 0, run.output
+    assert "18 nodes (72 GPUs) on one NVLink switch fabric; 2 domain(s), the last of 2 nodes" in " ".join(
+        run.output.split())
+    plain = CliRunner().invoke(main, ["topo", "--hardware", "dgx-b200", "--nodes", "2"])
+    assert "NVLink domain" not in plain.output
