@@ -4,6 +4,7 @@ on the NICs across domains; the gb200-nvl72 and gb300-nvl72 profiles."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -196,7 +197,8 @@ def test_search_offers_tp_across_trays_inside_the_domain():
 def test_topo_shows_the_domain():
     run = CliRunner().invoke(main, ["topo", "--hardware", "gb200-nvl72", "--nodes", "20"])
     assert run.exit_code == 0, run.output
-    assert "18 nodes (72 GPUs) on one NVLink switch fabric; 2 domain(s), the last of 2 nodes" in " ".join(
-        run.output.split())
+    assert "NVLink domain" in run.output and "72 GPUs" in run.output
+    data = json.loads(CliRunner().invoke(main, ["topo", "--hardware", "gb200-nvl72", "--nodes", "20", "--json"]).output)
+    assert (data["nvlink_domain_nodes"], data["nvlink_domain_gpus"], data["nvlink_domains"]) == (18, 72, 2)
     plain = CliRunner().invoke(main, ["topo", "--hardware", "dgx-b200", "--nodes", "2"])
-    assert "NVLink domain" not in plain.output
+    assert plain.exit_code == 0 and "NVLink domain" not in plain.output

@@ -72,9 +72,11 @@ def derived(profile: HardwareProfile) -> dict[str, Any]:
     }
 
 
-def _domain(nodes: int) -> str:
-    """The intra-node column's note for an NVLink domain of several nodes (NVL72: 18 trays)."""
-    return f" x{nodes} nodes" if nodes > 1 else ""
+def _intra_name(row: dict[str, Any]) -> str:
+    """The intra-node column's fabric: NVL<GPUs> for an NVLink domain of several nodes (NVL72)."""
+    if row["nvlink_domain_nodes"] > 1:
+        return f"NVL{row['nvlink_domain_gpus']}"
+    return _INTRA_NAMES[row["intra_kind"]]
 
 
 @click.group(
@@ -105,7 +107,7 @@ def hardware(ctx: click.Context, as_json: bool) -> None:
         title="Hardware profiles",
         caption=f"* default: {DEFAULT_PROFILE}. "
                 "Per GPU: GiB, dense bf16 TFLOP/s, HBM and intra-node GB/s per direction; "
-                "'x18 nodes': an NVLink domain of 18 nodes",
+                "NVL72: one NVLink domain of 72 GPUs over several nodes",
         box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold underline",
     )
     for column, justify in (
@@ -121,7 +123,7 @@ def hardware(ctx: click.Context, as_json: bool) -> None:
             f"{row['memory_GiB']:g}",
             f"{row['bf16_TFLOPs']:g}",
             f"{row['hbm_GBps']:g}",
-            f"{_INTRA_NAMES[row['intra_kind']]} {row['intra_bw_GBps']:g}" + _domain(row["nvlink_domain_nodes"]),
+            f"{_intra_name(row)} {row['intra_bw_GBps']:g}",
             f"{row['nics_per_node']}x{row['nic_speed_gbit']:g}G",
             _FABRIC_NAMES[row["fabric"]],
         )
