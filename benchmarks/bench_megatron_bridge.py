@@ -27,8 +27,9 @@ from planner import api
 from planner.errors import UserError
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "megatron_bridge_25.11_pretrain.csv"
-# The table's names -> dsplan's (None: no profile / preset yet).
-SYSTEMS = {"DGX-H100": "dgx-h100", "DGX-B200": "dgx-b200", "DGX-GB200": None, "DGX-GB300": None}
+# The table's names -> dsplan's (None: no profile / preset yet). On NVL72 a node is a 4-GPU tray:
+# the table's "gpus" is trays x 4.
+SYSTEMS = {"DGX-H100": "dgx-h100", "DGX-B200": "dgx-b200", "DGX-GB200": "gb200-nvl72", "DGX-GB300": "gb300-nvl72"}
 MODELS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B": "llama-3.1-405b",
           "DeepSeekV3": "deepseek-v3", "GPT-OSS-120B": None, "Qwen3-30B-A3B": None, "Qwen3-235B-A22B": None}
 # Megatron-Bridge's precision names: FP8-CS is current (per-tensor) scaling, FP8-MX is MXFP8.
@@ -48,7 +49,7 @@ def _int(text: str, default: int = 1) -> int:
 def not_expressible(row: dict) -> str | None:
     """Why dsplan cannot price this row yet, or None."""
     if SYSTEMS[row["system"]] is None:
-        return f"no {row['system']} profile (NVL72 systems are not modelled yet)"
+        return f"no {row['system']} profile"
     if MODELS[row["model"]] is None:
         return f"no {row['model']} preset"
     if _int(row["fsdp"], 0) > 0:
@@ -64,8 +65,8 @@ def layout(row: dict) -> dict:
 
 
 def _search(row: dict, pins: dict, top: int):
-    gpus = int(row["gpus"])
-    cluster = api.load_cluster(SYSTEMS[row["system"]], nodes=max(gpus // 8, 1), gpus_per_node=min(gpus, 8))
+    gpus, per = int(row["gpus"]), api.load_hardware(SYSTEMS[row["system"]]).gpus_per_node
+    cluster = api.load_cluster(SYSTEMS[row["system"]], nodes=max(gpus // per, 1), gpus_per_node=min(gpus, per))
     t0 = time.perf_counter()
     out = api.suggest(MODELS[row["model"]], cluster, global_batch=int(row["global_batch"]),
                       seq_len=int(row["seq_len"]), precision=PRECISIONS[row["precision"]], top=top, **pins)

@@ -26,7 +26,8 @@ def test_list_json_has_every_profile_with_stable_keys():
     assert [r["name"] for r in rows if r["default"]] == ["dgx-a100-80g"]
     keys = {
         "name", "default", "description", "gpu", "vendor", "gpus_per_node", "memory_GiB", "bf16_TFLOPs", "hbm_GBps",
-        "intra_kind", "intra_bw_GBps", "nics_per_node", "nic_speed_gbit", "nic_bw_per_gpu_GBps", "fabric",
+        "intra_kind", "intra_bw_GBps", "nvlink_domain_nodes", "nvlink_domain_gpus", "nics_per_node", "nic_speed_gbit",
+        "nic_bw_per_gpu_GBps", "fabric",
     }
     assert all(set(r) == keys for r in rows)
     by_name = {r["name"]: r for r in rows}
@@ -35,6 +36,8 @@ def test_list_json_has_every_profile_with_stable_keys():
         assert row["bf16_TFLOPs"] == p.gpu.peak_TFLOPs["bf16"]
         assert row["nic_bw_per_gpu_GBps"] * 1e9 == p.nic_bw_per_gpu
     assert by_name["h800"]["intra_bw_GBps"] == 200
+    assert {n for n, r in by_name.items() if r["nvlink_domain_nodes"] > 1} == {"gb200-nvl72", "gb300-nvl72"}
+    assert by_name["gb200-nvl72"]["nvlink_domain_gpus"] == 72 and by_name["dgx-b200"]["nvlink_domain_gpus"] == 8
     assert by_name["a100-pcie"]["intra_kind"] == "pcie"
 
 

@@ -46,6 +46,8 @@ def summary(profile: HardwareProfile) -> dict[str, Any]:
         "hbm_GBps": gpu.hbm_GBps,
         "intra_kind": node.intra.kind,
         "intra_bw_GBps": node.intra.bw_GBps,
+        "nvlink_domain_nodes": node.nvlink_domain_nodes,
+        "nvlink_domain_gpus": profile.nvlink_domain_gpus,
         "nics_per_node": node.nics.count,
         "nic_speed_gbit": node.nics.speed_gbit,
         "nic_bw_per_gpu_GBps": profile.nic_bw_per_gpu / 1e9,
@@ -68,6 +70,13 @@ def derived(profile: HardwareProfile) -> dict[str, Any]:
         "intra_to_inter_bw_ratio": node.intra.bw_GBps * 1e9 / profile.nic_bw_per_gpu,
         "flops_per_hbm_byte": gpu.peak_flops("bf16") / (gpu.hbm_GBps * 1e9),
     }
+
+
+def _intra_name(row: dict[str, Any]) -> str:
+    """The intra-node column's fabric: NVL<GPUs> for an NVLink domain of several nodes (NVL72)."""
+    if row["nvlink_domain_nodes"] > 1:
+        return f"NVL{row['nvlink_domain_gpus']}"
+    return _INTRA_NAMES[row["intra_kind"]]
 
 
 @click.group(
@@ -97,7 +106,8 @@ def hardware(ctx: click.Context, as_json: bool) -> None:
     table = Table(
         title="Hardware profiles",
         caption=f"* default: {DEFAULT_PROFILE}. "
-                "Per GPU: GiB, dense bf16 TFLOP/s, HBM and intra-node GB/s per direction",
+                "Per GPU: GiB, dense bf16 TFLOP/s, HBM and intra-node GB/s per direction; "
+                "NVL72: one NVLink domain of 72 GPUs over several nodes",
         box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold underline",
     )
     for column, justify in (
@@ -113,7 +123,7 @@ def hardware(ctx: click.Context, as_json: bool) -> None:
             f"{row['memory_GiB']:g}",
             f"{row['bf16_TFLOPs']:g}",
             f"{row['hbm_GBps']:g}",
-            f"{_INTRA_NAMES[row['intra_kind']]} {row['intra_bw_GBps']:g}",
+            f"{_intra_name(row)} {row['intra_bw_GBps']:g}",
             f"{row['nics_per_node']}x{row['nic_speed_gbit']:g}G",
             _FABRIC_NAMES[row["fabric"]],
         )

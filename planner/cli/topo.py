@@ -26,10 +26,15 @@ OPS = ("allreduce", "reducescatter", "allgather", "alltoall", "p2p", "broadcast"
       dsplan topo --nodes 2 --collective allreduce --group-size 16 --bytes 1GiB --json
       dsplan topo --hardware hgx-h200 --collective allreduce --bytes 256MiB --no-nvls
       dsplan topo --nodes 2 --draw topo.png --dot topo.dot
+      dsplan topo --hardware gb200-nvl72 --nodes 36 --collective allreduce --group-size 64
+    \b
+    On NVL72 profiles a node is one compute tray (4 GPUs) and 18 trays share one NVLink
+    domain: groups inside a domain are priced on NVLink, groups across domains on the NICs.
     """,
 )
 @hardware_option
-@click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes (at most 2^20 GPUs in all).")
+@click.option("--nodes", type=int, default=1, show_default=True,
+              help="Number of nodes (NVL72: compute trays of 4 GPUs; at most 2^20 GPUs in all).")
 @click.option("--collective", metavar="OP", help=f"Predict one collective: {', '.join(OPS)}.")
 @click.option("--group-size", type=int, help="Ranks in the group (consecutive ranks, TP-style). Default: one node.")
 @click.option("--bytes", "size", default=None,
@@ -80,6 +85,12 @@ def _print_summary(cluster) -> None:
     table.add_row("GPUs", f"{s['gpus']} ({s['gpus_per_node']} per node)")
     table.add_row("intra-node", f"{s['intra_node_fabric']}, {s['intra_bw_per_gpu_GBps']:g} GB/s per GPU per direction"
                   + (", NVLS" if s["nvls"] else ""))
+    if s["nvlink_domain_nodes"] > 1:
+        left = cluster.nodes % s["nvlink_domain_nodes"]
+        last = f", the last of {left} nodes" if left and s["nvlink_domains"] > 1 else ""
+        table.add_row("NVLink domain", f"{s['nvlink_domain_nodes']} nodes ({s['nvlink_domain_gpus']} GPUs) on one "
+                      f"NVLink switch fabric; {s['nvlink_domains']} domain(s){last}; groups inside one are priced "
+                      "on NVLink")
     table.add_row("links by type", ", ".join(f"{k}: {v}" for k, v in sorted(s["links_by_type"].items())))
     table.add_row("NICs", f"{s['nics_per_node']} x {s['nic_GBps']:g} GB/s per node; "
                           f"{s['nic_bw_per_gpu_GBps']:g} GB/s per GPU")

@@ -116,7 +116,7 @@ def links_for(cluster: Cluster, shape: GroupShape) -> Links:
 def _links_for(cluster: Cluster, shape: GroupShape) -> Links:
     p = cluster.profile
     if shape.ranks_per_node > 1:
-        routes = ring_routes(cluster.key[0], shape.local_groups(cluster.gpus_per_node))
+        routes = ring_routes(cluster.fabric_key, shape.local_groups(cluster.domain_gpus))
         ring, p2p, edge = routes.ring_bw, routes.p2p_bw, routes.bottleneck
     else:
         ring, p2p, edge = math.inf, math.inf, ""
@@ -194,7 +194,7 @@ def _alltoall_intra(cluster: Cluster, shape: GroupShape) -> float:
     """Seconds per byte to each peer inside a node (routed for all-to-alls only: other ops never ask)."""
     if shape.ranks_per_node == 1:
         return 0.0
-    return alltoall_s_per_peer_byte(cluster.key[0], shape.local_groups(cluster.gpus_per_node))
+    return alltoall_s_per_peer_byte(cluster.fabric_key, shape.local_groups(cluster.domain_gpus))
 
 
 def _alltoall(links: Links, intra_s_per_peer_byte: float, n: int, r: int, m: int) -> Candidate:

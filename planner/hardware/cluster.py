@@ -75,9 +75,18 @@ class Cluster:
         self.nodes = nodes
         self.gpus_per_node = profile.node.gpus
         self.num_gpus = nodes * self.gpus_per_node
+        # The collective model's "node": the NVLink domain (nodes sharing an NVLink switch
+        # fabric, the last one partial when the nodes do not fill it); one node where the
+        # profile has no multi-node domain.
+        self.domain_nodes = profile.node.nvlink_domain_nodes
+        self.domain_gpus = profile.nvlink_domain_gpus
         self.fat_tree = fat_tree(profile, nodes)
         self.key = (profile.model_dump_json(), nodes)
         _PROFILES.setdefault(self.key[0], profile)
+        # What the routing reads: one domain's graph, the node's where the domain is one node.
+        domain = domain_profile(profile)
+        self.fabric_key = self.key[0] if domain is profile else domain.model_dump_json()
+        _PROFILES.setdefault(self.fabric_key, domain)
         self._graph: nx.Graph | None = None
 
     @classmethod
@@ -110,6 +119,11 @@ class Cluster:
     @property
     def intra_latency_s(self) -> float:
         return self.profile.node.intra.latency_us * 1e-6
+
+    @property
+    def nvlink_gpus(self) -> int:
+        """GPUs a process group reaches over NVLink alone: one domain's, or the cluster's when smaller."""
+        return min(self.domain_gpus, self.num_gpus)
 
     @property
     def nic_bw(self) -> float:
@@ -199,6 +213,9 @@ class Cluster:
             "intra_node_fabric": p.node.intra.kind,
             "intra_bw_per_gpu_GBps": p.node.intra.bw_GBps,
             "nvls": self.nvls,
+            "nvlink_domain_nodes": self.domain_nodes,
+            "nvlink_domain_gpus": self.domain_gpus,
+            "nvlink_domains": -(-self.nodes // self.domain_nodes),
             "nics_per_node": p.node.nics.count,
             "nic_GBps": self.nic_bw / 1e9,
             "nic_bw_per_gpu_GBps": self.nic_bw_per_gpu / 1e9,
@@ -251,6 +268,18 @@ def _edge_kinds(g: NodeFabric) -> dict[str, int]:
 # Each cluster's (frozen) profile by its JSON, the key the routing caches use: node_fabric then
 # reads the profile it was built from rather than validating the JSON again.
 _PROFILES: dict[str, HardwareProfile] = {}
+
+
+def domain_profile(profile: HardwareProfile) -> HardwareProfile:
+    """``profile`` with one NVLink domain as its node: the domain's GPUs on one switch, each
+    with its own node's NICs (what the collective model routes); ``profile`` itself when the
+    domain is one node. Not validated again: every field is the profile's, scaled."""
+    node, domain = profile.node, profile.node.nvlink_domain_nodes
+    if domain == 1:
+        return profile
+    nics = node.nics.model_copy(update={"count": node.nics.count * domain})
+    whole = node.model_copy(update={"gpus": node.gpus * domain, "nics": nics, "nvlink_domain_nodes": 1})
+    return profile.model_copy(update={"node": whole})
 
 
 @functools.lru_cache(maxsize=32)
@@ -308,8 +337,10 @@ def _add_node(g: "nx.Graph | NodeFabric", profile: HardwareProfile, n: int) -> N
             g.add_edge(f"n{n}.nic{j}", sw, bw=min(nic_bw, pcie_bw), latency=0.0, kind="pcie")
         return
     if intra.kind == "nvswitch":
-        hub = f"n{n}.nvswitch"
-        g.add_node(hub, role="nvswitch", node=n)
+        # The nodes of one multi-node NVLink domain share its switch fabric (NVL72's switch trays).
+        domain = node.nvlink_domain_nodes
+        hub = f"n{n}.nvswitch" if domain == 1 else f"nvl{n // domain}.nvswitch"
+        g.add_node(hub, role="nvswitch", node=n if domain == 1 else n // domain * domain)
         for name in gpus:
             g.add_edge(name, hub, bw=bw, latency=lat / 2, kind=kind)
     else:  # point-to-point mesh: a circulant graph of links_per_gpu links per GPU

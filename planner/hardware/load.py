@@ -31,6 +31,8 @@ ALIASES = {
     "h100": "dgx-h100",
     "h200": "hgx-h200",
     "l40s": "l40s-pcie",
+    "gb200": "gb200-nvl72",
+    "gb300": "gb300-nvl72",
 }
 
 _SCHEMA_HINT = "see hardware_profiles/README.md for the schema"

@@ -4,6 +4,10 @@ Ranks are numbered with the first dimension of ``order`` innermost (stride 1), a
 DeepSpeed do (TP innermost, then EP/DP, then PP); rank r runs on GPU r, and GPU r sits on node
 r // gpus_per_node. A process group of one dimension is then "size ranks, ``stride`` apart",
 and everything the collective model needs about it fits in a small hashable ``GroupShape``.
+
+A shape's "node" is the NVLink domain (``Cluster.domain_gpus``): the node itself on every
+profile but those whose NVLink switch fabric spans several nodes (GB200 NVL72: 18 trays of 4
+GPUs), where GPU r sits in domain r // domain_gpus and the last domain may be partial.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ class GroupShape(NamedTuple):
     """What one process group looks like on the machine (the same for every group of a dim).
 
     size: ranks in the group; stride: rank distance between consecutive members;
-    ranks_per_node: members on each node the group touches; nodes_spanned: nodes it touches;
+    ranks_per_node: members on each node (NVLink domain) the group touches, the fewest on any
+    where a multi-node domain splits groups unevenly; nodes_spanned: nodes (domains) it touches;
     groups_per_node: groups of this dimension with members on one node, all communicating at
     once and so sharing that node's NICs; leaf_blocks: leaf blocks (fat-tree) it touches;
     pods: spine pods it touches (3-level fabrics).
@@ -61,14 +66,18 @@ class GroupShape(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _local_groups(gpus_per_node: int, stride: int, r: int) -> tuple[tuple[int, ...], ...]:
     """``GroupShape.local_groups``: the same for every shape of one stride and ranks per node,
-    so built once for the many shapes (sizes across nodes, ops) a search prices."""
+    so built once for the many shapes (sizes across nodes, ops) a search prices. Groups that
+    would run past the node's last GPU are left out (a multi-node NVLink domain whose size the
+    group's span does not divide; on a node every span divides it)."""
     if r == 1:
         return tuple((i,) for i in range(gpus_per_node))
     span = stride * r
     groups = []
     for block in range(0, gpus_per_node, span):
         for off in range(stride):
-            groups.append(tuple(block + off + j * stride for j in range(r)))
+            group = tuple(block + off + j * stride for j in range(r))
+            if group[-1] < gpus_per_node:
+                groups.append(group)
     return tuple(groups)
 
 
@@ -133,13 +142,13 @@ def pipeline_hops(cluster: Cluster, stride: int, pp: int) -> tuple[tuple[bool, .
     tp x dp = 2 on 8-GPU nodes, one hop in four. Every group of the dimension looks alike (the
     base is below the stride), so group 0 answers for all. Returns (for each rank r, whether the
     hop r -> r + 1 crosses nodes; a two-rank in-node shape for the other hops, or None when
-    every hop crosses or none does)."""
-    g = cluster.gpus_per_node
+    every hop crosses or none does). "Node" is the NVLink domain (see the module docstring)."""
+    g = cluster.domain_gpus
     node = [(r * stride) // g for r in range(pp)]
     crosses = tuple(node[r] != node[(r + 1) % pp] for r in range(pp))
-    if all(crosses) or not any(crosses) or g % (2 * stride):
+    if all(crosses) or not any(crosses) or (g % (2 * stride) and cluster.domain_nodes == 1):
         return crosses, None
-    return crosses, strided_shape(cluster, stride, 2, "pp")
+    return crosses, GroupShape(2, stride, 2, 1, g // 2)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -150,12 +159,51 @@ def strided_shape(cluster: Cluster, stride: int, size: int, what: str = "group")
     lays out hundreds of (tp, ep, dp, pp) combinations computes each shape once.
 
     Groups that sit inside one node (a single rank, or a whole group in every node-sized
-    block) are read off directly: on 16,384 GPUs they would otherwise scan thousands of bases."""
-    g = cluster.gpus_per_node
-    if size == 1 or g % (stride * size) == 0:
+    block, or a cluster no larger than one node) are read off directly: on 16,384 GPUs they
+    would otherwise scan thousands of bases. "Node" is the NVLink domain (module docstring)."""
+    g = cluster.domain_gpus
+    if size == 1 or g % (stride * size) == 0 or cluster.num_gpus <= g:
         return GroupShape(size, stride, size, 1, g // size)
+    if cluster.domain_nodes > 1:
+        return _domain_shape(cluster, stride, size)
     return _progression_shape(cluster, stride, size) or shape_of(
         cluster, representative_bases(cluster, stride, size), size, stride, what)
+
+
+def _domain_shape(cluster: Cluster, stride: int, size: int) -> GroupShape:
+    """The shape that prices every group of a dimension on a multi-node NVLink domain.
+
+    Domains of 72 GPUs split groups of 16 or 64, and a partial last domain splits others, so
+    groups of one dimension can differ: some inside a domain, some across two with 8 and 56
+    members. Every group communicates at once and the step waits for the slowest, so the shape
+    is the worst group's: the most domains any group touches, and the fewest members any
+    group that crosses holds in one domain (its NICs carry the crossing traffic, and its
+    members send the largest share of an all-to-all out of their domain). Groups split evenly
+    read as the exact shape. Leaves and pods are counted over the groups' nodes, whose NICs
+    reach the network (none where every group sits in one domain). Every group is scanned:
+    one array of the cluster's ranks."""
+    g, dg, ft = cluster.gpus_per_node, cluster.domain_gpus, cluster.fat_tree
+    block = stride * size
+    bases = (np.arange(cluster.num_gpus // block)[:, None] * block + np.arange(stride)).ravel()
+    ranks = bases[:, None] + stride * np.arange(size)
+    domains = ranks // dg
+    spanned = _distinct_per_row(domains)
+    m = int(spanned.max())
+    if m == 1:
+        return GroupShape(size, stride, size, 1, dg // size)
+    r = _fewest_per_run(domains[spanned > 1])
+    nodes = ranks // g
+    leaves = int(_distinct_per_row(nodes // ft.nodes_per_leaf).max())
+    pods = int(_distinct_per_row(nodes // ft.nodes_per_pod).max())
+    return GroupShape(size, stride, r, m, dg // r, leaves, pods)
+
+
+def _fewest_per_run(a: np.ndarray) -> int:
+    """The shortest run of equal values in any row of ``a`` (rows sorted)."""
+    starts = np.ones(a.shape, dtype=bool)
+    starts[:, 1:] = np.diff(a, axis=1) != 0
+    first = np.flatnonzero(starts)
+    return int(np.diff(np.append(first, a.size)).min())
 
 
 def _progression_shape(cluster: Cluster, stride: int, size: int) -> GroupShape | None:
@@ -295,7 +343,7 @@ def links_crossed(cluster: Cluster, shape: GroupShape) -> tuple[str, ...]:
 
     kinds: list[str] = []
     if shape.ranks_per_node > 1:
-        kinds += path_kinds(cluster.key[0], shape.local_groups(cluster.gpus_per_node)[0])
+        kinds += path_kinds(cluster.fabric_key, shape.local_groups(cluster.domain_gpus)[0])
     if shape.crosses_nodes:
         kinds += ["pcie", "network"] if "pcie" not in kinds else ["network"]
         if shape.crosses_spine:

@@ -109,6 +109,10 @@ class Node(_Strict):
     cpu_cores: int = Field(128, gt=0, le=limits.MAX_CPU_CORES)
     cpu_adam_GBps: Rate = 20.0  # DeepSpeedCPUAdam parameter throughput per node (bytes of fp32 params/s)
     storage_GBps: Rate = 2.0  # local NVMe, for checkpoints
+    # Nodes whose GPUs share one NVLink switch fabric (GB200 NVL72: 18 compute trays of 4 GPUs);
+    # 1: the NVLink domain is the node. Collectives inside a domain are priced on NVLink, host
+    # facts (memory, CPU, offload link) stay per node.
+    nvlink_domain_nodes: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
 
 
 class Fabric(_Strict):
@@ -136,11 +140,23 @@ class HardwareProfile(_Strict):
         count, gpus = self.node.nics.count, self.node.gpus
         if gpus % count and count % gpus:
             raise ValueError(f"node.nics.count ({count}) and node.gpus ({gpus}) must divide one another")
+        domain = self.node.nvlink_domain_nodes
+        if domain > 1 and self.node.intra.kind != "nvswitch":
+            raise ValueError(f"node.nvlink_domain_nodes {domain} needs node.intra.kind nvswitch (a multi-node NVLink "
+                             f"domain is an NVLink switch fabric), got {self.node.intra.kind}; set it to 1")
+        if domain * gpus > MAX_GPUS_PER_NODE:
+            raise ValueError(f"node.nvlink_domain_nodes {domain} x node.gpus {gpus} = {domain * gpus} GPUs in one "
+                             f"NVLink domain, above the largest announced ({MAX_GPUS_PER_NODE}, NVIDIA's NVL576)")
         return self
 
     @property
     def gpus_per_node(self) -> int:
         return self.node.gpus
+
+    @property
+    def nvlink_domain_gpus(self) -> int:
+        """GPUs that reach each other over NVLink: the node's, times the nodes of its domain."""
+        return self.node.gpus * self.node.nvlink_domain_nodes
 
     def with_gpus_per_node(self, gpus: int) -> "HardwareProfile":
         """This profile with ``gpus`` GPUs per node (the input ``gpus_per_node``). The NICs stay

@@ -57,7 +57,7 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
 
     def enumerate_with(c: Constraints) -> Space:
         return enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, c, rule, cp[0], cp[1],
-                               1 if cp[1] == "p2p" else cp[0])
+                               1 if cp[1] == "p2p" else cp[0], nvlink_gpus=cluster.nvlink_gpus)
 
     space = enumerate_with(cons)
     if len(space):
@@ -73,7 +73,7 @@ def _impossible_pins(cons: Constraints, facts: ModelFacts, cluster: Cluster) -> 
     """The pinned axes none of whose values can ever hold, each with estimate's own message for
     the broken rule (parallel.check_against_model), so the error names the cause rather than
     the generic rules."""
-    node = cluster.gpus_per_node
+    node = cluster.nvlink_gpus
 
     def model_rule(**degrees: int) -> str | None:
         cfg = ParallelConfig(dp=degrees.get("ep", 1), **degrees)
@@ -87,7 +87,8 @@ def _impossible_pins(cons: Constraints, facts: ModelFacts, cluster: Cluster) -> 
 
     def tp_rule(tp: int) -> str | None:
         if tp > node and not cons.allow_tp_across_nodes and not model_rule(tp=tp):
-            return f"{arg('tp')} {tp} spans more than a node's {node} GPUs (add {arg('allow_tp_across_nodes')})"
+            where = "a node's" if cluster.domain_nodes == 1 else "an NVLink domain's"
+            return f"{arg('tp')} {tp} spans more than {where} {node} GPUs (add {arg('allow_tp_across_nodes')})"
         return model_rule(tp=tp)
 
     pps, vss = cons.pp or (), cons.virtual_stages or ()

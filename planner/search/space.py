@@ -128,10 +128,14 @@ class Degrees(NamedTuple):
 
 
 def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
-                        cons: Constraints, cp: int = 1, head_split: int = 1) -> tuple[list[Degrees], int]:
+                        cons: Constraints, cp: int = 1, head_split: int = 1,
+                        nvlink_gpus: int | None = None) -> tuple[list[Degrees], int]:
     """Valid (dp, tp, pp, ep, vs) combinations beside a context-parallel degree ``cp`` (dp x
     tp x pp x cp = world) and how many were rejected as indivisible. ``head_split``: the ranks
     a context-parallel all-to-all splits heads over besides TP (context_parallel.py).
+
+    TP groups stay inside ``nvlink_gpus`` (Cluster.nvlink_gpus: the node, or a multi-node
+    NVLink domain such as NVL72's 72 GPUs; default the node) unless allowed across.
 
     The divisors of a number and the virtual-stage counts a pp allows are found once, and the
     rejected count is every combination the pins allow less the valid ones (not tallied per
@@ -152,7 +156,7 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
 
     for tp in _allowed([d for d in world_divisors if world % d == 0], cons.tp):
         tp_ok = all(h % (tp * head_split) == 0 for h in facts.heads) and facts.kv_heads % (tp * head_split) == 0
-        tp_ok = tp_ok and (cons.allow_tp_across_nodes or gpus_per_node % tp == 0)
+        tp_ok = tp_ok and (cons.allow_tp_across_nodes or (nvlink_gpus or gpus_per_node) % tp == 0)
         for pp in _allowed(divisors_of(world // tp), cons.pp):
             dp = world // (tp * pp)
             if cons.dp is not None and dp not in cons.dp:
@@ -270,10 +274,11 @@ def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, li
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
                     cons: Constraints, framework_rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p",
-                    head_split: int = 1) -> Space:
+                    head_split: int = 1, nvlink_gpus: int | None = None) -> Space:
     """Every candidate beside the context-parallel split (``cp``, ``cp_comm``; ``head_split``
     as degree_combinations takes it), as columns; rejected counts by reason."""
-    degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons, cp, head_split)
+    degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons, cp, head_split,
+                                               nvlink_gpus)
     settings = allowed_settings(cons)
     # Micro-batches per dp, and split by whether the accumulation reaches pp per (dp, pp), which
     # many degree combinations share.
