@@ -202,3 +202,16 @@ def test_topo_shows_the_domain():
     assert (data["nvlink_domain_nodes"], data["nvlink_domain_gpus"], data["nvlink_domains"]) == (18, 72, 2)
     plain = CliRunner().invoke(main, ["topo", "--hardware", "dgx-b200", "--nodes", "2"])
     assert plain.exit_code == 0 and "NVLink domain" not in plain.output
+
+
+def test_tp_across_trays_of_a_rack_is_emitted_with_the_overlap_it_was_priced_with(tmp_path):
+    """TP 8 on 4-GPU trays stays in the NVLink domain: priced with TE's overlap (paid.py), and the
+    run directory turns it on."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["generate", "--model", "llama-3-70b", "--hardware", "gb200-nvl72", "--nodes", "8",
+                                  "--framework", "megatron", "--tp", "8", "--sequence-parallel", "--global-batch",
+                                  "64", "--entry", str(script), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "--tp-comm-overlap" in (out / "megatron_args.sh").read_text()

@@ -278,7 +278,8 @@ def _context_args(plan: PlanFile) -> list[Arg]:
     return args
 
 
-def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = False) -> list[Arg]:
+def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = False,
+                   nvlink_gpus: int | None = None) -> list[Arg]:
     args = [
         _a("--tensor-model-parallel-size", plan.tp),
         _a("--pipeline-model-parallel-size", plan.pp),
@@ -299,7 +300,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
                  _a("--adam-eps", settings.eps)]
     if plan.sequence_parallel:
         args.append(_a("--sequence-parallel"))
-        if plan.framework == "megatron" and plan.tp_comm_overlap and 1 < plan.tp <= plan.gpus_per_node:
+        # a TP group inside the NVLink domain (a node, or an NVL72 rack's trays), as priced (paid.py)
+        if plan.framework == "megatron" and plan.tp_comm_overlap and 1 < plan.tp <= (nvlink_gpus or plan.gpus_per_node):
             args.append(_a("--tp-comm-overlap"))  # TE userbuffers, as the plan was priced (Traits.tp_comm_overlap)
     if plan.work_precision in ("bf16", "fp16"):
         args.append(_a(f"--{plan.work_precision}"))
@@ -332,15 +334,17 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
     return args
 
 
-def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings | None = None) -> list[Arg]:
-    """The plan in Megatron-LM's own flags.
+def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings | None = None,
+                     nvlink_gpus: int | None = None) -> list[Arg]:
+    """The plan in Megatron-LM's own flags (``nvlink_gpus``: the GPUs one NVLink domain holds,
+    default the node's).
 
     For ``megatron`` plans this is the launch; for ``deepspeed`` plans it is the same layout
     translated (ZeRO >= 1 as the distributed optimizer, EP as expert-model-parallel); for
     ``megatron-deepspeed`` plans ZeRO and MoE go to DeepSpeed (``megatron_deepspeed_args``).
     """
     settings = settings or TrainSettings()
-    return (_training_args(plan, settings, bigscience_fork(model, plan)) + _pipeline_args(model, plan)
+    return (_training_args(plan, settings, bigscience_fork(model, plan), nvlink_gpus) + _pipeline_args(model, plan)
             + _model_args(model, plan) + _moe_args(model, plan))
 
 

@@ -323,7 +323,7 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
         "master_port": options.master_port,
         "env": nccl_env(profile, plan, ib_hca=options.ib_hca, socket_ifname=options.socket_ifname),
         "omp_threads": host_threads(profile, plan),
-        "lm_args": megatron_lm_args(model, plan, settings),
+        "lm_args": megatron_lm_args(model, plan, settings, plan.gpus_per_node * profile.node.nvlink_domain_nodes),
         "ds_args": megatron_deepspeed_args(model, plan),
         "lm_notes": megatron_notes(model, plan),
         # the pods see the run directory under its own name (the object name is a sanitised label)
