@@ -7,11 +7,11 @@
 Rows: reference/megatron_bridge_25.11_pretrain.csv (NVIDIA-NeMo/Megatron-Bridge
 docs/performance-summary.md, 25.11). For each row this runs ``suggest`` with the row's GPUs,
 system, global batch, sequence, precision and layout pinned (tp, pp, cp, vp, ep, micro-batch,
-Megatron-Core with its distributed optimizer), letting dsplan choose what the table does not
-say (recomputation, sequence parallelism), and compares the best plan's tokens/s per GPU with
-the published one. A row dsplan cannot express yet is listed with the reason. Plan quality:
-the same search with only GPUs, batch, sequence and precision fixed, and where NVIDIA's layout
-ranks in it.
+Megatron-Core with its distributed optimizer, or Megatron-FSDP (zero 3) where the row shards
+over its whole DP group), letting dsplan choose what the table does not say (recomputation,
+sequence parallelism), and compares the best plan's tokens/s per GPU with the published one.
+A row dsplan cannot express yet is listed with the reason. Plan quality: the same search with
+only GPUs, batch, sequence and precision fixed, and where NVIDIA's layout ranks in it.
 """
 
 from __future__ import annotations
@@ -52,16 +52,18 @@ def not_expressible(row: dict) -> str | None:
         return f"no {row['system']} profile"
     if MODELS[row["model"]] is None:
         return f"no {row['model']} preset"
-    if _int(row["fsdp"], 0) > 0:
-        return "FSDP"
+    if 0 < _int(row["fsdp"], 0) < int(row["gpus"]) // (_int(row["tp"]) * _int(row["pp"])):
+        return "FSDP over part of the DP group (hybrid sharding)"
     if row["model"] == "DeepSeekV3" and "with MTP" in row["notes"]:
         return "DeepSeek-V3's multi-token-prediction module"
     return None
 
 
 def layout(row: dict) -> dict:
+    """The row's layout as dsplan's pins: FSDP over the whole DP group is Megatron-FSDP (ZeRO-3),
+    else the distributed optimizer (ZeRO-1), as the recipes run."""
     return {"tp": _int(row["tp"]), "pp": _int(row["pp"]), "virtual_stages": _int(row["vp"]), "ep": _int(row["ep"]),
-            "cp": _int(row["cp"]), "micro_batch": _int(row["micro_batch"])}
+            "cp": _int(row["cp"]), "micro_batch": _int(row["micro_batch"]), "zero": 3 if _int(row["fsdp"], 0) else 1}
 
 
 def _search(row: dict, pins: dict, top: int):
@@ -75,7 +77,7 @@ def _search(row: dict, pins: dict, top: int):
 
 def pinned(row: dict) -> dict:
     """The row with the layout pinned: predicted vs published tokens/s per GPU."""
-    out, seconds, gpus = _search(row, {**layout(row), "framework": "megatron", "zero": 1}, 1)
+    out, seconds, gpus = _search(row, {**layout(row), "framework": "megatron"}, 1)
     if not out.plans:
         return {"predicted": None, "error": "no plan fits the pinned layout", "seconds": seconds}
     plan = out.plans[0].plan
@@ -91,12 +93,13 @@ def free(row: dict) -> dict:
     out, seconds, gpus = _search(row, {}, FREE_TOP)
     want = layout(row)
     rank = next((i + 1 for i, rp in enumerate(out.plans)
-                 if rp.plan.cfg.framework == "megatron" and all(getattr(rp.plan.cfg, k) == v for k, v in want.items())),
+                 if rp.plan.cfg.framework == "megatron"
+                 and all(getattr(rp.plan.cfg, "zero_stage" if k == "zero" else k) == v for k, v in want.items())),
                 None)
     best = out.plans[0].plan
     c = best.cfg
     return {"rank": rank, "best": f"{c.framework} tp{c.tp} pp{c.pp}x{c.virtual_stages} ep{c.ep} cp{c.cp} "
-                                  f"mb{c.micro_batch}",
+                                  f"mb{c.micro_batch} z{c.zero_stage}",
             "best_tokens": best.tokens_per_s / gpus, "seconds": seconds}
 
 

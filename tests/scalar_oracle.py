@@ -240,9 +240,10 @@ def model_states(dense_params: float, expert_params: float, *, framework: str, z
     we, ge, oe, ce = bytes_per_param(framework, zero, offload, max(dp // ep, 1), precision, moments)
     weights = wd * dense_params + we * expert_params
     grads = gd * dense_params + ge * expert_params
-    if zero == 3:
-        weights += 2 * live_layer_params
-        grads += 2 * live_layer_params
+    if zero == 3:  # Megatron-FSDP double-buffers: the unit computing and the one prefetched
+        units = 2 if framework == "megatron" else 1
+        weights += 2 * units * live_layer_params
+        grads += 2 * units * live_layer_params
     return ModelStates(weights, grads, od * dense_params + oe * expert_params, cd * dense_params + ce * expert_params)
 
 
@@ -397,9 +398,11 @@ def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: fl
 
 
 def _grad_comm_bytes(cfg: ParallelConfig, w: Workload, traits: fw.Traits) -> int:
-    if w.precision == "fp32" or (traits.fp32_grad_buffer and w.precision == "bf16"):
+    if w.precision == "fp32":
         return 4
-    return 2
+    # Megatron's fp32 main_grad, except under Megatron-FSDP (its main-grads dtype "auto": bf16)
+    fsdp = cfg.framework == "megatron" and cfg.zero_stage == 3
+    return 4 if traits.fp32_grad_buffer and w.precision == "bf16" and not fsdp else 2
 
 
 def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, traits: fw.Traits, comms: Comms,

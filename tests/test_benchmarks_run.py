@@ -54,23 +54,27 @@ def test_megatron_bridge_rows_dsplan_can_express_are_priced_and_the_rest_say_why
     """The table's 32 rows: every one either priced with its layout pinned, or named with what
     dsplan lacks for it; the expressible dense rows on DGX systems (context parallelism included)
     stay inside the band docs/accuracy.md quotes (0.94-1.17 of published), the NVL72 rows
-    (GB200 / GB300, trays of 4 GPUs) are priced, and NVIDIA's B200 layout is dsplan's own first
-    choice."""
+    (GB200 / GB300, trays of 4 GPUs) are priced, and NVIDIA's B200 layout is as fast as dsplan's own
+    first choice."""
     bench = _load("bench_megatron_bridge")
     rows = bench.rows()
     assert len(rows) == 32
     expressible = [r for r in rows if bench.not_expressible(r) is None]
     dgx = {("DGX-B200", "LLAMA3_8B", "FP8-CS"), ("DGX-B200", "LLAMA3_8B", "FP8-MX"),
            ("DGX-H100", "LLAMA3_70B", "FP8-CS"), ("DGX-B200", "LLAMA3.1_405B", "FP8-CS"),
-           ("DGX-B200", "LLAMA3.1_405B", "FP8-MX"), ("DGX-H100", "LLAMA3.1_405B", "FP8-CS")}
+           ("DGX-B200", "LLAMA3.1_405B", "FP8-MX"), ("DGX-H100", "LLAMA3.1_405B", "FP8-CS"),
+           ("DGX-H100", "LLAMA3_8B", "FP8-CS")}  # the last: Megatron-FSDP over its 8 GPUs
     nvl72 = {(s, m, p) for s in ("DGX-GB200", "DGX-GB300") for m, p in (
-        ("LLAMA3_8B", "FP8-CS"), ("LLAMA3_8B", "FP8-MX"), ("LLAMA3.1_405B", "FP8-CS"), ("DeepSeekV3", "BF16"),
-        ("DeepSeekV3", "FP8-MX"))}
+        ("LLAMA3_8B", "FP8-CS"), ("LLAMA3_8B", "FP8-MX"), ("LLAMA3_70B", "FP8-CS"), ("LLAMA3.1_405B", "FP8-CS"),
+        ("DeepSeekV3", "BF16"), ("DeepSeekV3", "FP8-MX"))}
     assert {(r["system"], r["model"], r["precision"]) for r in expressible} == dgx | nvl72
     for row in expressible:
         got = bench.pinned(row)
         assert got["predicted"] > 0, (row["system"], row["model"], got)
         if (row["system"], row["model"], row["precision"]) in dgx:
             assert 0.90 < got["ratio"] < 1.20, (row["system"], row["model"], got)
+    # NVIDIA's B200 layout (distributed optimizer, micro-batch 2) ties dsplan's best: Megatron-FSDP's
+    # shards make room for micro-batch 4, 0.14% faster (docs/accuracy.md).
     b200 = next(r for r in expressible if r["system"] == "DGX-B200")
-    assert bench.free(b200)["rank"] == 1
+    best = bench.free(b200)
+    assert best["rank"] <= 10 and bench.pinned(b200)["predicted"] >= 0.995 * best["best_tokens"]

@@ -135,8 +135,8 @@ def test_bad_input_exits_2_without_traceback(args: list[str], needle: str) -> No
         (["--optimizer", "sgd", "--offload", "optimizer"],
          ["dropping --offload optimizer (",
           "optimizer offload steps Adam on the CPU, not sgd; use --optimizer adamw/adam"]),
-        (["--framework", "megatron", "--zero", "2,3"],
-         ["dropping --zero 2,3 (", "or --framework megatron (", "distributed optimizer = --zero 1), not ZeRO-2"]),
+        (["--framework", "megatron", "--zero", "2"],
+         ["dropping --zero 2 (", "or --framework megatron (", "Megatron-FSDP, --zero 3), not ZeRO-2"]),
         (["--framework", "deepspeed", "--sequence-parallel"],
          ["dropping --framework deepspeed (", "or --sequence-parallel (", "their framework cannot run"]),
         # A pin no value of which can hold: its own rule, as estimate states it.

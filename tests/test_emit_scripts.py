@@ -63,6 +63,8 @@ MEGATRON_LM_FLAGS = {
     "--cp-comm-type", "--hierarchical-context-parallel-sizes", "--fp8-param-gather",
     # TE userbuffers TP overlap (megatron/core/model_parallel_config.py tp_comm_overlap).
     "--tp-comm-overlap",
+    # Megatron-FSDP (arguments.py _add_distributed_args, _add_checkpointing_args).
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format", "--init-model-with-meta-device",
 }
 # Megatron-DeepSpeed's additions (microsoft/Megatron-DeepSpeed megatron/arguments.py: _add_zero_args,
 # _add_activation_checkpoint_args, --no-pipeline-parallel, MoE flags; deepspeed.add_config_arguments).
@@ -500,7 +502,8 @@ def test_megatron_batch_precision_and_optimizer_flags_follow_the_plan(run_dirs, 
         assert int(flags["--zero-stage"]) == plan["zero_stage"] and "--use-distributed-optimizer" not in flags
     else:
         assert "--zero-stage" not in flags and "--deepspeed" not in flags
-        assert ("--use-distributed-optimizer" in flags) == (plan["zero_stage"] >= 1), name
+        assert ("--use-distributed-optimizer" in flags) == (plan["zero_stage"] in (1, 2)), name
+        assert ("--use-megatron-fsdp" in flags) == (plan["zero_stage"] == 3), name  # ZeRO-3: Megatron-FSDP
 
 
 def run_with_stub(tmp_path: Path, plan_args: tuple, command: list[str], *, env=None, hosts=None, name="run"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.cost.parallel import Workload
+from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
@@ -92,9 +92,11 @@ def test_lower_bounds_never_exceed_any_candidates_evaluation(name, nodes, cons) 
     rows = res.rows
     assert len(rows) == len(space) > 300
     c = space.columns
-    # DeepSpeed's MoE layers refuse ZeRO-3, and Megatron shards no further than ZeRO-1
-    stages = {0, 1, 2} if case.model.is_moe else {0, 1, 2, 3}
-    assert set(c["zero"][rows].tolist()) == stages and (c["offload"][rows] > 0).any() and (c["pp"] > 1).any()
+    # DeepSpeed's MoE layers refuse ZeRO-3; Megatron-FSDP (megatron, ZeRO-3) shards Megatron-Core's
+    assert set(c["zero"][rows].tolist()) == {0, 1, 2, 3}
+    if case.model.is_moe:
+        assert set(c["framework"][rows][c["zero"][rows] == 3].tolist()) == {FRAMEWORKS.index("megatron")}
+    assert (c["offload"][rows] > 0).any() and (c["pp"] > 1).any()
     assert np.all(time_lb[rows] <= res.step_time * (1 + 1e-12))
     assert np.all(mem_lb[rows] <= res.peak_bytes * (1 + 1e-12))
     # The optimizer term makes the bound bite: within 10% of the step somewhere.

@@ -39,7 +39,8 @@ from planner.errors import UserError
               help="How context-parallel ranks exchange attention inputs: p2p (ring of K/V chunks, overlapped "
                    "with attention), a2a (all-to-all over heads, Ulysses), a2a+p2p (a2a inside a node, ring across).")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=None,
-              help="ZeRO stage [default: 1 (distributed optimizer) when dp > 1, else 0].")
+              help="ZeRO stage; with --framework megatron, 1 is the distributed optimizer and 3 Megatron-FSDP "
+                   "[default: 1 when dp > 1, else 0].")
 @click.option("--offload", type=click.Choice(["none", "optimizer", "optimizer+params"]), default="none",
               show_default=True,
               help="optimizer: DeepSpeed ZeRO-Offload or Megatron-Core's optimizer CPU offload (bf16, Adam); "

@@ -113,7 +113,7 @@ _CONSTRAINT_FLAGS = (
      "[default: 1 and 2, 4, ... while each rank keeps at least 2,048 tokens]."),
     ("--cp-comm", "How context-parallel ranks exchange: p2p (ring, Megatron only), a2a (all-to-all over heads, "
      "Ulysses on DeepSpeed), a2a+p2p (one or a comma list) [default: p2p,a2a]."),
-    ("--zero", "ZeRO stage(s): 0,1,2,3."),
+    ("--zero", "ZeRO stage(s): 0,1,2,3 (megatron: 1 = distributed optimizer, 3 = Megatron-FSDP)."),
     ("--offload", "none, optimizer, optimizer+params (one or a comma list). optimizer: DeepSpeed ZeRO-Offload or "
      "Megatron-Core's optimizer CPU offload (bf16, Adam); optimizer+params: ZeRO-3 only."),
     ("--micro-batch", f"Micro-batch size: {_LIST_HELP}."),

@@ -15,6 +15,7 @@ import numpy as np
 
 from planner.cost import memory as mem
 from planner.cost import step_time as st
+from planner.cost.candidates import dp_ranks
 from planner.cost.context import CostContext
 from planner.cost.precision import RECIPES
 
@@ -54,10 +55,8 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
     m = col["grad_accum"][:, None].astype(float)
     weights, grads, opt, cpu = mem.state_bytes(col, r["dense"], r["expert"], r["largest"], w.precision,
                                                w.optimizer_moments)
-    if w.recipe is not None:  # the quantized weights (both layouts), cached across the step's micro-batches
-        weights = weights + RECIPES[w.recipe].weight_cache_bytes * r["low"]
-        # Under FP8 parameter gather those are the weights: no 16-bit copy of them is kept.
-        weights = weights - np.where(st.fp8_param_gather(ctx, col), w.bytes_per_param * r["low"], 0.0)
+    if w.recipe is not None:
+        weights = weights + _recipe_weights(ctx, col, r)
     inflight = _inflight(col, pp)
     acts = mem.activation_bytes(r["stored"], r["live"], inflight)
     buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],
@@ -76,6 +75,23 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
         peak = np.where(np.arange(pp)[None, :] < col["pp"][:, None], peak, -np.inf)
     return Assembly(weights, grads, opt, acts, buffers, mem.overhead_bytes(allocated), cpu_node, inflight, dp_t, opt_t,
                     worst, bubble, step, peak.max(axis=1), cpu_node.max(axis=1))
+
+
+def _recipe_weights(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarray]) -> np.ndarray:
+    """Bytes a TE recipe adds to each rank's weights ([candidate x rank]). A rank holding its
+    whole stage caches both quantized layouts of every GEMM weight across the step's
+    micro-batches; Megatron-FSDP (ZeRO-3) quantizes each gathered unit and frees the copies with
+    it (--keep-fp8-transpose-cache off), so only its live blocks' exist. Under FP8 parameter
+    gather the FP8 copies are the weights: no 16-bit copy (whole stage), or a 1-byte shard and
+    FP8 gathered units instead of 16-bit ones (FSDP)."""
+    w = ctx.workload
+    cache = RECIPES[w.recipe].weight_cache_bytes
+    fp8 = st.fp8_param_gather(ctx, col)
+    live = mem.live_blocks(col)[:, None] * r["largest"]
+    whole = cache * r["low"] - np.where(fp8, w.bytes_per_param * r["low"], 0.0)
+    shard = dp_ranks(col)[:, None].astype(float)
+    sharded = cache * live - np.where(fp8, (w.bytes_per_param - 1) * r["low"] / shard + w.bytes_per_param * live, 0.0)
+    return np.where((col["zero"] == 3)[:, None], sharded, whole)
 
 
 def _inflight(col: dict[str, np.ndarray], pp: int) -> np.ndarray:

@@ -25,9 +25,11 @@ class CostContext:
     def layout(self, tp: int, ep: int, dp: int, pp: int) -> Layout:
         return layout(self.cluster, tp, ep, dp, pp)
 
-    def grad_bytes(self, framework: int) -> int:
+    def grad_bytes(self, framework: int, zero: int = 0) -> int:
         """Bytes per gradient element on the wire: fp32 for fp32 training and for Megatron's
-        fp32 main_grad buffer under bf16 (frameworks.Traits.fp32_grad_buffer), else 2."""
+        fp32 main_grad buffer under bf16 (frameworks.Traits.fp32_grad_buffer), else 2.
+        Megatron-FSDP (megatron, ZeRO-3) accumulates and reduces in the parameters' own dtype
+        (--megatron-fsdp-main-grads-dtype and --megatron-fsdp-grad-comm-dtype default "auto")."""
         precision = self.workload.precision
-        fp32_buffer = fw.traits(FRAMEWORKS[framework]).fp32_grad_buffer
+        fp32_buffer = fw.traits(FRAMEWORKS[framework]).fp32_grad_buffer and zero != 3
         return 4 if (precision == "fp32" or (fp32_buffer and precision == "bf16")) else 2

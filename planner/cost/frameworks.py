@@ -14,7 +14,9 @@ and its own behaviour the cost model reads (``Traits``):
   interleaving, no multi-latent attention. ALiBi models (BLOOM) run on BigScience's fork of it.
 - ``megatron`` (Megatron-LM / Megatron-Core): 3D parallelism, sequence parallelism, the
   interleaved 1F1B schedule, MLA, the distributed optimizer (``zero_stage=1`` here: optimizer
-  states sharded over DP, ~ZeRO-1), expert parallelism, selective recompute; no ZeRO-2/3.
+  states sharded over DP, ~ZeRO-1), Megatron-FSDP (``zero_stage=3``: ``--use-megatron-fsdp``
+  with ``--data-parallel-sharding-strategy optim_grads_params``, weights, gradients and
+  optimizer sharded over DP x CP), expert parallelism, selective recompute; no ZeRO-2.
   Optimizer CPU offload (``--optimizer-cpu-offload``: Megatron-Core's HybridDeviceOptimizer
   running torch's fused AdamW on the host) needs ``--use-precision-aware-optimizer``, which
   needs the distributed optimizer and Adam (megatron/core/optimizer/optimizer_config.py),
@@ -110,6 +112,11 @@ class Traits:
     # others run FlashAttention-2 (flash-attn, PyTorch SDPA), which on Hopper levels off at
     # gpu.flash_attention_efficiency (efficiency.flash_efficiency).
     te_attention: bool = False
+    # Blocks a ZeRO-3 / FSDP rank holds gathered whole: DeepSpeed's estimator counts the largest
+    # layer once (estimate_zero3_model_states_mem_needs); Megatron-FSDP all-gathers the next FSDP
+    # unit while one computes and reduce-scatters the last one's gradients while the next
+    # back-propagates, so two units' weights and gradients are live (its double buffer).
+    zero3_live_blocks: int = 1
 
 
 TRAITS = {
@@ -117,7 +124,8 @@ TRAITS = {
                         zero2_reduces_every_microbatch=True),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True),
-    "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True),
+    "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
+                       zero3_live_blocks=2),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config
@@ -248,9 +256,18 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: "framework megatron-deepspeed: ZeRO-3 does not combine with tensor parallelism "
                       f"({arg('tp')} {c.tp}); use {arg('zero')} 1/2"),
     _interleave_rule("megatron-deepspeed"),
-    Rule("megatron", lambda c, x: c.zero_stage > 1,
-         lambda c, x: f"framework megatron shards optimizer states only (distributed optimizer = {arg('zero')} 1), not "
-                      f"ZeRO-{c.zero_stage}; use {arg('zero')} 0/1 or {arg('framework')} deepspeed"),
+    Rule("megatron", lambda c, x: c.zero_stage == 2,
+         lambda c, x: f"framework megatron shards optimizer states (the distributed optimizer, {arg('zero')} 1) or "
+                      f"everything (Megatron-FSDP, {arg('zero')} 3), not ZeRO-2; use {arg('zero')} 1 or 3"),
+    # Megatron-FSDP: its optimizer is the distributed optimizer on sharded main weights (no
+    # HybridDeviceOptimizer path); NVIDIA's FSDP recipes run without a pipeline, and dsplan
+    # prices per-block gathers against one rank's whole model (step_time.dp_exposed).
+    Rule("megatron", lambda c, x: (c.zero_stage == 3) & (c.offload != "none"),
+         lambda c, x: f"framework megatron: Megatron-FSDP ({arg('zero')} 3) keeps its sharded optimizer on the GPU; "
+                      f"use {arg('offload')} none, or {arg('zero')} 1 for Megatron-Core's optimizer CPU offload"),
+    Rule("megatron", lambda c, x: (c.zero_stage == 3) & (c.pp > 1),
+         lambda c, x: f"framework megatron: dsplan plans Megatron-FSDP ({arg('zero')} 3) without a pipeline, as "
+                      f"NVIDIA's FSDP recipes run; use {arg('pp')} 1 or {arg('zero')} 1"),
     Rule("megatron", lambda c, x: x.precision != "bf16" and c.offload == "optimizer",
          lambda c, x: f"framework megatron: optimizer CPU offload (Megatron-Core's HybridDeviceOptimizer) is built "
                       f"for bf16 training, not {x.precision}; use {arg('precision')} bf16, {arg('offload')} none or "

@@ -147,6 +147,12 @@ def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: 
             g, opt = 4.0, float(states)  # fp32 main_grad, reduced in fp32
         else:
             g, opt = float(work), float(states + (4 if precision == "fp16" else 0))
+        if zero == 3:
+            # Megatron-FSDP, optim_grads_params: bf16 weights, gradients in their dtype
+            # (--megatron-fsdp-main-grads-dtype auto) and fp32 main weights with the Adam moments
+            # (--megatron-fsdp-main-params-dtype fp32), all sharded over the DP x CP group
+            # (docs/user-guide/features/megatron_fsdp.md, Mixed-Precision).
+            return work / n, work / n, opt / n, 0.0
         if offload == "optimizer":
             # Megatron-Core's HybridDeviceOptimizer (bf16, distributed optimizer): the DP shard's
             # fp32 master weights and Adam moments, and a pinned fp32 copy of its gradients, live
@@ -190,7 +196,8 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
     ``largest`` block's): weights, gradients, optimizer states and host bytes of the model
     states. Dense parameters shard over dp, routed experts over dp / ep; with ZeRO-3 the
     largest block is gathered whole (weights and gradients, 2 + 2 bytes per parameter) while
-    it runs, as in DeepSpeed's estimator.
+    it runs, as in DeepSpeed's estimator, twice over where the runtime prefetches the next
+    block into a second buffer (Megatron-FSDP: live_blocks).
 
     ``bytes_per_param`` is asked once per distinct (framework, ZeRO, offload, group size)
     among the candidates, on Python numbers."""
@@ -208,9 +215,14 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
         np.maximum(dp // col["ep"], 1).tolist())]
     wd, gd, od, cd, we, ge, oe, ce = np.array(rows, dtype=float).reshape(-1, 8).T[:, :, None]
     z3 = col["zero"] == 3
-    live3 = np.where(z3[:, None], 2.0 * largest, 0.0) if z3.any() else 0.0  # the gathered largest block
+    live3 = np.where(z3[:, None], 2.0 * live_blocks(col)[:, None] * largest, 0.0) if z3.any() else 0.0
     return (wd * dense + we * expert + live3, gd * dense + ge * expert + live3, od * dense + oe * expert,
             cd * dense + ce * expert)
+
+
+def live_blocks(col: dict[str, np.ndarray]) -> np.ndarray:
+    """Per candidate, the gathered blocks a ZeRO-3 rank holds whole (frameworks.Traits.zero3_live_blocks)."""
+    return _LIVE_BLOCKS[col["framework"]]
 
 
 def model_states(dense_params: float, expert_params: float, *, framework: str, zero: int, offload: str,
@@ -226,6 +238,7 @@ def model_states(dense_params: float, expert_params: float, *, framework: str, z
 
 
 # Per framework (in FRAMEWORKS order): whether it keeps DeepSpeed's ZeRO bucket buffers.
+_LIVE_BLOCKS = np.array([fw.traits(f).zero3_live_blocks for f in FRAMEWORKS], dtype=float)
 _ZERO_BUCKETS = np.array([fw.traits(f).zero_buckets for f in FRAMEWORKS])
 
 

@@ -91,6 +91,14 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+def gathers_fp8_params(recipe: str | None, wanted: bool, framework: str, zero: int) -> bool:
+    """Whether the recipe's GEMM weights are kept only in FP8 and all-gathered so
+    (``--fp8-param-gather``): Megatron-Core with the distributed optimizer (``zero`` 1) or
+    Megatron-FSDP (``zero`` 3; arguments.py allows both), under a recipe that allows it."""
+    return (recipe is not None and wanted and RECIPES[recipe].param_gather and framework == "megatron"
+            and zero in (1, 3))
+
+
 def split_precision(name: str) -> tuple[str, str | None]:
     """``--precision`` as (working precision, recipe): every TE recipe trains in bf16."""
     if name in RECIPES:

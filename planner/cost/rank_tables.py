@@ -41,6 +41,7 @@ from planner.cost.context import CostContext
 from planner.cost.layout import Layout
 from planner.cost.paid import Paid
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
+from planner.cost.precision import gathers_fp8_params
 from planner.hardware.placement import GroupShape
 from planner.model.spec import ModelSpec
 
@@ -261,7 +262,7 @@ class RankTables:
         if hit is not None and hit[0] is table:
             return hit[1]
         edp, cluster, layout = dp // ep, self.ctx.cluster, spec.layout
-        gbytes = self.ctx.grad_bytes(spec.framework)
+        gbytes = self.ctx.grad_bytes(spec.framework, zero=3)
 
         def on(op: str, d: np.ndarray, e: np.ndarray) -> np.ndarray:
             t = collective_time_array(cluster, op, layout.dp, d) if dp > 1 else np.zeros_like(d)
@@ -269,7 +270,12 @@ class RankTables:
                 t = t + np.where(e > 0, collective_time_array(cluster, op, layout.edp, e), 0.0)
             return t
 
-        gather = on("allgather", 2 * table.params, 2 * table.expert)
+        # FP8 parameter gather moves its GEMM weights at 1 byte (an MoE block's at 2: the table
+        # does not say which of its low-precision weights are experts', as step_time.dp_collectives).
+        w = self.ctx.workload
+        fp8 = gathers_fp8_params(w.recipe, w.fp8_param_gather, FRAMEWORKS[spec.framework], 3)
+        dense_bytes = 2 * table.params - (np.where(table.expert == 0, table.low, 0.0) if fp8 else 0.0)
+        gather = on("allgather", dense_bytes, 2 * table.expert)
         reduce = on("reducescatter", gbytes * table.params, gbytes * table.expert)
         out = {"z3_gather": np.concatenate(([0.0], np.cumsum(gather))),
                "z3_reduce": np.concatenate(([0.0], np.cumsum(reduce)))}

@@ -36,7 +36,7 @@ from planner.cost.candidates import dp_ranks
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
-from planner.cost.precision import RECIPES
+from planner.cost.precision import gathers_fp8_params
 from planner.hardware.placement import GroupShape
 
 
@@ -144,11 +144,10 @@ def layout_keys(ctx: CostContext, col: dict[str, np.ndarray]) -> tuple[Callable[
 
 def fp8_param_gather(ctx: CostContext, col: dict[str, np.ndarray]) -> np.ndarray:
     """Per candidate ([candidate x 1]), whether its weights of the recipe's GEMMs are kept only
-    in FP8 and all-gathered so (Workload.fp8_param_gather): Megatron-Core with the distributed
-    optimizer under a recipe that allows it (precision.Recipe.param_gather)."""
+    in FP8 and all-gathered so (precision.gathers_fp8_params, asked per runtime and ZeRO stage)."""
     w = ctx.workload
-    on = w.recipe is not None and w.fp8_param_gather and RECIPES[w.recipe].param_gather
-    return ((col["framework"] == MEGATRON) & (col["zero"] == 1) & on)[:, None]
+    table = np.array([[gathers_fp8_params(w.recipe, w.fp8_param_gather, f, z) for z in range(4)] for f in FRAMEWORKS])
+    return table[col["framework"], col["zero"]][:, None]
 
 
 def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],

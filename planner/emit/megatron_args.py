@@ -13,7 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from planner.cost.memory import group_to_set
-from planner.cost.precision import RECIPES
+from planner.cost.precision import RECIPES, gathers_fp8_params
 from planner.emit.ds_config import TrainSettings, moe_layer_indices
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
@@ -307,8 +307,7 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
         args.append(_a(f"--{plan.work_precision}"))
     if plan.recipe is not None:  # Transformer Engine's recipe (precision.py): Megatron-Core's flags for it
         args += [_a(flag, value) for flag, value in RECIPES[plan.recipe].megatron_flags]
-        if (plan.fp8_param_gather and RECIPES[plan.recipe].param_gather and plan.framework == "megatron"
-                and plan.zero_stage == 1):  # as priced: step_time.fp8_param_gather
+        if gathers_fp8_params(plan.recipe, plan.fp8_param_gather, plan.framework, plan.zero_stage):  # as priced
             args.append(_a("--fp8-param-gather"))
     if plan.recompute == "selective":
         args.append(_a("--recompute-granularity", "selective"))
@@ -317,7 +316,9 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
     elif plan.recompute == "full":
         args += [_a("--recompute-granularity", "full"), _a("--recompute-method", "uniform"),
                  _a("--recompute-num-layers", 1)]
-    if plan.framework != "megatron-deepspeed" and plan.zero_stage >= 1:
+    if plan.framework != "megatron-deepspeed" and plan.zero_stage == 3:
+        args += _fsdp_args()
+    elif plan.framework != "megatron-deepspeed" and plan.zero_stage >= 1:
         # Megatron-LM's ZeRO-1 is the distributed optimizer (optimizer states sharded over DP);
         # Megatron-DeepSpeed hands ZeRO to DeepSpeed instead (--zero-stage below).
         args += [_a("--use-distributed-optimizer"), _a("--overlap-grad-reduce"), _a("--overlap-param-gather")]
@@ -332,6 +333,17 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
     if settings.checkpoint_every:
         args.append(_a("--save-interval", settings.checkpoint_every))
     return args
+
+
+def _fsdp_args() -> list[Arg]:
+    """Megatron-FSDP sharding weights, gradients and optimizer states (ZeRO-3), as priced:
+    gradients in the weights' dtype (the main-grads and grad-comm dtypes default to "auto"),
+    fp32 main weights; Megatron-LM asserts the fsdp_dtensor checkpoint format, and meta-device
+    initialisation builds each shard in place rather than the whole model on every GPU
+    (docs/user-guide/features/megatron_fsdp.md)."""
+    return [_a("--use-megatron-fsdp"), _a("--data-parallel-sharding-strategy", "optim_grads_params"),
+            _a("--ckpt-format", "fsdp_dtensor"), _a("--init-model-with-meta-device"),
+            _a("--overlap-grad-reduce"), _a("--overlap-param-gather")]
 
 
 def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings | None = None,

@@ -77,9 +77,13 @@ def nccl_env(
             add("NCCL_NET_GDR_LEVEL", "LOC", "the profile has no GPUDirect RDMA: stage through host memory")
     if profile.node.intra.nvls:
         add("NCCL_NVLS_ENABLE", "1", "NVLink SHARP in-switch reductions (NVSwitch gen 3)")
-    if plan.framework != "deepspeed" and plan.tp > 1:
-        # Megatron-LM orders TP communication and compute on one stream queue; it asserts this.
-        add("CUDA_DEVICE_MAX_CONNECTIONS", "1", "Megatron tensor/sequence parallel overlap needs one hardware queue")
+    if plan.framework == "megatron" and plan.zero_stage == 3:
+        # Megatron-LM asserts Megatron-FSDP runs with more than one queue (arguments.py), so its
+        # prefetched all-gathers and reduce-scatters run beside compute; 32 is CUDA's most.
+        add("CUDA_DEVICE_MAX_CONNECTIONS", "32", "Megatron-FSDP overlaps its collectives on several hardware queues")
+    elif plan.framework != "deepspeed" and (plan.tp > 1 or plan.cp > 1):
+        # Megatron-LM orders TP / CP communication and compute on one stream queue; it asserts this.
+        add("CUDA_DEVICE_MAX_CONNECTIONS", "1", "Megatron tensor/context parallel overlap needs one hardware queue")
     threads = host_threads(profile, plan)
     if threads:
         add("OMP_NUM_THREADS", str(threads),
