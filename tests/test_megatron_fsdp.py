@@ -101,3 +101,17 @@ def test_suggest_picks_fsdp_where_the_distributed_optimizer_does_not_fit():
     out = api.suggest("llama-3-8b", cluster, framework="megatron", tp=1, pp=1, micro_batch=1, recompute="none",
                       precision="fp8-tensorwise", global_batch=128, seq_len=8192, top=3)
     assert out.plans and out.plans[0].plan.cfg.zero_stage == 3
+
+
+def test_fsdp2_reduces_fp32_gradients_megatron_fsdp_its_own_dtype():
+    """The wire bytes of the gradient reduce-scatter: torchtitan's FSDP2 reduces in fp32
+    (mixed_precision_reduce), Megatron-FSDP in bf16 ("auto"); Megatron's distributed optimizer
+    reduces its fp32 main_grad."""
+    from planner.cost.context import CostContext
+    from planner.cost.parallel import FRAMEWORKS, Workload
+
+    cluster = api.load_cluster("dgx-h100", nodes=1)
+    ctx = CostContext.of(cluster, Workload(global_batch=64, seq_len=4096))
+    assert ctx.grad_bytes(FRAMEWORKS.index("torchtitan"), zero=3) == 4
+    assert ctx.grad_bytes(FRAMEWORKS.index("megatron"), zero=3) == 2
+    assert ctx.grad_bytes(FRAMEWORKS.index("megatron"), zero=1) == 4

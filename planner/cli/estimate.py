@@ -51,8 +51,9 @@ from planner.errors import UserError
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
 @click.option("--virtual-stages", type=int, default=1, show_default=True, help="Interleaved pipeline chunks per rank.")
-@click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron"]), default="deepspeed",
-              show_default=True)
+@click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]),
+              default="deepspeed", show_default=True,
+              help="The runtime; torchtitan: PyTorch FSDP2 (--zero 3) + TP + PP + CP, its own model flavors only.")
 @click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
               help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them "
                    "[default: even split].")

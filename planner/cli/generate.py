@@ -60,7 +60,8 @@ _SEARCH_FLAGS = (
               help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",
               help="What each rank runs: dsplan's reference trainer, or your training script, copied into DIR "
-                   "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config). "
+                   "(a megatron plan's gets megatron_args.sh's flags; a deepspeed plan's --deepspeed_config; a "
+                   "torchtitan plan's --job.config_file torchtitan.toml, builtin = python -m torchtitan.train). "
                    "For builtin the search keeps to plans the trainer runs: virtual stages 1, tensor "
                    "parallelism only under framework deepspeed.")
 @click.option("--hosts", default=None, metavar="H1,H2,...", help="Host names, one per node, comma-separated.")
@@ -132,7 +133,8 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
     )
     files = render_run_dir(plan, model, profile, options, opts["out_dir"])
     report = write_run_dir(opts["out_dir"], files, force=opts["force"])
-    note = _trainer_note(files, model) if entry == "builtin" else None
+    # torchtitan's builtin entry is its own trainer (entry.sh), not dsplan's reference trainer.
+    note = _trainer_note(files, model) if entry == "builtin" and plan.framework != "torchtitan" else None
     if as_json:
         warnings = ([f"plan does not fit: {oom}"] if oom else []) + ([note] if note else [])
         print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(), "warnings": warnings})
@@ -170,6 +172,8 @@ def _print_written(report, plan, note: str | None) -> None:
                       soft_wrap=True, markup=False)
         return
     launch = "./launch_deepspeed.sh" if plan.nodes == 1 else "./launch_deepspeed.sh ssh"
+    if plan.framework == "torchtitan":  # its parser refuses the DeepSpeed launcher's --local_rank
+        launch = "./launch_torchrun.sh" if plan.nodes == 1 else "NODE_RANK=<i> ./launch_torchrun.sh"
     console.print(f"  next: cd {quoted} && {launch}    (or: dsplan run {quoted}; see {readme})", soft_wrap=True,
                   markup=False)
 
@@ -283,7 +287,7 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
     search_opts["hardware"] = opts["hardware"] or DEFAULT_HARDWARE
     search_opts["nodes"] = 1 if opts["nodes"] is None else opts["nodes"]
     need = max(opts["rank"], 2)  # a runner-up, so plan #1 says why it won (README, plan.json)
-    if opts["entry"] == "builtin":
+    if opts["entry"] == "builtin" and opts.get("framework") != "torchtitan":  # torchtitan: its own trainer
         result = trainer_search(search_opts, model.is_moe, need)
         kind = "that fit and the reference trainer (--entry builtin) runs"
     else:

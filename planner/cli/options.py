@@ -119,7 +119,8 @@ _CONSTRAINT_FLAGS = (
     ("--micro-batch", f"Micro-batch size: {_LIST_HELP}."),
     ("--recompute", "none, selective, full (one or a comma list)."),
     ("--virtual-stages", "Interleaved pipeline chunks per rank (one or a comma list) [default: 1-8]."),
-    ("--framework", "deepspeed, megatron-deepspeed, megatron (one or a comma list)."),
+    ("--framework", "deepspeed, megatron-deepspeed, megatron, torchtitan (one or a comma list) [default: the first "
+     "three; torchtitan, PyTorch FSDP2 + TP + PP + CP, is searched only when named]."),
 )
 
 

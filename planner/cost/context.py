@@ -29,7 +29,9 @@ class CostContext:
         """Bytes per gradient element on the wire: fp32 for fp32 training and for Megatron's
         fp32 main_grad buffer under bf16 (frameworks.Traits.fp32_grad_buffer), else 2.
         Megatron-FSDP (megatron, ZeRO-3) accumulates and reduces in the parameters' own dtype
-        (--megatron-fsdp-main-grads-dtype and --megatron-fsdp-grad-comm-dtype default "auto")."""
+        (--megatron-fsdp-main-grads-dtype and --megatron-fsdp-grad-comm-dtype default "auto");
+        torchtitan's FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce)."""
         precision = self.workload.precision
-        fp32_buffer = fw.traits(FRAMEWORKS[framework]).fp32_grad_buffer and zero != 3
+        name = FRAMEWORKS[framework]
+        fp32_buffer = fw.traits(name).fp32_grad_buffer and not (zero == 3 and name == "megatron")
         return 4 if (precision == "fp32" or (fp32_buffer and precision == "bf16")) else 2

@@ -28,6 +28,12 @@ and its own behaviour the cost model reads (``Traits``):
   Megatron's even split and interleaves only when its layers divide by pp x v. The
   interleaved schedule needs at least pp micro-batches per step; a count that pp does not
   divide runs with a larger micro-batch group (memory.microbatch_group).
+- ``torchtitan`` (PyTorch FSDP2 + TP + PP + CP, torchtitan 0.2.2): ``--zero 3`` is FSDP2
+  (``fully_shard`` with bf16 parameters and fp32 reduction), ``--zero 0`` plain DDP on a
+  data-parallel-only run; TP always with sequence parallelism (its TP plan shards norms and
+  residuals), 1F1B and interleaved 1F1B pipelines, ring-attention context parallelism, expert
+  parallelism over the FSDP ranks, torchao FP8 (tensorwise) and MXFP8. It builds only the models
+  it has flavors for (planner/cost/torchtitan.py) and is searched only when asked for.
 
 Batch divisibility (global batch = micro-batch x gradient accumulation x dp) is checked where
 the accumulation is filled in: planner/cost/degrees.py.
@@ -42,6 +48,7 @@ import numpy as np
 
 from planner.cost.parallel import ParallelConfig
 from planner.cost.precision import split_precision
+from planner.cost.torchtitan import RULES as TORCHTITAN_RULES
 from planner.errors import UserError, arg
 
 if TYPE_CHECKING:
@@ -126,6 +133,9 @@ TRAITS = {
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
                        zero3_live_blocks=2),
+    # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
+    # one computes (two live); a stage sends (s/t, b, h); attention is SDPA, not TE; no async TP.
+    "torchtitan": Traits("torchtitan", True, "sequence_parallel", True, False, zero3_live_blocks=2),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config
@@ -160,6 +170,7 @@ class RunFacts:
     mla: bool = False  # multi-latent attention (DeepSeek-V2/V3)
     positions: str = "rope"  # Positions.kind: learned | rope | mrope | alibi
     recipe: str | None = None  # a Transformer Engine recipe (precision.py); precision is then bf16
+    model: str = ""  # the model's name: torchtitan builds only its own flavors (cost/torchtitan.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +224,7 @@ RULES: tuple[Rule, ...] = (
                       f"layers only; use {arg('recompute')} full or none"),
     # The TE recipes are Megatron-Core's (--fp8-recipe, --fp4-recipe); DeepSpeed's engine and
     # Megatron-DeepSpeed's model have no Transformer Engine layers to run them.
-    Rule(None, lambda c, x: x.recipe is not None and c.framework != "megatron",
+    Rule(None, lambda c, x: x.recipe is not None and (c.framework != "megatron") & (c.framework != "torchtitan"),
          lambda c, x: f"framework {c.framework} has no Transformer Engine recipe to run {arg('precision')} "
                       f"{x.recipe}; use {arg('framework')} megatron or {arg('precision')} bf16"),
     # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
@@ -284,14 +295,17 @@ RULES: tuple[Rule, ...] = (
     # Context parallelism off Megatron-Core is DeepSpeed Ulysses (an all-to-all over heads,
     # deepspeed.sequence.layer.DistributedAttention), with ZeRO data parallelism; Megatron-DeepSpeed
     # wires it as --ds-sequence-parallel-size, its Ulysses examples without a pipeline.
-    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron") & (c.cp_comm != "a2a"),
+    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron") & (c.framework != "torchtitan")
+         & (c.cp_comm != "a2a"),
          lambda c, x: f"framework {c.framework}: its context parallelism is DeepSpeed Ulysses (an all-to-all "
                       f"over heads); use {arg('cp_comm')} a2a or {arg('framework')} megatron for {c.cp_comm}"),
-    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron")
+    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron") & (c.framework != "torchtitan")
          & ((c.pp > 1) | ((c.tp > 1) & (c.framework == "deepspeed"))),
          lambda c, x: f"framework {c.framework}: dsplan plans Ulysses sequence parallelism ({arg('cp')} {c.cp}) "
                       f"without a pipeline{' or AutoTP' if c.framework == 'deepspeed' else ''}; use {arg('pp')} 1"
                       f"{' ' + arg('tp') + ' 1' if c.framework == 'deepspeed' else ''} or {arg('framework')} megatron"),
+    # torchtitan's own limits, each a (broken, message) pair (planner/cost/torchtitan.py).
+    *(Rule("torchtitan", broken, message) for broken, message in TORCHTITAN_RULES),
     Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
          lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
 )
@@ -341,13 +355,13 @@ class ConfigColumns:
 
 
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
-                    precision: str, mla: bool = False, positions: str = "rope") -> None:
+                    precision: str, mla: bool = False, positions: str = "rope", model: str = "") -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
     ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
     work, recipe = split_precision(precision)
-    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe)
+    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -383,4 +397,4 @@ def model_facts(model: "ModelSpec") -> dict[str, Any]:
     """The facts of ``model`` the rules read, as RunFacts / check_framework keywords."""
     return {"is_moe": model.is_moe, "decoder_layers": model.num_layers, "is_vlm": model.is_vlm,
             "mla": model.decoder_blocks[0].attention.kind == "mla",
-            "positions": model.positions.kind if model.positions else "rope"}
+            "positions": model.positions.kind if model.positions else "rope", "model": model.name}

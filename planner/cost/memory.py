@@ -142,6 +142,8 @@ def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: 
     work = 4 if precision == "fp32" else 2
     master = 0 if precision == "fp32" else 4
     states = master + 4 * moments  # K: 12 for Adam in mixed precision
+    if framework == "torchtitan":
+        return _fsdp2_bytes(zero, offload, n, moments)
     if framework == "megatron":
         if precision == "bf16":
             g, opt = 4.0, float(states)  # fp32 main_grad, reduced in fp32
@@ -188,6 +190,21 @@ def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: 
         cpu += w
         w = 0.0
     return w, g, 0.0, cpu
+
+
+def _fsdp2_bytes(zero: int, offload: str, n: int, moments: int) -> tuple[float, float, float, float]:
+    """torchtitan's model states per parameter. Its parameters stay in their fp32 init dtype
+    (training.dtype float32); FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    casts them to bf16 only when it gathers a block and reduce-scatters fp32 gradient shards
+    (torchtitan models/llama3/infra/parallelize.py apply_fsdp), so a rank holds fp32 shards of
+    the weights (4/n), gradients (4/n) and Adam moments (8/n) and no separate master copy. DDP
+    (``zero`` 0) keeps all of them whole under autocast; CPUOffloadPolicy moves them to the host."""
+    w, g, opt = 4.0, 4.0, 4.0 * moments
+    if zero == 0:
+        return w, g, opt, 0.0
+    if offload == "optimizer+params":
+        return 0.0, 0.0, 0.0, (w + g + opt) / n
+    return w / n, g / n, opt / n, 0.0
 
 
 def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray, largest: np.ndarray,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from planner.cost.precision import RECIPE_NAMES
 from planner.errors import UserError, arg
 
-Framework = Literal["deepspeed", "megatron-deepspeed", "megatron"]
+Framework = Literal["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -28,7 +28,11 @@ Optimizer = Literal["adamw", "adam", "sgd"]
 # the output over heads (DeepSpeed Ulysses, Megatron "a2a"); a2a inside a node and p2p across.
 CpComm = Literal["p2p", "a2a", "a2a+p2p"]
 
-FRAMEWORKS: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron")
+# Appended, never reordered: search columns and cached tables hold indices into it.
+FRAMEWORKS: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron", "torchtitan")
+# What the search tries when no --framework is given: torchtitan only when asked for, so the
+# default search is not a third slower for a runtime most users pin when they want it.
+SEARCHED_BY_DEFAULT: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 CP_COMMS: tuple[str, ...] = ("p2p", "a2a", "a2a+p2p")

@@ -28,6 +28,8 @@ from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args, megatron_notes
 from planner.emit.nccl import host_threads, nccl_env
 from planner.emit.plan_file import PlanFile
+from planner.emit.torchtitan_config import CONFIG_FILE as TORCHTITAN_CONFIG
+from planner.emit.torchtitan_config import TORCHTITAN_VERSION, to_toml, torchtitan_job
 from planner.errors import UserError, spell
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
@@ -204,7 +206,8 @@ def rdma_request(profile: HardwareProfile, options: LaunchOptions) -> RdmaReques
 
 
 # Files a run directory holds besides the templated ones; a custom entry's copy may not take their names.
-_OTHER_FILES = ("ds_config.json", "plan.json", "moe.json", ".dsplan-manifest.json", "metrics.jsonl", "report.json")
+_OTHER_FILES = ("ds_config.json", "plan.json", "moe.json", TORCHTITAN_CONFIG, ".dsplan-manifest.json", "metrics.jsonl",
+                "report.json")
 
 
 class EntryScript(BaseModel):
@@ -283,6 +286,8 @@ def render_run_dir(
         "ds_config.json": GeneratedFile(content=json.dumps(ds_config, indent=2) + "\n"),
         "plan.json": GeneratedFile(content=json.dumps(plan.to_json(), indent=2) + "\n"),
     }
+    if plan.framework == "torchtitan":
+        files[TORCHTITAN_CONFIG] = GeneratedFile(content=to_toml(torchtitan_job(plan, model, options.settings)))
     if moe is not None:
         files["moe.json"] = GeneratedFile(content=json.dumps(moe, indent=2) + "\n")
     if script is not None and script.text is not None:
@@ -317,6 +322,7 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
         "script": script,
         "entry_args": options.entry_args,
         "moe": moe,
+        "torchtitan_version": TORCHTITAN_VERSION,
         "hosts": hosts,
         "hosts_given": options.hosts is not None or plan.nodes == 1,
         "first_host": hosts[0].name,

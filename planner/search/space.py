@@ -28,7 +28,7 @@ import numpy as np
 
 from planner.cost.candidates import COLUMNS, config_of
 from planner.cost.frameworks import Coded, ConfigColumns
-from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, SEARCHED_BY_DEFAULT, ParallelConfig
 from planner.hardware.placement import splits_evenly
 
 # Interleaved chunks per pipeline rank tried when the user does not pin --virtual-stages: every
@@ -194,7 +194,9 @@ def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
     offloads = [OFFLOADS.index(o) for o in _allowed(OFFLOADS, cons.offload)]
     recomputes = [RECOMPUTES.index(r) for r in _allowed(RECOMPUTES, cons.recompute)]
     sps = [int(s) for s in _allowed((False, True), cons.sequence_parallel)]
-    frameworks = [FRAMEWORKS.index(f) for f in _allowed(FRAMEWORKS, cons.framework)]
+    # torchtitan only when pinned (parallel.SEARCHED_BY_DEFAULT); FRAMEWORKS order either way.
+    searched = SEARCHED_BY_DEFAULT if cons.framework is None else FRAMEWORKS
+    frameworks = [FRAMEWORKS.index(f) for f in _allowed(searched, cons.framework)]
     # The rule reads zero and offload only: checked per pair, not per setting.
     pairs = [(z, o) for z in zeros for o in offloads
              if not ((OFFLOADS[o] == "optimizer" and z == 0) or (OFFLOADS[o] == "optimizer+params" and z != 3))]
