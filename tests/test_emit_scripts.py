@@ -65,6 +65,8 @@ MEGATRON_LM_FLAGS = {
     "--tp-comm-overlap",
     # Megatron-FSDP (arguments.py _add_distributed_args, _add_checkpointing_args).
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format", "--init-model-with-meta-device",
+    # The precision-aware optimizer's moment dtypes (arguments.py _add_training_args).
+    "--exp-avg-dtype", "--exp-avg-sq-dtype",
 }
 # Megatron-DeepSpeed's additions (microsoft/Megatron-DeepSpeed megatron/arguments.py: _add_zero_args,
 # _add_activation_checkpoint_args, --no-pipeline-parallel, MoE flags; deepspeed.add_config_arguments).

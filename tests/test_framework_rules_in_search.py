@@ -1,5 +1,5 @@
 """The search asks the framework rules once per pattern of what they read (space._rule_pattern),
-in their vector form (frameworks.first_broken): over whole spaces, the candidates it keeps and the
+in their vector form (framework_rules.first_broken): over whole spaces, the candidates it keeps and the
 count it rejects equal checking every config directly with check_framework."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from planner.cost.frameworks import RULES, ConfigColumns, RunFacts, check_framework, first_broken, model_facts
+from planner.cost.framework_rules import RULES, ConfigColumns, RunFacts, check_framework, first_broken, model_facts
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, Workload
 from planner.errors import UserError, spell
 from planner.hardware.cluster import Cluster

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from planner.cli import main
-from planner.cost.frameworks import check_framework_for
+from planner.cost.framework_rules import check_framework_for
 from planner.emit.megatron_args import megatron_lm_args, megatron_notes
 from planner.errors import UserError
 from planner.model.catalog import load_model

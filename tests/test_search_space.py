@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.cost.frameworks import ConfigColumns
+from planner.cost.framework_rules import ConfigColumns
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.model.catalog import list_presets, load_preset
 from planner.search.space import (

@@ -47,6 +47,7 @@ FLAGS: dict[str, str] = {
     "objective": "--objective",
     "bytes": "--bytes",
     "rank": "--rank",
+    "precision_aware_optimizer": "--precision-aware-optimizer",
 }
 
 

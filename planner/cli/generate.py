@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 # they are refused. Each defaults to None, so any value given on the command line counts.
 _SEARCH_FLAGS = (
     "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
-    "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather", "dp", "tp",
-    "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "cp",
-    "cp_comm",
+    "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
+    "precision_aware_optimizer", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute",
+    "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm",
 )
 
 
@@ -304,9 +304,10 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
 
 _SUGGEST_KEYS = (
     "model", "hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "images_per_sample", "tiles_per_image",
-    "precision", "optimizer", "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather", "dp",
-    "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel",
-    "allow_tp_across_nodes", "balancer", "objective", "cp", "cp_comm",
+    "precision", "optimizer", "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
+    "precision_aware_optimizer", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute",
+    "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes", "balancer", "objective", "cp",
+    "cp_comm",
 )
 
 

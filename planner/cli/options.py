@@ -128,7 +128,8 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
-    --te-attention/--no-te-attention, --fp8-param-gather/--no-fp8-param-gather and --dropout/--no-dropout.
+    --te-attention/--no-te-attention, --fp8-param-gather/--no-fp8-param-gather,
+    --precision-aware-optimizer/--no-precision-aware-optimizer and --dropout/--no-dropout.
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -165,6 +166,11 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                      help="Under an FP8 recipe that allows it (tensorwise, delayed, mxfp8), keep the weights only in "
                           "FP8 and all-gather them so (Megatron-Core --fp8-param-gather with the distributed "
                           "optimizer, as NVIDIA's Megatron-Bridge recipes do) [default: on]."),
+        click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None,
+                     help="Megatron-Core's precision-aware optimizer (TE's FusedAdam, --use-precision-aware-optimizer) "
+                          "with bf16 Adam moments and, in bf16 or delayed FP8, 16-bit master-weight remainders: 6 "
+                          "instead of 12 bytes of optimizer state per parameter. Needs --framework megatron, "
+                          "--zero 1, adam/adamw, no offload; suggest then searches only those [default: off]."),
         click.option("--dropout/--no-dropout", default=None,
                      help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
                           "Llama, DeepSeek and Qwen pre-training]."),

@@ -54,7 +54,7 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
     vs = col["vs"].astype(float)
     m = col["grad_accum"][:, None].astype(float)
     weights, grads, opt, cpu = mem.state_bytes(col, r["dense"], r["expert"], r["largest"], w.precision,
-                                               w.optimizer_moments)
+                                               w.optimizer_moments, **w.state_dtypes)
     if w.recipe is not None:
         weights = weights + _recipe_weights(ctx, col, r)
     inflight = _inflight(col, pp)

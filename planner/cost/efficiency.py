@@ -161,8 +161,15 @@ def hbm_time(nbytes, dev: Device):
     return np.asarray(nbytes, dtype=float) / dev.hbm_effective
 
 
-# Optimizer step traffic per parameter held by this GPU (fused multi-tensor Adam): read fp32
-# master, momentum, variance and the fp32 gradient (16), write master, momentum, variance (12),
-# write the 16-bit working copy (2), plus the gradient-norm/overflow pass (4).
-ADAM_STEP_BYTES = 34.0
+def adam_step_bytes(moment_bytes: int = 4, master_bytes: int = 4) -> float:
+    """Optimizer step traffic per parameter held by this GPU (fused multi-tensor Adam): read and
+    write the master weight and both moments, read the fp32 gradient (4), write the 16-bit
+    working copy (2), plus the gradient-norm/overflow pass (4): 34 bytes in fp32. With 16-bit
+    master remainders (TE's FusedAdam, store_param_remainders) the step also reads the 16-bit
+    weight the remainder completes (2)."""
+    remainder_read = 2 if master_bytes < 4 else 0
+    return 2.0 * master_bytes + 4.0 * moment_bytes + 4 + 2 + remainder_read + 4
+
+
+ADAM_STEP_BYTES = adam_step_bytes()
 SGD_STEP_BYTES = 18.0

@@ -8,7 +8,6 @@ memory and step time (assemble.py), and the Plan (plans.py).
 
 from __future__ import annotations
 
-from planner.cost import frameworks as fw
 from planner.cost import pipeline_sends as ps
 from planner.cost.assemble import assemble
 from planner.cost.block_times import BlockTables, RunModel
@@ -16,6 +15,7 @@ from planner.cost.candidates import columns_of
 from planner.cost.context import CostContext
 from planner.cost.context_parallel import check_context_parallel, cp_groups
 from planner.cost.degrees import check_world
+from planner.cost.framework_rules import check_framework_for
 from planner.cost.paid import paid
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES, ParallelConfig, Workload, check_against_model
 from planner.cost.partition import Partition, check_partition, default_partition
@@ -62,7 +62,8 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
                         f"{cfg.grad_accum} x dp {cfg.dp} = {cfg.samples_per_step}")
     check_against_model(cfg, heads=model.attention_heads, kv_heads=model.kv_heads, routed_experts=model.routed_experts,
                         blocks=model.num_layers)
-    fw.check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision_name)
+    check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision_name,
+                        precision_aware_optimizer=workload.precision_aware_optimizer)
     check_context_parallel(cp=cfg.cp, comm=cfg.cp_comm, seq_len=workload.seq_len, heads=model.attention_heads,
                            kv_heads=model.kv_heads, tp=cfg.tp,
                            a2a_ranks=cp_groups(cluster, cfg.tp, cfg.cp, cfg.cp_comm).a2a_size,

@@ -137,11 +137,14 @@ def zero3_model_states_mem_needs(total_params: int, largest_layer_params: int, n
 
 
 def bytes_per_param(framework: str, zero: int, offload: str, n: int, precision: str = "bf16",
-                    moments: int = 2) -> tuple[float, float, float, float]:
-    """(weights, grads, optimizer, cpu) bytes per parameter held by a GPU, sharded over ``n``."""
+                    moments: int = 2, moment_bytes: int = 4,
+                    master_bytes: int = 4) -> tuple[float, float, float, float]:
+    """(weights, grads, optimizer, cpu) bytes per parameter held by a GPU, sharded over ``n``.
+    ``moment_bytes`` and ``master_bytes`` are Workload.state_dtypes: 2 each under Megatron-Core's
+    precision-aware optimizer (bf16 moments, 16-bit master remainders)."""
     work = 4 if precision == "fp32" else 2
-    master = 0 if precision == "fp32" else 4
-    states = master + 4 * moments  # K: 12 for Adam in mixed precision
+    master = 0 if precision == "fp32" else master_bytes
+    states = master + moment_bytes * moments  # K: 12 for Adam in mixed precision
     if framework == "torchtitan":
         return _fsdp2_bytes(zero, offload, n, moments)
     if framework == "megatron":
@@ -208,7 +211,7 @@ def _fsdp2_bytes(zero: int, offload: str, n: int, moments: int) -> tuple[float, 
 
 
 def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarray, largest: np.ndarray,
-                precision: str, moments: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                precision: str, moments: int, **dtypes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per candidate and rank ([candidate x rank] ``dense`` and ``expert`` parameters, the
     ``largest`` block's): weights, gradients, optimizer states and host bytes of the model
     states. Dense parameters shard over dp, routed experts over dp / ep; with ZeRO-3 the
@@ -217,13 +220,14 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
     block into a second buffer (Megatron-FSDP: live_blocks).
 
     ``bytes_per_param`` is asked once per distinct (framework, ZeRO, offload, group size)
-    among the candidates, on Python numbers."""
+    among the candidates, on Python numbers; ``dtypes`` are its state dtypes (Workload.state_dtypes)."""
     factors: dict[tuple[int, int, int, int], tuple[float, float, float, float]] = {}
 
     def per_param(f: int, z: int, o: int, size: int) -> tuple[float, float, float, float]:
         hit = factors.get((f, z, o, size))
         if hit is None:
-            hit = factors[f, z, o, size] = bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], size, precision, moments)
+            hit = factors[f, z, o, size] = bytes_per_param(FRAMEWORKS[f], z, OFFLOADS[o], size, precision, moments,
+                                                                    **dtypes)
         return hit
 
     dp = dp_ranks(col)
@@ -244,14 +248,15 @@ def live_blocks(col: dict[str, np.ndarray]) -> np.ndarray:
 
 def model_states(dense_params: float, expert_params: float, *, framework: str, zero: int, offload: str,
                  dp: int, ep: int, precision: str = "bf16", moments: int = 2,
-                 live_layer_params: float = 0.0) -> ModelStates:
+                 live_layer_params: float = 0.0, **dtypes: int) -> ModelStates:
     """``state_bytes`` of one GPU holding ``dense_params`` and ``expert_params`` (``live_layer_params``:
     its largest layer), for one configuration."""
     col = {"framework": np.array([FRAMEWORKS.index(framework)]), "zero": np.array([zero]),
            "offload": np.array([OFFLOADS.index(offload)]), "dp": np.array([dp]), "ep": np.array([ep]),
            "cp": np.array([1])}
     one = np.array([[float(x)] for x in (dense_params, expert_params, live_layer_params)])
-    return ModelStates(*(float(x[0, 0]) for x in state_bytes(col, *one[:, None], precision, moments)))
+    return ModelStates(*(float(x[0, 0]) for x in state_bytes(col, *one[:, None], precision, moments,
+                                                                    **dtypes)))
 
 
 # Per framework (in FRAMEWORKS order): whether it keeps DeepSpeed's ZeRO bucket buffers.

@@ -71,6 +71,12 @@ class Workload(BaseModel):
     # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
     # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.
     fp8_param_gather: bool = True
+    # Megatron-Core's precision-aware optimizer (--use-precision-aware-optimizer, TE's FusedAdam) with
+    # bf16 Adam moments (--exp-avg-dtype / --exp-avg-sq-dtype bf16); where TE keeps the fp32 master
+    # weights (bf16 training, delayed FP8) it stores only their 16-bit remainders beside the bf16
+    # weights (OptimizerConfig.store_param_remainders, on by default): 2 + 4 bytes of optimizer
+    # state per parameter instead of 4 + 8 (megatron/core/optimizer/optimizer_config.py).
+    precision_aware_optimizer: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +99,17 @@ class Workload(BaseModel):
     def bytes_per_param(self) -> int:
         """Bytes of a weight or gradient in the working precision."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def state_dtypes(self) -> dict[str, int]:
+        """Bytes per parameter of one optimizer moment and of the master weights, as
+        memory.bytes_per_param keywords: bf16 moments under the precision-aware optimizer, and
+        16-bit remainders of the master weights where TE's FusedAdam holds them (bf16 training or
+        delayed FP8; under current scaling Megatron-Core keeps fp32 master weights itself,
+        megatron/core/optimizer/__init__.py use_precision_aware_optimizer_no_fp8_or_ds_fp8)."""
+        if not self.precision_aware_optimizer:
+            return {"moment_bytes": 4, "master_bytes": 4}
+        return {"moment_bytes": 2, "master_bytes": 2 if self.recipe in (None, "fp8-delayed") else 4}
 
     @property
     def optimizer_moments(self) -> int:

@@ -91,12 +91,13 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def gathers_fp8_params(recipe: str | None, wanted: bool, framework: str, zero: int) -> bool:
+def gathers_fp8_params(recipe: str | None, wanted: bool, framework: str, zero: int, offload: str = "none") -> bool:
     """Whether the recipe's GEMM weights are kept only in FP8 and all-gathered so
     (``--fp8-param-gather``): Megatron-Core with the distributed optimizer (``zero`` 1) or
-    Megatron-FSDP (``zero`` 3; arguments.py allows both), under a recipe that allows it."""
+    Megatron-FSDP (``zero`` 3; arguments.py allows both), under a recipe that allows it; with
+    optimizer CPU offload only under delayed scaling (arguments.py asserts it)."""
     return (recipe is not None and wanted and RECIPES[recipe].param_gather and framework == "megatron"
-            and zero in (1, 3))
+            and zero in (1, 3) and (offload == "none" or recipe == "fp8-delayed"))
 
 
 def split_precision(name: str) -> tuple[str, str | None]:

@@ -144,10 +144,11 @@ def layout_keys(ctx: CostContext, col: dict[str, np.ndarray]) -> tuple[Callable[
 
 def fp8_param_gather(ctx: CostContext, col: dict[str, np.ndarray]) -> np.ndarray:
     """Per candidate ([candidate x 1]), whether its weights of the recipe's GEMMs are kept only
-    in FP8 and all-gathered so (precision.gathers_fp8_params, asked per runtime and ZeRO stage)."""
+    in FP8 and all-gathered so (precision.gathers_fp8_params, asked per runtime, ZeRO stage and offload)."""
     w = ctx.workload
-    table = np.array([[gathers_fp8_params(w.recipe, w.fp8_param_gather, f, z) for z in range(4)] for f in FRAMEWORKS])
-    return table[col["framework"], col["zero"]][:, None]
+    table = np.array([[[gathers_fp8_params(w.recipe, w.fp8_param_gather, f, z, o) for o in OFFLOADS] for z in range(4)]
+                      for f in FRAMEWORKS])
+    return table[col["framework"], col["zero"], col["offload"]][:, None]
 
 
 def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
@@ -235,7 +236,8 @@ def optimizer_seconds(ctx: CostContext, col: dict[str, np.ndarray], dense: np.nd
     dp = ranks[:, None].astype(float)
     edp = np.maximum(ranks // col["ep"], 1)[:, None].astype(float)
     local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)
-    step_bytes = eff.SGD_STEP_BYTES if ctx.workload.optimizer == "sgd" else eff.ADAM_STEP_BYTES
+    w = ctx.workload
+    step_bytes = eff.SGD_STEP_BYTES if w.optimizer == "sgd" else eff.adam_step_bytes(**w.state_dtypes)
     out = eff.hbm_time(local * step_bytes, ctx.dev)
     # Each host term only where some row offloads that way (most spaces have no parameter offload).
     node = ctx.cluster.profile.node

@@ -1,5 +1,5 @@
 """What torchtitan (PyTorch's FSDP2 + TP + PP + CP training stack) can build: the facts the
-framework rules (planner/cost/frameworks.py) and the emitter (planner/emit/torchtitan_config.py)
+framework rules (planner/cost/framework_rules.py) and the emitter (planner/emit/torchtitan_config.py)
 both read. Sources are torchtitan 0.2.2's own files, named where each fact is used.
 
 torchtitan builds its models from named train specs and flavors, not from a config.json, so a
@@ -66,9 +66,9 @@ def _no_fsdp(c: Any) -> Any:
     return (c.zero_stage == 0) | (c.dp * c.cp == 1)
 
 
-# What torchtitan cannot run, as frameworks.Rule's (broken, message) pairs, in the order they are
+# What torchtitan cannot run, as framework_rules.Rule's (broken, message) pairs, in the order they are
 # checked. ``c`` is a ParallelConfig or ConfigColumns, ``x`` the RunFacts; a condition on the facts
-# alone comes first, joined with ``and`` (frameworks.Rule).
+# alone comes first, joined with ``and`` (framework_rules.Rule).
 RULES: tuple[tuple[Callable[[Any, Any], Any], Callable[[Any, Any], str]], ...] = (
     (lambda c, x: x.model not in MODELS and c.tp > 0,
      lambda c, x: f"{_FW} has no implementation of {x.model or 'this model'} (it builds its own flavors: "

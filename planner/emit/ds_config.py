@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from planner.cost import frameworks as fw
-from planner.cost.frameworks import check_framework_for
+from planner.cost.framework_rules import check_framework_for
 from planner.emit.plan_file import PlanFile
 from planner.model.spec import DecoderBlock, ModelSpec, MoEMLP
 
@@ -63,7 +63,7 @@ def _precision(plan: PlanFile) -> dict[str, Any]:
 
 def _optimizer(plan: PlanFile, settings: TrainSettings) -> dict[str, Any]:
     params: dict[str, Any] = {"lr": settings.lr, "weight_decay": settings.weight_decay}
-    if plan.optimizer == "sgd":  # never with offload (frameworks.check_framework)
+    if plan.optimizer == "sgd":  # never with offload (framework_rules.check_framework)
         return {"type": "SGD", "params": {**params, "momentum": 0.9}}
     params.update(betas=list(settings.betas), eps=settings.eps)
     if plan.optimizer == "adam":
@@ -130,7 +130,8 @@ def build_ds_config(plan: PlanFile, model: ModelSpec, settings: TrainSettings | 
     """The ds_config.json dict for ``plan`` (batch sizes use the plan's data-parallel world size)."""
     settings = settings or TrainSettings()
     # The runtime rules a ds_config cannot express (PipelineModule with ZeRO-2/3, AutoTP with ZeRO-3, ...).
-    check_framework_for(plan.parallel_config(), model, optimizer=plan.optimizer, precision=plan.precision)
+    check_framework_for(plan.parallel_config(), model, optimizer=plan.optimizer, precision=plan.precision,
+                        precision_aware_optimizer=plan.precision_aware_optimizer)
     config: dict[str, Any] = {
         "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
         "train_micro_batch_size_per_gpu": plan.micro_batch,

@@ -144,7 +144,7 @@ def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
     --use-rotary-position-embeddings, --rotary-position-embeddings-theta (an int), no scaling.
     ALiBi is BigScience's fork of Megatron-DeepSpeed (bigscience-workshop/Megatron-DeepSpeed
     megatron/arguments.py: --position-embedding-type alibi, --embed-layernorm), on which BLOOM
-    was trained; Megatron-LM has none (frameworks.RULES refuses such plans)."""
+    was trained; Megatron-LM has none (framework_rules.RULES refuses such plans)."""
     embedding = next(b for b in model.blocks if isinstance(b, EmbeddingBlock))
     pos = model.positions
     kind = pos.kind if pos else ("learned" if embedding.learned_positions else "rope")
@@ -307,8 +307,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
         args.append(_a(f"--{plan.work_precision}"))
     if plan.recipe is not None:  # Transformer Engine's recipe (precision.py): Megatron-Core's flags for it
         args += [_a(flag, value) for flag, value in RECIPES[plan.recipe].megatron_flags]
-        if gathers_fp8_params(plan.recipe, plan.fp8_param_gather, plan.framework, plan.zero_stage):  # as priced
-            args.append(_a("--fp8-param-gather"))
+        if gathers_fp8_params(plan.recipe, plan.fp8_param_gather, plan.framework, plan.zero_stage, plan.offload):
+            args.append(_a("--fp8-param-gather"))  # as priced
     if plan.recompute == "selective":
         args.append(_a("--recompute-granularity", "selective"))
     elif plan.recompute == "full" and bigscience:
@@ -329,6 +329,11 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
             # (step_time.hybrid_optimizer_time). Parameters stay on the GPU.
             args += [_a("--optimizer-cpu-offload"), _a("--optimizer-offload-fraction", 1.0),
                      _a("--use-precision-aware-optimizer"), _a("--overlap-cpu-optimizer-d2h-h2d")]
+        elif plan.precision_aware_optimizer:
+            # TE's FusedAdam with bf16 moments, as priced (Workload.state_dtypes); it keeps 16-bit
+            # master remainders by default where it holds the master weights (store_param_remainders).
+            args += [_a("--use-precision-aware-optimizer"), _a("--exp-avg-dtype", "bf16"),
+                     _a("--exp-avg-sq-dtype", "bf16")]
     args.append(_a("--log-interval", settings.steps_per_print))
     if settings.checkpoint_every:
         args.append(_a("--save-interval", settings.checkpoint_every))

@@ -60,6 +60,7 @@ class PlanFile(BaseModel):
     tp_comm_overlap: bool = True  # TP collectives overlapped with the GEMMs where the runtime can (Workload)
     te_attention: bool = True  # Megatron-Core's attention through Transformer Engine (Workload)
     fp8_param_gather: bool = True  # weights kept and all-gathered in FP8 where the recipe allows (Workload)
+    precision_aware_optimizer: bool = False  # Megatron-Core's bf16-moment Adam (Workload)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -105,7 +106,7 @@ class PlanFile(BaseModel):
             global_batch=self.global_batch, seq_len=self.seq_len, images_per_sample=self.images_per_sample,
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
-            fp8_param_gather=self.fp8_param_gather,
+            fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
         )
 
     @property

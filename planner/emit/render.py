@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
-from planner.cost.frameworks import check_framework_for
+from planner.cost.framework_rules import check_framework_for
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import check_against_model
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
@@ -255,7 +255,8 @@ def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
     cfg = plan.parallel_config()
     check_against_model(cfg, heads=model.attention_heads, kv_heads=model.kv_heads,
                         routed_experts=model.routed_experts, blocks=len(model.blocks))
-    check_framework_for(cfg, model, optimizer=plan.optimizer, precision=plan.precision)
+    check_framework_for(cfg, model, optimizer=plan.optimizer, precision=plan.precision,
+                        precision_aware_optimizer=plan.precision_aware_optimizer)
     if plan.stage_blocks is not None:
         first, last = plan.stage_blocks[0][0], plan.stage_blocks[-1][1]
         if (first, last) != (0, len(model.blocks)):

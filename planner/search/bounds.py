@@ -149,7 +149,8 @@ def _state_bytes(ctx: CostContext, c: dict[str, np.ndarray]) -> tuple[np.ndarray
     table, n = np.zeros((int(setting.max(initial=0)) + 1, len(sizes))), sizes.astype(float)
     for code in np.flatnonzero(np.bincount(setting)).tolist():
         weights, grads, opt, _ = mem.bytes_per_param(FRAMEWORKS[code // 64], code // 8 % 8, OFFLOADS[code % 8],
-                                                     n, w.precision, w.optimizer_moments)
+                                                     n, w.precision, w.optimizer_moments,
+                                                     **w.state_dtypes)
         table[code] = weights + grads + opt
     column = np.zeros(sizes.max(initial=0) + 1, dtype=np.intp)
     column[sizes] = np.arange(len(sizes))

@@ -57,9 +57,10 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
     zero, off, m = int(c["zero"][i]), int(c["offload"][i]), int(c["grad_accum"][i])
     w = p.ctx.workload
     table = p.table(ks, key)
-    wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], dp, w.precision, w.optimizer_moments)
+    wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], dp, w.precision, w.optimizer_moments,
+                                        **w.state_dtypes)
     we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], max(dp // ep, 1), w.precision,
-                                        w.optimizer_moments)
+                                        w.optimizer_moments, **w.state_dtypes)
     grow = mem.GROWTH
     per_block_state = (wd + gd + od) * table.params + (we + ge + oe) * table.expert
     per_block_act = table.act[mode] * b

@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from planner.cost.frameworks import ConfigColumns, RunFacts, check_framework_for, first_broken, model_facts
+from planner.cost.framework_rules import ConfigColumns, RunFacts, check_framework_for, first_broken, model_facts
 from planner.cost.parallel import ParallelConfig, Workload, check_against_model
 from planner.errors import UserError, arg, marked
 from planner.hardware.cluster import Cluster
@@ -48,7 +48,7 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch
     run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
-                         recipe=workload.recipe)
+                         recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
@@ -143,7 +143,8 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
         if most is not None and most[0] == refused:  # one rule refused them all: name it, with its fix
             try:
                 check_framework_for(most[1], model, optimizer=workload.optimizer,
-                                    precision=workload.precision_name)
+                                    precision=workload.precision_name,
+                                    precision_aware_optimizer=workload.precision_aware_optimizer)
             except UserError as err:
                 text += f" ({marked(err)})"
         why.append(text)

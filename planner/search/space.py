@@ -27,7 +27,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from planner.cost.candidates import COLUMNS, config_of
-from planner.cost.frameworks import Coded, ConfigColumns
+from planner.cost.framework_rules import Coded, ConfigColumns
 from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, SEARCHED_BY_DEFAULT, ParallelConfig
 from planner.hardware.placement import splits_evenly
 
@@ -41,7 +41,7 @@ DEFAULT_VIRTUAL_STAGES = tuple(range(1, 9))
 
 
 # A framework rule: for many configs (ConfigColumns), the index of the rule each breaks, -1 when
-# the runtime runs it (frameworks.first_broken). It is asked once per ``_rule_pattern``, so it may
+# the runtime runs it (framework_rules.first_broken). It is asked once per ``_rule_pattern``, so it may
 # read the settings and whether tp, pp and ep exceed 1, and only when virtual stages > 1, whether
 # the layers (ModelFacts.units) divide by pp x virtual stages and whether there are at least pp
 # accumulation steps: nothing else.
@@ -204,7 +204,7 @@ def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
 
 
 def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
-    """What of a degree combination the framework rules can see (planner/cost/frameworks.py
+    """What of a degree combination the framework rules can see (planner/cost/framework_rules.py
     ``RULES``): whether tp, pp and ep exceed 1, and, only for an interleaved schedule (vs > 1),
     whether the layers divide by pp x v and there are at least pp accumulation steps.
     So all plain pipelines share one pattern and interleaved ones a few, and the rules run over

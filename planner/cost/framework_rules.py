@@ -1,0 +1,274 @@
+"""What each runtime cannot run, as one table of rules (``RULES``) that answers for one plan
+(``check_framework``: a UserError naming the first broken rule) and for the search's columns of
+thousands of candidates (``first_broken``). The runtimes themselves are described in
+planner/cost/frameworks.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from planner.cost.parallel import ParallelConfig
+from planner.cost.precision import split_precision
+from planner.cost.torchtitan import RULES as TORCHTITAN_RULES
+from planner.errors import UserError, arg
+
+if TYPE_CHECKING:
+    from planner.model.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What the rules read besides the config: the model's and the workload's facts."""
+
+    is_moe: bool
+    decoder_layers: int
+    is_vlm: bool
+    optimizer: str
+    precision: str
+    mla: bool = False  # multi-latent attention (DeepSeek-V2/V3)
+    positions: str = "rope"  # Positions.kind: learned | rope | mrope | alibi
+    recipe: str | None = None  # a Transformer Engine recipe (precision.py); precision is then bf16
+    model: str = ""  # the model's name: torchtitan builds only its own flavors (cost/torchtitan.py)
+    precision_aware_optimizer: bool = False  # Workload.precision_aware_optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One thing a runtime cannot run. ``broken`` is written with ``&``, ``|`` and comparisons
+    only, so it answers for one ParallelConfig (a bool) and for ``ConfigColumns`` (a mask over
+    thousands of candidates) alike: the messages and the search's filter are one table. A
+    condition on the facts alone (a plain bool) comes first, joined with ``and``, so where the
+    model or workload rules a rule out it answers False without reading the config."""
+
+    framework: str | None  # None: every runtime
+    broken: Callable[[Any, RunFacts], Any]
+    message: Callable[[Any, RunFacts], str]
+
+
+def _moe_zero3_rule(f: str) -> Rule:
+    # DeepSpeed 0.19's engine asserts "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
+    # (runtime/engine.py); Megatron-DeepSpeed's MoE layers are DeepSpeed's.
+    return Rule(f, lambda c, x: x.is_moe and c.zero_stage > 2,
+                lambda c, x: f"framework {f}: DeepSpeed's MoE layers do not run under ZeRO-3 (DeepSpeed refuses "
+                             f"the engine); use {arg('zero')} 1/2 or {arg('framework')} megatron")
+
+
+def _interleave_rule(f: str) -> Rule:
+    return Rule(f, lambda c, x: c.virtual_stages > 1,
+                lambda c, x: f"framework {f} has no interleaved pipeline schedule; use {arg('virtual_stages')} 1 or "
+                             f"{arg('framework')} megatron")
+
+
+# In the order they are checked: a config breaking several is told about the first.
+RULES: tuple[Rule, ...] = (
+    # First, what the runtime cannot build at all, whatever the layout: the one thing to say.
+    # deepspeedai/Megatron-DeepSpeed's model is Megatron's GPT of 2023: no MLA layer. ALiBi
+    # is BigScience's fork (bigscience-workshop/Megatron-DeepSpeed megatron/arguments.py:
+    # --position-embedding-type alibi), which trained BLOOM-176B, so megatron-deepspeed prices it.
+    Rule("megatron-deepspeed", lambda c, x: x.mla and c.tp > 0,
+         lambda c, x: "framework megatron-deepspeed has no multi-latent attention (MLA) layer; use "
+                      f"{arg('framework')} megatron (Megatron-Core's --multi-latent-attention) or deepspeed"),
+    # Megatron-Core's --position-embedding-type: learned_absolute, rope, mrope, relative, none.
+    Rule("megatron", lambda c, x: x.positions == "alibi" and c.tp > 0,
+         lambda c, x: "framework megatron has no ALiBi position biases (--position-embedding-type offers "
+                      "learned_absolute, rope, mrope, relative and none), so it cannot build this model; use "
+                      f"{arg('framework')} megatron-deepspeed (BigScience's fork trained BLOOM) or deepspeed"),
+    # BigScience's fork is Megatron of 2021: no sequence parallelism, and --checkpoint-activations
+    # checkpoints whole layers (its megatron/arguments.py has neither of the later flags).
+    Rule("megatron-deepspeed", lambda c, x: x.positions == "alibi" and c.sequence_parallel == True,  # noqa: E712
+         lambda c, x: "framework megatron-deepspeed runs ALiBi models on BigScience's fork, which has no sequence "
+                      f"parallelism; use {arg('no_sequence_parallel')}"),
+    Rule("megatron-deepspeed", lambda c, x: x.positions == "alibi" and c.recompute == "selective",
+         lambda c, x: "framework megatron-deepspeed runs ALiBi models on BigScience's fork, which checkpoints whole "
+                      f"layers only; use {arg('recompute')} full or none"),
+    # The TE recipes are Megatron-Core's (--fp8-recipe, --fp4-recipe); DeepSpeed's engine and
+    # Megatron-DeepSpeed's model have no Transformer Engine layers to run them.
+    Rule(None, lambda c, x: x.recipe is not None and (c.framework != "megatron") & (c.framework != "torchtitan"),
+         lambda c, x: f"framework {c.framework} has no Transformer Engine recipe to run {arg('precision')} "
+                      f"{x.recipe}; use {arg('framework')} megatron or {arg('precision')} bf16"),
+    # DeepSpeed swaps in DeepSpeedCPUAdam (its offload optimizers are Adam, Adagrad and Lion);
+    # Megatron-Core's offload rides on the precision-aware optimizer, which is Adam only.
+    Rule(None, lambda c, x: x.optimizer == "sgd" and c.offload != "none",
+         lambda c, x: f"framework {c.framework}: optimizer offload steps Adam on the CPU, not sgd; use "
+                      f"{arg('optimizer')} adamw/adam or {arg('offload')} none"),
+    # TE's FusedAdam under the distributed optimizer only (megatron/core/optimizer/__init__.py
+    # get_megatron_optimizer; optimizer_config.py asserts adam); offload already runs on it.
+    Rule(None, lambda c, x: x.precision_aware_optimizer and (
+        (c.framework != "megatron") | (c.zero_stage != 1) | (c.offload != "none") | (x.optimizer == "sgd")
+        | (x.precision != "bf16")),
+         lambda c, x: f"{arg('precision_aware_optimizer')} is Megatron-Core's (TE's FusedAdam over the distributed "
+                      f"optimizer, bf16 training, Adam, no offload); use {arg('framework')} megatron {arg('zero')} 1 "
+                      f"{arg('offload')} none or drop it"),
+    _moe_zero3_rule("deepspeed"),
+    Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) works with ZeRO <= 2, "
+                      f"not "
+                      f"ZeRO-{c.zero_stage}; use {arg('zero')} 1/2 or {arg('tp')} 1"),
+    Rule("deepspeed", lambda c, x: (c.pp > 1) & (c.zero_stage > 1),
+         lambda c, x: f"framework deepspeed: PipelineModule ({arg('pp')} {c.pp}) rejects ZeRO-{c.zero_stage} "
+                      f"(pipeline parallelism supports ZeRO 0/1); use {arg('zero')} 1 or {arg('pp')} 1"),
+    # AutoTP shards a plain module tree by layer names; it has no pipeline-stage or expert
+    # groups (DeepSpeed's AutoTP training tutorial: no PipelineModule, no MoE). DeepSpeed 0.19's
+    # engine sets its groups to a (data_parallel, tensor_parallel) mesh over the whole world
+    # (runtime/engine.py _configure_tensor_parallel_states, utils/groups.py _init_tp_mesh_device):
+    # no pipeline axis, so BLOOM's TP4 x PP12 runs as megatron-deepspeed.
+    Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.pp > 1),
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) does not combine with "
+                      f"PipelineModule ({arg('pp')} {c.pp}); use {arg('framework')} megatron-deepspeed for 3D "
+                      "parallelism"),
+    Rule("deepspeed", lambda c, x: x.is_moe and c.tp > 1,
+         lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) does not shard DeepSpeed "
+                      f"MoE layers; use {arg('tp')} 1 with {arg('ep')}, or {arg('framework')} megatron-deepspeed"),
+    Rule("deepspeed", lambda c, x: c.sequence_parallel == True,  # noqa: E712 (elementwise on columns)
+         lambda c, x: "framework deepspeed has no Megatron-style sequence parallelism; drop "
+                      f"{arg('sequence_parallel')} or use {arg('framework')} megatron"),
+    _interleave_rule("deepspeed"),
+    Rule("deepspeed", lambda c, x: c.recompute == "selective",
+         lambda c, x: f"framework deepspeed checkpoints whole layers only; use {arg('recompute')} full/none or "
+                      f"{arg('framework')} megatron for selective recompute"),
+    Rule("megatron-deepspeed", lambda c, x: (c.pp > 1) & (c.zero_stage > 1),
+         lambda c, x: f"framework megatron-deepspeed: 3D parallelism ({arg('pp')} {c.pp}) runs with ZeRO <= 1, not "
+                      f"ZeRO-{c.zero_stage}; use {arg('zero')} 1"),
+    _moe_zero3_rule("megatron-deepspeed"),
+    Rule("megatron-deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
+         lambda c, x: "framework megatron-deepspeed: ZeRO-3 does not combine with tensor parallelism "
+                      f"({arg('tp')} {c.tp}); use {arg('zero')} 1/2"),
+    _interleave_rule("megatron-deepspeed"),
+    Rule("megatron", lambda c, x: c.zero_stage == 2,
+         lambda c, x: f"framework megatron shards optimizer states (the distributed optimizer, {arg('zero')} 1) or "
+                      f"everything (Megatron-FSDP, {arg('zero')} 3), not ZeRO-2; use {arg('zero')} 1 or 3"),
+    # Megatron-FSDP: its optimizer is the distributed optimizer on sharded main weights (no
+    # HybridDeviceOptimizer path); NVIDIA's FSDP recipes run without a pipeline, and dsplan
+    # prices per-block gathers against one rank's whole model (step_time.dp_exposed).
+    Rule("megatron", lambda c, x: (c.zero_stage == 3) & (c.offload != "none"),
+         lambda c, x: f"framework megatron: Megatron-FSDP ({arg('zero')} 3) keeps its sharded optimizer on the GPU; "
+                      f"use {arg('offload')} none, or {arg('zero')} 1 for Megatron-Core's optimizer CPU offload"),
+    Rule("megatron", lambda c, x: (c.zero_stage == 3) & (c.pp > 1),
+         lambda c, x: f"framework megatron: dsplan plans Megatron-FSDP ({arg('zero')} 3) without a pipeline, as "
+                      f"NVIDIA's FSDP recipes run; use {arg('pp')} 1 or {arg('zero')} 1"),
+    Rule("megatron", lambda c, x: x.precision != "bf16" and c.offload == "optimizer",
+         lambda c, x: f"framework megatron: optimizer CPU offload (Megatron-Core's HybridDeviceOptimizer) is built "
+                      f"for bf16 training, not {x.precision}; use {arg('precision')} bf16, {arg('offload')} none or "
+                      f"{arg('framework')} deepspeed"),
+    Rule("megatron", lambda c, x: x.is_vlm
+         and (c.virtual_stages > 1) & (x.decoder_layers % (c.pp * c.virtual_stages) != 0),
+         lambda c, x: f"framework megatron: interleaving a vision-language model needs its {x.decoder_layers} decoder "
+                      f"layers divisible by {arg('pp')} {c.pp} x {arg('virtual_stages')} {c.virtual_stages} "
+                      "(Megatron's custom pipeline layout has no vision-encoder layers)"),
+    Rule("megatron", lambda c, x: (c.virtual_stages > 1) & (c.grad_accum < c.pp),
+         lambda c, x: f"framework megatron: the interleaved schedule needs at least {arg('pp')} {c.pp} micro-batches "
+                      f"per step, not {c.grad_accum}; use a smaller {arg('micro_batch')} or {arg('dp')}, a larger "
+                      f"{arg('global_batch')}, or {arg('virtual_stages')} 1"),
+    # Context parallelism off Megatron-Core is DeepSpeed Ulysses (an all-to-all over heads,
+    # deepspeed.sequence.layer.DistributedAttention), with ZeRO data parallelism; Megatron-DeepSpeed
+    # wires it as --ds-sequence-parallel-size, its Ulysses examples without a pipeline.
+    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron") & (c.framework != "torchtitan")
+         & (c.cp_comm != "a2a"),
+         lambda c, x: f"framework {c.framework}: its context parallelism is DeepSpeed Ulysses (an all-to-all "
+                      f"over heads); use {arg('cp_comm')} a2a or {arg('framework')} megatron for {c.cp_comm}"),
+    Rule(None, lambda c, x: (c.cp > 1) & (c.framework != "megatron") & (c.framework != "torchtitan")
+         & ((c.pp > 1) | ((c.tp > 1) & (c.framework == "deepspeed"))),
+         lambda c, x: f"framework {c.framework}: dsplan plans Ulysses sequence parallelism ({arg('cp')} {c.cp}) "
+                      f"without a pipeline{' or AutoTP' if c.framework == 'deepspeed' else ''}; use {arg('pp')} 1"
+                      f"{' ' + arg('tp') + ' 1' if c.framework == 'deepspeed' else ''} or {arg('framework')} megatron"),
+    # torchtitan's own limits, each a (broken, message) pair (planner/cost/torchtitan.py).
+    *(Rule("torchtitan", broken, message) for broken, message in TORCHTITAN_RULES),
+    Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
+         lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
+)
+
+# The runtimes some rule is particular to (first_broken).
+_RULE_FRAMEWORKS = tuple(dict.fromkeys(r.framework for r in RULES if r.framework is not None))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Coded:
+    """A column of strings held as indices into ``names``. It compares to a name as numpy compares
+    its codes to the name's index, so the rules, written for strings (``c.offload != "none"``),
+    run on ints: numpy compares a string column character by character (~8x slower here)."""
+
+    codes: np.ndarray
+    names: tuple[str, ...]
+
+    def _code(self, name: object) -> int:
+        return self.names.index(name) if name in self.names else -1  # -1: no code, equal to nothing
+
+    def __eq__(self, name: object) -> np.ndarray:  # type: ignore[override]
+        return self.codes == self._code(name)
+
+    def __ne__(self, name: object) -> np.ndarray:  # type: ignore[override]
+        return self.codes != self._code(name)
+
+
+@dataclass(slots=True)
+class ConfigColumns:
+    """ParallelConfig's fields as equal-length arrays (strings as numpy string arrays or as
+    ``Coded``): many configs for ``first_broken``."""
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    ep: np.ndarray
+    zero_stage: np.ndarray
+    offload: np.ndarray | Coded
+    micro_batch: np.ndarray
+    grad_accum: np.ndarray
+    recompute: np.ndarray | Coded
+    sequence_parallel: np.ndarray
+    virtual_stages: np.ndarray
+    framework: np.ndarray | Coded
+    cp: np.ndarray | int = 1
+    cp_comm: np.ndarray | Coded | str = "p2p"
+
+
+def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
+                    precision: str, mla: bool = False, positions: str = "rope", model: str = "",
+                    precision_aware_optimizer: bool = False) -> None:
+    """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
+
+    ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
+    ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
+    work, recipe = split_precision(precision)
+    facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
+                     precision_aware_optimizer)
+    for rule in RULES:
+        if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
+            raise UserError(rule.message(cfg, facts))
+
+
+def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
+    """Per config of many, the index in ``RULES`` of the rule ``check_framework`` would name
+    (the first broken one), or -1 when the runtime runs it: the search's filter, one numpy
+    pass per rule rather than one call per config, and the tally behind "most often"."""
+    out = np.full(len(cols.tp), -1, dtype=np.int64)
+    # Which configs run on each runtime, compared once per runtime, not once per rule: numpy
+    # compares string columns character by character.
+    runs_on = {f: cols.framework == f for f in _RULE_FRAMEWORKS}
+    for k in range(len(RULES) - 1, -1, -1):  # backwards, so the first broken rule writes last
+        rule = RULES[k]
+        hit = rule.broken(cols, facts)
+        if hit is False:  # ruled out by the facts alone (Rule)
+            continue
+        hit = np.asarray(hit, dtype=bool)
+        if rule.framework is not None:
+            hit = hit & runs_on[rule.framework]
+        out[hit] = k
+    return out
+
+
+def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str,
+                        precision_aware_optimizer: bool = False) -> None:
+    """``check_framework`` with the facts of ``model`` its rules read (the one place that
+    picks them; the search passes them hoisted, since it asks thousands of times)."""
+    check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision,
+                    precision_aware_optimizer=precision_aware_optimizer)
+
+
+def model_facts(model: "ModelSpec") -> dict[str, Any]:
+    """The facts of ``model`` the rules read, as RunFacts / check_framework keywords."""
+    return {"is_moe": model.is_moe, "decoder_layers": model.num_layers, "is_vlm": model.is_vlm,
+            "mla": model.decoder_blocks[0].attention.kind == "mla",
+            "positions": model.positions.kind if model.positions else "rope", "model": model.name}
