@@ -163,7 +163,7 @@ WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_imag
                  "precision_aware_optimizer")
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
-             "virtual_stages", "framework", "cp", "cp_comm")
+             "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
@@ -258,10 +258,11 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 
     ``knobs``: the plan's ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``offload``,
     ``micro_batch``, ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework``,
-    ``cp`` and ``cp_comm`` (CLI defaults), and either ``workload`` or its fields (``global_batch``, ``seq_len``,
-    ``images_per_sample``, ``tiles_per_image``, ``precision``, ``optimizer``,
-    ``flash_attention``, ``dropout``). The default global batch is ~4M tokens that the plan's
-    micro-batch x dp divides, with at least pp micro-batches (planner/cost/degrees.py).
+    ``cp``, ``cp_comm`` and ``dp_replicate`` (CLI defaults), and either ``workload`` or its
+    fields (``global_batch``, ``seq_len``, ``images_per_sample``, ``tiles_per_image``,
+    ``precision``, ``optimizer``, ``flash_attention``, ``dropout``). The default global batch
+    is ~4M tokens that the plan's micro-batch x dp divides, with at least pp micro-batches
+    (planner/cost/degrees.py).
     ``partition``: half-open block ranges per pipeline stage (default: Megatron's even split).
 
     >>> plan = estimate("vl2", load_cluster(nodes=8), ep=8)
@@ -295,8 +296,8 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 # -- many plans ------------------------------------------------------------------------------
 
 SEARCH_AXES = ("dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework",
-               "sequence_parallel", "allow_tp_across_nodes", "cp", "cp_comm")
-_COUNT_AXES = ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages")
+               "sequence_parallel", "allow_tp_across_nodes", "cp", "cp_comm", "dp_replicate")
+_COUNT_AXES = ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages", "dp_replicate")
 
 
 def constraints(**axes: Any) -> Any:
@@ -340,9 +341,10 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     ``axes`` pin or restrict the search like the CLI flags, each one value or a sequence:
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
     ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``,
-    ``cp``, ``cp_comm``; the
-    workload is ``workload`` or its fields as keywords (``global_batch``, ``seq_len``, ...,
-    ``flash_attention``, ``dropout``, as for ``estimate``; default batch: ``make_workload``'s).
+    ``cp``, ``cp_comm``, ``dp_replicate`` (hybrid-sharding groups: each value searched on its
+    own, default 1); the workload is ``workload`` or its fields as keywords (``global_batch``,
+    ``seq_len``, ..., ``flash_attention``, ``dropout``, as for ``estimate``; default batch:
+    ``make_workload``'s).
     ``progress`` is called with the fraction of the search done. Returns the search's
     ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the estimate's Plan,
     ``.why`` (why #1 won, or why this one ranks below it) and ``.to_json()``), ``.evaluated``,

@@ -108,6 +108,7 @@ BOUNDS: dict[str, Bound] = {
     "pp": _GPUS,
     "ep": _GPUS,
     "cp": _GPUS,
+    "dp_replicate": _GPUS,
     "group_size": _GPUS,
     "global_batch": _SAMPLES,
     "micro_batch": _SAMPLES,

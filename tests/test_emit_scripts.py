@@ -67,6 +67,8 @@ MEGATRON_LM_FLAGS = {
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format", "--init-model-with-meta-device",
     # The precision-aware optimizer's moment dtypes (arguments.py _add_training_args).
     "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    # Hybrid sharding: instances of the distributed optimizer / Megatron-FSDP's HSDP (_add_distributed_args).
+    "--num-distributed-optimizer-instances",
 }
 # Megatron-DeepSpeed's additions (microsoft/Megatron-DeepSpeed megatron/arguments.py: _add_zero_args,
 # _add_activation_checkpoint_args, --no-pipeline-parallel, MoE flags; deepspeed.add_config_arguments).

@@ -38,6 +38,10 @@ from planner.errors import UserError
 @click.option("--cp-comm", type=click.Choice(["p2p", "a2a", "a2a+p2p"]), default="p2p", show_default=True,
               help="How context-parallel ranks exchange attention inputs: p2p (ring of K/V chunks, overlapped "
                    "with attention), a2a (all-to-all over heads, Ulysses), a2a+p2p (a2a inside a node, ring across).")
+@click.option("--dp-replicate", type=int, default=1, show_default=True,
+              help="Hybrid sharding: the dp x cp ranks form this many groups, each sharding the model states, "
+                   "that replicate each other (megatron --zero 1/3: --num-distributed-optimizer-instances; "
+                   "torchtitan --zero 3: HSDP).")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=None,
               help="ZeRO stage; with --framework megatron, 1 is the distributed optimizer and 3 Megatron-FSDP "
                    "[default: 1 when dp > 1, else 0].")
@@ -124,6 +128,7 @@ def render(plan) -> None:
                   f"({plan.gpus} GPUs), {c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
                   + (f", ep {c.ep}" if c.ep > 1 else "")
                   + (f", cp {c.cp} ({c.cp_comm})" if c.cp > 1 else "") + f", ZeRO-{c.zero_stage}"
+                  + (f" in {c.dp_replicate} replicated groups of {c.dp_shard}" if c.dp_replicate > 1 else "")
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}")
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "

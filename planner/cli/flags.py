@@ -47,6 +47,7 @@ FLAGS: dict[str, str] = {
     "objective": "--objective",
     "bytes": "--bytes",
     "rank": "--rank",
+    "dp_replicate": "--dp-replicate",
     "precision_aware_optimizer": "--precision-aware-optimizer",
 }
 

@@ -33,7 +33,7 @@ _SEARCH_FLAGS = (
     "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
     "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
     "precision_aware_optimizer", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute",
-    "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm",
+    "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm", "dp_replicate",
 )
 
 
@@ -161,9 +161,10 @@ def _print_written(report, plan, note: str | None) -> None:
                      + (f", micro-batch group {g}"
                         if (g := group_to_set(plan.pp, plan.virtual_stages, plan.grad_accum)) else "")
                      + ")" if plan.virtual_stages > 1 else "")
-                  + (f", EP {plan.ep}" if plan.ep > 1 else "")
-                  + f", ZeRO-{plan.zero_stage}, micro-batch {plan.micro_batch} x {plan.grad_accum} "
-                    f"= {plan.global_batch}")
+                  + (f", EP {plan.ep}" if plan.ep > 1 else "") + (f", CP {plan.cp}" if plan.cp > 1 else "")
+                  + f", ZeRO-{plan.zero_stage}"
+                  + (f" in {plan.dp_replicate} replicated groups" if plan.dp_replicate > 1 else "")
+                  + f", micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
     quoted = shlex.quote(report.out_dir)
     readme = shlex.quote(os.path.join(report.out_dir, "README.md"))
     if note:  # the default entry cannot run it: point at Megatron-LM's script, not at the launcher
@@ -307,7 +308,7 @@ _SUGGEST_KEYS = (
     "precision", "optimizer", "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
     "precision_aware_optimizer", "dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute",
     "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes", "balancer", "objective", "cp",
-    "cp_comm",
+    "cp_comm", "dp_replicate",
 )
 
 

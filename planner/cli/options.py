@@ -113,6 +113,9 @@ _CONSTRAINT_FLAGS = (
      "[default: 1 and 2, 4, ... while each rank keeps at least 2,048 tokens]."),
     ("--cp-comm", "How context-parallel ranks exchange: p2p (ring, Megatron only), a2a (all-to-all over heads, "
      "Ulysses on DeepSpeed), a2a+p2p (one or a comma list) [default: p2p,a2a]."),
+    ("--dp-replicate", "Hybrid sharding: the dp x cp ranks form this many groups that each shard the model "
+     "states and replicate each other (Megatron --num-distributed-optimizer-instances with --zero 1/3, torchtitan "
+     "HSDP with --zero 3); one value or a comma list, each searched [default: 1, no replication]."),
     ("--zero", "ZeRO stage(s): 0,1,2,3 (megatron: 1 = distributed optimizer, 3 = Megatron-FSDP)."),
     ("--offload", "none, optimizer, optimizer+params (one or a comma list). optimizer: DeepSpeed ZeRO-Offload or "
      "Megatron-Core's optimizer CPU offload (bf16, Adam); optimizer+params: ZeRO-3 only."),
@@ -230,6 +233,7 @@ def axes_from_options(opts: dict) -> dict:
         "pp": parse_int_list("--pp", opts.get("pp")), "ep": parse_int_list("--ep", opts.get("ep")),
         "cp": parse_int_list("--cp", opts.get("cp")),
         "cp_comm": parse_choice_list("--cp-comm", opts.get("cp_comm"), CP_COMMS),
+        "dp_replicate": parse_int_list("--dp-replicate", opts.get("dp_replicate")),
         "zero": parse_int_list("--zero", opts.get("zero"), minimum=0),
         "offload": parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
         "micro_batch": parse_int_list("--micro-batch", opts.get("micro_batch")),

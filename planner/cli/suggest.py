@@ -240,6 +240,10 @@ def _legend(rows: list[tuple[str, ...]]) -> str:
             parts.append(f"cp {cp} = context parallel over {cp.removesuffix(mark)} ranks, {comm}")
     if any(c["cp"] != "1" and c["cp"].isdigit() for c in cells):
         parts.append("cp = context-parallel ranks, exchanging K/V in a ring (p2p)")
+    if hybrid := first("zero", "h"):
+        stage, groups = hybrid.split("h")
+        parts.append(f"zero {hybrid} = ZeRO-{stage} sharded within each of {groups} groups that replicate "
+                     "each other (hybrid sharding)")
     offloads = {c["offload"] for c in cells}
     if "opt" in offloads:
         parts.append("opt = optimizer states offloaded to the CPU")
@@ -309,7 +313,8 @@ def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
         str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
         f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}", str(p["ep"]),
         f"{p['cp']}{_CP_MARK[p['cp_comm']] if p['cp'] > 1 else ''}",
-        str(p["zero_stage"]), _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
+        f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}",
+        _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
         f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB", human_time(p["step_time_s"]),
         human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", _bottlenecks(rp.balancer_bottleneck_s))
 

@@ -47,6 +47,13 @@ def trainer_pins(opts: dict[str, Any], is_moe: bool) -> list[str]:
         raise UserError(f"--cp {opts['cp']}: the reference trainer (--entry builtin) has no context-parallel "
                         f"attention; pin --cp 1, {_OTHER_ENTRY}")
     pin("cp", "1")
+    rep = parse_int_list("--dp-replicate", opts.get("dp_replicate"))
+    if rep is not None and 1 not in rep:
+        raise UserError(f"--dp-replicate {opts['dp_replicate']}: the reference trainer (--entry builtin) shards over "
+                        f"every DP rank (DeepSpeed's ZeRO), not in replicated groups; pin --dp-replicate 1, "
+                        f"{_OTHER_ENTRY}")
+    if rep is not None:  # unpinned, the search is at 1 already
+        opts["dp_replicate"] = "1"
     tp = parse_int_list("--tp", opts.get("tp"))
     frameworks = parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS)
     no_autotp = is_moe or (frameworks is not None and TRAINER_TP_FRAMEWORK not in frameworks)
@@ -82,7 +89,7 @@ def trainer_search(opts: dict[str, Any], is_moe: bool, need: int):
 
     def runs(ranked: Any) -> bool:
         c = ranked.plan.cfg
-        return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe, c.cp) is None
+        return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe, c.cp, c.dp_replicate) is None
 
     top = need
     while True:
@@ -99,7 +106,8 @@ def trainer_search(opts: dict[str, Any], is_moe: bool, need: int):
         top = min(top * GROWTH, MAX_TOP)
     if not kept.plans:
         first = result.plans[0].plan.cfg
-        refusal = trainer_refusal(first.framework, first.tp, first.pp, first.virtual_stages, is_moe, first.cp)
+        refusal = trainer_refusal(first.framework, first.tp, first.pp, first.virtual_stages, is_moe, first.cp,
+                                  first.dp_replicate)
         raise UserError(f"--entry builtin: the reference trainer runs none of the {len(result.plans)} best plans "
                         f"that fit (the best: {cli_text(refusal or '')}); pin --tp 1, or --framework "
                         f"{TRAINER_TP_FRAMEWORK} --pp 1, {_OTHER_ENTRY}")

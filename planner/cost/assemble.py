@@ -15,7 +15,7 @@ import numpy as np
 
 from planner.cost import memory as mem
 from planner.cost import step_time as st
-from planner.cost.candidates import dp_ranks
+from planner.cost.candidates import shard_ranks
 from planner.cost.context import CostContext
 from planner.cost.precision import RECIPES
 
@@ -89,7 +89,7 @@ def _recipe_weights(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, n
     fp8 = st.fp8_param_gather(ctx, col)
     live = mem.live_blocks(col)[:, None] * r["largest"]
     whole = cache * r["low"] - np.where(fp8, w.bytes_per_param * r["low"], 0.0)
-    shard = dp_ranks(col)[:, None].astype(float)
+    shard = shard_ranks(col)[:, None].astype(float)
     sharded = cache * live - np.where(fp8, (w.bytes_per_param - 1) * r["low"] / shard + w.bytes_per_param * live, 0.0)
     return np.where((col["zero"] == 3)[:, None], sharded, whole)
 

@@ -14,7 +14,7 @@ import numpy as np
 from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
 
 COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum",
-           "cp", "cp_comm")
+           "cp", "cp_comm", "rep")
 
 Columns = dict[str, np.ndarray]
 
@@ -23,7 +23,7 @@ def columns_of(configs: Iterable[ParallelConfig]) -> Columns:
     """The columns of ``configs``, in order."""
     rows = [(c.dp, c.tp, c.pp, c.ep, c.virtual_stages, c.zero_stage, OFFLOADS.index(c.offload),
              RECOMPUTES.index(c.recompute), int(c.sequence_parallel), FRAMEWORKS.index(c.framework), c.micro_batch,
-             c.grad_accum, c.cp, CP_COMMS.index(c.cp_comm)) for c in configs]
+             c.grad_accum, c.cp, CP_COMMS.index(c.cp_comm), c.dp_replicate) for c in configs]
     table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
     return {name: table[:, k].copy() for k, name in enumerate(COLUMNS)}
 
@@ -36,6 +36,7 @@ def config_of(row: dict[str, int]) -> ParallelConfig:
         recompute=RECOMPUTES[row["recompute"]], sequence_parallel=bool(row["sp"]),  # type: ignore[arg-type]
         virtual_stages=row["vs"], framework=FRAMEWORKS[row["framework"]],  # type: ignore[arg-type]
         cp=row.get("cp", 1), cp_comm=CP_COMMS[row.get("cp_comm", 0)],  # type: ignore[arg-type]
+        dp_replicate=row.get("rep", 1),
     )
 
 
@@ -43,6 +44,12 @@ def dp_ranks(columns: Columns) -> np.ndarray:
     """Per candidate, the ranks a dense gradient is reduced and ZeRO-sharded over: dp x cp
     (ParallelConfig.dp_ranks)."""
     return columns["dp"] * columns["cp"]
+
+
+def shard_ranks(columns: Columns) -> np.ndarray:
+    """Per candidate, the ranks ZeRO shards over: one hybrid-sharding group of the dp x cp ranks
+    (ParallelConfig.dp_shard)."""
+    return dp_ranks(columns) // columns["rep"]
 
 
 def config_at(columns: Columns, i: int) -> ParallelConfig:

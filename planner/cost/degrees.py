@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from planner.cost.parallel import ParallelConfig
+from planner.cost.parallel import ParallelConfig, replicates_evenly
 from planner.errors import UserError, arg, whole_number
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
                           tp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1, zero: int | None = None,
                           offload: str = "none", micro_batch: int = 1, recompute: str = "none",
                           sequence_parallel: bool = False, virtual_stages: int = 1,
-                          framework: str = "deepspeed", cp: int = 1, cp_comm: str = "p2p") -> ParallelConfig:
+                          framework: str = "deepspeed", cp: int = 1, cp_comm: str = "p2p",
+                          dp_replicate: int = 1) -> ParallelConfig:
     """The ParallelConfig of the given degrees on ``cluster``, defaults filled (module
     docstring): dp, the ZeRO stage, accumulation, and, when ``global_batch`` is None, the
     batch of ``default_global_batch`` for ``seq_len`` tokens per sample (read
@@ -101,7 +102,7 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
     from pydantic import ValidationError
 
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("micro_batch", micro_batch),
-                        ("virtual_stages", virtual_stages)):
+                        ("virtual_stages", virtual_stages), ("dp_replicate", dp_replicate)):
         whole_number(name, value)
     if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
         raise UserError(f"{arg('zero')}: stages are 0, 1, 2 or 3, got {zero!r}")
@@ -111,12 +112,17 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
             raise TypeError("build_parallel_config: give global_batch or seq_len (for the default batch)")
         global_batch = default_global_batch(seq_len, cluster.num_gpus, unit=micro_batch * dp, min_microbatches=pp)
     grad_accum = grad_accum_for(whole_number("global_batch", global_batch), micro_batch, dp)
+    if ep >= 1 and (dp * cp) % ep == 0 and not replicates_evenly(dp, cp, ep, dp_replicate):
+        raise UserError(f"{arg('dp_replicate')} {dp_replicate}: hybrid sharding needs it to divide {arg('dp')} {dp} "
+                        f"and dp x cp / ep = {dp * cp // ep}, leaving at least 2 ranks per sharding group; pick a "
+                        f"divisor of {math.gcd(dp, dp * cp // ep)} that does, or 1")
     try:
         zero = (1 if dp * cp > 1 else 0) if zero is None else zero
         return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero,
                               offload=offload, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
                               sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
-                              framework=framework, cp=cp, cp_comm=cp_comm)  # type: ignore[arg-type]
+                              framework=framework, cp=cp, cp_comm=cp_comm,  # type: ignore[arg-type]
+                              dp_replicate=dp_replicate)
     except ValidationError as err:
         raise UserError(rule_message("plan", err)) from None
 

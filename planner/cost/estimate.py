@@ -47,8 +47,10 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     spec = RankSpec.build(table, parts, mode=RECOMPUTES.index(cfg.recompute), b=cfg.micro_batch, pp=cfg.pp,
                           vs=cfg.virtual_stages, tp=cfg.tp, sp=bool(sp), ep=cfg.ep, dp=cfg.dp_ranks,
                           framework=FRAMEWORKS.index(cfg.framework),
-                          layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp), zero3=cfg.zero_stage == 3,
-                          send=pp_send, paid=paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp))
+                          layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.dp_replicate),
+                          zero3=cfg.zero_stage == 3, send=pp_send,
+                          paid=paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp),
+                          rep=cfg.dp_replicate)
     (ranks,) = RankTables(model, ctx).tables([spec])
     asm = assemble(ctx, columns_of([cfg]), rank_fields(ranks[None]), cfg.pp)
     return build_plan(model, ctx, cfg, parts, ranks, asm, 0, tables.runs.flops_per_step(), BlockKinds(model))

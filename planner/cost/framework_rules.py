@@ -102,6 +102,16 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"{arg('precision_aware_optimizer')} is Megatron-Core's (TE's FusedAdam over the distributed "
                       f"optimizer, bf16 training, Adam, no offload); use {arg('framework')} megatron {arg('zero')} 1 "
                       f"{arg('offload')} none or drop it"),
+    # Hybrid sharding: Megatron-Core's --num-distributed-optimizer-instances (the distributed
+    # optimizer, or Megatron-FSDP's HSDP: mcore_fsdp_adapter.py enable_hsdp) and torchtitan's
+    # FSDP2 over a replicate x shard mesh. DeepSpeed's MiCS and hpZ are not planned.
+    Rule(None, lambda c, x: (c.dp_replicate > 1) & (
+        ((c.framework != "megatron") & (c.framework != "torchtitan")) | ((c.zero_stage != 1) & (c.zero_stage != 3))
+        | ((c.framework == "torchtitan") & (c.zero_stage != 3))),
+         lambda c, x: f"{arg('dp_replicate')} {c.dp_replicate} (hybrid sharding) runs on {arg('framework')} megatron "
+                      f"with {arg('zero')} 1 or 3 (--num-distributed-optimizer-instances) or torchtitan with "
+                      f"{arg('zero')} 3 (HSDP); not on framework {c.framework} with ZeRO-{c.zero_stage}: use one of "
+                      f"those, or {arg('dp_replicate')} 1"),
     _moe_zero3_rule("deepspeed"),
     Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
          lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) works with ZeRO <= 2, "
@@ -222,6 +232,7 @@ class ConfigColumns:
     framework: np.ndarray | Coded
     cp: np.ndarray | int = 1
     cp_comm: np.ndarray | Coded | str = "p2p"
+    dp_replicate: np.ndarray | int = 1
 
 
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,

@@ -112,6 +112,11 @@ class Traits:
     # unit while one computes and reduce-scatters the last one's gradients while the next
     # back-propagates, so two units' weights and gradients are live (its double buffer).
     zero3_live_blocks: int = 1
+    # Hybrid sharding's all-reduce of the gradient shards across the replicas, every micro-batch
+    # rather than on the last: FSDP2 runs it after each reduce-scatter unless told not to
+    # (FSDPModule.set_requires_all_reduce, which torchtitan 0.2.2's loop never calls);
+    # Megatron-FSDP only on the last micro-batch (megatron_fsdp.py, outer_fsdp_group_grad_reduce).
+    hsdp_allreduce_every_microbatch: bool = False
 
 
 TRAITS = {
@@ -123,7 +128,8 @@ TRAITS = {
                        zero3_live_blocks=2),
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
     # one computes (two live); a stage sends (s/t, b, h); attention is SDPA, not TE; no async TP.
-    "torchtitan": Traits("torchtitan", True, "sequence_parallel", True, False, zero3_live_blocks=2),
+    "torchtitan": Traits("torchtitan", True, "sequence_parallel", True, False, zero3_live_blocks=2,
+                         hsdp_allreduce_every_microbatch=True),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config

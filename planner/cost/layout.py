@@ -1,7 +1,10 @@
 """The process groups of one parallel layout on a cluster, as the cost model lays ranks out.
 
 Rank order is TP innermost, then EP, then the rest of DP, then PP (Megatron's and DeepSpeed's
-order); EP ranks are part of the DP group, so the dense DP group spans both. Each group is
+order); EP ranks are part of the DP group, so the dense DP group spans both. Under hybrid
+sharding (``rep`` > 1) the DP group is one sharding group of dp / rep consecutive DP ranks, as
+Megatron-Core cuts its intra-instance groups (parallel_state.py, intra_partial_data_parallel),
+and the ``outer`` group joins the rep groups' same-numbered ranks. Each group is
 summarised as a ``GroupShape`` (placement.py), which is what the collective model prices.
 """
 
@@ -16,16 +19,18 @@ from planner.hardware.placement import GroupShape, Placement, pipeline_hops
 
 
 class Layout:
-    """The TP, EP, expert-DP, dense-DP and PP group shapes of (tp, ep, dp, pp) on a cluster.
+    """The TP, EP, expert-DP, dense-DP, outer (hybrid-sharding) and PP group shapes of
+    (tp, ep, dp, pp, rep) on a cluster.
 
     Each shape is found on first use: block costs need only tp and ep, and on thousands of
     GPUs a shape costs a sort over every rank."""
 
-    def __init__(self, cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> None:
+    def __init__(self, cluster: Cluster, tp: int, ep: int, dp: int, pp: int, rep: int = 1) -> None:
         self.cluster = cluster
-        self._full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp},
-                               order=("tp", "ep", "dp", "pp"))
-        self._dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
+        self._full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep // rep, "rep": rep, "pp": pp},
+                               order=("tp", "ep", "dp", "rep", "pp"))
+        self._dense = Placement(cluster, dims={"tp": tp, "dp": dp // rep, "rep": rep, "pp": pp},
+                                order=("tp", "dp", "rep", "pp"))
 
     @functools.cached_property
     def tp(self) -> GroupShape:
@@ -50,6 +55,11 @@ class Layout:
         return self._dense.group("dp")
 
     @functools.cached_property
+    def outer(self) -> GroupShape:
+        """The group the hybrid-sharding groups' gradient shards are all-reduced over (rep ranks)."""
+        return self._dense.group("rep")
+
+    @functools.cached_property
     def pp_hops(self) -> tuple[np.ndarray, GroupShape | None]:
         """placement.pipeline_hops of the pp dimension: which rank's hop to the next leaves the
         node, and the shape that prices the others (None: every hop priced alike)."""
@@ -58,6 +68,6 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=4096)
-def layout(cluster: Cluster, tp: int, ep: int, dp: int, pp: int) -> Layout:
-    """The one ``Layout`` of (tp, ep, dp, pp) on ``cluster`` (its shapes are found once)."""
-    return Layout(cluster, tp, ep, dp, pp)
+def layout(cluster: Cluster, tp: int, ep: int, dp: int, pp: int, rep: int = 1) -> Layout:
+    """The one ``Layout`` of (tp, ep, dp, pp, rep) on ``cluster`` (its shapes are found once)."""
+    return Layout(cluster, tp, ep, dp, pp, rep)

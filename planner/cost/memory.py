@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cost import frameworks as fw
-from planner.cost.candidates import dp_ranks
+from planner.cost.candidates import shard_ranks
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 
 GiB = 2**30
@@ -214,7 +214,8 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
                 precision: str, moments: int, **dtypes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per candidate and rank ([candidate x rank] ``dense`` and ``expert`` parameters, the
     ``largest`` block's): weights, gradients, optimizer states and host bytes of the model
-    states. Dense parameters shard over dp, routed experts over dp / ep; with ZeRO-3 the
+    states. Dense parameters shard over dp (one hybrid-sharding group of it: candidates.shard_ranks),
+    routed experts over that / ep; with ZeRO-3 the
     largest block is gathered whole (weights and gradients, 2 + 2 bytes per parameter) while
     it runs, as in DeepSpeed's estimator, twice over where the runtime prefetches the next
     block into a second buffer (Megatron-FSDP: live_blocks).
@@ -230,7 +231,7 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
                                                                     **dtypes)
         return hit
 
-    dp = dp_ranks(col)
+    dp = shard_ranks(col)
     rows = [per_param(f, z, o, d) + per_param(f, z, o, e) for f, z, o, d, e in zip(
         col["framework"].tolist(), col["zero"].tolist(), col["offload"].tolist(), dp.tolist(),
         np.maximum(dp // col["ep"], 1).tolist())]
@@ -253,7 +254,7 @@ def model_states(dense_params: float, expert_params: float, *, framework: str, z
     its largest layer), for one configuration."""
     col = {"framework": np.array([FRAMEWORKS.index(framework)]), "zero": np.array([zero]),
            "offload": np.array([OFFLOADS.index(offload)]), "dp": np.array([dp]), "ep": np.array([ep]),
-           "cp": np.array([1])}
+           "cp": np.array([1]), "rep": np.array([1])}
     one = np.array([[float(x)] for x in (dense_params, expert_params, live_layer_params)])
     return ModelStates(*(float(x[0, 0]) for x in state_bytes(col, *one[:, None], precision, moments,
                                                                     **dtypes)))
@@ -266,8 +267,8 @@ _ZERO_BUCKETS = np.array([fw.traits(f).zero_buckets for f in FRAMEWORKS])
 
 def process_groups(col: dict[str, np.ndarray]) -> np.ndarray:
     """Per candidate, the parallel dimensions with a process group of more than one rank (each
-    holds NCCL buffers)."""
-    return sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep", "cp"))
+    holds NCCL buffers; hybrid sharding's outer group is one more)."""
+    return sum((col[k] > 1).astype(float) for k in ("tp", "pp", "dp", "ep", "cp", "rep"))
 
 
 def buffer_bytes(framework: np.ndarray, zero: np.ndarray, stage_params: np.ndarray, groups: np.ndarray,

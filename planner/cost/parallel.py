@@ -136,6 +136,10 @@ class ParallelConfig(BaseModel):
     sequence_parallel: bool = False
     virtual_stages: PositiveInt = 1  # interleaved 1F1B chunks per pipeline rank
     framework: Framework = "deepspeed"
+    # Hybrid sharding: the dp x cp ranks form dp_replicate groups of dp_shard ranks; ZeRO shards
+    # within a group and the groups replicate each other (Megatron's
+    # --num-distributed-optimizer-instances, torchtitan's data_parallel_replicate_degree).
+    dp_replicate: PositiveInt = 1
 
     @model_validator(mode="after")
     def _rules(self) -> "ParallelConfig":
@@ -153,6 +157,9 @@ class ParallelConfig(BaseModel):
             raise ValueError("parameter offload needs ZeRO-3")
         if self.offload == "optimizer" and self.zero_stage == 0:
             raise ValueError("optimizer offload needs ZeRO 1, 2 or 3")
+        if not replicates_evenly(self.dp, self.cp, self.ep, self.dp_replicate):
+            raise ValueError(f"dp_replicate ({self.dp_replicate}) must divide dp ({self.dp}) and dp x cp / ep "
+                             f"({self.expert_dp}), and leave at least 2 ranks per sharding group")
         return self
 
     @property
@@ -164,6 +171,12 @@ class ParallelConfig(BaseModel):
         """Ranks a dense gradient is reduced over and ZeRO shards over: the DP group with its
         context-parallel ranks (which hold the same weights and see other tokens)."""
         return self.dp * self.cp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks ZeRO shards over: one sharding group of the dp x cp ranks (all of them unless
+        hybrid sharding replicates ``dp_replicate`` groups)."""
+        return self.dp_ranks // self.dp_replicate
 
     @property
     def samples_per_step(self) -> int:
@@ -183,6 +196,13 @@ class ParallelConfig(BaseModel):
     @property
     def pipelined(self) -> bool:
         return self.pp > 1
+
+
+def replicates_evenly(dp: int, cp: int, ep: int, rep: int) -> bool:
+    """Whether ``rep`` hybrid-sharding groups split the dp x cp ranks evenly: whole DP replicas
+    (torchtitan's replicate x shard mesh), whole expert-DP groups (Megatron-Core's partial
+    expert data parallel), and at least two ranks to shard over."""
+    return rep == 1 or (dp % rep == 0 and (dp * cp // ep) % rep == 0 and dp * cp // rep >= 2)
 
 
 def check_against_model(cfg: ParallelConfig, *, heads: int, kv_heads: int, routed_experts: int, blocks: int) -> None:

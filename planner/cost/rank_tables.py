@@ -91,7 +91,7 @@ def padded(tables: list[np.ndarray]) -> tuple[np.ndarray, int]:
 class RankSpec(NamedTuple):
     """What one rank table depends on: the block table, the split, the micro-batch and
     recompute mode, the pipeline shape and how the runtime sends across stages; and, for its
-    ZeRO-3 rows (``zero3``), the data-parallel degree and the framework."""
+    ZeRO-3 rows (``zero3``), the data-parallel degree, its hybrid-sharding groups and the framework."""
 
     table: BlockTable
     parts: Split
@@ -111,18 +111,19 @@ class RankSpec(NamedTuple):
     zero3: bool = False
     overlap: bool = False  # TP collectives overlapped with the GEMMs (frameworks.Traits.tp_comm_overlap)
     te: bool = False  # attention through Transformer Engine (frameworks.Traits.te_attention)
+    rep: int = 1  # hybrid-sharding groups of the dp ranks (ParallelConfig.dp_replicate)
 
     @classmethod
     def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
               ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None,
-              paid: Paid = Paid()) -> "RankSpec":
+              paid: Paid = Paid(), rep: int = 1) -> "RankSpec":
         """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``) and
         how it pays its blocks (``paid``: frameworks.paid)."""
         traits = fw.traits(FRAMEWORKS[framework])
         send = send or traits.pp_send
         return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, ps.pp_send_divisor(send, tp, sp), layout,
                    ps.pp_boundary_gathers(send, tp), ps.pp_transfers(traits), ps.pp_meta_bytes(send, tp), zero3,
-                   paid.overlap, paid.te)
+                   paid.overlap, paid.te, rep)
 
     def base_key(self) -> tuple:
         """What the rows but the ZeRO-3 ones depend on (not dp or the framework beyond its sends)."""
@@ -253,11 +254,13 @@ class RankTables:
 
     def _z3_prefix(self, spec: RankSpec) -> dict[str, np.ndarray] | None:
         """ZeRO-3 collectives one block at a time (gather 16-bit weights, reduce-scatter
-        gradients), as prefix sums over blocks; None when there is no DP group to talk to."""
-        dp, ep, table = spec.dp, spec.ep, spec.table
+        gradients) within the rank's sharding group (all dp ranks, or one hybrid-sharding group of
+        them: ``layout.dp``), as prefix sums over blocks; None when there is no DP group to talk to."""
+        ep, table = spec.ep, spec.table
+        dp = spec.dp // spec.rep
         if dp == 1 and ep == 1:
             return None
-        key = (id(table), spec.tp, ep, dp, spec.pp, spec.framework)
+        key = (id(table), spec.tp, ep, spec.dp, spec.pp, spec.framework, spec.rep)
         hit = self._z3.get(key)
         if hit is not None and hit[0] is table:
             return hit[1]

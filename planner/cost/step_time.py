@@ -32,7 +32,7 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
-from planner.cost.candidates import dp_ranks
+from planner.cost.candidates import dp_ranks, shard_ranks
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
@@ -110,34 +110,37 @@ def _rank_sums(x: np.ndarray, depth: np.ndarray) -> np.ndarray:
 # -- data parallelism ------------------------------------------------------------------------
 
 # The DP collectives of a layout, in the order ``layout_keys`` numbers them (op k: keys 3k,
-# 3k + 1 over the DP and expert-DP groups; key 2 is the pipeline's p2p).
+# 3k + 1 over the DP and expert-DP groups, 3k + 2 over the outer hybrid-sharding group; key 2
+# is the pipeline's p2p).
 DP_OPS = ("reducescatter", "allreduce", "allgather")
 _TRAITS = [fw.traits(f) for f in FRAMEWORKS]
 _ALLREDUCE = np.array([t.zero_grad_allreduce for t in _TRAITS])  # ZeRO-1/2 gradients all-reduced
 _PIPE_ENGINE = np.array([t.pipe_engine for t in _TRAITS])
 _OVERLAPS = np.array([[fw.grad_reduce_overlaps(t, pp) for t in _TRAITS] for pp in (1, 2)])  # [deep, framework]
 _EVERY_MICROBATCH = np.array([t.zero2_reduces_every_microbatch for t in _TRAITS])
+_HSDP_EVERY_MICROBATCH = np.array([t.hsdp_allreduce_every_microbatch for t in _TRAITS])
 MEGATRON = FRAMEWORKS.index("megatron")
 
 
 def layout_keys(ctx: CostContext, col: dict[str, np.ndarray]) -> tuple[Callable[[int], tuple[str, GroupShape]],
                                                                           np.ndarray]:
-    """Numbers for the (op, group shape) pairs each (tp, ep, dp, pp) layout among the rows may
-    price, three per op of ``DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
-    group; 2: the pp group's p2p), as a lookup that builds only the shapes asked for, and each
-    row's layout number."""
+    """Numbers for the (op, group shape) pairs each (tp, ep, dp, pp, rep) layout among the rows
+    may price, three per op of ``DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
+    group, 3k + 2 over the outer hybrid-sharding group; 2: the pp group's p2p), as a lookup that
+    builds only the shapes asked for, and each row's layout number."""
     dp = dp_ranks(col)
     code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (dp.max() + 1) + dp
-    code = code * (col["pp"].max() + 1) + col["pp"]
+    code = (code * (col["pp"].max() + 1) + col["pp"]) * (col["rep"].max() + 1) + col["rep"]
     _, first, layout_of = np.unique(code, return_index=True, return_inverse=True)
-    layouts = [(int(col["tp"][i]), int(col["ep"][i]), int(dp[i]), int(col["pp"][i])) for i in first.tolist()]
+    layouts = [(int(col["tp"][i]), int(col["ep"][i]), int(dp[i]), int(col["pp"][i]), int(col["rep"][i]))
+               for i in first.tolist()]
 
     def key_of(k: int) -> tuple[str, GroupShape]:
         layout, slot = divmod(k, 3 * len(DP_OPS))
         shapes = ctx.layout(*layouts[layout])
         if slot == 2:
             return "p2p", shapes.pp
-        return DP_OPS[slot // 3], shapes.edp if slot % 3 else shapes.dp
+        return DP_OPS[slot // 3], (shapes.dp, shapes.edp, shapes.outer)[slot % 3]
 
     return key_of, layout_of.reshape(-1)
 
@@ -155,17 +158,27 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
                    r: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank: seconds of the gradient reduction, of the ZeRO-1/2 weight all-gather (dense
     parameters over the DP group plus routed experts over the expert-DP group) and of
-    DeepSpeed's ReduceTiedGrads, every collective of every row priced in one pass."""
+    DeepSpeed's ReduceTiedGrads, every collective of every row priced in one pass. Under hybrid
+    sharding the DP groups are one sharding group each, and the reduction adds the all-reduce
+    of the rank's gradient shard across the groups (outer group; for ZeRO-3 it is all the
+    reduction this returns: the per-block reduce-scatters are in the rank tables)."""
     zero, fwi = col["zero"], col["framework"]
     gbytes = np.array([ctx.grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
     dense, expert = r["dense"], r["expert"]
+    rep = col["rep"]
+    hybrid = (rep > 1) & ((zero == 1) | (zero == 3))
+    shard_gbytes = np.array([[ctx.grad_bytes(f, z) for z in range(4)] for f in range(len(FRAMEWORKS))],
+                            dtype=float)[fwi, zero][:, None]
+    inner, inner_e = (shard_ranks(col)[:, None].astype(float),
+                      np.maximum(shard_ranks(col) // col["ep"], 1)[:, None].astype(float))
+    shard = shard_gbytes * (dense / inner + expert / inner_e)
     engine = _PIPE_ENGINE[fwi] & (col["pp"] > 1)
     z12 = (zero == 1) | (zero == 2)
     # Per row, the op that reduces its gradients (ZeRO-1/2 reduce-scatter or all-reduce, ZeRO-0
     # all-reduce; none under ZeRO-3) and whether it gathers 16-bit weights (ZeRO-1/2).
     red_op = np.where(zero == 0, 1, np.where(z12, np.where(_ALLREDUCE[fwi], 1, 0), -1))
     key_of, layout_of = layout_keys(ctx, col)
-    dp = dp_ranks(col)
+    dp = shard_ranks(col)
     has_dp, has_edp = dp > 1, dp // col["ep"] > 1
     ops = len(DP_OPS)
     # [request x row] key numbers of ``key_of`` (-1: nothing to price): dense parameters over the DP
@@ -176,15 +189,17 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
         np.where(has_dp & z12, layout_of * 3 * ops + 3 * 2, -1),
         np.where(has_edp & z12, layout_of * 3 * ops + 3 * 2 + 1, -1),
         np.where(engine & (r["tied"] > 0).any(axis=1), layout_of * 3 * ops + 2, -1),  # ReduceTiedGrads, whatever dp
+        np.where(hybrid, layout_of * 3 * ops + 3 * 1 + 2, -1),  # the shards' all-reduce over the outer group
     ))
     # The FP8 parameters' all-gather moves 1 byte each (a dense model's: which of an MoE's are
     # expert weights the rank table does not say, so there it is priced at 2).
     gathered = 2 * dense - np.where(fp8_param_gather(ctx, col) & (expert == 0), r["low"], 0.0)
-    sizes = np.stack((gbytes * dense, gbytes * expert, gathered, 2 * expert, gbytes * r["tied"]))
-    t_red, e_red, t_gat, e_gat, tied = collective_times_numbered(ctx.cluster, key_of, which[..., None], sizes)
+    sizes = np.stack((gbytes * dense, gbytes * expert, gathered, 2 * expert, gbytes * r["tied"], shard))
+    t_red, e_red, t_gat, e_gat, tied, outer = collective_times_numbered(ctx.cluster, key_of, which[..., None], sizes)
     single = (dp == 1) & (col["ep"] == 1)  # nothing to reduce or gather
     reduce = np.where((~single & (red_op >= 0))[:, None],
                       np.where(has_edp[:, None], t_red + np.where(gbytes * expert > 0, e_red, 0.0), t_red), 0.0)
+    reduce = reduce + np.where(hybrid[:, None], outer, 0.0)
     gather = np.where((~single & z12)[:, None],
                       np.where(has_edp[:, None], t_gat + np.where(2 * expert > 0, e_gat, 0.0), t_gat), 0.0)
     return reduce, gather, tied
@@ -213,9 +228,14 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
         out[every] += (m[every] - 1.0) * np.maximum(0.0, reduce[every] - np.where(overlap[every], bwd[every], 0.0))
     dp = dp_ranks(col)
     z3 = (zero == 3) & ((dp > 1) | (col["ep"] > 1))
-    if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute, per micro-batch
-        g3, r3 = r["z3_gather"][z3], r["z3_reduce"][z3]
-        out[z3] = m[z3] * (np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 - bwd[z3]))
+    if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute, per micro-batch;
+        # hybrid sharding's all-reduce of the shards (``reduce``) rides on the last micro-batch's
+        # backward, or on every one's where the runtime runs it so (Traits)
+        g3, r3, b3, a3 = r["z3_gather"][z3], r["z3_reduce"][z3], bwd[z3], reduce[z3]
+        plain = np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 - b3)
+        last = np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 + a3 - b3)
+        every_mb = _HSDP_EVERY_MICROBATCH[fwi[z3]][:, None]
+        out[z3] = np.where(every_mb, m[z3] * last, (m[z3] - 1.0) * plain + last)
     alone = (dp == 1) & (col["ep"] == 1)
     out[alone] = tied[alone]
     return out
@@ -232,7 +252,7 @@ def optimizer_seconds(ctx: CostContext, col: dict[str, np.ndarray], dense: np.nd
     step is the larger of two terms proportional to them), so the mean rank's time bounds the
     slowest rank's (planner/search/bounds.py)."""
     sharded = (col["zero"] >= 1)[:, None]
-    ranks = dp_ranks(col)
+    ranks = shard_ranks(col)
     dp = ranks[:, None].astype(float)
     edp = np.maximum(ranks // col["ep"], 1)[:, None].astype(float)
     local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)

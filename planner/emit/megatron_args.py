@@ -316,11 +316,23 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
     elif plan.recompute == "full":
         args += [_a("--recompute-granularity", "full"), _a("--recompute-method", "uniform"),
                  _a("--recompute-num-layers", 1)]
-    if plan.framework != "megatron-deepspeed" and plan.zero_stage == 3:
+    if plan.framework != "megatron-deepspeed":  # Megatron-DeepSpeed hands ZeRO to DeepSpeed (--zero-stage below)
+        args += _sharding_args(plan)
+    args.append(_a("--log-interval", settings.steps_per_print))
+    if settings.checkpoint_every:
+        args.append(_a("--save-interval", settings.checkpoint_every))
+    return args
+
+
+def _sharding_args(plan: PlanFile) -> list[Arg]:
+    """How Megatron-LM shards the model states, as priced: Megatron-FSDP (ZeRO-3) or the distributed
+    optimizer (ZeRO-1), in ``dp_replicate`` instances over dp x cp / dp_replicate ranks each
+    (Megatron-FSDP's HSDP, outer group replicated: mcore_fsdp_adapter.py)."""
+    args: list[Arg] = []
+    if plan.zero_stage == 3:
         args += _fsdp_args()
-    elif plan.framework != "megatron-deepspeed" and plan.zero_stage >= 1:
-        # Megatron-LM's ZeRO-1 is the distributed optimizer (optimizer states sharded over DP);
-        # Megatron-DeepSpeed hands ZeRO to DeepSpeed instead (--zero-stage below).
+    elif plan.zero_stage >= 1:
+        # Megatron-LM's ZeRO-1 is the distributed optimizer (optimizer states sharded over DP).
         args += [_a("--use-distributed-optimizer"), _a("--overlap-grad-reduce"), _a("--overlap-param-gather")]
         if plan.offload != "none":
             # Megatron-Core's HybridDeviceOptimizer, all of the optimizer on the host: it rides on the
@@ -334,18 +346,15 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
             # master remainders by default where it holds the master weights (store_param_remainders).
             args += [_a("--use-precision-aware-optimizer"), _a("--exp-avg-dtype", "bf16"),
                      _a("--exp-avg-sq-dtype", "bf16")]
-    args.append(_a("--log-interval", settings.steps_per_print))
-    if settings.checkpoint_every:
-        args.append(_a("--save-interval", settings.checkpoint_every))
+    if plan.dp_replicate > 1 and plan.zero_stage in (1, 3):
+        args.append(_a("--num-distributed-optimizer-instances", plan.dp_replicate))
     return args
 
 
 def _fsdp_args() -> list[Arg]:
-    """Megatron-FSDP sharding weights, gradients and optimizer states (ZeRO-3), as priced:
-    gradients in the weights' dtype (the main-grads and grad-comm dtypes default to "auto"),
-    fp32 main weights; Megatron-LM asserts the fsdp_dtensor checkpoint format, and meta-device
-    initialisation builds each shard in place rather than the whole model on every GPU
-    (docs/user-guide/features/megatron_fsdp.md)."""
+    """Megatron-FSDP (ZeRO-3) as priced: gradients in the weights' dtype ("auto" main-grads and
+    grad-comm dtypes), fp32 main weights; the fsdp_dtensor checkpoint format Megatron-LM asserts,
+    and each shard built in place on the meta device (docs/user-guide/features/megatron_fsdp.md)."""
     return [_a("--use-megatron-fsdp"), _a("--data-parallel-sharding-strategy", "optim_grads_params"),
             _a("--ckpt-format", "fsdp_dtensor"), _a("--init-model-with-meta-device"),
             _a("--overlap-grad-reduce"), _a("--overlap-param-gather")]

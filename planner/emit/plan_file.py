@@ -47,6 +47,7 @@ class PlanFile(BaseModel):
     ep: PositiveInt = 1
     cp: PositiveInt = 1
     cp_comm: CpComm = "p2p"
+    dp_replicate: PositiveInt = 1  # hybrid-sharding groups (ParallelConfig.dp_replicate)
     zero_stage: Literal[0, 1, 2, 3] = 0
     offload: Offload = "none"
     micro_batch: PositiveInt
@@ -98,7 +99,7 @@ class PlanFile(BaseModel):
             dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero_stage=self.zero_stage, offload=self.offload,
             micro_batch=self.micro_batch, grad_accum=self.grad_accum, recompute=self.recompute,
             sequence_parallel=self.sequence_parallel, virtual_stages=self.virtual_stages, framework=self.framework,
-            cp=self.cp, cp_comm=self.cp_comm,
+            cp=self.cp, cp_comm=self.cp_comm, dp_replicate=self.dp_replicate,
         )
 
     def workload(self) -> Workload:

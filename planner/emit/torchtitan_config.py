@@ -51,9 +51,10 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
     work = "bf16" if plan.precision not in _PRECISION else plan.precision
     recipe = plan.precision if plan.precision in tt.RECIPES else None
     parallelism: dict[str, Any] = {
-        # FSDP2 over the DP group (--zero 3), or DDP replicas (--zero 0).
-        "data_parallel_replicate_degree": plan.dp if plan.zero_stage == 0 else 1,
-        "data_parallel_shard_degree": 1 if plan.zero_stage == 0 else plan.dp,
+        # FSDP2 over the DP group (--zero 3), HSDP with dp_replicate replicas of dp / dp_replicate
+        # shards (torchtitan folds CP into the shard mesh), or DDP replicas (--zero 0).
+        "data_parallel_replicate_degree": plan.dp if plan.zero_stage == 0 else plan.dp_replicate,
+        "data_parallel_shard_degree": 1 if plan.zero_stage == 0 else plan.dp // plan.dp_replicate,
         "fsdp_reshard_after_forward": "default",
         "tensor_parallel_degree": plan.tp,
         "disable_loss_parallel": False,

@@ -148,9 +148,13 @@ TRAINER_VIRTUAL_STAGES = 1
 TRAINER_TP_FRAMEWORK = "deepspeed"
 
 
-def trainer_refusal(framework: str, tp: int, pp: int, virtual_stages: int, is_moe: bool, cp: int = 1) -> str | None:
+def trainer_refusal(framework: str, tp: int, pp: int, virtual_stages: int, is_moe: bool, cp: int = 1,
+                    dp_replicate: int = 1) -> str | None:
     """Why the reference trainer cannot run a plan of this layout (a sentence naming plan.json's
     fields), or None when it can."""
+    if dp_replicate != 1:
+        return (f"plan.json: dp_replicate={dp_replicate}; the reference trainer shards over every DP rank "
+                f"(DeepSpeed's ZeRO), not in replicated groups; {_megatron_hint(framework)}")
     if cp != 1:
         return (f"plan.json: cp={cp}; the reference trainer has no context-parallel attention (Megatron-Core's or "
                 f"DeepSpeed Ulysses'); {_megatron_hint(framework)}")
@@ -173,7 +177,8 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
     The layout rules are ``trainer_refusal``'s; every rank checks this before it trains, and
     ``dsplan run`` before it starts any rank.
     """
-    refusal = trainer_refusal(plan.framework, plan.tp, plan.pp, plan.virtual_stages, is_moe, plan.cp)
+    refusal = trainer_refusal(plan.framework, plan.tp, plan.pp, plan.virtual_stages, is_moe, plan.cp,
+                              plan.dp_replicate)
     if refusal is not None:
         raise UserError(refusal)
     if plan.pp > 1 and not plan.stage_blocks:

@@ -13,7 +13,7 @@ import numpy as np
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.block_times import BlockTable, stacked, table_rows
-from planner.cost.candidates import dp_ranks, take
+from planner.cost.candidates import dp_ranks, shard_ranks, take
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
@@ -143,7 +143,7 @@ def _state_bytes(ctx: CostContext, c: dict[str, np.ndarray]) -> tuple[np.ndarray
     candidate of each setting; one lookup in the [setting x size] table hands out both values."""
     w = ctx.workload
     setting = (c["framework"] * 8 + c["zero"]) * 8 + c["offload"]
-    ranks = dp_ranks(c)
+    ranks = shard_ranks(c)
     size = np.concatenate((ranks, np.maximum(ranks // c["ep"], 1)))  # dense, then expert group sizes
     sizes = np.flatnonzero(np.bincount(size))  # the sizes present, ascending
     table, n = np.zeros((int(setting.max(initial=0)) + 1, len(sizes))), sizes.astype(float)

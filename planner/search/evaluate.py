@@ -43,13 +43,14 @@ class Pricing:
     ranks: RankTables
     kinds: BlockKinds
     cp: int = 1
+    rep: int = 1  # hybrid-sharding groups, one value per search as cp
 
     @classmethod
     def of(cls, model: ModelSpec, cluster: Cluster, workload: Workload, balancer: str = "optimal", cp: int = 1,
-           cp_comm: str = "p2p") -> "Pricing":
+           cp_comm: str = "p2p", rep: int = 1) -> "Pricing":
         ctx = CostContext.of(cluster, workload)
         return cls(model, ctx, BlockTables(model, cluster, workload, ctx.dev, cp, cp_comm),
-                   Splits(Units(model), balancer), RankTables(model, ctx), BlockKinds(model), cp)
+                   Splits(Units(model), balancer), RankTables(model, ctx), BlockKinds(model), cp, rep)
 
     def table(self, ks: KeyedSpace, key: Key) -> BlockTable:
         """The block table of ``key``'s group, covering the sizes its group's keys use."""
@@ -66,8 +67,8 @@ class Pricing:
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
                               sp=bool(key.sp), ep=key.ep, dp=key.dp * self.cp, framework=key.framework,
-                              layout=self.ctx.layout(key.tp, key.ep, key.dp * self.cp, key.pp), zero3=zero3,
-                              paid=self.paid(key))
+                              layout=self.ctx.layout(key.tp, key.ep, key.dp * self.cp, key.pp, self.rep),
+                              zero3=zero3, paid=self.paid(key), rep=self.rep)
 
 
 class Detail(NamedTuple):

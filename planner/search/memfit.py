@@ -53,7 +53,7 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
     c = ks.columns
     key = ks.key_of(i)
     tp, ep, b, mode, pp, vs, fwi = key.tp, key.ep, key.micro_batch, key.recompute, key.pp, key.vs, key.framework
-    dp = key.dp * p.cp  # the ranks ZeRO shards over (ParallelConfig.dp_ranks)
+    dp = key.dp * p.cp // p.rep  # the ranks ZeRO shards over (ParallelConfig.dp_shard)
     zero, off, m = int(c["zero"][i]), int(c["offload"][i]), int(c["grad_accum"][i])
     w = p.ctx.workload
     table = p.table(ks, key)
@@ -69,7 +69,7 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
     act = (grow * np.add.reduceat(per_block_act, starts)).tolist()
     rank = np.arange(pp)
     inflight = mem.inflight_array(rank, pp, vs, m, mem.microbatch_group(pp, m) if vs > 1 else pp).astype(float)
-    groups = sum(int(x > 1) for x in (tp, pp, key.dp, ep, p.cp))
+    groups = sum(int(x > 1) for x in (tp, pp, key.dp, ep, p.cp, p.rep))
     # The buffers at their largest (buckets no smaller than a stage), the pipeline's receive buffers.
     fixed = float(mem.buffer_bytes(np.array(fwi), np.array(zero), np.inf, groups,
                                    2.0 * float(table.pp_bytes.max()) * b))

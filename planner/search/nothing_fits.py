@@ -20,7 +20,8 @@ def describe(p: dict) -> str:
     vs = f" v{p['virtual_stages']}" if p.get("virtual_stages", 1) > 1 else ""
     off = f" offload-{p['offload']}" if p.get("offload", "none") != "none" else ""
     sp = " sp" if p.get("sequence_parallel") else ""
-    return (f"{p['framework']} dp{p['dp']} tp{p['tp']}{sp} pp{p['pp']}{vs}{extra} zero{p['zero_stage']}{off} "
+    rep = f"-hsdp{p['dp_replicate']}" if p.get("dp_replicate", 1) > 1 else ""
+    return (f"{p['framework']} dp{p['dp']} tp{p['tp']}{sp} pp{p['pp']}{vs}{extra} zero{p['zero_stage']}{rep}{off} "
             f"mb{p['micro_batch']}x{p['grad_accum']} recompute-{p['recompute']}")
 
 

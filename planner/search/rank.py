@@ -154,8 +154,8 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
-_CONFIG_KEYS = ("dp", "tp", "pp", "ep", "cp", "cp_comm", "zero_stage", "offload", "micro_batch", "grad_accum",
-                "recompute", "sequence_parallel", "virtual_stages", "framework")
+_CONFIG_KEYS = ("dp", "tp", "pp", "ep", "cp", "cp_comm", "zero_stage", "dp_replicate", "offload", "micro_batch",
+                "grad_accum", "recompute", "sequence_parallel", "virtual_stages", "framework")
 
 
 def _config_difference(a: dict, b: dict) -> str:

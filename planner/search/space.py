@@ -28,7 +28,15 @@ import numpy as np
 
 from planner.cost.candidates import COLUMNS, config_of
 from planner.cost.framework_rules import Coded, ConfigColumns
-from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, SEARCHED_BY_DEFAULT, ParallelConfig
+from planner.cost.parallel import (
+    CP_COMMS,
+    FRAMEWORKS,
+    OFFLOADS,
+    RECOMPUTES,
+    SEARCHED_BY_DEFAULT,
+    ParallelConfig,
+    replicates_evenly,
+)
 from planner.hardware.placement import splits_evenly
 
 # Interleaved chunks per pipeline rank tried when the user does not pin --virtual-stages: every
@@ -66,6 +74,7 @@ class Constraints:
     allow_tp_across_nodes: bool = False
     cp: tuple[int, ...] | None = None  # context-parallel degrees (search/context_splits.py)
     cp_comm: tuple[str, ...] | None = None
+    dp_replicate: tuple[int, ...] | None = None  # hybrid-sharding groups, each searched on its own [default: 1]
 
 
 @dataclass(frozen=True)
@@ -226,7 +235,7 @@ class _Verdicts:
 
 
 def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
-                      rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p") -> _Verdicts:
+                      rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p", rep: int = 1) -> _Verdicts:
     """Per pattern (given by a representative degree combination and its accumulation flag):
     the settings its framework runs, how many settings are structurally valid for it, and per
     broken rule the settings it refuses (how many, the first).
@@ -244,7 +253,7 @@ def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int
     cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=Coded(o, OFFLOADS),
                          micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
                          recompute=Coded(r, RECOMPUTES), sequence_parallel=sp == 1, virtual_stages=vs,
-                         framework=Coded(f, FRAMEWORKS), cp=cp, cp_comm=cp_comm)
+                         framework=Coded(f, FRAMEWORKS), cp=cp, cp_comm=cp_comm, dp_replicate=rep)
     broken = np.where(valid, rule(cols), -1)
     ok = valid & (broken < 0)
     ok_at = np.flatnonzero(ok)  # row i * k + j: pattern i, setting j
@@ -276,9 +285,10 @@ def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, li
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
                     cons: Constraints, framework_rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p",
-                    head_split: int = 1, nvlink_gpus: int | None = None) -> Space:
+                    head_split: int = 1, nvlink_gpus: int | None = None, rep: int = 1) -> Space:
     """Every candidate beside the context-parallel split (``cp``, ``cp_comm``; ``head_split``
-    as degree_combinations takes it), as columns; rejected counts by reason."""
+    as degree_combinations takes it) and the hybrid-sharding groups ``rep``, as columns;
+    rejected counts by reason (degrees ``rep`` groups do not split evenly are indivisible)."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons, cp, head_split,
                                                nvlink_gpus)
     settings = allowed_settings(cons)
@@ -291,6 +301,9 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     pattern_first: list[tuple[Degrees, int]] = []  # per pattern: its first block's degrees and micro-batch
     blocks: list[tuple[Degrees, list[int], int]] = []
     for deg in degrees:
+        if not replicates_evenly(deg.dp, cp, deg.ep, rep):
+            indivisible += 1
+            continue
         split = splits.get((deg.dp, deg.pp))
         if split is None:
             if deg.dp not in micro:
@@ -307,7 +320,7 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
                 reps.append((deg, flag))
                 pattern_first.append((deg, mbs[0]))
             blocks.append((deg, mbs, pattern_id))
-    verdicts = (_pattern_verdicts(reps, settings, framework_rule, cp, cp_comm) if reps
+    verdicts = (_pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep) if reps
                 else _Verdicts(np.zeros((5, 0), dtype=np.int64), [], []))
     pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
     # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
@@ -320,19 +333,27 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
         pattern_mbs[pattern_id] += len(mbs)
         if k:
             kept.append((deg, first, k, mbs))
-    refusals: dict[int, tuple[int, tuple[int, ...]]] = {}
-    for reasons, weight, (deg, b) in zip(verdicts.reasons, pattern_mbs, pattern_first):
-        for reason, (count, setting) in reasons.items():
-            seen, example = refusals.get(reason, (0, ()))
-            if not example:  # patterns are met in block order: the first example stands
-                example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b), cp,
-                           CP_COMMS.index(cp_comm))
-            refusals[reason] = (seen + count * weight, example)
+    refusals = _refusals(verdicts.reasons, pattern_mbs, pattern_first, global_batch, (cp, CP_COMMS.index(cp_comm), rep))
     columns = _layout(kept, verdicts.ok_rows, global_batch)
     n = len(columns["dp"])
     columns["cp"], columns["cp_comm"] = np.full(n, cp, dtype=np.int64), np.full(n, CP_COMMS.index(cp_comm),
                                                                                 dtype=np.int64)
+    columns["rep"] = np.full(n, rep, dtype=np.int64)
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected}, refusals)
+
+
+def _refusals(reasons_per_pattern: list, weights: list[int], firsts: list[tuple[Degrees, int]], global_batch: int,
+              tail: tuple[int, int, int]) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Candidates each framework reason refused, with the first refused candidate as an example
+    (its columns; ``tail``: the space's cp, cp_comm code and rep)."""
+    refusals: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for reasons, weight, (deg, b) in zip(reasons_per_pattern, weights, firsts):
+        for reason, (count, setting) in reasons.items():
+            seen, example = refusals.get(reason, (0, ()))
+            if not example:  # patterns are met in block order: the first example stands
+                example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b), *tail)
+            refusals[reason] = (seen + count * weight, example)
+    return refusals
 
 
 def _layout(blocks: list[tuple[Degrees, int, int, list[int]]], ok_rows: np.ndarray,

@@ -120,7 +120,8 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     ``precision``: one name, or several: each is searched as its own workload and the plans are
     ranked together (precision is a property of the workload, so of every block's cost). A recipe
     the GPU cannot run, or one no plan fits, is left out with a note; all of them: the first's error.
-    Each context-parallel split (search/context_splits.py) is searched on its own too, and ranked
+    Each context-parallel split (search/context_splits.py) and each count of hybrid-sharding groups
+    (``constraints.dp_replicate``) is searched on its own too, and ranked
     with the rest. ``options``: the keywords of ``_suggest_one``."""
     names = (precision,) if isinstance(precision, str) else tuple(dict.fromkeys(precision))
     if isinstance(model, str):
@@ -130,18 +131,20 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     cons = options.get("constraints") or Constraints()
     seq = options.get("seq_len") or model.train_seq_len
     gpus = _profile(hardware, options.get("gpus_per_node")).node.gpus * whole_number("nodes", nodes)
-    splits = context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
+    splits = [(cp, rep) for cp in context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
+              for rep in (cons.dp_replicate or (1,))]
     if len(names) == 1 and len(splits) == 1:
-        return _suggest_one(model, hardware, nodes, precision=names[0], cp=splits[0], **options)
+        return _suggest_one(model, hardware, nodes, precision=names[0], cp=splits[0][0], rep=splits[0][1],
+                            **options)
     profile = _profile(hardware, options.get("gpus_per_node"))
     results, left_out, first_error = [], [], None
     for name in names:
         recipe = RECIPES.get(split_precision(name)[1] or "")
         why = recipe and unsupported(recipe, profile.gpu.peak_TFLOPs, profile.gpu.name)  # type: ignore[arg-type]
         errors = [UserError(f"{arg('precision')} {name}: {why}")] if why else []
-        for split in ([] if why else splits):
+        for split, rep in ([] if why else splits):
             try:
-                results.append(_suggest_one(model, hardware, nodes, precision=name, cp=split,
+                results.append(_suggest_one(model, hardware, nodes, precision=name, cp=split, rep=rep,
                                             **_share(options, len(results) + len(errors), len(names) * len(splits))))
             except UserError as err:
                 errors.append(err)
@@ -191,8 +194,10 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             te_attention: bool = True, fp8_param_gather: bool = True, precision_aware_optimizer: bool = False,
             constraints: Constraints | None = None, balancer: str = "optimal",
             objective: str = "throughput", top: int = 5,
-            progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p")) -> SuggestResult:
-    """The search for one precision and one context-parallel split ``cp`` (``suggest``)."""
+            progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
+            rep: int = 1) -> SuggestResult:
+    """The search for one precision, one context-parallel split ``cp`` and one count of
+    hybrid-sharding groups ``rep`` (``suggest``)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     whole_number("nodes", nodes)
     whole_number("top", top)
@@ -229,8 +234,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
-    space = candidate_space(model, cluster, workload, cons, cp=cp)
-    result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress, cp)
+    space = candidate_space(model, cluster, workload, cons, cp=cp, rep=rep)
+    result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress, cp, rep)
     result.elapsed_s = time.perf_counter() - started
     result.cpu_s = time.process_time() - search_cpu_started
     result.setup_cpu_s = search_cpu_started - cpu_started
@@ -242,8 +247,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
 
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
-            top: int, inputs: dict, progress, cp: tuple[int, str] = (1, "p2p")) -> SuggestResult:
-    p = Pricing.of(model, cluster, workload, balancer, *cp)
+            top: int, inputs: dict, progress, cp: tuple[int, str] = (1, "p2p"), rep: int = 1) -> SuggestResult:
+    p = Pricing.of(model, cluster, workload, balancer, *cp, rep=rep)
     ks = group_by_key(space)
     out = search(p, ks, objective, top, progress)
     fitting = out.fitting(p)
