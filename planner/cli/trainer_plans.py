@@ -48,11 +48,11 @@ def trainer_pins(opts: dict[str, Any], is_moe: bool) -> list[str]:
                         f"attention; pin --cp 1, {_OTHER_ENTRY}")
     pin("cp", "1")
     rep = parse_int_list("--dp-replicate", opts.get("dp_replicate"))
-    if rep is not None and 1 not in rep:
-        raise UserError(f"--dp-replicate {opts['dp_replicate']}: the reference trainer (--entry builtin) shards over "
-                        f"every DP rank (DeepSpeed's ZeRO), not in replicated groups; pin --dp-replicate 1, "
-                        f"{_OTHER_ENTRY}")
     if rep is not None:  # unpinned, the search is at 1 already
+        if 1 not in rep:
+            raise UserError(f"--dp-replicate {opts['dp_replicate']}: the reference trainer (--entry builtin) shards "
+                            f"over every DP rank (DeepSpeed's ZeRO), not in replicated groups; pin --dp-replicate 1, "
+                            f"{_OTHER_ENTRY}")
         opts["dp_replicate"] = "1"
     tp = parse_int_list("--tp", opts.get("tp"))
     frameworks = parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS)

@@ -105,9 +105,9 @@ RULES: tuple[Rule, ...] = (
     # Hybrid sharding: Megatron-Core's --num-distributed-optimizer-instances (the distributed
     # optimizer, or Megatron-FSDP's HSDP: mcore_fsdp_adapter.py enable_hsdp) and torchtitan's
     # FSDP2 over a replicate x shard mesh. DeepSpeed's MiCS and hpZ are not planned.
-    Rule(None, lambda c, x: (c.dp_replicate > 1) & (
-        ((c.framework != "megatron") & (c.framework != "torchtitan")) | ((c.zero_stage != 1) & (c.zero_stage != 3))
-        | ((c.framework == "torchtitan") & (c.zero_stage != 3))),
+    Rule(None, lambda c, x: (c.dp_replicate > 1)
+         & ((c.framework != "megatron") | ((c.zero_stage != 1) & (c.zero_stage != 3)))
+         & ((c.framework != "torchtitan") | (c.zero_stage != 3)),
          lambda c, x: f"{arg('dp_replicate')} {c.dp_replicate} (hybrid sharding) runs on {arg('framework')} megatron "
                       f"with {arg('zero')} 1 or 3 (--num-distributed-optimizer-instances) or torchtitan with "
                       f"{arg('zero')} 3 (HSDP); not on framework {c.framework} with ZeRO-{c.zero_stage}: use one of "

@@ -214,9 +214,9 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
                 precision: str, moments: int, **dtypes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per candidate and rank ([candidate x rank] ``dense`` and ``expert`` parameters, the
     ``largest`` block's): weights, gradients, optimizer states and host bytes of the model
-    states. Dense parameters shard over dp (one hybrid-sharding group of it: candidates.shard_ranks),
-    routed experts over that / ep; with ZeRO-3 the
-    largest block is gathered whole (weights and gradients, 2 + 2 bytes per parameter) while
+    states. Dense parameters shard over dp x cp (one hybrid-sharding group of those ranks:
+    candidates.shard_ranks), routed experts over that / ep; with ZeRO-3 the largest block is
+    gathered whole (weights and gradients, 2 + 2 bytes per parameter) while
     it runs, as in DeepSpeed's estimator, twice over where the runtime prefetches the next
     block into a second buffer (Megatron-FSDP: live_blocks).
 

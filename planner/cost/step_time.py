@@ -165,20 +165,17 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
     zero, fwi = col["zero"], col["framework"]
     gbytes = np.array([ctx.grad_bytes(f) for f in range(len(FRAMEWORKS))], dtype=float)[fwi][:, None]
     dense, expert = r["dense"], r["expert"]
-    rep = col["rep"]
-    hybrid = (rep > 1) & ((zero == 1) | (zero == 3))
+    dp = shard_ranks(col)
+    hybrid = (col["rep"] > 1) & ((zero == 1) | (zero == 3))
     shard_gbytes = np.array([[ctx.grad_bytes(f, z) for z in range(4)] for f in range(len(FRAMEWORKS))],
                             dtype=float)[fwi, zero][:, None]
-    inner, inner_e = (shard_ranks(col)[:, None].astype(float),
-                      np.maximum(shard_ranks(col) // col["ep"], 1)[:, None].astype(float))
-    shard = shard_gbytes * (dense / inner + expert / inner_e)
+    shard = shard_gbytes * (dense / dp[:, None] + expert / np.maximum(dp // col["ep"], 1)[:, None])
     engine = _PIPE_ENGINE[fwi] & (col["pp"] > 1)
     z12 = (zero == 1) | (zero == 2)
     # Per row, the op that reduces its gradients (ZeRO-1/2 reduce-scatter or all-reduce, ZeRO-0
     # all-reduce; none under ZeRO-3) and whether it gathers 16-bit weights (ZeRO-1/2).
     red_op = np.where(zero == 0, 1, np.where(z12, np.where(_ALLREDUCE[fwi], 1, 0), -1))
     key_of, layout_of = layout_keys(ctx, col)
-    dp = shard_ranks(col)
     has_dp, has_edp = dp > 1, dp // col["ep"] > 1
     ops = len(DP_OPS)
     # [request x row] key numbers of ``key_of`` (-1: nothing to price): dense parameters over the DP

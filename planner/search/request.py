@@ -44,9 +44,8 @@ PINS = ("dp", "tp", "pp", "ep", "virtual_stages", "micro_batch", "zero", "offloa
 def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints,
                     explain: bool = True, cp: tuple[int, str] = (1, "p2p"), rep: int = 1) -> Space:
     """The candidate space beside one context-parallel split ``cp`` (degree, comm) and one count
-    of hybrid-sharding groups ``rep``; UserError
-    when it is empty, saying why (``explain``: and which single pin, dropped, would leave
-    candidates, which costs one enumeration per pin)."""
+    of hybrid-sharding groups ``rep``; UserError when it is empty, saying why (``explain``: and
+    which single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch
     run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
                          recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer)

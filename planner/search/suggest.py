@@ -120,9 +120,9 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     ``precision``: one name, or several: each is searched as its own workload and the plans are
     ranked together (precision is a property of the workload, so of every block's cost). A recipe
     the GPU cannot run, or one no plan fits, is left out with a note; all of them: the first's error.
-    Each context-parallel split (search/context_splits.py) and each count of hybrid-sharding groups
-    (``constraints.dp_replicate``) is searched on its own too, and ranked
-    with the rest. ``options``: the keywords of ``_suggest_one``."""
+    Each context-parallel split (search/context_splits.py) and each count of hybrid-sharding
+    groups (``constraints.dp_replicate``) is searched on its own too, and ranked with the rest.
+    ``options``: the keywords of ``_suggest_one``."""
     names = (precision,) if isinstance(precision, str) else tuple(dict.fromkeys(precision))
     if isinstance(model, str):
         from planner.model.catalog import load_model
