@@ -241,3 +241,81 @@ def test_malformed_and_non_object_files(tmp_path):
     bad.write_text(json.dumps([1, 2, 3]))
     with pytest.raises(UserError, match="expected a JSON object"):
         load_model(str(bad))
+
+
+# Qwen/Qwen3-8B config.json (transformers 4.51.0), the keys the importer reads.
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "max_position_embeddings": 40960, "tie_word_embeddings": False, "hidden_act": "silu",
+            "attention_bias": False, "rope_theta": 1000000, "rope_scaling": None, "rms_norm_eps": 1e-06,
+            "sliding_window": None, "use_sliding_window": False, "max_window_layers": 36}
+
+
+def test_qwen3_dense_has_qk_norm_and_the_published_total():
+    spec = spec_from_hf_config(QWEN3_8B, "qwen3-8b", "qwen3-8b.json")
+    attn = spec.decoder_blocks[0].attention
+    assert attn.qk_norm and not attn.qkv_bias and not attn.out_bias and attn.window is None
+    h, v, hd = 4096, 151936, 128
+    layer = h * (32 + 2 * 8) * hd + 32 * hd * h + 2 * hd + 3 * h * 12288 + 2 * h  # QK-norm: 2 x head_dim
+    assert spec.total_params() == 2 * v * h + 36 * layer + h == 8_190_735_360  # model card: 8.2B
+    assert spec.total_params() - 2 * v * h == 6_946_075_648  # model card: 6.95B non-embedding
+    assert spec.defaulted == ["train_seq_len"] and spec.positions.rope_theta == 1e6  # 40960 capped at 8192
+
+
+def test_qwen3_moe_and_gpt_oss_import_as_their_presets():
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b"):
+        doc = json.loads((Path(__file__).parents[1] / "planner/model/presets" / f"{name}.json").read_text())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # known model types: no guess, no warning
+            spec = spec_from_hf_config(doc["config"], name, f"{name}.json")
+        assert spec.blocks == load_model(name).blocks
+    moe = load_model("qwen3-30b-a3b").decoder_blocks[0].mlp
+    assert (moe.shared_experts, moe.shared_ffn, moe.router_bias, moe.expert_bias) == (0, 0, False, False)
+    oss = load_model("gpt-oss-120b").decoder_blocks
+    assert [d.attention.window for d in oss[:4]] == [128, None, 128, None]
+    assert all(d.attention.sinks and d.attention.qkv_bias and d.attention.out_bias for d in oss)
+    assert all(d.mlp.router_bias and d.mlp.expert_bias and not d.mlp.gate_bias for d in oss)
+
+
+def test_qwen3_moe_without_the_shared_expert_key_defaults_nothing():
+    """Qwen3-MoE has no shared expert (its config class has no such key): nothing is guessed."""
+    raw = json.loads((Path(__file__).parents[1] / "planner/model/presets/qwen3-30b-a3b.json").read_text())["config"]
+    assert "shared_expert_intermediate_size" not in raw
+    assert spec_from_hf_config(raw, "x", "x.json").defaulted == ["train_seq_len"]  # 40960 capped at 8192
+
+
+def test_gpt_oss_without_layer_types_slides_on_even_layers():
+    raw = json.loads((Path(__file__).parents[1] / "planner/model/presets/gpt-oss-120b.json").read_text())["config"]
+    raw = {k: v for k, v in raw.items() if k not in ("layer_types", "sliding_window", "attention_bias")}
+    spec = spec_from_hf_config(raw, "x", "x.json")
+    assert spec.blocks == load_model("gpt-oss-120b").blocks  # GptOssConfig's defaults
+    assert {"layer_types", "sliding_window"} <= set(spec.defaulted)
+
+
+def test_layer_types_windows_any_family():
+    raw = dict(QWEN3_8B, num_hidden_layers=4, sliding_window=4096,
+               layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    spec = spec_from_hf_config(raw, "x", "x.json")
+    assert [d.attention.window for d in spec.decoder_blocks] == [None, 4096, 4096, None]
+    assert spec.decoder_blocks[1] is spec.decoder_blocks[2]  # one object per distinct block
+    full = spec_from_hf_config(dict(raw, layer_types=["full_attention"] * 4), "x", "x.json")
+    assert all(d.attention.window is None for d in full.decoder_blocks)
+    assert spec_from_hf_config(dict(QWEN3_8B, sliding_window=4096), "x", "x.json").decoder_blocks[0].attention \
+        .window is None  # sliding_window alone is not read (Qwen's use_sliding_window is off)
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"layer_types": ["full_attention"] * 3}, ["layer_types", "3 entries for 36 layers"]),
+        ({"layer_types": ["linear_attention"] * 36}, ["layer_types", "'linear_attention'"]),
+        ({"layer_types": "sliding_attention"}, ["layer_types", "list of strings"]),
+        ({"layer_types": ["sliding_attention"] * 36}, ["sliding_window"]),  # null in Qwen3's config
+        ({"layer_types": ["sliding_attention"] * 36, "sliding_window": 0}, ["sliding_window", "positive"]),
+    ],
+)
+def test_bad_layer_types_name_the_field(changes, words):
+    with pytest.raises(UserError) as err:
+        spec_from_hf_config(dict(QWEN3_8B, **changes), "x", "/tmp/qwen3.json")
+    for word in words:
+        assert word in str(err.value), str(err.value)

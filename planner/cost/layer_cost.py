@@ -39,7 +39,9 @@ class AttnCore(NamedTuple):
     """Scores and attention-over-values: ``seqs`` sequences of ``seq`` query tokens, ``heads``
     per GPU, each query block attending to ``context`` blocks of ``seq`` keys (context
     parallelism: a rank's s/cp queries against the whole sequence, causally balanced so every
-    rank does 1/cp of the work)."""
+    rank does 1/cp of the work). A causal sliding ``window`` keeps ``window_share`` of that
+    work for a fused kernel (FlashAttention skips the key blocks outside the band; an unfused
+    one forms every score and masks, so its time reads ``seq`` and not the window)."""
 
     seqs: int  # independent sequences per sample (1 for text, the tiles for a ViT)
     seq: int
@@ -50,11 +52,24 @@ class AttnCore(NamedTuple):
     flash: bool
     dropout: bool
     context: int = 1
+    window: int | None = None  # causal sliding window: keys per query at most, itself included
+
+    @property
+    def window_share(self) -> float:
+        """The share of a causal attention's query-key pairs a sliding window of w keeps. Over
+        n positions query i sees min(i + 1, w) keys: w(w + 1)/2 + (n - w)w pairs for w < n,
+        against n(n + 1)/2 without a window (1.0 with none, or one as long as the sequence)."""
+        n, w = self.seq * self.context, self.window
+        if w is None or w >= n:
+            return 1.0
+        return (w * (w + 1) / 2 + (n - w) * w) / (n * (n + 1) / 2)
 
     @property
     def flops(self) -> float:
-        """Model FLOPs, full s^2 (the Megatron/Korthikanti convention, causal or not)."""
-        return 2.0 * self.seqs * self.seq**2 * self.context * self.heads * (self.qk_dim + self.v_dim)
+        """Model FLOPs, full s^2 (the Megatron/Korthikanti convention, causal or not), times
+        the share of the causal work a sliding window keeps."""
+        return (2.0 * self.seqs * self.seq**2 * self.context * self.heads * (self.qk_dim + self.v_dim)
+                * self.window_share)
 
 
 class LayerCost(NamedTuple):

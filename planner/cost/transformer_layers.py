@@ -38,16 +38,18 @@ def _attention_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
         qw, kvw = a.heads * a.head_dim, a.kv_heads * a.head_dim
         gemms = [Gemm(tokens, int((qw + 2 * kvw) / t), h)]
         shard_store = ACT * (qw + 2 * kvw)  # Q, K, V kept for the score and value products
-        repl_store, repl_params = 0.0, 0
+        shard_store += ACT * (qw + kvw) if a.qk_norm else 0  # the QK-norm inputs, for its backward
+        repl_store, repl_params = 0.0, a.qk_norm_params  # the head_dim norm scales: every rank
         shard_params = h * (qw + 2 * kvw) + ((qw + 2 * kvw) if a.qkv_bias else 0)
         qk, v = a.head_dim, a.head_dim
         out_in = qw
     gemms.append(Gemm(tokens, h, int(out_in / t)))
     gemms = [g._replace(low=ctx.recipe is not None) for g in gemms]
     shard_store += ctx.linear_input_bytes * out_in  # output-projection input
-    shard_params += out_in * h
+    shard_params += out_in * h + (a.heads if a.sinks else 0)  # a sink logit per head, split with the heads
     repl_params += h if a.out_bias else 0
-    core = AttnCore(1, tokens, heads, qk, v, causal=True, flash=ctx.flash, dropout=ctx.dropout, context=ctx.cp)
+    core = AttnCore(1, tokens, heads, qk, v, causal=True, flash=ctx.flash, dropout=ctx.dropout, context=ctx.cp,
+                    window=a.window)
     return gemms, core, repl_store, shard_store, repl_params, shard_params
 
 
@@ -136,6 +138,8 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
     mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count = _mlp_parts(b, s, ctx)
     if ctx.rope:  # fused RoPE reads and writes the rotary part of Q and K once
         m_traffic += 2 * ACT * _rope_width(b) / ctx.tp
+    if b.attention.qk_norm:  # QK-norm reads and writes every query and key head once
+        m_traffic += 2 * ACT * (b.attention.heads + b.attention.kv_heads) * b.attention.head_dim / ctx.tp
     if ctx.recipe is not None:  # quantize each low-precision GEMM's input, per token
         m_traffic += ctx.recipe.quantize_bytes_per_element() * sum(g.tokens * g.k * g.batch
                                                                     for g in ag + mg if g.low) / s

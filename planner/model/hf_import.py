@@ -5,8 +5,8 @@ spell out (norm kind, gated MLP, which linears have biases, tied head, learned p
 exactly as the transformers / vendor model classes hard-code them. The decoder shape itself
 always comes from the keys (aliases in ``hf_keys``), so one builder serves every family:
 MLA when the config has DeepSeek's latent ranks, MoE in the DeepSeek, Mixtral or Qwen-MoE
-layout when their expert keys are present. Every default applied is listed in
-``ModelSpec.defaulted``. Source of the rules: reference/models/README.md sec. 5.
+layout when their expert keys are present, sliding windows per ``layer_types``. Every
+default applied is listed in ``ModelSpec.defaulted``. Source of the rules: reference/models/README.md sec. 5.
 """
 
 from __future__ import annotations
@@ -72,6 +72,12 @@ class Family:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     rotary_percent: float = 1.0
+    attention_bias: bool = False  # the config class's attention_bias default (GptOssConfig: True)
+    qk_norm: bool = False  # Qwen3: RMSNorm of head_dim on queries and keys
+    sinks: bool = False  # gpt-oss: a learned softmax sink per head
+    moe_biases: bool = False  # gpt-oss: the router and every expert projection carry biases
+    sliding_window: int | None = None  # without layer_types: this window on even layers (gpt-oss)
+    shared_expert: bool = True  # a Qwen-MoE layout reads shared_expert_intermediate_size
 
 
 _DEEPSEEK = dict(deepseek=True)
@@ -82,6 +88,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2", qkv_bias=True),
     "qwen2_moe": Family("Qwen2-MoE", qkv_bias=True),
     "qwen2_vl": Family("Qwen2-VL", qkv_bias=True, vision="qwen2_vl", rope_theta=1e6),
+    "qwen3": Family("Qwen3", qk_norm=True),
+    "qwen3_moe": Family("Qwen3-MoE", qk_norm=True, shared_expert=False),
+    # GptOssConfig: attention biases, sinks, biased router and experts, 128-token windows on even layers.
+    "gpt_oss": Family("gpt-oss", rope_theta=150000.0, norm_eps=1e-5, attention_bias=True, sinks=True,
+                      moe_biases=True, sliding_window=128),
     "deepseek_v2": Family("DeepSeek-V2", **_DEEPSEEK),
     "deepseek_v3": Family("DeepSeek-V3", **_DEEPSEEK),
     "deepseek_vl_v2": Family("DeepSeek-VL2", vision="deepseek_vl2", **_DEEPSEEK),
@@ -288,12 +299,40 @@ def _attention(lm: ConfigReader, family: Family, hidden: int) -> Attention:
     if heads % kv_heads:
         lm.fail(lm.find(K.KV_HEADS) or K.KV_HEADS[0],
                 f"({kv_heads}) must divide the number of attention heads ({heads})")
-    bias = lm.get_bool("attention_bias", False) if lm.has("attention_bias") else False
+    bias = lm.get_bool("attention_bias", family.attention_bias) if lm.has("attention_bias") else family.attention_bias
     return Attention(kind="mha" if kv_heads == heads else "gqa", heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     qkv_bias=family.qkv_bias or family.linear_bias or bias, out_bias=family.linear_bias or bias)
+                     qkv_bias=family.qkv_bias or family.linear_bias or bias, out_bias=family.linear_bias or bias,
+                     qk_norm=family.qk_norm, sinks=family.sinks)
+
+
+def _windows(lm: ConfigReader, family: Family, layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: full), from transformers' ``layer_types`` and
+    ``sliding_window``; without layer_types gpt-oss slides on even layers (GptOssConfig), and
+    other families' ``sliding_window`` alone is not read (Qwen2's use_sliding_window is off)."""
+    types = lm.str_list("layer_types")
+    if types is None and family.sliding_window:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        lm.defaulted.append(lm.path("layer_types"))
+    if types is not None and len(types) != layers:
+        lm.fail("layer_types", f"has {len(types)} entries for {layers} layers")
+    unknown = sorted(set(types or ()) - {"full_attention", "sliding_attention"})
+    if unknown:
+        lm.fail("layer_types", f"names {unknown[0]!r}: dsplan models full_attention and sliding_attention only")
+    if not types or "sliding_attention" not in types:
+        return [None] * layers
+    window = lm.get_int("sliding_window", family.sliding_window or K.REQUIRED)
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def _decoders(lm: ConfigReader, family: Family, hidden: int, layers: int) -> list[DecoderBlock]:
+    """The decoder blocks, each with its layer's attention window (one object per distinct block)."""
+    blocks, windows = _mlp_layers(lm, family, hidden, layers), _windows(lm, family, layers)
+    copies: dict[tuple[int, int], DecoderBlock] = {}
+    return [b if w is None else copies.setdefault((id(b), w), b.model_copy(update={
+        "attention": b.attention.model_copy(update={"window": w})})) for b, w in zip(blocks, windows)]
+
+
+def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> list[DecoderBlock]:
     """One dense and (if any) one MoE block, repeated per the family's layer rule."""
     attn = _attention(lm, family, hidden)
     act = _activation(lm, family)
@@ -315,16 +354,19 @@ def _decoders(lm: ConfigReader, family: Family, hidden: int, layers: int) -> lis
         return [moe_block if (i >= first_dense and i % freq == 0) else dense_block for i in range(layers)]
     if lm.config.get("num_local_experts"):  # Mixtral: every layer, expert width = intermediate_size
         routed = lm.get_int("num_local_experts")
-        block = moe(MoEMLP(routed_experts=routed, top_k=_top_k(lm, routed, 2), expert_ffn=lm.get_int(K.FFN), act=act))
+        block = moe(MoEMLP(routed_experts=routed, top_k=_top_k(lm, routed, 2), expert_ffn=lm.get_int(K.FFN), act=act,
+                           router_bias=family.moe_biases, expert_bias=family.moe_biases))
         return [block] * layers
     if lm.config.get("num_experts"):  # Qwen-MoE
         routed = lm.get_int("num_experts")
+        # Qwen3-MoE has no shared expert (its config class has no such key); Qwen2-MoE one
+        shared = lm.get_int("shared_expert_intermediate_size", 0, minimum=0) if family.shared_expert else 0
         mlp = MoEMLP(
             routed_experts=routed,
             top_k=_top_k(lm, routed),
             expert_ffn=lm.get_int("moe_intermediate_size"),
-            shared_experts=1 if lm.config.get("shared_expert_intermediate_size") else 0,
-            shared_ffn=lm.get_int("shared_expert_intermediate_size", 0, minimum=0),
+            shared_experts=1 if shared else 0,
+            shared_ffn=shared,
             act=act,
         )  # the shared expert's 1-wide sigmoid gate (hidden params per layer) is left out
         step = lm.get_int("decoder_sparse_step", 1)

@@ -45,7 +45,7 @@ BOUNDED_AS: dict[str, str] = {
     **dict.fromkeys(VOCAB, "vocab"),
     **dict.fromkeys(("n_routed_experts", "num_local_experts", "num_experts", "n_shared_experts",
                      "num_experts_per_tok"), "experts"),
-    **dict.fromkeys(MAX_SEQ, "positions"),
+    **dict.fromkeys(MAX_SEQ + ("sliding_window",), "positions"),
 }
 
 
@@ -211,6 +211,15 @@ class ConfigReader:
         if not isinstance(value, str):
             self.fail(key, f"must be a string, got {_kind(value)}")
         return value
+
+    def str_list(self, key: str) -> list[str] | None:
+        """A list of strings (None when the key is absent or null)."""
+        value = self.config.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            self.fail(key, f"must be a list of strings, got {_kind(value)}")
+        return list(value)
 
     def int_list(self, key: str) -> list[int]:
         value = self.config.get(key) or []

@@ -1,6 +1,7 @@
 """The parts of a transformer layer: attention (MHA / GQA / MLA) and the MLP (dense or
 mixture-of-experts), with their parameter counts (reference/models/README.md: SwiGLU = 3
-matrices, MLA including its latent norms, the MoE gate plus the ``noaux_tc`` bias)."""
+matrices, MLA including its latent norms, the MoE gate plus the ``noaux_tc`` bias, Qwen3's
+QK-norm, gpt-oss's attention sinks and expert and router biases)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,13 @@ class Attention(Frozen):
     qkv_bias: bool = False
     out_bias: bool = False
     mla: MLA | None = None
+    # Qwen3 (Qwen3Attention q_norm / k_norm): an RMSNorm of head_dim on every query and key head.
+    qk_norm: bool = False
+    # gpt-oss (GptOssAttention.sinks): a learned logit per head that joins each softmax denominator.
+    sinks: bool = False
+    # Causal sliding window: each query attends to at most this many keys, itself included
+    # (gpt-oss: 128 on every other layer); None attends to the whole causal prefix.
+    window: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "Attention":
@@ -74,11 +82,21 @@ class Attention(Frozen):
             kv_a = hidden * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # + latent norm
             kv_b = m.kv_lora_rank * self.heads * (m.qk_nope_head_dim + m.v_head_dim)
             out = linear_params(self.heads * m.v_head_dim, hidden, self.out_bias)
-            return q + kv_a + kv_b + out
+            return q + kv_a + kv_b + out + self.extra_params
         q_width = self.heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
         qkv = hidden * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if self.qkv_bias else 0)
-        return qkv + linear_params(q_width, hidden, self.out_bias)
+        return qkv + linear_params(q_width, hidden, self.out_bias) + self.extra_params
+
+    @property
+    def qk_norm_params(self) -> int:
+        """The q and k norm scales (one head_dim vector each, shared by every head)."""
+        return 2 * self.head_dim if self.qk_norm else 0
+
+    @property
+    def extra_params(self) -> int:
+        """Weights beside the projections: QK-norm scales and one sink logit per head."""
+        return self.qk_norm_params + (self.heads if self.sinks else 0)
 
     @property
     def v_width(self) -> int:
@@ -116,6 +134,10 @@ class MoEMLP(Frozen):
     shared_ffn: int = Field(0, ge=0)  # total width of the shared experts (n_shared * expert_ffn)
     gate_bias: bool = False  # noaux_tc's e_score_correction_bias
     act: Activation = "swiglu"
+    # gpt-oss (GptOssTopKRouter.bias): a learned bias on the router logits, one per expert.
+    router_bias: bool = False
+    # gpt-oss (GptOssExperts gate_up_proj_bias, down_proj_bias): each expert's projections carry biases.
+    expert_bias: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "MoEMLP":
@@ -124,11 +146,13 @@ class MoEMLP(Frozen):
         return self
 
     def expert_params(self, hidden: int) -> int:
-        per = 3 if self.act == "swiglu" else 2
-        return per * hidden * self.expert_ffn
+        gated = self.act == "swiglu"
+        bias = ((2 if gated else 1) * self.expert_ffn + hidden) if self.expert_bias else 0
+        return (3 if gated else 2) * hidden * self.expert_ffn + bias
 
     def gate_params(self, hidden: int) -> int:
-        return hidden * self.routed_experts + (self.routed_experts if self.gate_bias else 0)
+        biases = int(self.gate_bias) + int(self.router_bias)  # one entry per expert each
+        return (hidden + biases) * self.routed_experts
 
     def shared_params(self, hidden: int) -> int:
         per = 3 if self.act == "swiglu" else 2

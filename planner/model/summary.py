@@ -24,10 +24,11 @@ _VISION_KINDS = ("vision_embed", "vision", "projector")
 
 
 def block_label(block: Any, in_vision: bool = False) -> str:
-    """A short human name: 'decoder (MoE, MLA)', 'norm (vision)', 'lm_head (tied)'."""
+    """A short human name: 'decoder (MoE, MLA)', 'decoder (MoE, GQA, window 128)', 'lm_head (tied)'."""
     if isinstance(block, DecoderBlock):
         mlp = "MoE" if isinstance(block.mlp, MoEMLP) else "dense"
-        return f"decoder ({mlp}, {block.attention.kind.upper()})"
+        window = f", window {block.attention.window}" if block.attention.window else ""
+        return f"decoder ({mlp}, {block.attention.kind.upper()}{window})"
     if isinstance(block, NormBlock):
         return "norm (vision)" if in_vision else "norm"
     if isinstance(block, LMHeadBlock):

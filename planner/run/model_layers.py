@@ -9,6 +9,10 @@ shape of contract:
 ``aux`` is a float tensor derived from the activations (so it always has a gradient path,
 which the pipeline's backward needs) and accumulates the MoE load-balancing losses.
 
+What the reference trainer runs in place of a spec's rarer parts: an attention ``window`` as
+full causal attention (more attention work than the model does), and no softmax sinks or
+router bias (gpt-oss: a logit per head and a bias per expert, 6,912 weights in all).
+
 Linear names follow the Hugging Face Llama layout (``self_attn.q_proj`` ... ``o_proj``,
 ``mlp.gate_proj/up_proj/down_proj``, ``lm_head``) because DeepSpeed AutoTP picks column and
 row parallel layers by those names; attention infers its local head count from the (possibly
@@ -76,11 +80,13 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, attn.kv_heads * attn.head_dim, bias=attn.qkv_bias)
         self.o_proj = nn.Linear(attn.heads * attn.head_dim, hidden,
                                 bias=attn.out_bias if out_bias is None else out_bias)
+        self.q_norm = RMSNorm(attn.head_dim) if attn.qk_norm else nn.Identity()  # Qwen3's QK-norm
+        self.k_norm = RMSNorm(attn.head_dim) if attn.qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -149,7 +155,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        self.experts = MoE(hidden_size=hidden, expert=FeedForward(hidden, mlp.expert_ffn, mlp.act),
+        self.experts = MoE(hidden_size=hidden, expert=FeedForward(hidden, mlp.expert_ffn, mlp.act, mlp.expert_bias),
                            num_experts=mlp.routed_experts, ep_size=ep_size, k=mlp.top_k,
                            capacity_factor=2.0, eval_capacity_factor=2.0, min_capacity=4)
         self.shared_experts = FeedForward(hidden, mlp.shared_ffn, mlp.act) if mlp.shared_ffn else None
