@@ -200,6 +200,7 @@ def test_topo_shows_the_domain():
     assert "NVLink domain" in run.output and "72 GPUs" in run.output
     data = json.loads(CliRunner().invoke(main, ["topo", "--hardware", "gb200-nvl72", "--nodes", "20", "--json"]).output)
     assert (data["nvlink_domain_nodes"], data["nvlink_domain_gpus"], data["nvlink_domains"]) == (18, 72, 2)
+    assert data["segment_nodes"] == 10 and "--segment=10" in run.output
     plain = CliRunner().invoke(main, ["topo", "--hardware", "dgx-b200", "--nodes", "2"])
     assert plain.exit_code == 0 and "NVLink domain" not in plain.output
 
@@ -215,3 +216,33 @@ def test_tp_across_trays_of_a_rack_is_emitted_with_the_overlap_it_was_priced_wit
                                   "64", "--entry", str(script), "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "--tp-comm-overlap" in (out / "megatron_args.sh").read_text()
+
+
+def test_a_job_takes_the_same_trays_from_each_domain():
+    """As NVIDIA's Megatron-Bridge launcher asks Slurm (--segment: the largest count of trays up
+    to a rack's 18 that divides the job's), so 64 trays are 4 domains of 16 and an EP group of 64
+    GPUs stays on NVLink; up to one rack the job is one domain."""
+    nvl = load_profile("gb200-nvl72")
+    assert [nvl.for_job(n).node.nvlink_domain_nodes for n in (8, 18, 20, 36, 64, 19)] == [18, 18, 10, 18, 16, 1]
+    assert load_profile("dgx-h100").for_job(64) == load_profile("dgx-h100")
+    c = api.load_cluster("gb200-nvl72", 64)
+    assert (c.domain_gpus, c.summary()["nvlink_domains"]) == (64, 4)
+    assert strided_shape(c, 1, 64, "ep").nodes_spanned == 1
+    assert strided_shape(Cluster(nvl, 18), 1, 64, "ep").nodes_spanned == 1
+
+
+def test_the_slurm_script_asks_for_the_segment_it_was_priced_with(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["generate", "--model", "llama-3-8b", "--hardware", "gb200-nvl72", "--nodes", "64",
+                                  "--framework", "megatron", "--tp", "1", "--pp", "1", "--global-batch", "256",
+                                  "--entry", str(script), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "#SBATCH --segment=16" in (out / "slurm.sbatch").read_text()
+    plain = tmp_path / "plain"
+    r = CliRunner().invoke(main, ["generate", "--model", "llama-3-8b", "--hardware", "dgx-h100", "--nodes", "2",
+                                  "--framework", "megatron", "--tp", "1", "--pp", "1", "--global-batch", "64",
+                                  "--entry", str(script), "--out", str(plain)])
+    assert r.exit_code == 0, r.output
+    assert "--segment" not in (plain / "slurm.sbatch").read_text()

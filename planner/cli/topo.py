@@ -86,11 +86,11 @@ def _print_summary(cluster) -> None:
     table.add_row("intra-node", f"{s['intra_node_fabric']}, {s['intra_bw_per_gpu_GBps']:g} GB/s per GPU per direction"
                   + (", NVLS" if s["nvls"] else ""))
     if s["nvlink_domain_nodes"] > 1:
-        left = cluster.nodes % s["nvlink_domain_nodes"]
-        last = f", the last of {left} nodes" if left and s["nvlink_domains"] > 1 else ""
+        seg = s["segment_nodes"]
+        taken = (f"the job takes {seg} nodes of each of {s['nvlink_domains']} (Slurm --segment={seg})"
+                 if s["nvlink_domains"] > 1 else "the job fits in one")
         table.add_row("NVLink domain", f"{s['nvlink_domain_nodes']} nodes ({s['nvlink_domain_gpus']} GPUs) on one "
-                      f"NVLink switch fabric; {s['nvlink_domains']} domain(s){last}; groups inside one are priced "
-                      "on NVLink")
+                      f"NVLink switch fabric; {taken}; groups inside one are priced on NVLink")
     table.add_row("links by type", ", ".join(f"{k}: {v}" for k, v in sorted(s["links_by_type"].items())))
     table.add_row("NICs", f"{s['nics_per_node']} x {s['nic_GBps']:g} GB/s per node; "
                           f"{s['nic_bw_per_gpu_GBps']:g} GB/s per GPU")

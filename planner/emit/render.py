@@ -310,6 +310,7 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
         "plan": plan,
         "model": model,
         "profile": profile,
+        "job_profile": profile.for_job(plan.nodes),
         "settings": settings,
         "plan_title": plan_title(plan, model),
         "run_name": run_name(out_dir),

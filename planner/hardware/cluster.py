@@ -71,13 +71,15 @@ class Cluster:
     """``nodes`` identical machines of one profile. Hashable by (profile, nodes)."""
 
     def __init__(self, profile: HardwareProfile, nodes: int) -> None:
+        self.rack_nodes = profile.node.nvlink_domain_nodes  # the physical domain; the job's may be fewer
+        profile = profile.for_job(nodes)
         self.profile = profile
         self.nodes = nodes
         self.gpus_per_node = profile.node.gpus
         self.num_gpus = nodes * self.gpus_per_node
         # The collective model's "node": the NVLink domain (nodes sharing an NVLink switch
-        # fabric, the last one partial when the nodes do not fill it); one node where the
-        # profile has no multi-node domain.
+        # fabric, as many of each as the job takes: HardwareProfile.for_job); one node where
+        # the profile has no multi-node domain.
         self.domain_nodes = profile.node.nvlink_domain_nodes
         self.domain_gpus = profile.nvlink_domain_gpus
         self.fat_tree = fat_tree(profile, nodes)
@@ -213,8 +215,9 @@ class Cluster:
             "intra_node_fabric": p.node.intra.kind,
             "intra_bw_per_gpu_GBps": p.node.intra.bw_GBps,
             "nvls": self.nvls,
-            "nvlink_domain_nodes": self.domain_nodes,
-            "nvlink_domain_gpus": self.domain_gpus,
+            "nvlink_domain_nodes": self.rack_nodes,
+            "nvlink_domain_gpus": self.rack_nodes * self.gpus_per_node,
+            "segment_nodes": self.domain_nodes,
             "nvlink_domains": -(-self.nodes // self.domain_nodes),
             "nics_per_node": p.node.nics.count,
             "nic_GBps": self.nic_bw / 1e9,

@@ -153,6 +153,18 @@ class HardwareProfile(_Strict):
     def gpus_per_node(self) -> int:
         return self.node.gpus
 
+    def for_job(self, nodes: int) -> "HardwareProfile":
+        """This profile as a job of ``nodes`` sees it: on a multi-node NVLink domain larger than one
+        rack's worth of nodes, the job takes the same number of trays from each domain, the largest
+        that divides ``nodes`` (a rack at most). NVIDIA's Megatron-Bridge launcher asks Slurm for
+        exactly that (``--segment``, scripts/performance/utils/executors.py), and ``generate``'s
+        SLURM script asks for it too, so no process group straddles a partial domain."""
+        domain = self.node.nvlink_domain_nodes
+        if nodes <= domain:
+            return self
+        segment = next(d for d in range(domain, 0, -1) if nodes % d == 0)
+        return self.model_copy(update={"node": self.node.model_copy(update={"nvlink_domain_nodes": segment})})
+
     @property
     def nvlink_domain_gpus(self) -> int:
         """GPUs that reach each other over NVLink: the node's, times the nodes of its domain."""
