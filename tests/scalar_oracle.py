@@ -137,14 +137,16 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
               recompute: str, pp_send_divisor: int, last_block: int,
               boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
               transfers: int = 1, meta_bytes: float = 0.0, overlap_tp: int = 0,
-              attn_dev: eff.Device | None = None) -> MicroBatchTime:
+              attn_dev: eff.Device | None = None, ep_share: float = 0.0) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
     boundary (pipeline_sends.pp_boundary_gathers), counted with the pipeline's communication.
     ``crossing``: whether the hop to the next rank and the one from the previous leave the
     node (placement.pipeline_hops). ``transfers``: transfers per neighbour and micro-batch on
     each side of a boundary (pipeline_sends.pp_transfers), each preceded by a ``meta_bytes``
-    transfer where the runtime sends one (pipeline_sends.pp_meta_bytes)."""
+    transfer where the runtime sends one (pipeline_sends.pp_meta_bytes). ``ep_share``: the share
+    of the rank's passes whose all-to-alls hide under another micro-batch's compute (as TE runs
+    it) where Megatron's EP overlap applies (0: none)."""
     f = bw = rc = tp = ep = pp = cp = 0.0
     cp_dev = dataclasses.replace(dev, flash=None)
     send, recv = comms.hop(crossing[0]), comms.hop(crossing[1])
@@ -157,7 +159,11 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
             bw += backward_time(c, b, dev, attn_dev)
             rc += recompute_time(c, b, dev, recompute, attn_dev)
             tp += tp_time(c, b, comms, recompute, overlap_tp, dev)
-            ep += ep_time(c, b, comms, recompute)
+            e = ep_time(c, b, comms, recompute)
+            if ep_share and recompute != "full":
+                hidden = min(e, forward_time(c, b, dev, cp_dev) + backward_time(c, b, dev, cp_dev))
+                e -= ep_share * hidden
+            ep += e
             cp += cp_time(c, b, comms, recompute, cp_dev)
         # Each chunk boundary costs one transfer per micro-batch on each side: the activation
         # sent forward after the chunk (unless it ends the model) and the gradient sent back
@@ -298,7 +304,8 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
                and 1 < cfg.tp <= cluster.gpus_per_node)
     attn_dev = dataclasses.replace(dev, flash=None) if workload.te_attention and traits.te_attention else dev
     times = [rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
-                       (crosses[r], crosses[r - 1]), transfers, meta, cfg.tp if overlap else 0, attn_dev)
+                       (crosses[r], crosses[r - 1]), transfers, meta, cfg.tp if overlap else 0, attn_dev,
+                       _ep_share(cfg, workload, r))
              for r, ch in enumerate(chunks)]
     worst, bubble = pipeline(times, m, cfg.virtual_stages)
     tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)
@@ -334,6 +341,20 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
                 host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB),
                 model_flops_per_step=model_flops(model, workload),
                 peak_flops=dev.peak_flops)
+
+
+def _ep_share(cfg: ParallelConfig, workload: Workload, rank: int) -> float:
+    """The share of rank ``rank``'s passes Megatron's combined 1F1B merges: 0 off Megatron, without
+    EP, or in a pipeline without virtual stages; (m - 1)/m without a pipeline; in an interleaved one,
+    all but 2(pp - rank - 1) + (v - 1)pp warm-up passes of m x v."""
+    if not (workload.ep_comm_overlap and cfg.framework == "megatron" and cfg.ep > 1):
+        return 0.0
+    m, v, pp = cfg.grad_accum, cfg.virtual_stages, cfg.pp
+    if pp == 1:
+        return (m - 1) / m
+    if v == 1:
+        return 0.0
+    return max(0.0, 1 - min(2 * (pp - rank - 1) + (v - 1) * pp, m * v) / (m * v))
 
 
 def model_flops(model: ModelSpec, workload: Workload) -> float:
@@ -384,6 +405,8 @@ def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: fl
     stored = sum(c.act[cfg.recompute] for c in blocks) * b
     live = max((c.act_live for c in blocks if c.checkpointed), default=0.0) * b if cfg.recompute == "full" else 0.0
     inflight = inflight_microbatches(r, cfg.pp, cfg.virtual_stages, cfg.grad_accum)
+    if cfg.pp == 1 and cfg.recompute != "full" and _ep_share(cfg, w, r) > 0:
+        inflight = 2.0  # the next forward runs before this backward frees its activations
     acts = activation_bytes(stored, live, inflight)
     groups = sum(1 for d in (cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.cp) if d > 1)
     pp_buffer = 2 * max(c.pp_bytes for c in blocks) * b if cfg.pp > 1 else 0.0

@@ -87,9 +87,10 @@ def test_moe_all_to_all_is_dispatch_and_combine_in_each_pass(recompute: str, all
     Bytes each GPU sends per all-to-all (dropless, balanced): its s*b tokens x k copies x h
     bf16 values = 4096 * 1 * 2 * 4096 * 2 = 67,108,864 B (nccl-tests' send-buffer size; the
     1/ep that stays local is in the collective model's (n-1)/n).
-    ep_comm = micro-batches x MoE layers x all-to-alls x t_alltoall(64 MiB over 8 GPUs)."""
+    ep_comm = micro-batches x MoE layers x all-to-alls x t_alltoall(64 MiB over 8 GPUs), with the
+    overlap off (tests/test_ep_overlap.py prices it on)."""
     s, b, k, h, layers, m = 4096, 1, 2, 4096, 32, 2
-    w = Workload(global_batch=8 * b * m, seq_len=s)
+    w = Workload(global_batch=8 * b * m, seq_len=s, ep_comm_overlap=False)
     cfg = ParallelConfig(dp=8, ep=8, zero_stage=1, framework="megatron", micro_batch=b, grad_accum=m,
                          recompute=recompute)
     per_a2a = s * b * k * h * 2

@@ -31,7 +31,7 @@ def printed_command(output: str) -> str:
 
 
 CASES = [
-    ("--model", "vl2", "--nodes", "2", "--pp", "1,2", "--top", "3"),
+    ("--model", "vl2", "--nodes", "2", "--pp", "1,2", "--no-ep-comm-overlap", "--top", "3"),
     ("--model", "llama-3.1-8b", "--nodes", "1", "--tp", "1,2", "--recompute", "none,full", "--no-sequence-parallel",
      "--global-batch", "64", "--seq-len", "2048", "--balancer", "greedy", "--objective", "cost", "--top", "2"),
     ("--model", "gpt3-350m", "--nodes", "1", "--gpus-per-node", "4", "--dropout", "--no-flash-attention",

@@ -47,6 +47,10 @@ def trainer_pins(opts: dict[str, Any], is_moe: bool) -> list[str]:
         raise UserError(f"--cp {opts['cp']}: the reference trainer (--entry builtin) has no context-parallel "
                         f"attention; pin --cp 1, {_OTHER_ENTRY}")
     pin("cp", "1")
+    if opts.get("ep_comm_overlap"):
+        raise UserError("--ep-comm-overlap: the reference trainer (--entry builtin) runs DeepSpeed MoE, without "
+                        f"Megatron-Core's expert all-to-all overlap; drop it, {_OTHER_ENTRY}")
+    opts["ep_comm_overlap"] = False  # priced as the trainer runs its all-to-alls: exposed
     rep = parse_int_list("--dp-replicate", opts.get("dp_replicate"))
     if rep is not None:  # unpinned, the search is at 1 already
         if 1 not in rep:

@@ -17,7 +17,12 @@ from planner.cost import memory as mem
 from planner.cost import step_time as st
 from planner.cost.candidates import shard_ranks
 from planner.cost.context import CostContext
+from planner.cost.frameworks import traits
+from planner.cost.paid import ep_overlapped
+from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
 from planner.cost.precision import RECIPES
+
+_EP_OVERLAP = np.array([traits(f).ep_comm_overlap for f in FRAMEWORKS])
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
                                                w.optimizer_moments, **w.state_dtypes)
     if w.recipe is not None:
         weights = weights + _recipe_weights(ctx, col, r)
-    inflight = _inflight(col, pp)
+    inflight = _inflight(ctx, col, pp)
     acts = mem.activation_bytes(r["stored"], r["live"], inflight)
     buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],
                                mem.process_groups(col)[:, None], r["ppbuf"])
@@ -94,10 +99,15 @@ def _recipe_weights(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, n
     return np.where((col["zero"] == 3)[:, None], sharded, whole)
 
 
-def _inflight(col: dict[str, np.ndarray], pp: int) -> np.ndarray:
-    """Micro-batches of activations each rank holds at its peak (memory.inflight_array)."""
+def _inflight(ctx: CostContext, col: dict[str, np.ndarray], pp: int) -> np.ndarray:
+    """Micro-batches of activations each rank holds at its peak (memory.inflight_array). Without a
+    pipeline, one; two where the expert all-to-alls overlap (paid.ep_overlapped), since the next
+    micro-batch's forward runs before this one's backward has freed its activations."""
+    merged = (ep_overlapped(_EP_OVERLAP[col["framework"]], col["ep"], col["pp"], col["vs"],
+                            ctx.workload.ep_comm_overlap)
+              & (col["grad_accum"] > 1) & (col["recompute"] != RECOMPUTES.index("full")))
     if pp == 1:
-        return np.ones((len(col["pp"]), 1))
+        return np.where(merged, 2.0, 1.0)[:, None]
     found = st.depths(col["pp"], pp)
     depth = pp if len(found) == 1 else col["pp"][:, None]
     rank = np.arange(pp)[None, :].astype(float)
@@ -105,5 +115,5 @@ def _inflight(col: dict[str, np.ndarray], pp: int) -> np.ndarray:
                                   col["grad_accum"][:, None].astype(float),
                                   mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None])
     if 1 in found:
-        inflight = np.where(col["pp"][:, None] == 1, 1.0, inflight)
+        inflight = np.where(col["pp"][:, None] == 1, np.where(merged, 2.0, 1.0)[:, None], inflight)
     return inflight

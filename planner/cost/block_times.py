@@ -13,8 +13,8 @@ planner/cost/efficiency.py's kernels and the collective model at every micro-bat
   selective recomputation (Korthikanti et al. 2022 Sec 4.1) the attention core (scores,
   softmax, dropout, values);
 - TP collectives forward and backward (again for a recomputed forward), EP all-to-alls
-  (2 per pass, 3 when recomputed), nothing of them overlapped: Megatron's TP all-reduces sit
-  between dependent GEMMs, DeepSpeed MoE's all-to-alls too.
+  (2 per pass, 3 when recomputed), exposed as they are and as a runtime that overlaps them
+  leaves them (``overlapped_tp``, ``overlapped_ep``); a plan's ``Paid`` picks one.
 
 ``estimate`` builds one table for its configuration's group and micro-batch; the search
 builds one per group over every micro-batch size it tries (``BlockTables`` keeps them).
@@ -53,6 +53,7 @@ class BlockTable:
     te_b: np.ndarray
     te_rc: np.ndarray
     ep: np.ndarray  # [mode, b, block]
+    ep_ov: np.ndarray  # [mode, b, block]: EP seconds left exposed in a merged micro-batch pair (overlapped_ep)
     cp: np.ndarray  # [mode, b, block]: exposed context-parallel attention traffic (context_parallel.py)
     params: np.ndarray  # params_rank per block
     expert: np.ndarray  # expert_params_rank per block
@@ -71,7 +72,8 @@ class BlockTable:
         """Seconds of one micro-batch per block: what the balancer balances, as a runtime pays
         them (``paid``: TP overlapped, TE's attention)."""
         tp = (self.tp_ov if paid.overlap else self.tp)[mode, bi]
-        out = self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + self.ep[mode, bi] + self.cp[mode, bi]
+        ep = (self.ep_ov if paid.ep_overlap else self.ep)[mode, bi]
+        out = self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + ep + self.cp[mode, bi]
         return out - (self.te_f[bi] + self.te_b[bi] + self.te_rc[mode, bi]) if paid.te else out
 
 
@@ -196,7 +198,8 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     sizes = np.array([tp_shape.size for _, tp_shape, _ in groups], dtype=float)
     fields = {
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t,
-        "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes), **te,
+        "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes), "ep_ov": overlapped_ep(ep, fwd - te["te_f"], bwd - te["te_b"]),
+        **te,
         "params": per_block([c.params_rank for c in costs]),
         "expert": per_block([c.expert_params_rank for c in costs]),
         "low": per_block([c.low_params for c in costs]),
@@ -220,6 +223,18 @@ def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: n
     passes[:, RECOMPUTES.index("full"), 0] += ckpt
     chunk = tp / tp_size[:, None, None, None]
     return np.where(tp > 0, np.maximum(tp - passes * gemm[:, None], chunk), 0.0)
+
+
+def overlapped_ep(ep: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """[group, mode, b, block] EP seconds left exposed when Megatron-Core's combined 1F1B runs the
+    forward of one micro-batch beside the backward of another, layer by layer, each one's
+    all-to-alls on a second stream under the other's compute (frameworks.Traits.ep_comm_overlap,
+    ``--overlap-moe-expert-parallel-comm``): a layer pair takes max(compute, all-to-alls), so
+    what passes the block's forward and backward seconds (attention as TE runs it) stays exposed.
+    Megatron refuses it under full recomputation (transformer_config.py): that mode keeps all."""
+    out = np.maximum(ep - (fwd + bwd)[:, None], 0.0)
+    out[:, RECOMPUTES.index("full")] = ep[:, RECOMPUTES.index("full")]
+    return out
 
 
 def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarray, dev: eff.Device,

@@ -49,8 +49,8 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
                           framework=FRAMEWORKS.index(cfg.framework),
                           layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.dp_replicate),
                           zero3=cfg.zero_stage == 3, send=pp_send,
-                          paid=paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp),
-                          rep=cfg.dp_replicate)
+                          paid=paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp,
+                                    cfg.virtual_stages), rep=cfg.dp_replicate, m=cfg.grad_accum)
     (ranks,) = RankTables(model, ctx).tables([spec])
     asm = assemble(ctx, columns_of([cfg]), rank_fields(ranks[None]), cfg.pp)
     return build_plan(model, ctx, cfg, parts, ranks, asm, 0, tables.runs.flops_per_step(), BlockKinds(model))

@@ -107,6 +107,11 @@ class Traits:
     # others run FlashAttention-2 (flash-attn, PyTorch SDPA), which on Hopper levels off at
     # gpu.flash_attention_efficiency (efficiency.flash_efficiency).
     te_attention: bool = False
+    # Expert all-to-alls overlapped with another micro-batch's compute: Megatron-Core's combined
+    # 1F1B (``--overlap-moe-expert-parallel-comm --delay-wgrad-compute``) runs one micro-batch's
+    # forward beside another's backward, layer by layer, each one's dispatch and combine on a
+    # second stream (block_times.overlapped_ep). DeepSpeed MoE has no such schedule.
+    ep_comm_overlap: bool = False
     # Blocks a ZeRO-3 / FSDP rank holds gathered whole: DeepSpeed's estimator counts the largest
     # layer once (estimate_zero3_model_states_mem_needs); Megatron-FSDP all-gathers the next FSDP
     # unit while one computes and reduce-scatters the last one's gradients while the next
@@ -125,7 +130,7 @@ TRAITS = {
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
-                       zero3_live_blocks=2),
+                       ep_comm_overlap=True, zero3_live_blocks=2),
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
     # one computes (two live); a stage sends (s/t, b, h); attention is SDPA, not TE; no async TP.
     "torchtitan": Traits("torchtitan", True, "sequence_parallel", True, False, zero3_live_blocks=2,

@@ -1,11 +1,13 @@
 """How a plan's runtime pays its blocks: what Megatron-Core with Transformer Engine does that the
-other runtimes do not (frameworks.Traits.tp_comm_overlap, Traits.te_attention), as the workload
-allows (Workload.tp_comm_overlap, Workload.te_attention). Block tables price both ways; a rank
+other runtimes do not (frameworks.Traits.tp_comm_overlap, .te_attention, .ep_comm_overlap), as the
+workload allows (Workload.tp_comm_overlap, .te_attention, .ep_comm_overlap). Block tables price both ways; a rank
 table, a pipeline split and a bound pick the way of their plan."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from planner.cost.frameworks import traits
 
@@ -20,17 +22,45 @@ def tp_overlapped(framework: str, sp: bool, tp: int, tp_in_node: bool, allowed: 
     return allowed and traits(framework).tp_comm_overlap and sp and tp > 1 and tp_in_node
 
 
+def ep_overlapped(can: "bool | np.ndarray", ep, pp, vs, allowed: bool):
+    """Whether plans' expert all-to-alls overlap the other micro-batch's compute (scalars or
+    arrays): the runtime can (Traits.ep_comm_overlap), the workload allows it, there is expert
+    parallelism, and a pipeline is interleaved (Megatron-Core asserts virtual stages when
+    pp > 1, transformer_config.py). Full recomputation, which Megatron refuses with it, is
+    priced without it (block_times.overlapped_ep)."""
+    return allowed & can & (ep > 1) & ((pp == 1) | (vs > 1))
+
+
+def runs_ep_overlap(framework: str, ep: int, pp: int, vs: int, recompute: str, allowed: bool) -> bool:
+    """Whether a plan's run directory turns the expert all-to-all overlap on: where it was priced
+    (``ep_overlapped``) and Megatron accepts it (no full recomputation)."""
+    return bool(ep_overlapped(traits(framework).ep_comm_overlap, ep, pp, vs, allowed)) and recompute != "full"
+
+
+def merged_share(rank: np.ndarray, pp: np.ndarray, vs: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The share of a pipeline rank's passes that Megatron-Core's combined 1F1B runs merged (a
+    forward beside a backward, so their all-to-alls overlap): without a pipeline all but the
+    first forward and the last backward, (m - 1) / m; in an interleaved pipeline all but the
+    warm-up forwards and their cool-down backwards, (pp - rank - 1) x 2 + (vs - 1) x pp of the
+    rank's m x vs chunk passes (schedules.py, forward_backward_pipelining_with_interleaving)."""
+    warm = np.where(pp == 1, 1.0, np.minimum((pp - rank - 1) * 2 + (vs - 1) * pp, m * vs))
+    return np.maximum(1.0 - warm / (m * vs), 0.0)
+
+
 class Paid(NamedTuple):
-    """How a plan's runtime pays its blocks: TP overlapped with the GEMMs, TE's attention."""
+    """How a plan's runtime pays its blocks: TP overlapped with the GEMMs, TE's attention, the
+    expert all-to-alls overlapped with the other micro-batch."""
 
     overlap: bool = False
     te: bool = False
+    ep_overlap: bool = False
 
 
-def paid(ctx: "CostContext", framework: str, sp: bool, tp: int, ep: int, dp: int, pp: int) -> Paid:
+def paid(ctx: "CostContext", framework: str, sp: bool, tp: int, ep: int, dp: int, pp: int, vs: int = 1) -> Paid:
     """What ``framework`` does with the blocks of a plan of these degrees on ``ctx``'s cluster, as
-    its workload allows (Workload.tp_comm_overlap, Workload.te_attention)."""
+    its workload allows (Workload.tp_comm_overlap, .te_attention, .ep_comm_overlap)."""
     w = ctx.workload
     in_node = ctx.layout(tp, ep, dp, pp).tp.nodes_spanned == 1
     return Paid(tp_overlapped(framework, sp, tp, in_node, w.tp_comm_overlap),
-                w.te_attention and traits(framework).te_attention)
+                w.te_attention and traits(framework).te_attention,
+                bool(ep_overlapped(traits(framework).ep_comm_overlap, ep, pp, vs, w.ep_comm_overlap)))

@@ -67,6 +67,10 @@ class Workload(BaseModel):
     # Megatron-Core's attention through Transformer Engine (frameworks.Traits.te_attention); False
     # prices FlashAttention-2 for it too (a stack without TE).
     te_attention: bool = True
+    # Expert all-to-alls overlapped with the other micro-batch's compute where the runtime can
+    # (frameworks.Traits.ep_comm_overlap: Megatron-Core's --overlap-moe-expert-parallel-comm, as
+    # NVIDIA's MoE recipes run); False prices them exposed.
+    ep_comm_overlap: bool = True
     # Weights kept and all-gathered in the recipe's FP8 format where the runtime can (Megatron-Core's
     # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
     # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.

@@ -113,7 +113,7 @@ class Plan:
             "optimizer": w.optimizer, "images_per_sample": w.images_per_sample, "tiles_per_image": w.tiles_per_image,
             "flash_attention": w.flash_attention, "dropout": w.dropout, "tp_comm_overlap": w.tp_comm_overlap,
             "te_attention": w.te_attention, "fp8_param_gather": w.fp8_param_gather,
-            "precision_aware_optimizer": w.precision_aware_optimizer,
+            "precision_aware_optimizer": w.precision_aware_optimizer, "ep_comm_overlap": w.ep_comm_overlap,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,
             "reason": self.why_not(),

@@ -39,7 +39,7 @@ from planner.cost.block_times import BlockTable
 from planner.cost.collectives import collective_time_array, collective_times_keyed
 from planner.cost.context import CostContext
 from planner.cost.layout import Layout
-from planner.cost.paid import Paid
+from planner.cost.paid import Paid, merged_share
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
 from planner.cost.precision import gathers_fp8_params
 from planner.hardware.placement import GroupShape
@@ -63,9 +63,10 @@ TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp", "cp")]  # Mi
 # that run in a precision recipe's format (their quantized copies are cached for the step),
 # "tp_ov" the TP seconds left exposed where the runtime overlaps them (the "tp" row of a spec
 # with ``overlap``), "te_*" what TE's attention saves of fwd, bwd and rc (a spec with ``te``),
-# "cp" the exposed context-parallel attention traffic.
+# "cp" the exposed context-parallel attention traffic, "ep_ov" the EP seconds left exposed where a
+# spec's ``ep_overlap`` merges micro-batches (``merged_share``).
 PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov", "te_f", "te_b", "te_rc",
-                 "cp")
+                 "cp", "ep_ov")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -112,23 +113,25 @@ class RankSpec(NamedTuple):
     overlap: bool = False  # TP collectives overlapped with the GEMMs (frameworks.Traits.tp_comm_overlap)
     te: bool = False  # attention through Transformer Engine (frameworks.Traits.te_attention)
     rep: int = 1  # hybrid-sharding groups of the dp ranks (ParallelConfig.dp_replicate)
+    ep_overlap: bool = False  # expert all-to-alls overlapped with another micro-batch (Traits.ep_comm_overlap)
+    m: int = 1  # micro-batches per step (how many of a rank's passes the overlap merges: merged_share)
 
     @classmethod
     def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
               ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None,
-              paid: Paid = Paid(), rep: int = 1) -> "RankSpec":
+              paid: Paid = Paid(), rep: int = 1, m: int = 1) -> "RankSpec":
         """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``) and
         how it pays its blocks (``paid``: frameworks.paid)."""
         traits = fw.traits(FRAMEWORKS[framework])
         send = send or traits.pp_send
         return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, ps.pp_send_divisor(send, tp, sp), layout,
                    ps.pp_boundary_gathers(send, tp), ps.pp_transfers(traits), ps.pp_meta_bytes(send, tp), zero3,
-                   paid.overlap, paid.te, rep)
+                   paid.overlap, paid.te, rep, paid.ep_overlap, m if paid.ep_overlap else 1)
 
     def base_key(self) -> tuple:
         """What the rows but the ZeRO-3 ones depend on (not dp or the framework beyond its sends)."""
         return (id(self.table), tuple(self.parts), self.mode, self.b, self.pp, self.vs, self.tp, self.send_div,
-                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap, self.te)
+                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap, self.te, self.ep_overlap, self.m)
 
 
 class _Chunks:
@@ -137,7 +140,7 @@ class _Chunks:
 
     # Per-spec numbers, repeated per chunk (``chunk``) and per rank (``rank``).
     VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy", "overlap",
-              "te")
+              "te", "ep_overlap", "vs", "m")
 
     def __init__(self, specs: list[RankSpec], nblocks: int, tied_size: float) -> None:
         self.specs = specs
@@ -151,7 +154,7 @@ class _Chunks:
         counts, pps, prefix, base = np.array([(len(s.parts), s.pp, prefixes[id(s.table), s.mode, s.b][0],
                                                tables[id(s.table)][0] * stride) for s in specs]).T
         values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, RECOMPUTES[s.mode] == "full", s.pp,
-                            tied_size / s.tp, s.overlap, s.te) for s in specs], dtype=float).T
+                            tied_size / s.tp, s.overlap, s.te, s.ep_overlap, s.vs, s.m) for s in specs], dtype=float).T
         self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
         self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
         self.counts, self.pps = counts, pps
@@ -295,7 +298,8 @@ class RankTables:
             series = np.stack([row for (_, mode, bi), s in todo for row in (
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
                 s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi],
-                s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi], s.table.cp[mode, bi])])
+                s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi], s.table.cp[mode, bi],
+                s.table.ep_ov[mode, bi])])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -322,6 +326,9 @@ class RankTables:
         out[ROW["low"]] = sums[_CHUNK["low"]]
         out[ROW["cp"]] = sums[_CHUNK["cp"]]
         out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]], sums[_CHUNK["tp"]])
+        rank = np.arange(ch.width) - np.repeat(ch.rank_start[:-1], ch.pps)
+        share = np.where(ch.rank["ep_overlap"] > 0, merged_share(rank, ch.rank["pp"], ch.rank["vs"], ch.rank["m"]), 0)
+        out[ROW["ep"]] = sums[_CHUNK["ep"]] - share * (sums[_CHUNK["ep"]] - sums[_CHUNK["ep_ov"]])
         te = ch.rank["te"] > 0
         for row, saved in (("fwd", "te_f"), ("bwd", "te_b"), ("rc", "te_rc")):  # what TE's attention saves
             out[ROW[row]] -= np.where(te, sums[_CHUNK[saved]], 0.0)

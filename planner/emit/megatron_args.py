@@ -10,30 +10,14 @@ one against it.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
-
 from planner.cost.memory import group_to_set
 from planner.cost.precision import RECIPES, gathers_fp8_params
-from planner.emit.ds_config import TrainSettings, moe_layer_indices
+from planner.emit.ds_config import TrainSettings
+from planner.emit.megatron_flag import Arg, _a
+from planner.emit.megatron_moe import moe_args
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.model.spec import DecoderBlock, DenseMLP, EmbeddingBlock, LMHeadBlock, ModelSpec, MoEMLP
-
-
-class Arg(BaseModel):
-    """One flag and its value; ``raw`` values are shell expressions (e.g. "$RUN_DIR/ds_config.json")."""
-
-    model_config = ConfigDict(frozen=True)
-
-    flag: str
-    value: str | None = None
-    raw: bool = False
-
-
-def _a(flag: str, value: object = None, raw: bool = False) -> Arg:
-    if isinstance(value, float):
-        value = format(value, ".6g")
-    return Arg(flag=flag, value=None if value is None else str(value), raw=raw)
 
 
 def bigscience_fork(model: ModelSpec, plan: PlanFile) -> bool:
@@ -241,27 +225,6 @@ def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     return [_a("--pipeline-model-parallel-layout", "|".join(stages)), *group]
 
 
-def _moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
-    moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
-    if moe is None or plan.framework == "megatron-deepspeed":
-        return []
-    layers = moe_layer_indices(model)
-    pattern = "[" + ",".join("1" if i in set(layers) else "0" for i in range(model.num_layers)) + "]"
-    args = [
-        _a("--num-experts", moe.routed_experts),
-        _a("--moe-router-topk", moe.top_k),
-        _a("--moe-ffn-hidden-size", moe.expert_ffn),
-        _a("--expert-model-parallel-size", plan.ep),
-        _a("--moe-layer-freq", pattern),
-        _a("--moe-token-dispatcher-type", "alltoall"),
-        _a("--moe-router-load-balancing-type", "aux_loss"),
-        _a("--moe-aux-loss-coeff", "0.001"),
-    ]
-    if moe.shared_ffn:
-        args.append(_a("--moe-shared-expert-intermediate-size", moe.shared_ffn))
-    return args
-
-
 def _context_args(plan: PlanFile) -> list[Arg]:
     """Context parallelism as the plan was priced (cost/context_parallel.py): Megatron-Core's
     --context-parallel-size and --cp-comm-type, the hierarchical split a2a+p2p needs (a2a over
@@ -371,7 +334,7 @@ def megatron_lm_args(model: ModelSpec, plan: PlanFile, settings: TrainSettings |
     """
     settings = settings or TrainSettings()
     return (_training_args(plan, settings, bigscience_fork(model, plan), nvlink_gpus) + _pipeline_args(model, plan)
-            + _model_args(model, plan) + _moe_args(model, plan))
+            + _model_args(model, plan) + moe_args(model, plan))
 
 
 def megatron_deepspeed_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

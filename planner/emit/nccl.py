@@ -12,6 +12,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict
 
+from planner.cost.paid import runs_ep_overlap
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.hardware.profile import HardwareProfile
@@ -81,6 +82,9 @@ def nccl_env(
         # Megatron-LM asserts Megatron-FSDP runs with more than one queue (arguments.py), so its
         # prefetched all-gathers and reduce-scatters run beside compute; 32 is CUDA's most.
         add("CUDA_DEVICE_MAX_CONNECTIONS", "32", "Megatron-FSDP overlaps its collectives on several hardware queues")
+    elif runs_ep_overlap(plan.framework, plan.ep, plan.pp, plan.virtual_stages, plan.recompute, plan.ep_comm_overlap):
+        # the combined 1F1B's all-to-alls run on their own stream beside the other micro-batch's compute
+        add("CUDA_DEVICE_MAX_CONNECTIONS", "32", "Megatron's expert all-to-all overlap runs on its own hardware queue")
     elif plan.framework != "deepspeed" and (plan.tp > 1 or plan.cp > 1):
         # Megatron-LM orders TP / CP communication and compute on one stream queue; it asserts this.
         add("CUDA_DEVICE_MAX_CONNECTIONS", "1", "Megatron tensor/context parallel overlap needs one hardware queue")

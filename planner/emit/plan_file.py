@@ -62,6 +62,7 @@ class PlanFile(BaseModel):
     te_attention: bool = True  # Megatron-Core's attention through Transformer Engine (Workload)
     fp8_param_gather: bool = True  # weights kept and all-gathered in FP8 where the recipe allows (Workload)
     precision_aware_optimizer: bool = False  # Megatron-Core's bf16-moment Adam (Workload)
+    ep_comm_overlap: bool = True  # expert all-to-alls overlapped with another micro-batch where the runtime can
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -108,6 +109,7 @@ class PlanFile(BaseModel):
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
             fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
+            ep_comm_overlap=self.ep_comm_overlap,
         )
 
     @property

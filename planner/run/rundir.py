@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.atomic import write_bytes_atomically
+from planner.cost.paid import runs_ep_overlap
 from planner.emit.plan_file import PlanFile, plan_from_dict
 from planner.errors import UserError
 from planner.model.spec import ModelSpec
@@ -181,6 +182,10 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
                               plan.dp_replicate)
     if refusal is not None:
         raise UserError(refusal)
+    if runs_ep_overlap(plan.framework, plan.ep, plan.pp, plan.virtual_stages, plan.recompute, plan.ep_comm_overlap):
+        raise UserError("plan.json: ep_comm_overlap is true, so the plan was priced with Megatron-Core's expert "
+                        "all-to-all overlap, which the reference trainer (DeepSpeed MoE) does not run; plan it again "
+                        f"with --no-ep-comm-overlap; {_megatron_hint(plan.framework)}")
     if plan.pp > 1 and not plan.stage_blocks:
         raise UserError("plan.json: stage_blocks is required when pp > 1 (the planner's partition)")
     tp_cfg = int(ds_config.get("tensor_parallel", {}).get("autotp_size", 1) or 1)

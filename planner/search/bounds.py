@@ -106,10 +106,11 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
         sel = np.flatnonzero(np.isin(run_of, rs)) if len(rs) < len(tables) else slice(None)
         lr, mode = local[run_of[sel]], k[sel, 4]
         bi = np.searchsorted(np.array(sizes), k[sel, 3])
-        # Every block as the runtime that pays least for it (TP overlapped: tp_ov <= tp; TE's
-        # attention saving te_*), so the bound holds for every framework of the key.
+        # Every block as the runtime that pays least for it (TP overlapped: tp_ov <= tp; EP
+        # overlapped: ep_ov <= ep; TE's attention saving te_*), so the bound holds for every
+        # framework of the key.
         fb = stacked(ts, "fwd") + stacked(ts, "bwd") - stacked(ts, "te_f") - stacked(ts, "te_b")  # [table, b, block]
-        rc, tpt, ept, cpt = (stacked(ts, f) for f in ("rc", "tp_ov", "ep", "cp"))  # [table, mode, b, block]
+        rc, tpt, ept, cpt = (stacked(ts, f) for f in ("rc", "tp_ov", "ep_ov", "cp"))  # [table, mode, b, block]
         rc = rc - stacked(ts, "te_rc")
         ept = ept + cpt
         rest = rc + tpt + ept

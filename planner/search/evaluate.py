@@ -62,13 +62,15 @@ class Pricing:
     def paid(self, key: Key) -> Paid:
         """How ``key``'s runtime pays its blocks (TP overlapped, TE's attention): its rank tables
         and its split both use it."""
-        return paid(self.ctx, FRAMEWORKS[key.framework], bool(key.sp), key.tp, key.ep, key.dp * self.cp, key.pp)
+        return paid(self.ctx, FRAMEWORKS[key.framework], bool(key.sp), key.tp, key.ep, key.dp * self.cp, key.pp,
+                    key.vs)
 
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
                               sp=bool(key.sp), ep=key.ep, dp=key.dp * self.cp, framework=key.framework,
                               layout=self.ctx.layout(key.tp, key.ep, key.dp * self.cp, key.pp, self.rep),
-                              zero3=zero3, paid=self.paid(key), rep=self.rep)
+                              zero3=zero3, paid=self.paid(key), rep=self.rep,
+                              m=self.ctx.workload.global_batch // (key.micro_batch * key.dp))
 
 
 class Detail(NamedTuple):
