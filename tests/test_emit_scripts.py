@@ -52,6 +52,13 @@ MEGATRON_LM_FLAGS = {
     "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-grouped-gemm",
     "--moe-router-load-balancing-type", "--moe-router-topk", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
     "--moe-router-score-function", "--moe-expert-capacity-factor",
+    # The router (TransformerConfig.moe_router_*) and attention variants (qk_layernorm, softmax_type,
+    # window_size, window_attn_skip_freq), the all-to-all overlap (overlap_moe_expert_parallel_comm,
+    # delay_wgrad_compute); tests/test_megatron_parser.py runs Megatron's own parser on them.
+    "--moe-router-pre-softmax", "--moe-router-num-groups", "--moe-router-group-topk",
+    "--moe-router-topk-scaling-factor", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+    "--qk-layernorm", "--softmax-type", "--window-size", "--window-attn-skip-freq",
+    "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
     "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
     "--norm-epsilon", "--rotary-percent", "--use-rope-scaling", "--rope-scaling-factor", "--mrope-section",
     "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",

@@ -63,6 +63,8 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
             # grouped-query attention, norms and RoPE its own way; its parser refuses Megatron-LM's.
             args += ([_a("--num-key-value-heads", attn.kv_heads)] if mds else
                      [_a("--group-query-attention"), _a("--num-query-groups", attn.kv_heads)])
+    if not mds:
+        args += _attention_variant_args(model)
     act = (dense or moe).act if (dense or moe) else "swiglu"
     if act == "swiglu":
         args.append(_a("--swiglu"))
@@ -79,6 +81,27 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         args.append(_a("--disable-bias-linear"))
         if attn.qkv_bias:
             args.append(_a("--add-qkv-bias"))
+    return args
+
+
+def _attention_variant_args(model: ModelSpec) -> list[Arg]:
+    """Qwen3's QK-norm, gpt-oss's learned softmax sinks and its sliding window on alternate layers
+    (TransformerConfig qk_layernorm, softmax_type, window_size, window_attn_skip_freq: every
+    second layer skips the window, layer 0 keeps it, as gpt-oss's layer_types)."""
+    attn = [b.attention for b in model.decoder_blocks]
+    args = [_a("--qk-layernorm")] if any(a.qk_norm for a in attn) else []
+    if any(a.sinks for a in attn):
+        args.append(_a("--softmax-type", "learnable"))
+    windows = {a.window for a in attn} - {None}
+    if windows:
+        (w,) = windows  # a window of w keys, the query included: w - 1 to the left, none to the right
+        windowed = [a.window is not None for a in attn]
+        if windowed != [i % 2 == 0 for i in range(len(attn))] and not all(windowed):
+            raise UserError(f"{model.name}: sliding windows on layers other than every other one have no "
+                            "Megatron-LM flag (--window-attn-skip-freq); plan it with --framework torchtitan")
+        args.append(_a("--window-size", f"{w - 1},0"))
+        if not all(windowed):
+            args.append(_a("--window-attn-skip-freq", 2))
     return args
 
 

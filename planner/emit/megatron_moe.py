@@ -23,11 +23,29 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         _a("--expert-model-parallel-size", plan.ep),
         _a("--moe-layer-freq", pattern),
         _a("--moe-token-dispatcher-type", "alltoall"),
-        _a("--moe-router-load-balancing-type", "aux_loss"),
-        _a("--moe-aux-loss-coeff", "0.001"),
+        *router_args(moe),
     ]
     if moe.shared_ffn:
         args.append(_a("--moe-shared-expert-intermediate-size", moe.shared_ffn))
     if runs_ep_overlap(plan.framework, plan.ep, plan.pp, plan.virtual_stages, plan.recompute, plan.ep_comm_overlap):
         args += [_a("--overlap-moe-expert-parallel-comm"), _a("--delay-wgrad-compute")]  # as priced (paid.py)
     return args
+
+
+def router_args(moe: MoEMLP) -> list[Arg]:
+    """The model's own router (parts.Router, read from its config) in Megatron-Core's flags
+    (TransformerConfig.moe_router_*), so a run trains the published router: DeepSeek-V3's sigmoid
+    scores, expert-bias balancing (noaux_tc, bias update rate 0.001 as in its report), 8 groups
+    of which 4 per token, scaling 2.5 and a sequence-wise loss of 0.0001; Megatron's defaults
+    are a softmax over the top k and a batch-wise auxiliary loss."""
+    r = moe.router
+    args = [_a("--moe-router-score-function", r.score)]
+    if r.score == "softmax" and not r.renormalise:
+        args.append(_a("--moe-router-pre-softmax"))  # softmax over every expert, before top-k
+    if r.groups > 1:
+        args += [_a("--moe-router-num-groups", r.groups), _a("--moe-router-group-topk", r.group_topk)]
+    if r.scaling != 1.0:
+        args.append(_a("--moe-router-topk-scaling-factor", r.scaling))
+    if moe.gate_bias:
+        args += [_a("--moe-router-enable-expert-bias"), _a("--moe-router-bias-update-rate", 1e-3)]
+    return args + [_a("--moe-router-load-balancing-type", r.balance), _a("--moe-aux-loss-coeff", r.aux_coeff)]

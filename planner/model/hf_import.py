@@ -22,6 +22,7 @@ from planner.errors import UserError, describe_validation_error
 from planner.limits import shown
 from planner.model import hf_keys as K
 from planner.model.hf_keys import ConfigReader
+from planner.model.hf_router import router_from_config
 from planner.model.hf_vision import deepseek_vl2_vision, qwen2_vl_vision
 from planner.model.spec import (
     MLA,
@@ -347,7 +348,7 @@ def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> l
 
     ffn_default = family.default_ffn_ratio * hidden if family.default_ffn_ratio else K.REQUIRED
     if lm.config.get("n_routed_experts"):  # DeepSeekMoE
-        moe_block = moe(_deepseek_moe(lm, act))
+        moe_block = moe(_deepseek_moe(lm, act, family.name))
         first_dense = lm.get_int("first_k_dense_replace", 0, minimum=0)
         freq = lm.get_int("moe_layer_freq", 1)
         dense_block = dense(lm.get_int(K.FFN)) if first_dense or freq > 1 else None
@@ -355,7 +356,8 @@ def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> l
     if lm.config.get("num_local_experts"):  # Mixtral: every layer, expert width = intermediate_size
         routed = lm.get_int("num_local_experts")
         block = moe(MoEMLP(routed_experts=routed, top_k=_top_k(lm, routed, 2), expert_ffn=lm.get_int(K.FFN), act=act,
-                           router_bias=family.moe_biases, expert_bias=family.moe_biases))
+                           router_bias=family.moe_biases, expert_bias=family.moe_biases,
+                           router=router_from_config(lm, family.name)))
         return [block] * layers
     if lm.config.get("num_experts"):  # Qwen-MoE
         routed = lm.get_int("num_experts")
@@ -367,7 +369,7 @@ def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> l
             expert_ffn=lm.get_int("moe_intermediate_size"),
             shared_experts=1 if shared else 0,
             shared_ffn=shared,
-            act=act,
+            act=act, router=router_from_config(lm, family.name),
         )  # the shared expert's 1-wide sigmoid gate (hidden params per layer) is left out
         step = lm.get_int("decoder_sparse_step", 1)
         dense_only = set(lm.int_list("mlp_only_layers"))
@@ -377,7 +379,7 @@ def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> l
     return [dense(lm.get_int(K.FFN, ffn_default))] * layers
 
 
-def _deepseek_moe(lm: ConfigReader, act: str) -> MoEMLP:
+def _deepseek_moe(lm: ConfigReader, act: str, family: str) -> MoEMLP:
     """DeepSeekMoE: routed experts, shared experts as one wide MLP, noaux_tc's gate bias."""
     expert_ffn = lm.get_int("moe_intermediate_size")
     shared = lm.get_int("n_shared_experts", 0, minimum=0)
@@ -385,7 +387,8 @@ def _deepseek_moe(lm: ConfigReader, act: str) -> MoEMLP:
     top_k = _top_k(lm, routed)
     method = lm.get_str("topk_method", "greedy")
     return MoEMLP(routed_experts=routed, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared,
-                  shared_ffn=shared * expert_ffn, gate_bias=method == "noaux_tc", act=act)
+                  shared_ffn=shared * expert_ffn, gate_bias=method == "noaux_tc", act=act,
+                  router=router_from_config(lm, family))
 
 
 def _top_k(lm: ConfigReader, routed: int, default: object = K.REQUIRED) -> int:

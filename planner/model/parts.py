@@ -123,6 +123,21 @@ class DenseMLP(Frozen):
         return linear_params(hidden, self.ffn, self.bias) + linear_params(self.ffn, hidden, self.bias)
 
 
+class Router(Frozen):
+    """How a token picks its experts, as the model's config says; Megatron's --moe-router-* flags
+    restate it (planner/emit/megatron_moe.py), so a run trains the published router."""
+
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    # The top-k probabilities renormalised to sum to 1 (a softmax over the chosen experts' logits);
+    # False: a softmax over every expert, kept as is (DeepSeek-V2, Qwen2-MoE: norm_topk_prob false).
+    renormalise: bool = True
+    groups: int = Field(1, ge=1)  # > 1: a token's experts come from its best ``group_topk`` groups (DeepSeek)
+    group_topk: int = Field(1, ge=1)
+    scaling: float = Field(1.0, gt=0)  # routed_scaling_factor on the routed experts' weights
+    balance: Literal["aux_loss", "seq_aux_loss"] = "aux_loss"  # per batch, or per sequence (DeepSeek)
+    aux_coeff: float = Field(0.0, ge=0)
+
+
 class MoEMLP(Frozen):
     """Routed experts (each a SwiGLU of width expert_ffn) plus always-on shared experts."""
 
@@ -138,6 +153,7 @@ class MoEMLP(Frozen):
     router_bias: bool = False
     # gpt-oss (GptOssExperts gate_up_proj_bias, down_proj_bias): each expert's projections carry biases.
     expert_bias: bool = False
+    router: Router = Router()
 
     @model_validator(mode="after")
     def _check(self) -> "MoEMLP":

@@ -1,0 +1,100 @@
+"""The router as each model's config states it (planner/model/hf_router.py), and Megatron-Core's
+flags restating it, so a run from megatron_args.sh trains the published router."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.emit.megatron_args import megatron_lm_args
+from planner.errors import UserError
+from planner.model.catalog import load_model
+from planner.model.hf_import import spec_from_hf_config
+from planner.model.parts import MoEMLP, Router
+from tests.test_emit_ds_config import make_plan
+
+
+def _router(name: str) -> tuple[MoEMLP, Router]:
+    moe = next(b.mlp for b in load_model(name).decoder_blocks if isinstance(b.mlp, MoEMLP))
+    return moe, moe.router
+
+
+def test_deepseek_v3_routes_by_sigmoid_in_groups_with_expert_bias():
+    """DeepSeek-V3 config: scoring_func sigmoid, noaux_tc, n_group 8, topk_group 4,
+    routed_scaling_factor 2.5; report sec. 2.1.2: a sequence-wise loss of 0.0001."""
+    moe, r = _router("deepseek-v3")
+    assert moe.gate_bias
+    assert r == Router(score="sigmoid", renormalise=True, groups=8, group_topk=4, scaling=2.5,
+                       balance="seq_aux_loss", aux_coeff=1e-4)
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("deepseek-v2", Router(renormalise=False, groups=8, group_topk=3, scaling=16.0, balance="seq_aux_loss",
+                           aux_coeff=1e-3)),
+    ("deepseek-v2-lite", Router(renormalise=False, balance="seq_aux_loss", aux_coeff=1e-3)),  # greedy: no groups
+    ("mixtral-8x7b", Router(aux_coeff=1e-3)),
+    ("qwen3-30b-a3b", Router(aux_coeff=1e-3)),
+    ("gpt-oss-120b", Router(aux_coeff=0.9)),
+])
+def test_other_routers(name: str, want: Router):
+    assert _router(name)[1] == want
+
+
+def _flags(name: str, **kw) -> list[str]:
+    plan, model = make_plan(name, kw.pop("nodes", 1), framework="megatron", ep=8, grad_accum=4, **kw)
+    out = []
+    for a in megatron_lm_args(model, plan):
+        out += [a.flag] + ([a.value] if a.value is not None else [])
+    return out
+
+
+def _after(flags: list[str], flag: str) -> str:
+    return flags[flags.index(flag) + 1]
+
+
+def test_deepseek_v3_flags_restate_its_router():
+    f = _flags("deepseek-v3", nodes=64, pp=8, virtual_stages=1, recompute="full")
+    assert _after(f, "--moe-router-score-function") == "sigmoid"
+    assert (_after(f, "--moe-router-num-groups"), _after(f, "--moe-router-group-topk")) == ("8", "4")
+    assert _after(f, "--moe-router-topk-scaling-factor") == "2.5"
+    assert "--moe-router-enable-expert-bias" in f and "--moe-router-pre-softmax" not in f
+    assert (_after(f, "--moe-router-load-balancing-type"), _after(f, "--moe-aux-loss-coeff")) == ("seq_aux_loss",
+                                                                                                   "0.0001")
+
+
+def test_softmax_before_top_k_where_the_probabilities_are_not_renormalised():
+    assert "--moe-router-pre-softmax" in _flags("deepseek-v2-lite")
+    f = _flags("mixtral-8x7b")
+    assert "--moe-router-pre-softmax" not in f and "--moe-router-num-groups" not in f
+    assert "--moe-router-enable-expert-bias" not in f
+
+
+def test_qwen3_and_gpt_oss_attention_flags():
+    assert "--qk-layernorm" in _flags("qwen3-30b-a3b")
+    f = _flags("gpt-oss-120b", nodes=2)
+    assert _after(f, "--softmax-type") == "learnable"
+    assert (_after(f, "--window-size"), _after(f, "--window-attn-skip-freq")) == ("127,0", "2")
+    assert "--qk-layernorm" not in _flags("mixtral-8x7b")
+
+
+def _v3_like(**router) -> dict:
+    return {"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+            "moe_intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 16,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "vocab_size": 1000,
+            "topk_method": "noaux_tc", **router}
+
+
+@pytest.mark.parametrize(("router", "match"), [
+    ({"scoring_func": "relu"}, "field .scoring_func. must be softmax or sigmoid"),
+    ({"n_group": 2, "topk_group": 4}, r"field .topk_group. \(4\) exceeds n_group \(2\)"),
+    ({"scoring_func": "sigmoid", "norm_topk_prob": False}, "norm_topk_prob"),
+])
+def test_a_router_megatron_cannot_restate_is_one_error(router: dict, match: str):
+    with pytest.raises(UserError, match=match):
+        spec_from_hf_config(_v3_like(**router), "tiny", "config.json")
+    assert _router_of(_v3_like(scoring_func="sigmoid", n_group=4, topk_group=2)).groups == 4
+
+
+def _router_of(config: dict) -> Router:
+    spec = spec_from_hf_config(config, "tiny", "config.json")
+    return next(b.mlp for b in spec.decoder_blocks if isinstance(b.mlp, MoEMLP)).router
