@@ -98,3 +98,31 @@ def test_a_router_megatron_cannot_restate_is_one_error(router: dict, match: str)
 def _router_of(config: dict) -> Router:
     spec = spec_from_hf_config(config, "tiny", "config.json")
     return next(b.mlp for b in spec.decoder_blocks if isinstance(b.mlp, MoEMLP)).router
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tp", "2", "--sequence-parallel"], "experts have biases, which Megatron-Core runs only without expert tensor"),
+    (["--cp", "2", "--cp-comm", "p2p"], "sliding-window attention runs under context parallelism only with the "
+                                        "all-to-all"),
+])
+def test_what_megatron_refuses_for_gpt_oss_is_one_message(args: list[str], message: str):
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    base = ["estimate", "--model", "gpt-oss-120b", "--hardware", "dgx-h100", "--nodes", "8", "--framework", "megatron",
+            "--ep", "8", "--global-batch", "256", "--seq-len", "4096"]
+    r = CliRunner().invoke(main, base + args)
+    assert r.exit_code == 2 and message in r.output, r.output
+    ok = CliRunner().invoke(main, base + ["--cp", "2", "--cp-comm", "a2a"])
+    assert "Traceback" not in ok.output and "sliding-window" not in ok.output and "cp 2 (a2a)" in ok.output
+    out = api_suggest_tp("gpt-oss-120b")
+    assert out and all(p.plan.cfg.tp == 1 for p in out)
+
+
+def api_suggest_tp(name: str):
+    """The search never offers what the rule refuses."""
+    from planner import api
+
+    return api.suggest(name, api.load_cluster("dgx-h100", 8), global_batch=256, seq_len=4096, framework="megatron",
+                       top=5).plans

@@ -48,6 +48,7 @@ FLAGS: dict[str, str] = {
     "bytes": "--bytes",
     "rank": "--rank",
     "dp_replicate": "--dp-replicate",
+    "moe_imbalance": "--moe-imbalance",
     "precision_aware_optimizer": "--precision-aware-optimizer",
 }
 

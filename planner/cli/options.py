@@ -131,12 +131,16 @@ EP_OVERLAP_HELP = ("Overlap the expert all-to-alls with another micro-batch's co
                    "(Megatron-Core's combined 1F1B, --overlap-moe-expert-parallel-comm --delay-wgrad-compute; "
                    "needs EP > 1, virtual stages when PP > 1, no full recomputation) [default: on].")
 
+MOE_IMBALANCE_HELP = ("MoE routing imbalance: tokens the busiest expert-parallel rank receives over the mean (1 to "
+                      "64); its grouped GEMMs, permutes and all-to-alls pace every layer [default: 1.0, the forced "
+                      "balance of NVIDIA's published MoE benchmarks].")
+
 
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
-    --te-attention/--no-te-attention, --ep-comm-overlap/--no-ep-comm-overlap, --fp8-param-gather/--no-fp8-param-gather,
+    --te-attention/--no-te-attention, --ep-comm-overlap/--no-ep-comm-overlap, --moe-imbalance, --fp8-param-gather,
     --precision-aware-optimizer/--no-precision-aware-optimizer and --dropout/--no-dropout.
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
@@ -171,6 +175,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                      help="Megatron-Core's attention through Transformer Engine (cuDNN fused attention, "
                           "Hopper-native); off: FlashAttention-2's level, as the other runtimes [default: on]."),
         click.option("--ep-comm-overlap/--no-ep-comm-overlap", default=None, help=EP_OVERLAP_HELP),
+        click.option("--moe-imbalance", type=float, default=None, metavar="F", help=MOE_IMBALANCE_HELP),
         click.option("--fp8-param-gather/--no-fp8-param-gather", default=None,
                      help="Under an FP8 recipe that allows it (tensorwise, delayed, mxfp8), keep the weights only in "
                           "FP8 and all-gather them so (Megatron-Core --fp8-param-gather with the distributed "

@@ -14,6 +14,7 @@ from planner.cost.parallel import ParallelConfig
 from planner.cost.precision import split_precision
 from planner.cost.torchtitan import RULES as TORCHTITAN_RULES
 from planner.errors import UserError, arg
+from planner.model.parts import MoEMLP
 
 if TYPE_CHECKING:
     from planner.model.spec import ModelSpec
@@ -33,6 +34,8 @@ class RunFacts:
     recipe: str | None = None  # a Transformer Engine recipe (precision.py); precision is then bf16
     model: str = ""  # the model's name: torchtitan builds only its own flavors (cost/torchtitan.py)
     precision_aware_optimizer: bool = False  # Workload.precision_aware_optimizer
+    expert_bias: bool = False  # MoE experts with biased linears (gpt-oss)
+    window: bool = False  # sliding-window attention on some layer (gpt-oss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +189,18 @@ RULES: tuple[Rule, ...] = (
                       f"{' ' + arg('tp') + ' 1' if c.framework == 'deepspeed' else ''} or {arg('framework')} megatron"),
     # torchtitan's own limits, each a (broken, message) pair (planner/cost/torchtitan.py).
     *(Rule("torchtitan", broken, message) for broken, message in TORCHTITAN_RULES),
+    # Megatron-Core asserts "Bias in Moe is only supported when ETP==1" (transformer_config.py), and
+    # its experts take the attention's TP unless told otherwise, as dsplan prices them.
+    Rule("megatron", lambda c, x: x.expert_bias and c.tp > 1,
+         lambda c, x: f"framework megatron: this model's experts have biases, which Megatron-Core runs only "
+                      f"without expert tensor parallelism, and its experts share the attention's TP; "
+                      f"use {arg('tp')} 1"),
+    # Transformer Engine runs sliding-window attention under context parallelism only with the
+    # all-to-all exchange (its assertion: cp_comm_type a2a or all_gather).
+    Rule("megatron", lambda c, x: x.window and (c.cp > 1) & (c.cp_comm != "a2a"),
+         lambda c, x: f"framework megatron: this model's sliding-window attention runs under context parallelism "
+                      f"only with the all-to-all exchange (Transformer Engine); use {arg('cp_comm')} a2a or "
+                      f"{arg('cp')} 1"),
     Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
          lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
 )
@@ -237,14 +252,15 @@ class ConfigColumns:
 
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
                     precision: str, mla: bool = False, positions: str = "rope", model: str = "",
-                    precision_aware_optimizer: bool = False) -> None:
+                    precision_aware_optimizer: bool = False, expert_bias: bool = False,
+                    window: bool = False) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
     ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
     work, recipe = split_precision(precision)
     facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
-                     precision_aware_optimizer)
+                     precision_aware_optimizer, expert_bias, window)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -282,4 +298,6 @@ def model_facts(model: "ModelSpec") -> dict[str, Any]:
     """The facts of ``model`` the rules read, as RunFacts / check_framework keywords."""
     return {"is_moe": model.is_moe, "decoder_layers": model.num_layers, "is_vlm": model.is_vlm,
             "mla": model.decoder_blocks[0].attention.kind == "mla",
-            "positions": model.positions.kind if model.positions else "rope", "model": model.name}
+            "positions": model.positions.kind if model.positions else "rope", "model": model.name,
+            "expert_bias": any(isinstance(b.mlp, MoEMLP) and b.mlp.expert_bias for b in model.decoder_blocks),
+            "window": any(b.attention.window is not None for b in model.decoder_blocks)}

@@ -127,6 +127,7 @@ class LayerContext:
     rope: bool = False
     recipe: Recipe | None = None  # the TE recipe of the transformer layers' linear GEMMs
     cp: int = 1  # context parallel: the block sees seq_len / cp tokens of each sample
+    imbalance: float = 1.0  # Workload.moe_imbalance: the busiest EP rank's token copies over the mean
 
     @property
     def linear_input_bytes(self) -> float:

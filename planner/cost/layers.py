@@ -63,7 +63,7 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     block's cost by (index, tp, sp, ep, cp), with ep 1 but for a mixture-of-experts layer (the only
     block that reads it): a search prices dozens of (tp, sp, ep), which differ in those layers only."""
     ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
-                       RECIPES[workload.recipe] if workload.recipe else None, cp)
+                       RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance)
     s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []

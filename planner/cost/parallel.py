@@ -71,6 +71,11 @@ class Workload(BaseModel):
     # (frameworks.Traits.ep_comm_overlap: Megatron-Core's --overlap-moe-expert-parallel-comm, as
     # NVIDIA's MoE recipes run); False prices them exposed.
     ep_comm_overlap: bool = True
+    # Tokens the busiest expert-parallel rank receives over the mean (max / mean of a layer's
+    # routing): 1.0 is the forced balance NVIDIA's published MoE benchmarks run; real routing
+    # under an auxiliary loss runs above it. The step waits for the busiest rank at every
+    # all-to-all, so its grouped GEMMs, permutes and received bytes scale by it.
+    moe_imbalance: float = Field(1.0, ge=1.0, le=64.0)
     # Weights kept and all-gathered in the recipe's FP8 format where the runtime can (Megatron-Core's
     # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
     # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.

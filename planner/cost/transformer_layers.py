@@ -104,14 +104,15 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     # Routed experts: balanced routing gives each GPU tokens*top_k token-copies after the
     # dispatch, spread over its e/ep local experts (Megatron-Core grouped GEMM); expert
     # weights are split over TP as well (expert tensor parallel = tp, Megatron-Core's default).
-    local = e // ctx.ep
-    g, stored, tr = _ffn(mlp.expert_ffn, gated, tokens * k / local, h, t, local, ctx)
+    # The busiest EP rank receives ``imbalance`` x the mean copies, and every rank waits for it.
+    local, copies = e // ctx.ep, k * (ctx.imbalance if ctx.ep > 1 else 1.0)
+    g, stored, tr = _ffn(mlp.expert_ffn, gated, tokens * copies / local, h, t, local, ctx)
     gemms += g
     shard += stored / tokens
-    repl += k * 2 * ACT * h  # permuted input copies and the expert outputs awaiting combine
-    traffic += tr / tokens + k * 4 * ACT * h  # permute + unpermute: read and write each copy
+    repl += copies * 2 * ACT * h  # permuted input copies and the expert outputs awaiting combine
+    traffic += tr / tokens + copies * 4 * ACT * h  # permute + unpermute: read and write each copy
     expert_rank = e * mlp.expert_params(h) / (t * ctx.ep)
-    a2a = tokens * k * h * ACT / (t if ctx.sp else 1)
+    a2a = tokens * copies * h * ACT / (t if ctx.sp else 1)
     return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2
 
 

@@ -63,6 +63,7 @@ class PlanFile(BaseModel):
     fp8_param_gather: bool = True  # weights kept and all-gathered in FP8 where the recipe allows (Workload)
     precision_aware_optimizer: bool = False  # Megatron-Core's bf16-moment Adam (Workload)
     ep_comm_overlap: bool = True  # expert all-to-alls overlapped with another micro-batch where the runtime can
+    moe_imbalance: float = Field(1.0, ge=1.0, le=64.0)  # the busiest EP rank's tokens over the mean (Workload)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -109,7 +110,7 @@ class PlanFile(BaseModel):
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
             fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
-            ep_comm_overlap=self.ep_comm_overlap,
+            ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance,
         )
 
     @property

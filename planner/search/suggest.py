@@ -192,7 +192,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
             optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
             te_attention: bool = True, fp8_param_gather: bool = True, precision_aware_optimizer: bool = False,
-            ep_comm_overlap: bool = True, constraints: Constraints | None = None, balancer: str = "optimal",
+            ep_comm_overlap: bool = True, moe_imbalance: float = 1.0,
+            constraints: Constraints | None = None, balancer: str = "optimal",
             objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
             rep: int = 1) -> SuggestResult:
@@ -225,13 +226,13 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention,
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
-                        ep_comm_overlap=ep_comm_overlap, dropout=dropout)  # type: ignore[arg-type]
+                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout)  # type: ignore[arg-type]
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
               "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
               "tp_comm_overlap": tp_comm_overlap, "te_attention": te_attention,
               "fp8_param_gather": fp8_param_gather, "precision_aware_optimizer": precision_aware_optimizer,
-              "ep_comm_overlap": ep_comm_overlap,
+              "ep_comm_overlap": ep_comm_overlap, "moe_imbalance": moe_imbalance,
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
