@@ -118,3 +118,18 @@ def test_the_search_offers_only_plans_that_fit(tmp_path: Path):
     nothing = invoke("suggest", "--model", "llama-3.1-405b", "--nodes", "1", "--json")
     assert nothing.exit_code == 2 and json.loads(nothing.stdout)["plans"] == []
     assert re.search(r"^error: no plan fits", nothing.stderr)
+
+
+def test_the_fallback_hint_names_only_what_the_closest_plan_has_not_tried():
+    """When no relaxed search fits either, the hint lists the generic memory savers less the ones
+    the closest plan already takes: DeepSeek-V3 on 4 DGX H100, everything pinned, already
+    offloading, recomputing in full at micro-batch 1 (Megatron-FSDP needs --pp 1)."""
+    from planner import api
+    from planner.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        api.suggest("deepseek-v3", api.load_cluster("dgx-h100", 4), global_batch=256, seq_len=4096,
+                    framework="megatron", tp=1, pp=2, virtual_stages=2, ep=8, zero=1, micro_batch=1, recompute="full")
+    text = str(err.value)
+    assert "recompute-full" in text and "offload-optimizer" in text and "mb1x16" in text  # the closest plan
+    assert text.endswith("try more nodes or zero 3 pp 1."), text  # the API names parameters, the CLI flags

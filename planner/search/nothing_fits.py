@@ -89,6 +89,21 @@ def nothing_fits_message(evaluated: int, out_of_memory: int, closest: Plan | Non
     if advice:
         lines.append("would fit with: " + "; or ".join(marked(a) for a in advice) + ".")
     else:
-        lines.append(f"try more nodes, {arg('offload')} optimizer, {arg('recompute')} full, {arg('zero')} 3 or "
-                     f"{arg('micro_batch')} 1.")
+        lines.append(_untried(closest))
     return " ".join(lines)
+
+
+def _untried(closest: Plan | None) -> str:
+    """The generic ways to save memory, less those the closest plan already takes (a hint to
+    recompute in full is no help when the closest plan does)."""
+    c = closest.cfg if closest is not None else None
+    hints = ["more nodes"]
+    for taken, hint in ((c is not None and c.offload != "none", f"{arg('offload')} optimizer"),
+                        (c is not None and c.recompute == "full", f"{arg('recompute')} full"),
+                        (c is not None and c.zero_stage == 3,  # Megatron-FSDP runs without a pipeline
+                         f"{arg('zero')} 3" + (f" {arg('pp')} 1" if c and c.framework == "megatron" and c.pp > 1
+                                                else "")),
+                        (c is not None and c.micro_batch == 1, f"{arg('micro_batch')} 1")):
+        if not taken:
+            hints.append(hint)
+    return "try " + (", ".join(hints[:-1]) + " or " + hints[-1] if len(hints) > 1 else hints[0]) + "."
