@@ -109,8 +109,9 @@ def finish(results):
     print("\n" + spec["mark"] + json.dumps(results), flush=True)
     sys.exit(0)
 
-# Shim 1: typing.override is new in Python 3.12 (the wheel's Requires-Python); megatron.core
-# uses it as a plain decorator (`from typing import override`). typing_extensions' is the same.
+# Shim 1: typing.override is new in Python 3.12 (the wheel's Requires-Python); megatron/training/
+# models/gpt.py and hybrid.py, which arguments.py imports, do `from typing import override` and use
+# it as a plain decorator. typing_extensions' is the same function.
 if not hasattr(typing, "override"):
     try:
         from typing_extensions import override
