@@ -193,9 +193,13 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
         global_batch = default_global_batch(seq, gpus or 1)
     limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
-    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not 1 <= moe_imbalance <= 64:
-        raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to 64 (the busiest expert-parallel rank's "
-                        f"tokens over the mean; 1 = balanced), got {limits.shown(moe_imbalance)}")
+    from planner.cost.parallel import MAX_MOE_IMBALANCE
+
+    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not (
+            1 <= moe_imbalance <= MAX_MOE_IMBALANCE):
+        raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to {MAX_MOE_IMBALANCE:g} (the busiest "
+                        f"expert-parallel rank's tokens over the mean; 1 = balanced), "
+                        f"got {limits.shown(moe_imbalance)}")
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,

@@ -38,6 +38,10 @@ RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 CP_COMMS: tuple[str, ...] = ("p2p", "a2a", "a2a+p2p")
 
 
+# The largest --moe-imbalance: every token of a layer on one rank of a 64-way expert group.
+MAX_MOE_IMBALANCE = 64.0
+
+
 class Workload(BaseModel):
     """What is trained per optimizer step, independent of how it is parallelised."""
 
@@ -75,7 +79,7 @@ class Workload(BaseModel):
     # routing): 1.0 is the forced balance NVIDIA's published MoE benchmarks run; real routing
     # under an auxiliary loss runs above it. The step waits for the busiest rank at every
     # all-to-all, so its grouped GEMMs, permutes and received bytes scale by it.
-    moe_imbalance: float = Field(1.0, ge=1.0, le=64.0)
+    moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)
     # Weights kept and all-gathered in the recipe's FP8 format where the runtime can (Megatron-Core's
     # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
     # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from planner.cost.parallel import (
+    MAX_MOE_IMBALANCE,
     CpComm,
     Framework,
     Offload,
@@ -63,7 +64,7 @@ class PlanFile(BaseModel):
     fp8_param_gather: bool = True  # weights kept and all-gathered in FP8 where the recipe allows (Workload)
     precision_aware_optimizer: bool = False  # Megatron-Core's bf16-moment Adam (Workload)
     ep_comm_overlap: bool = True  # expert all-to-alls overlapped with another micro-batch where the runtime can
-    moe_imbalance: float = Field(1.0, ge=1.0, le=64.0)  # the busiest EP rank's tokens over the mean (Workload)
+    moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)  # busiest EP rank's tokens / mean (Workload)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
