@@ -160,7 +160,7 @@ def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float
 # The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
 WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance")
+                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours")
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
              "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate")
@@ -172,7 +172,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
                   te_attention: bool = True, fp8_param_gather: bool = True,
                   precision_aware_optimizer: bool = False, ep_comm_overlap: bool = True,
-                  moe_imbalance: float = 1.0) -> "Workload":
+                  moe_imbalance: float = 1.0, mtbf_hours: float | None = None) -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), and the model's default images and
@@ -193,19 +193,23 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
         global_batch = default_global_batch(seq, gpus or 1)
     limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
-    from planner.cost.parallel import MAX_MOE_IMBALANCE
+    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS
 
     if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not (
             1 <= moe_imbalance <= MAX_MOE_IMBALANCE):
         raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to {MAX_MOE_IMBALANCE:g} (the busiest "
                         f"expert-parallel rank's tokens over the mean; 1 = balanced), "
                         f"got {limits.shown(moe_imbalance)}")
+    if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float))
+                                   or not 0 < mtbf_hours <= MAX_MTBF_HOURS):
+        raise UserError(f"{arg('mtbf_hours')}: need hours above 0 and at most {MAX_MTBF_HOURS:g} (the job's mean "
+                        f"time between failures), got {limits.shown(mtbf_hours)}")
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
-                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance)
+                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours)
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
 
@@ -382,7 +386,7 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     precision=many or wl.precision_name, optimizer=wl.optimizer, flash_attention=wl.flash_attention,
                     tp_comm_overlap=wl.tp_comm_overlap, te_attention=wl.te_attention,
                     fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
-                    ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance,
+                    ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
                     dropout=wl.dropout, constraints=cons, balancer=balancer,
                     objective=objective, top=top,
                     progress=progress)

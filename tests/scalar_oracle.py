@@ -21,8 +21,10 @@ from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost import pipeline_sends as ps
+from planner.cost.candidates import columns_of
 from planner.cost.efficiency import Device, device
 from planner.cost.estimate import check_plan
+from planner.cost.goodput import plan_checkpoint
 from planner.cost.layers import AttnCore, LayerCost, layer_costs
 from planner.cost.memory import ModelStates, bytes_per_param, inflight_microbatches
 from planner.cost.parallel import ParallelConfig, Workload
@@ -340,7 +342,11 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
                 capacity_bytes=cluster.profile.gpu.memory_bytes,
                 host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB),
                 model_flops_per_step=model_flops(model, workload),
-                peak_flops=dev.peak_flops)
+                peak_flops=dev.peak_flops,
+                # the production checkpoint model: the goodput formulas have their own tests
+                # (tests/test_goodput.py); here it lets the exhaustive search rank by goodput
+                checkpoint=plan_checkpoint(columns_of([cfg]), time.total, model, workload, cluster.profile,
+                                           cluster.nodes))
 
 
 def _ep_share(cfg: ParallelConfig, workload: Workload, rank: int) -> float:

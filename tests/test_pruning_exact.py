@@ -31,6 +31,9 @@ CASES = [
     ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("full",),
                                               zero=(0, 1, 3)), "memory"),
     ("llama-3.1-8b", 1, 32, 8192, Constraints(micro_batch=(1,), virtual_stages=(1,), recompute=("selective",)), "cost"),
+    # a 30-minute MTBF: checkpoint stalls and restarts weigh, and the runtimes' save layouts differ
+    ("llama-3.1-8b", 2, 64, 4096, Constraints(tp=(1, 2, 8), pp=(1, 2), micro_batch=(1,), recompute=("none", "full")),
+     "goodput"),
     # 36 samples: micro-batch counts pp does not divide (9 on pp 2, 18 on pp 4, 36 on pp 8), which
     # interleave with a larger micro-batch group, over 1 to 6 virtual stages of 24 layers.
     ("gpt3-350m", 1, 36, 2048, Constraints(micro_batch=(1,), virtual_stages=(1, 2, 3, 4, 6), framework=("megatron",),
@@ -43,9 +46,11 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
     model = load_model(name)
     cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
     images, tiles = (1, 2) if model.is_vlm else (0, 0)
-    workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles)
+    mtbf = 0.5 if objective == "goodput" else None
+    workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles, mtbf_hours=mtbf)
     fast = suggest(model, nodes=nodes, global_batch=gb, seq_len=seq, images_per_sample=images if model.is_vlm else None,
-                   tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1)
+                   tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1,
+                   mtbf_hours=mtbf)
 
     # Exhaustive: every candidate of every context-parallel split the search tries through the
     # scalar oracle, with the balancer's partition.

@@ -177,7 +177,7 @@ def _render_time(plan) -> None:
     """The exposed step time by the parts that apply to the plan, and the throughput."""
     from rich.table import Table
 
-    from planner.cli.output import time_parts
+    from planner.cli.output import checkpoint_line, time_parts
 
     t = plan.time
     total = t.total
@@ -192,6 +192,8 @@ def _render_time(plan) -> None:
     console.print(tt)
     console.print(f"{plan.tokens_per_s:,.0f} tokens/s, {plan.tflops_per_gpu:.1f} model TFLOP/s per GPU, "
                   f"MFU {plan.mfu:.1%}")
+    if plan.checkpoint is not None:
+        console.print(checkpoint_line(plan.checkpoint, total, plan.tokens_per_s))
 
 
 _PART_NAMES = {"tp_comm": "TP comm", "pp_bubble": "PP bubble", "pp_comm": "PP comm", "dp_comm": "DP comm",

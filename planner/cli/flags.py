@@ -49,6 +49,7 @@ FLAGS: dict[str, str] = {
     "rank": "--rank",
     "dp_replicate": "--dp-replicate",
     "moe_imbalance": "--moe-imbalance",
+    "mtbf_hours": "--mtbf-hours",
     "precision_aware_optimizer": "--precision-aware-optimizer",
 }
 

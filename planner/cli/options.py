@@ -136,12 +136,22 @@ MOE_IMBALANCE_HELP = ("MoE routing imbalance: tokens the busiest expert-parallel
                       "balance of NVIDIA's published MoE benchmarks].")
 
 
+MTBF_HELP = ("The job's mean time between failures, in hours; sets the checkpoint interval (Young/Daly) and the "
+             "goodput [default: from the hardware profile's per-GPU and per-node failure rates, scaled by the "
+             "job's size].")
+
+PAO_HELP = ("Megatron-Core's precision-aware optimizer (TE's FusedAdam, --use-precision-aware-optimizer) with bf16 "
+            "Adam moments and, in bf16 or delayed FP8, 16-bit master-weight remainders: 6 instead of 12 bytes of "
+            "optimizer state per parameter. Needs --framework megatron, --zero 1, adam/adamw, no offload; suggest "
+            "then searches only those [default: off].")
+
+
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
     --te-attention/--no-te-attention, --ep-comm-overlap/--no-ep-comm-overlap, --moe-imbalance, --fp8-param-gather,
-    --precision-aware-optimizer/--no-precision-aware-optimizer and --dropout/--no-dropout.
+    --precision-aware-optimizer/--no-precision-aware-optimizer, --dropout/--no-dropout and --mtbf-hours.
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -180,14 +190,11 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                      help="Under an FP8 recipe that allows it (tensorwise, delayed, mxfp8), keep the weights only in "
                           "FP8 and all-gather them so (Megatron-Core --fp8-param-gather with the distributed "
                           "optimizer, as NVIDIA's Megatron-Bridge recipes do) [default: on]."),
-        click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None,
-                     help="Megatron-Core's precision-aware optimizer (TE's FusedAdam, --use-precision-aware-optimizer) "
-                          "with bf16 Adam moments and, in bf16 or delayed FP8, 16-bit master-weight remainders: 6 "
-                          "instead of 12 bytes of optimizer state per parameter. Needs --framework megatron, "
-                          "--zero 1, adam/adamw, no offload; suggest then searches only those [default: off]."),
+        click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None, help=PAO_HELP),
         click.option("--dropout/--no-dropout", default=None,
                      help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
                           "Llama, DeepSeek and Qwen pre-training]."),
+        click.option("--mtbf-hours", type=float, default=None, metavar="H", help=MTBF_HELP),
     ]
 
     def apply(command):

@@ -114,3 +114,21 @@ def human_time(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+def human_duration(s: float) -> str:
+    """human_time up to two minutes, then minutes, then hours."""
+    if s < 120:
+        return human_time(s)
+    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def checkpoint_line(ckpt: Any, step_s: float, tokens_per_s: float) -> str:
+    """The checkpoint and goodput facts of a plan (planner/cost/goodput.CheckpointPlan) in a line."""
+    stall = (f"stalls {human_time(ckpt.stall_s)}, durable after {human_time(ckpt.persist_s)}"
+             if ckpt.persist_s > ckpt.stall_s * (1 + 1e-9) else f"stalls {human_time(ckpt.stall_s)}")
+    return (f"checkpoint {human_bytes(ckpt.full_bytes)} (model only {human_bytes(ckpt.model_bytes)}): save "
+            f"{stall}, restore {human_duration(ckpt.restore_s)} + restart {human_duration(ckpt.restart_s)}; "
+            f"every {ckpt.interval_steps} steps ({human_duration(ckpt.interval_steps * step_s)}) at MTBF "
+            f"{ckpt.mtbf_s / 3600:,.1f} h: goodput {ckpt.goodput:.1%}, {tokens_per_s * ckpt.goodput:,.0f} "
+            "useful tokens/s")

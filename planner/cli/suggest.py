@@ -36,9 +36,10 @@ from planner.cli.output import json_option
                   precision_list=True)
 @constraint_options
 @balancer_option
-@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput",
+@click.option("--objective", type=click.Choice(["throughput", "memory", "cost", "goodput"]), default="throughput",
               show_default=True,
-              help="Rank by tokens/s, by lowest peak memory, or by GPU-hours per token.")
+              help="Rank by tokens/s, by lowest peak memory, by GPU-hours per token, or by useful tokens/s "
+                   "(tokens/s x goodput: checkpoint stalls, failures and restarts paid; see --mtbf-hours).")
 @click.option("--top", type=int, default=5, show_default=True, help="How many plans to show.")
 @json_option
 def suggest_command(as_json: bool, **opts: Any) -> None:
@@ -283,7 +284,7 @@ def _id_ranges(ids: list[int]) -> str:
 
 
 _COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "cp", "zero", "offload", "mb x acc", "recompute", "peak / cap",
-            "step", "tokens/s", "MFU", "stage, greedy")
+            "step", "tokens/s", "MFU", "goodput", "stage, greedy")
 
 
 def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
@@ -293,7 +294,8 @@ def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
               + (f" x cp {cell['cp']}" if cell["cp"] != "1" else "") + f", ZeRO-{cell['zero']}"
               + (f", offload {cell['offload']}" if cell["offload"] != "-" else "")
               + f", mb x acc {cell['mb x acc']}, recompute {cell['recompute']}")
-    figures = (f"    peak {cell['peak / cap']}, step {cell['step']}, {cell['tokens/s']} tokens/s, MFU {cell['MFU']}"
+    figures = (f"    peak {cell['peak / cap']}, step {cell['step']}, {cell['tokens/s']} tokens/s, MFU {cell['MFU']}, "
+               f"goodput {cell['goodput']}"
                + ("" if cell["stage, greedy"] == "-" else f"; stage, greedy {cell['stage, greedy']}"))
     return layout, figures
 
@@ -316,7 +318,8 @@ def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
         f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}",
         _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
         f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB", human_time(p["step_time_s"]),
-        human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", _bottlenecks(rp.balancer_bottleneck_s))
+        human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", f"{p.get('goodput', 1.0):.1%}",
+        _bottlenecks(rp.balancer_bottleneck_s))
 
 
 def _bottlenecks(b: dict) -> str:

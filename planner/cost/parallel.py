@@ -40,6 +40,8 @@ CP_COMMS: tuple[str, ...] = ("p2p", "a2a", "a2a+p2p")
 
 # The largest --moe-imbalance: every token of a layer on one rank of a 64-way expert group.
 MAX_MOE_IMBALANCE = 64.0
+# The largest --mtbf-hours: a century (beyond it no checkpoint interval changes).
+MAX_MTBF_HOURS = 876_000.0
 
 
 class Workload(BaseModel):
@@ -90,6 +92,9 @@ class Workload(BaseModel):
     # weights (OptimizerConfig.store_param_remainders, on by default): 2 + 4 bytes of optimizer
     # state per parameter instead of 4 + 8 (megatron/core/optimizer/optimizer_config.py).
     precision_aware_optimizer: bool = False
+    # The job's mean time between failures, hours (planner/cost/goodput.py); None: from the
+    # hardware profile's per-GPU and per-node rates, scaled by the job's size.
+    mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)
 
     @model_validator(mode="before")
     @classmethod

@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from planner.cost.goodput import CheckpointPlan
 from planner.cost.memory import MemoryBreakdown
 from planner.cost.parallel import ParallelConfig, Workload
 from planner.cost.step_time import MicroBatchTime, StepTime
@@ -45,6 +46,7 @@ class Plan:
     host_capacity_bytes: float = float("inf")  # per node, for offloaded states
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    checkpoint: CheckpointPlan | None = None  # planner/cost/goodput.py
 
     @functools.cached_property
     def worst_stage(self) -> StagePlan:
@@ -77,6 +79,11 @@ class Plan:
     @property
     def tokens_per_s(self) -> float:
         return self.workload.global_batch * self.workload.seq_len / self.step_time_s
+
+    @property
+    def goodput(self) -> float:
+        """Share of wall time that trains, counting checkpoints, failures and restarts (1 if unpriced)."""
+        return 1.0 if self.checkpoint is None else self.checkpoint.goodput
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -114,7 +121,7 @@ class Plan:
             "flash_attention": w.flash_attention, "dropout": w.dropout, "tp_comm_overlap": w.tp_comm_overlap,
             "te_attention": w.te_attention, "fp8_param_gather": w.fp8_param_gather,
             "precision_aware_optimizer": w.precision_aware_optimizer, "ep_comm_overlap": w.ep_comm_overlap,
-            "moe_imbalance": w.moe_imbalance,
+            "moe_imbalance": w.moe_imbalance, "mtbf_hours": w.mtbf_hours,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,
             "reason": self.why_not(),
@@ -128,6 +135,8 @@ class Plan:
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
+            **({"checkpoint": self.checkpoint.to_json(t.total), "goodput": self.goodput,
+                "goodput_tokens_per_s": self.tokens_per_s * self.goodput} if self.checkpoint else {}),
             "stages": [_stage_json(s, self.capacity_bytes, c.offload != "none") for s in self.stages],
         }
         if self.notes:

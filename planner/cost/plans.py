@@ -10,7 +10,9 @@ import numpy as np
 
 from planner.cost import memory as mem
 from planner.cost.assemble import Assembly
+from planner.cost.candidates import columns_of
 from planner.cost.context import CostContext
+from planner.cost.goodput import plan_checkpoint
 from planner.cost.memory import MemoryBreakdown
 from planner.cost.parallel import ParallelConfig
 from planner.cost.plan import Plan, StagePlan
@@ -65,8 +67,9 @@ def build_plan(model: ModelSpec, ctx: CostContext, cfg: ParallelConfig, parts: S
                     pp_bubble=float(asm.bubble[n]), pp_comm=m * w.pp, dp_comm=float(asm.dp[n].max()),
                     ep_comm=m * w.ep, optimizer=float(asm.opt[n].max()), cp_comm=m * w.cp)
     cluster = ctx.cluster
+    checkpoint = plan_checkpoint(columns_of([cfg]), time.total, model, ctx.workload, cluster.profile, cluster.nodes)
     return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=ctx.workload, partition=list(parts),
                 stages=stages, time=time, capacity_bytes=cluster.profile.gpu.memory_bytes,
                 host_capacity_bytes=mem.host_capacity_bytes(cluster.profile.node.host_memory_GiB),
-                model_flops_per_step=flops_per_step, peak_flops=ctx.dev.mfu_peak)
+                model_flops_per_step=flops_per_step, peak_flops=ctx.dev.mfu_peak, checkpoint=checkpoint)

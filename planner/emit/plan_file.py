@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from planner.cost.parallel import (
     MAX_MOE_IMBALANCE,
+    MAX_MTBF_HOURS,
     CpComm,
     Framework,
     Offload,
@@ -65,6 +66,7 @@ class PlanFile(BaseModel):
     precision_aware_optimizer: bool = False  # Megatron-Core's bf16-moment Adam (Workload)
     ep_comm_overlap: bool = True  # expert all-to-alls overlapped with another micro-batch where the runtime can
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)  # busiest EP rank's tokens / mean (Workload)
+    mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
     optimizer: Optimizer = "adamw"
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
@@ -111,7 +113,7 @@ class PlanFile(BaseModel):
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
             fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
-            ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance,
+            ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance, mtbf_hours=self.mtbf_hours,
         )
 
     @property

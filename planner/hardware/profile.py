@@ -108,7 +108,7 @@ class Node(_Strict):
     host_memory_GiB: Memory
     cpu_cores: int = Field(128, gt=0, le=limits.MAX_CPU_CORES)
     cpu_adam_GBps: Rate = 20.0  # DeepSpeedCPUAdam parameter throughput per node (bytes of fp32 params/s)
-    storage_GBps: Rate = 2.0  # local NVMe, for checkpoints
+    storage_GBps: Rate = 2.0  # local NVMe (checkpoints go to the shared filesystem: HardwareProfile.storage)
     # Nodes whose GPUs share one NVLink switch fabric (GB200 NVL72: 18 compute trays of 4 GPUs);
     # 1: the NVLink domain is the node. Collectives inside a domain are priced on NVLink, host
     # facts (memory, CPU, offload link) stay per node.
@@ -127,12 +127,45 @@ class Fabric(_Strict):
     sharp: bool = False  # in-network reduction (IB SHARP)
 
 
+class Storage(_Strict):
+    """The shared filesystem checkpoints go to, as each node and the whole cluster reach it.
+
+    Defaults: a GDS read "at over 40 GBps" per DGX H100 node over the storage fabric (NVIDIA DGX
+    SuperPOD H100 reference architecture); writes at half that (an assumption: parallel
+    filesystems write slower than they read, measure yours with fio or ior); Meta's Tectonic
+    under Llama 3 "a sustainable throughput of 2 TB/s and a peak throughput of 7 TB/s" for 16,384
+    GPUs (Dubey et al. 2024, Sec. 3.3.1), the cluster-wide caps."""
+
+    write_GBps_per_node: Rate = 20.0
+    read_GBps_per_node: Rate = 40.0
+    aggregate_write_GBps: Rate = 2000.0
+    aggregate_read_GBps: Rate = 7000.0
+
+
+class Reliability(_Strict):
+    """How often the job's parts fail and how long a restart takes, before the checkpoint is read.
+
+    Defaults from Llama 3's 54-day pre-training snapshot on 16,384 H100s (Dubey et al. 2024, Sec.
+    3.3.4): 419 unexpected interruptions, 58.7% of them GPU faults (GPU, HBM3, SRAM, GSP, NVLink):
+    246 over 16,384 x 1,296 GPU-hours is one per 86,000 GPU-hours; the other 173 (host,
+    network, software) over 2,048 nodes x 1,296 hours one per 15,300 node-hours. Together: one
+    interruption per 3.1 hours for that job, as the paper reports ("every three hours")."""
+
+    gpu_mtbf_hours: Annotated[float, Field(gt=0, le=1e9)] = 86_000.0
+    node_mtbf_hours: Annotated[float, Field(gt=0, le=1e9)] = 15_300.0
+    # Requeue, container start, process-group and NCCL set-up, data-loader warm-up: an assumed
+    # 5 minutes (the checkpoint read is priced on its own, from Storage).
+    restart_s: Annotated[float, Field(ge=0, le=86_400)] = 300.0
+
+
 class HardwareProfile(_Strict):
     name: str
     description: str = ""
     gpu: GPU
     node: Node
     fabric: Fabric
+    storage: Storage = Storage()
+    reliability: Reliability = Reliability()
     sources: list[str] = Field(default_factory=_empty_list)
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from planner.cost.candidates import take
+from planner.cost.goodput import candidates_goodput
 from planner.cost.rank_tables import Split
 from planner.search import memfit
 from planner.search.bounds import base_bounds, gather_bound, split_time_bound
@@ -66,6 +67,23 @@ def search(p: Pricing, ks: KeyedSpace, objective: str, top: int,
     return out
 
 
+def _value(out: Outcome, p: Pricing, ks: KeyedSpace, objective: str) -> np.ndarray:
+    """What the bar is set on, lower is better: peak memory, or step time, or under the goodput
+    objective step time over goodput (never below the step time, so the time bound still bounds it)."""
+    if objective == "memory":
+        return out.peak
+    if objective != "goodput":
+        return out.step
+    rows = np.flatnonzero(out.done & np.isfinite(out.step))
+    value = np.full(out.step.shape, np.inf)
+    if rows.size:
+        ctx = p.ctx
+        sched = candidates_goodput(take(ks.columns, rows), out.step[rows], p.model, ctx.workload,
+                                   ctx.cluster.profile, ctx.cluster.nodes)[0]
+        value[rows] = out.step[rows] / sched.goodput
+    return value
+
+
 def _bar(out: Outcome, p: Pricing, value: np.ndarray, top: int) -> float:
     """The K-th best distinct value so far, or inf. Identical predictions collapse into one plan
     (rank.distinct_top), so the K-th distinct value is the bar (never lower than the true K-th's)."""
@@ -90,7 +108,6 @@ def _evaluate_within_bar(p: Pricing, ks: KeyedSpace, out: Outcome, objective: st
     pending = np.isfinite(key_lb)
     total = max(int(pending.sum()), 1)
     batch, bar = FIRST_CHUNK, np.inf
-    value = out.peak if by_memory else out.step
     while True:
         left = np.flatnonzero(pending & (key_lb <= bar))
         if not left.size:
@@ -112,7 +129,7 @@ def _evaluate_within_bar(p: Pricing, ks: KeyedSpace, out: Outcome, objective: st
         out.details.update(res.details)
         pending[chunk] = False
         batch *= 2
-        bar = _bar(out, p, value, top)
+        bar = _bar(out, p, _value(out, p, ks, objective), top)
         if progress is not None:  # keys evaluated, of those evaluated or still within the bar
             evaluated = total - int(pending.sum())
             progress(evaluated / (evaluated + int((pending & (key_lb <= bar)).sum())))
@@ -129,7 +146,7 @@ def _rebalance_oom(p: Pricing, ks: KeyedSpace, out: Outcome, objective: str, top
     and cost, which rank by step time on a fixed GPU count; the memory bound for memory."""
     c = ks.columns
     by_memory = objective == "memory"
-    value = out.peak if by_memory else out.step
+    value = _value(out, p, ks, objective)
     capacity = p.ctx.cluster.profile.gpu.memory_bytes
     rows = np.nonzero(out.done & ~out.certain_oom & (out.peak > capacity) & (c["pp"] > 1))[0]
     if by_memory:
@@ -147,7 +164,7 @@ def _rebalance_oom(p: Pricing, ks: KeyedSpace, out: Outcome, objective: str, top
     order = np.argsort(bound, kind="stable")[:memfit.MAX_REBALANCED]
     rows, bound = rows[order], bound[order]
     pos, batch = 0, 32
-    while pos < len(rows) and bound[pos] <= (limit := _bar(out, p, value, top)):
+    while pos < len(rows) and bound[pos] <= (limit := _bar(out, p, _value(out, p, ks, objective), top)):
         # A time bar lets memfit skip candidates no split within memory makes fast enough.
         for r in memfit.rebalance(p, ks, rows[pos:pos + batch], np.inf if by_memory else limit):
             out.step[r.candidate], out.peak[r.candidate], out.cpu[r.candidate] = r.step_time, r.peak_bytes, r.cpu_bytes

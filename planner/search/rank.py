@@ -5,6 +5,9 @@ Objectives (lower key is better):
 - ``throughput``: highest tokens/s first.
 - ``memory``: lowest peak memory per GPU first (then throughput): the plan with the most
   head-room, for people who expect longer sequences or bigger batches later.
+- ``goodput``: most useful tokens/s, tokens/s x goodput (planner/cost/goodput.py): what a plan
+  trains per hour of wall time once checkpoint stalls, failures and restarts are paid; the
+  caller passes tokens/s already scaled by goodput.
 - ``cost``: fewest GPU-hours per million tokens. The search runs on a fixed cluster, so this
   orders like throughput; equal costs go to the plan that keeps fewer bytes in host memory
   (offload) and then less GPU memory.
@@ -19,7 +22,7 @@ import math
 
 import numpy as np
 
-OBJECTIVES = ("throughput", "memory", "cost")
+OBJECTIVES = ("throughput", "memory", "cost", "goodput")
 
 # Tie-breakers, most important first: simpler plans win ties.
 _TIE_COLUMNS = ("pp", "vs", "tp", "ep", "zero", "offload", "recompute", "sp", "framework", "micro_batch")
@@ -39,7 +42,7 @@ def order(objective: str, columns: dict[str, np.ndarray], tokens_per_s: np.ndarr
         raise ValueError(f"objective {objective!r}")
     ties = [columns[c] for c in reversed(_TIE_COLUMNS)]
     tps = np.asarray(tokens_per_s, dtype=float)
-    if objective == "throughput":
+    if objective in ("throughput", "goodput"):
         keys = [*ties, peak_bytes, -tps]
     elif objective == "memory":
         keys = [*ties, -tps, peak_bytes]
@@ -48,10 +51,12 @@ def order(objective: str, columns: dict[str, np.ndarray], tokens_per_s: np.ndarr
     return np.lexsort(keys)
 
 
-def objective_value(objective: str, tokens_per_s: float, peak_bytes: float, gpus: int) -> float:
+def objective_value(objective: str, tokens_per_s: float, peak_bytes: float, gpus: int, goodput: float = 1.0) -> float:
     """The number the objective ranks by, as shown to the user."""
     if objective == "throughput":
         return float(tokens_per_s)
+    if objective == "goodput":
+        return float(tokens_per_s * goodput)
     if objective == "memory":
         return float(peak_bytes)
     return float(gpu_hours_per_mtok(tokens_per_s, gpus))
@@ -68,6 +73,31 @@ _MEMORY_PARTS = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations
 
 
 def why_better(best: dict, runner: dict, objective: str, describe) -> str:
+    """``_why_better``; under the goodput objective on useful tokens/s, with both goodputs."""
+    if objective != "goodput":
+        return _why_better(best, runner, objective, describe)
+    line = _why_better(_useful(best), _useful(runner), "throughput", describe)
+    return f"{line.replace(' tokens/s', ' useful tokens/s', 1)}{_goodputs(best, runner)}"
+
+
+def why_behind(best: dict, other: dict, objective: str) -> str:
+    """``_why_behind``; under the goodput objective on useful tokens/s, with both goodputs."""
+    if objective != "goodput":
+        return _why_behind(best, other, objective)
+    line = _why_behind(_useful(best), _useful(other), "throughput")
+    return f"{line.replace(' tokens/s', ' useful tokens/s', 1)}{_goodputs(other, best)}"
+
+
+def _useful(plan: dict) -> dict:
+    """A plan dict whose tokens/s are the useful ones (tokens/s x goodput)."""
+    return {**plan, "tokens_per_s": plan.get("goodput_tokens_per_s", plan["tokens_per_s"])}
+
+
+def _goodputs(a: dict, b: dict) -> str:
+    return f"; goodput {a.get('goodput', 1.0):.2%} vs {b.get('goodput', 1.0):.2%}"
+
+
+def _why_better(best: dict, runner: dict, objective: str, describe) -> str:
     """One line on why ``best`` beat ``runner`` (plan dicts as ``Plan.to_json()`` gives them).
 
     Names the configuration difference, then the parts of the ranked quantity (step time, or
@@ -94,7 +124,7 @@ def why_better(best: dict, runner: dict, objective: str, describe) -> str:
     return f"{head} by {speedup:.1%} tokens/s: {time_parts}{mem}"
 
 
-def why_behind(best: dict, other: dict, objective: str) -> str:
+def _why_behind(best: dict, other: dict, objective: str) -> str:
     """One line on why ``other`` ranks below ``best``: how its configuration differs, what it
     gives up in the ranked quantity (and which parts of it), and the other quantity's
     difference, so every row of the table says what choosing it would cost. When the ranked

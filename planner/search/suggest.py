@@ -18,6 +18,7 @@ import numpy as np
 
 from planner.cost.candidates import take
 from planner.cost.degrees import default_global_batch
+from planner.cost.goodput import candidates_goodput
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
@@ -192,7 +193,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
             optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
             te_attention: bool = True, fp8_param_gather: bool = True, precision_aware_optimizer: bool = False,
-            ep_comm_overlap: bool = True, moe_imbalance: float = 1.0,
+            ep_comm_overlap: bool = True, moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
             constraints: Constraints | None = None, balancer: str = "optimal",
             objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
@@ -226,13 +227,14 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention,
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
-                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout)  # type: ignore[arg-type]
+                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout,  # type: ignore[arg-type]
+                        mtbf_hours=mtbf_hours)
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
               "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
               "tp_comm_overlap": tp_comm_overlap, "te_attention": te_attention,
               "fp8_param_gather": fp8_param_gather, "precision_aware_optimizer": precision_aware_optimizer,
-              "ep_comm_overlap": ep_comm_overlap, "moe_imbalance": moe_imbalance,
+              "ep_comm_overlap": ep_comm_overlap, "moe_imbalance": moe_imbalance, "mtbf_hours": mtbf_hours,
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
@@ -267,6 +269,9 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
         return result
     gpus = cluster.num_gpus
     tps = workload.global_batch * workload.seq_len / out.step[idx]
+    if objective == "goodput":
+        tps = tps * candidates_goodput(take(space.columns, idx), out.step[idx], model, workload, cluster.profile,
+                                       cluster.nodes)[0].goodput
     ranked = idx[rk.order(objective, take(space.columns, idx), tps, out.peak[idx], out.cpu[idx], gpus)]
     chosen = rk.distinct_top(ranked, space.columns, out.step, out.peak, top)
     built = build_plans(p, ks, [i for i, _ in chosen], out.details, overrides)
@@ -276,7 +281,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
                        else {"greedy": None, "optimal": None})
         if i in out.overrides:  # the time-balanced split ran out of memory: the split used instead
             bottlenecks["memory_constrained"] = float(out.overrides[i][1])
-        value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus)
+        value = rk.objective_value(objective, plan.tokens_per_s, plan.memory.peak, gpus, plan.goodput)
         result.plans.append(RankedPlan(k + 1, plan, bottlenecks, value, [FRAMEWORKS[f] for f in alts]))
     best_json = _explain(result, objective, idx.size > 1 or pruned > 0)
     best = result.plans[0].plan
@@ -341,6 +346,8 @@ def _scalar_key(objective: str, plan: Plan, gpus: int) -> tuple:
     if objective == "cost":
         return (round(float(rk.gpu_hours_per_mtok(plan.tokens_per_s, gpus)), 9), plan.cpu_bytes_per_node,
                 plan.memory.peak)
+    if objective == "goodput":
+        return (-plan.tokens_per_s * plan.goodput, plan.memory.peak)
     return (-plan.tokens_per_s, plan.memory.peak)
 
 
