@@ -23,7 +23,8 @@ from planner.hardware.load import load_profile
 from tests.test_emit_ds_config import make_plan
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
-SCRIPTS = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch", "megatron_args.sh", "nccl.env")
+SCRIPTS = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch", "megatron_args.sh", "nccl.env",
+           "preflight.sh")
 TRICKY_ARGS = ["--tag", "first run", "it's", 'say "hi"', "$HOME", "`id`", "a;b|c&&d", "", "new\nline", "*"]
 
 # Flags of Megatron-LM's argument parser (NVIDIA/Megatron-LM megatron/training/arguments.py:

@@ -39,12 +39,16 @@ INTERRUPTED_EXIT = 130
                    "silently for minutes; 1 to 604800).")
 @click.option("--grace", type=seconds_type(0, MAX_GRACE_S, "an hour"), default=15.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping the job (0 to 3600).")
+@click.option("--preflight", is_flag=True,
+              help="Run DIR/preflight.sh first (GPUs, NICs, a GEMM burn-in, nccl-tests against the predicted bus "
+                   "bandwidth) and stop with exit status 2 if a check fails. On this node; under --launcher slurm, "
+                   "on every node; a multi-node plan started here checks this node only.")
 @click.option("--dry-run", is_flag=True, help="Print the commands and environment it would run; run nothing.")
 @allow_oom_option("Run a plan that plan.json predicts does not fit in GPU memory (a warning instead of a refusal).")
 @json_option
 def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, checkpoint_every: int | None,
                 scale: str | None, resume: bool, max_restarts: int, hang_timeout: float, startup_timeout: float,
-                grace: float, dry_run: bool, allow_oom: bool, as_json: bool) -> None:
+                grace: float, preflight: bool, dry_run: bool, allow_oom: bool, as_json: bool) -> None:
     """Run the launch script of a run directory (from `dsplan generate`), stream its logs with
     rank prefixes, restart it from the last good checkpoint when a rank dies or hangs, and write
     DIR/report.json: measured step time, tokens/s, peak memory per rank and loss beside the plan's
@@ -55,13 +59,14 @@ def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, che
       dsplan run runs/llama8b
       dsplan run runs/llama8b --local --steps 20 --checkpoint-every 5 --max-restarts 2
       dsplan run runs/vl2 --launcher slurm --dry-run
+      dsplan run runs/llama8b --preflight
     """
     from planner.emit.plan_file import fit_problem
     from planner.run.job import build_job, check_runnable
     from planner.run.rundir import PLAN_FILE, REPORT_FILE
 
     job = build_job(run_dir, launcher=launcher, local=local, steps=steps, checkpoint_every=checkpoint_every,
-                    resume=resume, scale=scale)
+                    resume=resume, scale=scale, preflight=preflight)
     oom = fit_problem(job.info.plan)
     if dry_run:
         if oom:
@@ -71,6 +76,8 @@ def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, che
     check_fits(oom, str(job.info.path / PLAN_FILE), allow_oom, "run", "regenerate the run directory with a plan "
                "that fits")
     check_runnable(job)
+    if preflight:
+        _preflight(job, as_json)
     every = checkpoint_every if checkpoint_every is not None else job.info.checkpoint_every
     if max_restarts and job.info.builtin and not every:
         err_console.print("note: the run saves no checkpoints (--checkpoint-every 0), so a restart starts again "
@@ -99,6 +106,13 @@ def run_command(run_dir: str, launcher: str, local: bool, steps: int | None, che
         sys.exit(INTERRUPTED_EXIT)
     if result.status != "completed":
         sys.exit(1)
+
+
+def _preflight(job: Any, as_json: bool) -> None:
+    """preflight.sh's lines on stdout (stderr under --json, which keeps stdout for the report)."""
+    from planner.run.preflight_run import run_preflight
+
+    run_preflight(job, lambda line: click.echo(line, file=sys.stderr if as_json else sys.stdout))
 
 
 class _Progress:
@@ -150,6 +164,9 @@ def _print_dry_run(job: Any, as_json: bool) -> None:
         lp = job.local
         click.echo(f"# --local: {lp.processes} CPU process(es), {lp.nodes} simulated node(s), scale {lp.scale}, "
                    f"seq_len {lp.seq_len} (plan: {lp.planned_seq_len})")
+    if job.preflight:
+        where = " on every node (slurm.sbatch, DSPLAN_PREFLIGHT=1)" if job.launcher == "slurm" else " on this node"
+        click.echo(f"# --preflight: would first run ./preflight.sh{where}")
     click.echo("# would write: " + ", ".join(files))
     for command in commands:
         click.echo(command.shell())

@@ -28,12 +28,14 @@ from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args, megatron_notes
 from planner.emit.nccl import host_threads, nccl_env
 from planner.emit.plan_file import PlanFile
+from planner.emit.preflight import preflight_json
 from planner.emit.torchtitan_config import CONFIG_FILE as TORCHTITAN_CONFIG
 from planner.emit.torchtitan_config import TORCHTITAN_VERSION, to_toml, torchtitan_job
 from planner.errors import UserError, spell
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
 from planner.resources import templates_dir
+from planner.run.preflight_spec import PREFLIGHT_FILE
 
 BUILTIN_ENTRY = "builtin"
 DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
@@ -47,11 +49,12 @@ RDMA_FABRICS = ("infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce")
 # A Kubernetes extended resource name (domain/name) and a scheduler name (a DNS subdomain).
 _K8S_RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _K8S_SCHEDULER = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-EXECUTABLE = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch", "megatron_args.sh")
+EXECUTABLE = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sbatch", "megatron_args.sh",
+              "preflight.sh")
 # Rendered from templates/<name>.j2, in this order.
 TEMPLATED = (
     "entry.sh", "hostfile", "nccl.env", "launch_deepspeed.sh", "launch_torchrun.sh",
-    "slurm.sbatch", "k8s-job.yaml", "megatron_args.sh", "README.md",
+    "slurm.sbatch", "k8s-job.yaml", "megatron_args.sh", "preflight.sh", "README.md",
 )
 
 
@@ -207,7 +210,7 @@ def rdma_request(profile: HardwareProfile, options: LaunchOptions) -> RdmaReques
 
 # Files a run directory holds besides the templated ones; a custom entry's copy may not take their names.
 _OTHER_FILES = ("ds_config.json", "plan.json", "moe.json", TORCHTITAN_CONFIG, ".dsplan-manifest.json", "metrics.jsonl",
-                "report.json")
+                "report.json", PREFLIGHT_FILE)
 
 
 class EntryScript(BaseModel):
@@ -286,6 +289,7 @@ def render_run_dir(
     files: dict[str, GeneratedFile] = {
         "ds_config.json": GeneratedFile(content=json.dumps(ds_config, indent=2) + "\n"),
         "plan.json": GeneratedFile(content=json.dumps(plan.to_json(), indent=2) + "\n"),
+        PREFLIGHT_FILE: GeneratedFile(content=preflight_json(plan, profile, plan_title(plan, model))),
     }
     if plan.framework == "torchtitan":
         files[TORCHTITAN_CONFIG] = GeneratedFile(content=to_toml(torchtitan_job(plan, model, options.settings)))

@@ -88,6 +88,7 @@ class Job:
     local: LocalPlan | None = None
     resume_first: bool = False
     files: dict[str, str] = field(default_factory=dict)  # run-dir relative path -> content, written at start
+    preflight: bool = False  # slurm.sbatch runs preflight.sh on every node first (DSPLAN_PREFLIGHT=1)
 
     @property
     def runtime_dir(self) -> Path:
@@ -117,6 +118,8 @@ class Job:
         }
         if resume:
             env["DSPLAN_RESUME"] = "1"
+        if self.preflight and self.launcher == "slurm":
+            env["DSPLAN_PREFLIGHT"] = "1"
         return env
 
     def commands(self, attempt: int = 0, master_port: int | None = None) -> list[Command]:
@@ -175,6 +178,7 @@ def build_job(
     python: str | None = None,
     job_id: str | None = None,
     max_local_procs: int | None = None,
+    preflight: bool = False,
 ) -> Job:
     """Decide everything about a run before anything starts (the same answer for --dry-run)."""
     if launcher not in LAUNCHERS:
@@ -218,7 +222,7 @@ def build_job(
         info=info, launcher=launcher, python=interpreter,
         job_id=job_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:12],
         entry_args=tuple(entry_args), target_steps=steps if steps is not None else info.steps, local=local_plan,
-        resume_first=resume, files=files,
+        resume_first=resume, files=files, preflight=preflight,
     )
 
 
