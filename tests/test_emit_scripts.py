@@ -73,6 +73,9 @@ MEGATRON_LM_FLAGS = {
     "--tp-comm-overlap",
     # Megatron-FSDP (arguments.py _add_distributed_args, _add_checkpointing_args).
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format", "--init-model-with-meta-device",
+    # Checkpointing and the collective timeout (megatron/training/config CheckpointConfig async_save,
+    # use_persistent_ckpt_worker; DistributedInitConfig distributed_timeout_minutes).
+    "--async-save", "--use-persistent-ckpt-worker", "--distributed-timeout-minutes",
     # The precision-aware optimizer's moment dtypes (arguments.py _add_training_args).
     "--exp-avg-dtype", "--exp-avg-sq-dtype",
     # Hybrid sharding: instances of the distributed optimizer / Megatron-FSDP's HSDP (_add_distributed_args).

@@ -52,6 +52,9 @@ FROM_ESTIMATE = {"deepseek-v3-ep64-pp8-v4"}
 # Flags a case is there to cover: the case fails if the plan no longer emits them.
 CONTROL_UNKNOWN, CONTROL_WORLD = "control: unknown flag", "control: world size + 1"
 MUST_EMIT = {
+    # the plan's checkpoint interval, saved asynchronously (torch_dist), and the collective timeout
+    "llama-3-70b-tp4-pp4-v2-sp-fp8": ["--save-interval", "--async-save", "--use-persistent-ckpt-worker",
+                                      "--distributed-timeout-minutes", "--save", "--load"],
     "deepseek-v3-ep64-pp8-v4": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
     "llama-3-8b-megatron-fsdp": ["--use-megatron-fsdp"],
     "llama-3-8b-megatron-hsdp": ["--use-megatron-fsdp", "--num-distributed-optimizer-instances"],

@@ -38,6 +38,26 @@ _SEARCH_FLAGS = (
 )
 
 
+def _every(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+    """``--checkpoint-every``: a whole number of steps, or auto (None: the plan's interval)."""
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise click.BadParameter(f"{value!r}: give a whole number of steps (0: never) or auto")
+    return int(value)
+
+
+def _copy_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    from planner.emit.resilience import check_copy_dir
+
+    try:
+        return check_copy_dir(value)
+    except UserError as err:
+        raise click.BadParameter(str(err).removeprefix(f"--checkpoint-copy {value}: ")) from None
+
+
 @click.command("generate", context_settings={"max_content_width": 100})
 @click.option("--model", "model", default=None, metavar="NAME|PATH",
               help="Model preset or config.json [default with --plan: the plan's model].")
@@ -70,8 +90,12 @@ _SEARCH_FLAGS = (
               help="A hostfile ('host slots=N' lines), one host per node.")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Optimizer steps (schedule length; builtin trainer's run).")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Save a checkpoint every N steps (0: never).")
+@click.option("--checkpoint-every", default="auto", show_default=True, metavar="N|auto", callback=_every,
+              help="Save a checkpoint every N steps (0: never); auto: the plan's interval, Daly's optimum for "
+                   "its save time and the job's MTBF (plan.json's checkpoint.interval_steps).")
+@click.option("--checkpoint-copy", default=None, metavar="PATH", callback=_copy_dir,
+              help="A second checkpoint location (an absolute path every node mounts): the builtin trainer copies "
+                   "each published checkpoint there and a restart falls back to it.")
 @click.option("--master-port", type=click.IntRange(1024, 65535), default=29500, show_default=True,
               help="Rendezvous port on the first node.")
 @click.option("--image", default=None,
@@ -129,7 +153,8 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         k8s_rdma=opts["k8s_rdma"],
         ib_hca=opts["ib_hca"],
         socket_ifname=opts["socket_ifname"],
-        settings=TrainSettings(steps=opts["steps"], checkpoint_every=opts["checkpoint_every"]),
+        settings=TrainSettings(steps=opts["steps"], checkpoint_every=opts["checkpoint_every"],
+                               checkpoint_copy=opts["checkpoint_copy"]),
         input_names=FLAGS,
     )
     files = render_run_dir(plan, model, profile, options, opts["out_dir"])

@@ -4,16 +4,17 @@ Size: a full checkpoint holds each parameter once in the working dtype and its o
 (master weights and Adam moments, Workload.state_dtypes); model-only holds the weights alone.
 Sharding does not change the size, only who writes it:
 
-- Megatron-Core (torch_dist, fully parallel save, its default) and torchtitan (DCP, whose save
-  planner dedups replicated tensors across ranks) spread every byte over all ranks;
+- Megatron-Core (torch_dist or fsdp_dtensor, fully parallel save, its default) and torchtitan
+  (DCP, whose save planner dedups replicated tensors across ranks) spread every byte over all
+  ranks;
 - DeepSpeed writes the ZeRO-partitioned states from every rank, but what ZeRO replicates (all of
   it at stage 0, the 16-bit weights at stages 1-2) only from data-parallel rank 0 of each
   model-parallel group (``mp_rank_*_model_states.pt``), so those nodes write the most.
 
 Write time: the busiest node's bytes at the node's storage bandwidth, or the whole checkpoint at
 the filesystem's aggregate, whichever is slower. The step stalls for all of it when the save is
-synchronous (DeepSpeed); Megatron-Core (--async-save) and torchtitan (checkpoint.async_mode)
-stall only for the copy of each GPU's share to host memory and write in the background.
+synchronous (DeepSpeed, Megatron-FSDP); Megatron-Core (--async-save) and torchtitan
+(checkpoint.async_mode) stall only for the copy of each GPU's share to host memory and write in the background.
 Restore: every rank reads what it holds (replicas read the replicated bytes again).
 """
 
@@ -28,7 +29,14 @@ from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
 
 _DEEPSPEED = (FRAMEWORKS.index("deepspeed"), FRAMEWORKS.index("megatron-deepspeed"))
-_ASYNC = (FRAMEWORKS.index("megatron"), FRAMEWORKS.index("torchtitan"))
+_MEGATRON, _TITAN = FRAMEWORKS.index("megatron"), FRAMEWORKS.index("torchtitan")
+
+
+def saves_async(framework: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """Where ``generate`` turns on the runtime's asynchronous save: Megatron-Core's --async-save
+    (torch_dist format: not under Megatron-FSDP's fsdp_dtensor, ZeRO-3) and torchtitan's
+    checkpoint.async_mode. DeepSpeed's engine saves synchronously."""
+    return ((framework == _MEGATRON) & (zero < 3)) | (framework == _TITAN)
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ def checkpoint_arrays(col: dict[str, np.ndarray], model: ModelSpec, workload: Wo
     persist = np.maximum(busiest / (st.write_GBps_per_node * 1e9), full / (st.aggregate_write_GBps * 1e9))
     # Async: each GPU copies its share to pinned host memory over its PCIe link, then writes on.
     copy = (full / (nodes * gpn)) / (profile.node.pcie_GBps * 1e9)
-    stall = np.where(np.isin(col["framework"], _ASYNC), np.minimum(copy, persist), persist)
+    stall = np.where(saves_async(col["framework"], col["zero"]), np.minimum(copy, persist), persist)
     dp_replicas = col["dp"] * col["cp"]
     read_total = full + replicated * (dp_replicas - 1)
     restore = np.maximum(read_total / nodes / (st.read_GBps_per_node * 1e9),

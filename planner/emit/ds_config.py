@@ -34,7 +34,10 @@ class TrainSettings(BaseModel):
     eps: PositiveFloat = 1e-8
     grad_clip: PositiveFloat = 1.0
     steps_per_print: PositiveInt = 10
-    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    # Steps between checkpoints; None: the plan's interval (planner/cost/goodput.py, resolved by
+    # render_run_dir), 0: never.
+    checkpoint_every: int | None = Field(None, ge=0)
+    checkpoint_copy: str | None = None  # a second location each published checkpoint is copied to
 
     @property
     def warmup(self) -> int:

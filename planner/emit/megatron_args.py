@@ -16,6 +16,7 @@ from planner.emit.ds_config import TrainSettings
 from planner.emit.megatron_flag import Arg, _a
 from planner.emit.megatron_moe import moe_args
 from planner.emit.plan_file import PlanFile
+from planner.emit.resilience import megatron_checkpoint_args
 from planner.errors import UserError
 from planner.model.spec import DecoderBlock, DenseMLP, EmbeddingBlock, LMHeadBlock, ModelSpec, MoEMLP
 
@@ -305,9 +306,7 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
     if plan.framework != "megatron-deepspeed":  # Megatron-DeepSpeed hands ZeRO to DeepSpeed (--zero-stage below)
         args += _sharding_args(plan)
     args.append(_a("--log-interval", settings.steps_per_print))
-    if settings.checkpoint_every:
-        args.append(_a("--save-interval", settings.checkpoint_every))
-    return args
+    return args + megatron_checkpoint_args(plan, settings.checkpoint_every or 0)
 
 
 def _sharding_args(plan: PlanFile) -> list[Arg]:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from planner.cost.paid import runs_ep_overlap
 from planner.emit.plan_file import PlanFile
+from planner.emit.resilience import TIMEOUT_MARGIN, collective_timeout_s
 from planner.errors import UserError
 from planner.hardware.profile import HardwareProfile
 
@@ -93,9 +94,24 @@ def nccl_env(
         add("OMP_NUM_THREADS", str(threads),
             f"the CPU optimizer's threads per rank: the node's {profile.node.cpu_cores} "
             f"cores over its {plan.gpus_per_node} ranks (torchrun would give each rank 1)")
-    add("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "a failed or timed-out collective aborts the job instead of hanging")
+    env += _torch_distributed_env(plan)
     add("NCCL_DEBUG", "WARN", "NCCL prints warnings and errors only (INFO when debugging)")
     return env
+
+
+def _torch_distributed_env(plan: PlanFile) -> list[EnvVar]:
+    """How a failed or stuck collective ends the job, and how long one may wait (resilience.py)."""
+    return [EnvVar(name=n, value=v, why=w) for n, v, w in (
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "a failed or timed-out collective aborts the job instead of hanging"),
+        ("TORCH_NCCL_BLOCKING_WAIT", "0", "the watchdog times collectives out without blocking the host on each "
+         "(blocking wait would serialise the CPU with every kernel)"),
+        ("DSPLAN_COLLECTIVE_TIMEOUT_S", str(collective_timeout_s(plan)),
+         f"the process groups' timeout: {TIMEOUT_MARGIN} x the longest wait the plan predicts (a step, a "
+         "synchronous save's barrier, a restore), at least PyTorch's 600 s (dsplan's trainer; Megatron-LM gets "
+         "--distributed-timeout-minutes, torchtitan comm.train_timeout_seconds)"),
+        ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000", "PyTorch's NCCL flight recorder keeps the last 2000 collectives"),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", "a timed-out collective dumps the flight recorder (which rank was late)"),
+    )]
 
 
 def host_threads(profile: HardwareProfile, plan: PlanFile) -> int | None:

@@ -29,6 +29,7 @@ from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args
 from planner.emit.nccl import host_threads, nccl_env
 from planner.emit.plan_file import PlanFile
 from planner.emit.preflight import preflight_json
+from planner.emit.resilience import RESTARTS, async_save, collective_timeout_s, resolved_settings
 from planner.emit.torchtitan_config import CONFIG_FILE as TORCHTITAN_CONFIG
 from planner.emit.torchtitan_config import TORCHTITAN_VERSION, to_toml, torchtitan_job
 from planner.errors import UserError, spell
@@ -132,6 +133,10 @@ def _predictions(plan: PlanFile) -> list[tuple[str, str]]:
         rows.append(("predicted throughput", f"{_count(extra['tokens_per_s'])} tokens/s"))
     if isinstance(extra.get("mfu"), (int, float)):
         rows.append(("predicted MFU", f"{100 * extra['mfu']:.1f}%"))
+    ck = extra.get("checkpoint")
+    if isinstance(ck, dict) and isinstance(extra.get("goodput"), (int, float)):
+        rows.append(("predicted goodput", f"{100 * extra['goodput']:.1f}% of wall time trains, at a job MTBF of "
+                                          f"{ck.get('mtbf_hours', 0):,.1f} h"))
     if extra.get("fits") is False:
         rows.append(("fits", "NO: the planner predicts this plan runs out of memory"))
     return rows
@@ -280,6 +285,7 @@ def render_run_dir(
             f"plan: {plan.gpus_per_node} GPUs per node, but hardware profile {profile.name} has {profile.gpus_per_node}"
         )
     check_plan_against_model(plan, model)
+    options = options.model_copy(update={"settings": resolved_settings(plan, options.settings)})
     ds_config = build_ds_config(plan, model, options.settings)
     moe = build_moe_config(plan, model)
     hosts = _hosts(plan, options)
@@ -328,6 +334,7 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
         "script": script,
         "entry_args": options.entry_args,
         "moe": moe,
+        "resilience": {"timeout_s": collective_timeout_s(plan), "async": async_save(plan), "restarts": RESTARTS},
         "torchtitan_version": TORCHTITAN_VERSION,
         "hosts": hosts,
         "hosts_given": options.hosts is not None or plan.nodes == 1,

@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # 3.10: the render is not read back
 from planner.cost import torchtitan as tt
 from planner.emit.ds_config import TrainSettings
 from planner.emit.plan_file import PlanFile
+from planner.emit.resilience import collective_timeout_s
 from planner.errors import UserError, arg
 from planner.model.spec import ModelSpec
 
@@ -84,9 +85,12 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
                      "enable_cpu_offload": plan.offload == "optimizer+params"},
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": plan.recompute},  # none or full (selective is refused)
-        "checkpoint": {"enable": settings.checkpoint_every > 0, "folder": "checkpoint",
-                       "interval": settings.checkpoint_every or settings.steps},
-        "comm": {"init_timeout_seconds": 600, "train_timeout_seconds": 300},
+        # DCP saves every interval, in the background as priced (checkpoint_io.saves_async), the
+        # newest two kept; a restart loads the newest from the same folder.
+        "checkpoint": {"enable": bool(settings.checkpoint_every), "folder": "checkpoint",
+                       "interval": settings.checkpoint_every or settings.steps, "async_mode": "async",
+                       "keep_latest_k": 2},
+        "comm": {"init_timeout_seconds": 600, "train_timeout_seconds": collective_timeout_s(plan)},
     }
     if recipe == "fp8-tensorwise":
         # bf16 all-gathers and the LM head in bf16, as priced (step_time.fp8_param_gather is Megatron's).

@@ -115,6 +115,8 @@ class Job:
             JOB_ID_ENV: self.job_id,
             "DSPLAN_RANK_PYTHON": self.python,
             "DSPLAN_PYTHON": str(self.runtime_dir / "rank_python"),
+            # the supervisor restarts failed attempts itself (--max-restarts), torchrun does not
+            "DSPLAN_MAX_RESTARTS": "0",
         }
         if resume:
             env["DSPLAN_RESUME"] = "1"

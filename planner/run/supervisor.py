@@ -82,9 +82,10 @@ class RunResult:
 
 
 def checkpoint_step(ckpt_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint (planner.run.checkpoint's ``latest_good``)."""
-    tag = checkpoint.latest_good(Path(ckpt_dir))
-    return None if tag is None else checkpoint.step_of(tag)
+    """The step of the newest readable checkpoint (planner.run.checkpoint's ``readable_tags``:
+    the one the trainer resumes from)."""
+    found = checkpoint.readable_tags(Path(ckpt_dir))
+    return checkpoint.step_of(found[0][1]) if found else None
 
 
 class Supervisor:

@@ -23,6 +23,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="train until this global step")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--checkpoint-dir", type=Path)
+    p.add_argument("--checkpoint-copy", type=Path, help="a second directory each published checkpoint is copied to")
     p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--log", type=Path, help="metrics file; ranks write <stem>.rank<R><suffix>")
@@ -178,7 +180,7 @@ def train(args: argparse.Namespace) -> int:
     phases.done("imports")
     scale = parse_scale(args.scale)
     on_cpu = get_accelerator().device_name() == "cpu"
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None, timeout=_collective_timeout())
     rank, world = dist.get_rank(), dist.get_world_size()
     if on_cpu:  # DeepSpeed never unlinks its CPU all-reduce buffer: this rank's goes when it exits
         atexit.register(_release_shm_buffer, rank)
@@ -194,7 +196,7 @@ def train(args: argparse.Namespace) -> int:
         raise UserError(f"ds_config.json: train_micro_batch_size_per_gpu is {micro} but plan.json has "
                         f"micro_batch={plan.micro_batch}; regenerate the run directory")
     ckpt_dir = (args.checkpoint_dir or run_dir / CHECKPOINT_DIR).resolve()
-    resumed_from, start_step = _resume(engine, ckpt_dir) if args.resume else (None, 0)
+    resumed_from, start_step = _resume(engine, ckpt_dir, args.checkpoint_copy) if args.resume else (None, 0)
     phases.done("resume")
     write_json_atomic(run_dir / f"run_info.rank{rank}.json", {
         **_run_info(engine, model, plan, spec, rank, world, dp_rank, stage),
@@ -248,11 +250,18 @@ def _initialize(module: Any, plan: PlanFile, cfg: dict[str, Any]) -> Any:
     return engine
 
 
-def _resume(engine: Any, ckpt_dir: Path) -> tuple[str | None, int]:
-    """(the tag loaded, the step it saved) from the latest good checkpoint; (None, 0) when there is none."""
+def _collective_timeout() -> timedelta:
+    """The process groups' timeout generate chose for the plan (nccl.env's DSPLAN_COLLECTIVE_TIMEOUT_S),
+    else DeepSpeed's default of 600 s."""
+    value = os.environ.get("DSPLAN_COLLECTIVE_TIMEOUT_S", "")
+    return timedelta(seconds=int(value) if value.isdigit() and int(value) > 0 else 600)
+
+
+def _resume(engine: Any, ckpt_dir: Path, copy_dir: Path | None = None) -> tuple[str | None, int]:
+    """(the tag loaded, the step it saved) from the newest readable checkpoint; (None, 0) when there is none."""
     from planner.run import checkpoint
 
-    loaded = checkpoint.load(engine, ckpt_dir)
+    loaded = checkpoint.load(engine, ckpt_dir, copy_dir)
     if loaded is None:
         return None, 0
     tag, state = loaded
@@ -313,7 +322,8 @@ def _train_loop(args: argparse.Namespace, engine: Any, model: _Model, plan: Plan
             if args.fault == "save" and step == args.fault_step:
                 engine.save_checkpoint(str(ckpt_dir), tag=checkpoint.tag_for(step), save_latest=False)
                 os._exit(18)  # files written, never published
-            checkpoint.save(engine, ckpt_dir, step, {"step": step, "tokens_per_step": tokens_per_step})
+            checkpoint.save(engine, ckpt_dir, step, {"step": step, "tokens_per_step": tokens_per_step},
+                            args.checkpoint_copy)
 
 
 if __name__ == "__main__":
