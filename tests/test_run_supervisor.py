@@ -115,6 +115,10 @@ def check_prediction_columns(report: dict, plan: dict) -> None:
         row = rows[metric]
         assert row["relative_error"] == pytest.approx((row["measured"] - row["predicted"]) / row["predicted"])
     assert rows["step_time_s"]["measured"] == measured["step_time_s"]
+    # goodput: the steps that count, each once, over the run's wall time (start-up, saves, lost
+    # steps and restarts are the rest), beside the plan's prediction
+    assert predicted["goodput"] == plan["goodput"] and 0 < plan["goodput"] <= 1
+    assert 0 < measured["goodput"] < 1 and rows["goodput"]["measured"] == measured["goodput"]
     assert report["local"] and "CPU" in report["note"] and "not a statement" in report["note"]
     assert report["adapted_prediction"] is None and "not be meaningful" in report["adapted_prediction_note"]
     # the local run trains tokens of its own sequence length; the plan's tokens per step are recorded beside
@@ -194,6 +198,16 @@ def test_killed_and_hung_ranks_restart_from_the_last_checkpoint(tmp_path):
     assert [p["step"] for p in curve] == list(range(1, steps + 1))
     assert all(math.isfinite(p["loss"]) for p in curve) and curve[-1]["loss"] < curve[0]["loss"]
     assert curve[-1]["attempt"] == 2 and curve[0]["attempt"] == 0
+
+    # measured goodput: each step once (its last run, the slowest rank) over the wall time; the
+    # killed and the frozen attempts' lost steps, the restarts and the start-ups are what it leaves out
+    last: dict[int, dict[int, float]] = {}
+    for rank in (0, 1):
+        for r in metrics(run_dir, rank):  # a file appends each attempt after the one before
+            last.setdefault(r["step"], {})[rank] = r["step_time_s"]
+    useful = sum(max(per_rank.values()) for per_rank in last.values())
+    assert report["measured"]["goodput"] == pytest.approx(useful / report["wall_time_s"], rel=1e-9)
+    assert report["measured"]["goodput"] < 0.9  # two restarts and three start-ups in a 40-step run
 
     # the checkpoints: every kept tag complete, the newest published; the last attempt loaded one
     from planner.run import checkpoint

@@ -285,3 +285,32 @@ def test_checkpoint_resume_continues_step_and_loss(tmp_path):
     assert checkpoint.latest_good(ckpt) == "step_00000006"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]  # keep 2
     assert all(checkpoint.is_complete(ckpt, p.name) for p in ckpt.glob("step_*"))
+
+    # The newest checkpoint damaged after it was published (a truncated file): the restart falls
+    # back to the one before it, and the steps after it run again with the losses they had.
+    victim = max((p for p in (ckpt / "step_00000006").rglob("*.pt")), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    assert not checkpoint.is_readable(ckpt, "step_00000006") and checkpoint.is_readable(ckpt, "step_00000004")
+    run_deepspeed(run_dir, "--steps", "6", "--checkpoint-every", "2", "--resume")
+    info = read_info(run_dir, 0)
+    assert info["resumed_from"] == "step_00000004" and info["start_step"] == 4
+    records = read_metrics(run_dir, 0)
+    assert [r["step"] for r in records[8:]] == [5, 6]
+    assert [r["loss"] for r in records[8:]] == pytest.approx(reference[4:], rel=1e-4)
+
+
+@pytest.mark.deepspeed
+def test_a_second_copy_is_what_a_restart_falls_back_to(tmp_path):
+    spec = llama_like()
+    run_dir = make_run_dir(tmp_path / "run", spec, FAST_LR, zero_stage=1)
+    ckpt, copy = run_dir / "checkpoints", tmp_path / "copy"
+    run_deepspeed(run_dir, "--steps", "2", "--checkpoint-every", "2", "--checkpoint-copy", str(copy))
+    assert checkpoint.is_readable(copy, "step_00000002") and checkpoint.latest_good(copy) == "step_00000002"
+    assert checkpoint.manifest(copy / "step_00000002") == checkpoint.manifest(ckpt / "step_00000002")
+    import shutil
+
+    shutil.rmtree(ckpt)  # the first location lost
+    run_deepspeed(run_dir, "--steps", "3", "--resume", "--checkpoint-copy", str(copy))
+    info = read_info(run_dir, 0)
+    assert info["resumed_from"] == "step_00000002" and info["start_step"] == 2
+    assert [r["step"] for r in read_metrics(run_dir, 0)] == [1, 2, 3]

@@ -178,6 +178,8 @@ def _fmt(metric: str, value: Any) -> str:
         return "-"
     if "memory" in metric:
         return human_bytes(value)
+    if metric == "goodput":
+        return f"{100 * value:.1f}%"
     if metric.endswith("_s") and "per_s" not in metric:
         return human_time(value)
     return f"{value:,.0f}"

@@ -8,6 +8,9 @@ Measured values come from the trainer's per-rank metrics (one record per step an
 - peak memory: the highest value each rank logged;
 - loss curve: rank 0's loss per step, from the attempt that last ran the step.
 A step run twice (before a failure and again after the restart) counts once, from the later attempt.
+- goodput: the time of the steps that count (each once, its slowest rank's) over the run's wall
+  time; start-up, checkpoint saves, steps lost to a failure and restarts are what it leaves out,
+  as the plan's predicted goodput (planner/cost/goodput.py) does.
 
 Predicted values come from plan.json as dsplan wrote it: ``step_time_s``, ``tokens_per_s``, and
 the peak memory of each rank's pipeline stage (``stages[i].memory.peak_bytes``).
@@ -87,6 +90,16 @@ def measure(records: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[s
     }
 
 
+def measured_goodput(records: list[dict[str, Any]], wall_s: float) -> float | None:
+    """Useful step time over wall time (None before a step or without wall time)."""
+    per_step: dict[int, float] = {}
+    for (_, step), record in final_records(records).items():
+        per_step[step] = max(per_step.get(step, 0.0), float(record["step_time_s"]))
+    if not per_step or wall_s <= 0:
+        return None
+    return min(1.0, sum(per_step.values()) / wall_s)
+
+
 def loss_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     final = final_records(records)
     rank0 = sorted((step, r) for (rank, step), r in final.items() if rank == 0)
@@ -108,6 +121,7 @@ def predict(plan: dict[str, Any], stage_of_rank: dict[int, int]) -> dict[str, An
         "peak_memory_bytes_per_rank": per_rank,
         "peak_memory_bytes_max": max((v for v in per_rank.values() if v is not None), default=default_peak),
         "mfu": plan.get("mfu"),
+        "goodput": plan.get("goodput"),
     }
 
 
@@ -126,7 +140,7 @@ def _stages(run_dir: Path, ranks: list[int]) -> dict[int, int]:
 
 def comparison(measured: dict[str, Any], predicted: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    for metric in ("step_time_s", "tokens_per_s", "peak_memory_bytes_max"):
+    for metric in ("step_time_s", "tokens_per_s", "peak_memory_bytes_max", "goodput"):
         rows.append({"metric": metric, "measured": measured.get(metric), "predicted": predicted.get(metric),
                      "relative_error": relative_error(measured.get(metric), predicted.get(metric))})
     for rank, value in measured["peak_memory_bytes_per_rank"].items():
@@ -139,6 +153,7 @@ def comparison(measured: dict[str, Any], predicted: dict[str, Any]) -> list[dict
 def build_report(job: Job, result: RunResult, warmup: int = WARMUP_STEPS) -> dict[str, Any]:
     info = job.info
     measured = measure(result.records, warmup)
+    measured["goodput"] = measured_goodput(result.records, result.ended - result.started)
     ranks = sorted(int(r) for r in measured["peak_memory_bytes_per_rank"]) or list(range(info.world_size))
     predicted = predict(info.plan, _stages(info.path, ranks))
     local = job.local
