@@ -26,7 +26,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MEGATRON_CORE_VERSION = "0.19.2"
+from planner.emit.container import MEGATRON_CORE_VERSION  # the version Dockerfile pins
+
 # Transformer Engine version the shim reports (see _CHILD): the newest minimum this megatron-core
 # release tests for (megatron/core/**: is_te_min_version("2.14.0")), so every TE-gated feature
 # dsplan may emit is judged as on a current NGC container rather than refused for "no TE".

@@ -99,7 +99,8 @@ def _copy_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--master-port", type=click.IntRange(1024, 65535), default=29500, show_default=True,
               help="Rendezvous port on the first node.")
 @click.option("--image", default=None,
-              help="Container image for k8s-job.yaml [default: an NGC PyTorch image; add DeepSpeed and dsplan to it].")
+              help="Container image for k8s-job.yaml [default: the NGC PyTorch image the run directory's Dockerfile "
+                   "builds on; build that Dockerfile (runtime and dsplan pinned) and name the result here].")
 @click.option("--k8s-pvc", default="dsplan-runs", show_default=True,
               help="PersistentVolumeClaim holding run directories (k8s-job.yaml).")
 @click.option("--k8s-scheduler", default=None, metavar="NAME",

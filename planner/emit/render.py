@@ -23,6 +23,7 @@ from planner import __version__
 from planner.cost.framework_rules import check_framework_for
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import check_against_model
+from planner.emit.container import runtime_pins
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args, megatron_notes
@@ -55,7 +56,7 @@ EXECUTABLE = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sb
 # Rendered from templates/<name>.j2, in this order.
 TEMPLATED = (
     "entry.sh", "hostfile", "nccl.env", "launch_deepspeed.sh", "launch_torchrun.sh",
-    "slurm.sbatch", "k8s-job.yaml", "megatron_args.sh", "preflight.sh", "README.md",
+    "slurm.sbatch", "k8s-job.yaml", "megatron_args.sh", "preflight.sh", "Dockerfile", "README.md",
 )
 
 
@@ -334,6 +335,7 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
         "script": script,
         "entry_args": options.entry_args,
         "moe": moe,
+        "container": {"base_image": DEFAULT_IMAGE, "pins": runtime_pins(plan, options.entry == BUILTIN_ENTRY)},
         "resilience": {"timeout_s": collective_timeout_s(plan), "async": async_save(plan), "restarts": RESTARTS},
         "torchtitan_version": TORCHTITAN_VERSION,
         "hosts": hosts,
