@@ -251,4 +251,5 @@ def test_slurm_preflight_runs_on_every_node_through_sbatch(a100_run_dir):
     assert job.commands()[0].env["DSPLAN_PREFLIGHT"] == "1"
     assert "DSPLAN_PREFLIGHT" not in build_job(a100_run_dir, launcher="slurm").commands()[0].env
     sbatch = (a100_run_dir / "slurm.sbatch").read_text()
-    assert 'srun "${CONTAINER[@]}" --nodes="$SLURM_NNODES" --ntasks-per-node=1 --label "$RUN_DIR/preflight.sh"' in sbatch
+    assert ('srun "${CONTAINER[@]}" --nodes="$SLURM_NNODES" --ntasks-per-node=1 --label "$RUN_DIR/preflight.sh"'
+            in sbatch)
