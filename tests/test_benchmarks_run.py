@@ -83,3 +83,13 @@ def test_megatron_bridge_rows_dsplan_can_express_are_priced_and_the_rest_say_why
     b200 = next(r for r in expressible if r["system"] == "DGX-B200")
     best = bench.free(b200)
     assert best["rank"] <= 10 and bench.pinned(b200)["predicted"] >= 0.995 * best["best_tokens"]
+
+
+def test_goodput_benchmark_agrees_with_simulation_and_llama3():
+    """The closed form within 1% of the simulated failure process; Llama 3's job at the MTBF its
+    report implies, and a goodput above the published lower bound of 90%."""
+    bench = _load("bench_goodput")
+    assert bench.closed_form_check()["worst_relative_difference"] < 0.01
+    ll = bench.llama3()
+    assert abs(ll["mtbf_hours"] - ll["published_mtbf_hours"]) < 0.05
+    assert 0.9 < ll["goodput"] < 1.0
