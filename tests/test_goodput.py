@@ -165,3 +165,21 @@ def test_suggest_json_carries_goodput_and_ranks_by_it() -> None:
     useful = [p["goodput_tokens_per_s"] for p in plans]
     assert useful == sorted(useful, reverse=True)
     assert all(p["objective_value"] == pytest.approx(p["goodput_tokens_per_s"]) for p in plans)
+
+
+@pytest.mark.parametrize(("section", "field", "value"), [("storage", "write_GBps_per_node", 0),
+                                                          ("storage", "aggregate_read_GBps", -5),
+                                                          ("reliability", "gpu_mtbf_hours", 0)])
+def test_a_zero_storage_bandwidth_or_mtbf_in_a_profile_is_refused(tmp_path, section, field, value):
+    import yaml
+
+    from planner.resources import hardware_profiles_dir
+
+    data = yaml.safe_load((hardware_profiles_dir() / "dgx-h100.yaml").read_text())
+    data["name"] = "mine"
+    data[section] = {field: value}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(data))
+    res = run_cli(["estimate", "--model", "llama-3-8b", "--hardware", str(path)])
+    assert res.exit_code == 2
+    assert f"{section}.{field}" in res.output and "greater than 0" in res.output and "Traceback" not in res.output
