@@ -7,6 +7,7 @@ imported inside the command so ``dsplan --help`` stays fast.
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from typing import Any
@@ -318,8 +319,13 @@ def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
         f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}",
         _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
         f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB", human_time(p["step_time_s"]),
-        human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", f"{p.get('goodput', 1.0):.1%}",
+        human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", _floor_percent(p.get("goodput", 1.0)),
         _bottlenecks(rp.balancer_bottleneck_s))
+
+
+def _floor_percent(x: float) -> str:
+    """A share as a percentage rounded down, so 99.96% reads 99.9%, not 100.0%."""
+    return f"{math.floor(x * 1000) / 10:.1f}%"
 
 
 def _bottlenecks(b: dict) -> str:
