@@ -19,6 +19,7 @@ from tests.test_emit_ds_config import make_plan
 RUN_FILES = {
     "README.md", "ds_config.json", "entry.sh", "hostfile", "k8s-job.yaml", "launch_deepspeed.sh", "launch_torchrun.sh",
     "megatron_args.sh", "nccl.env", "plan.json", "slurm.sbatch", "preflight.sh", "preflight.json", "Dockerfile",
+    "prometheus-rules.yaml", "grafana-dashboard.json",
 }
 
 

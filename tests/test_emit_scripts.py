@@ -587,12 +587,13 @@ def test_launch_deepspeed_ssh_mode_uses_the_hostfile(tmp_path: Path, fake_bin: P
 
 def test_launch_deepspeed_ssh_mode_carries_resume_to_every_host(tmp_path: Path, fake_bin: Path):
     """Over ssh/pdsh DeepSpeed forwards only MLFLOW*/PYTHON*/MV2*/UCX* variables; DSPLAN_RESUME
-    reaches the other hosts through ./.deepspeed_env, which its runner exports everywhere."""
+    and DSPLAN_METRICS_PORT reach the other hosts through ./.deepspeed_env, which its runner
+    exports everywhere."""
     run_dir = tmp_path / "run"
-    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DSPLAN_RESUME": "1"}
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DSPLAN_RESUME": "1", "DSPLAN_METRICS_PORT": "9500"}
     run_with_stub(tmp_path, PLANS["multi"], [str(run_dir / "launch_deepspeed.sh"), "ssh"], env=env)
     lines = (run_dir / ".deepspeed_env").read_text().splitlines()
-    assert lines == ["DSPLAN_RESUME=1", f"DSPLAN_PYTHON={sys.executable}"]
+    assert lines == ["DSPLAN_RESUME=1", f"DSPLAN_PYTHON={sys.executable}", "DSPLAN_METRICS_PORT=9500"]
 
 
 def test_launch_torchrun_rendezvous(tmp_path: Path, fake_bin: Path):

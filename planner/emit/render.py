@@ -27,6 +27,7 @@ from planner.emit.container import runtime_pins
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args, megatron_notes
+from planner.emit.monitoring import DASHBOARD_FILE, AlertThresholds, dashboard, predicted_step_time
 from planner.emit.nccl import host_threads, nccl_env
 from planner.emit.plan_file import PlanFile
 from planner.emit.preflight import preflight_json
@@ -37,6 +38,7 @@ from planner.errors import UserError, spell
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
 from planner.resources import templates_dir
+from planner.run.exporter import COMM_SHARE, STEP_TIME
 from planner.run.preflight_spec import PREFLIGHT_FILE
 
 BUILTIN_ENTRY = "builtin"
@@ -56,7 +58,8 @@ EXECUTABLE = ("entry.sh", "launch_deepspeed.sh", "launch_torchrun.sh", "slurm.sb
 # Rendered from templates/<name>.j2, in this order.
 TEMPLATED = (
     "entry.sh", "hostfile", "nccl.env", "launch_deepspeed.sh", "launch_torchrun.sh",
-    "slurm.sbatch", "k8s-job.yaml", "megatron_args.sh", "preflight.sh", "Dockerfile", "README.md",
+    "slurm.sbatch", "k8s-job.yaml", "megatron_args.sh", "preflight.sh", "prometheus-rules.yaml", "Dockerfile",
+    "README.md",
 )
 
 
@@ -83,6 +86,7 @@ class LaunchOptions(BaseModel):
     ib_hca: str | None = None
     socket_ifname: str | None = None
     settings: TrainSettings = Field(default_factory=TrainSettings)
+    alerts: AlertThresholds = Field(default_factory=AlertThresholds)  # prometheus-rules.yaml, the dashboard
     # How the README's notes name the inputs to change (planner/errors.py spell): the CLI passes
     # its flags; None reads the API keywords.
     input_names: dict[str, str] | None = None
@@ -216,7 +220,7 @@ def rdma_request(profile: HardwareProfile, options: LaunchOptions) -> RdmaReques
 
 # Files a run directory holds besides the templated ones; a custom entry's copy may not take their names.
 _OTHER_FILES = ("ds_config.json", "plan.json", "moe.json", TORCHTITAN_CONFIG, ".dsplan-manifest.json", "metrics.jsonl",
-                "report.json", PREFLIGHT_FILE)
+                "report.json", PREFLIGHT_FILE, DASHBOARD_FILE)
 
 
 class EntryScript(BaseModel):
@@ -300,6 +304,8 @@ def render_run_dir(
     }
     if plan.framework == "torchtitan":
         files[TORCHTITAN_CONFIG] = GeneratedFile(content=to_toml(torchtitan_job(plan, model, options.settings)))
+    board = dashboard(context["plan_title"], context["run_name"], options.alerts, predicted_step_time(plan))
+    files[DASHBOARD_FILE] = GeneratedFile(content=json.dumps(board, indent=2) + "\n")
     if moe is not None:
         files["moe.json"] = GeneratedFile(content=json.dumps(moe, indent=2) + "\n")
     if script is not None and script.text is not None:
@@ -337,6 +343,8 @@ def _context(plan: PlanFile, model: ModelSpec, profile: HardwareProfile, options
         "moe": moe,
         "container": {"base_image": DEFAULT_IMAGE, "pins": runtime_pins(plan, options.entry == BUILTIN_ENTRY)},
         "resilience": {"timeout_s": collective_timeout_s(plan), "async": async_save(plan), "restarts": RESTARTS},
+        "t": options.alerts, "m": {"step_time": STEP_TIME, "comm_share": COMM_SHARE},
+        "predicted_step_time": predicted_step_time(plan), "tdp_W": profile.gpu.tdp_W,
         "torchtitan_version": TORCHTITAN_VERSION,
         "hosts": hosts,
         "hosts_given": options.hosts is not None or plan.nodes == 1,
@@ -364,5 +372,7 @@ def _self_check(files: dict[str, GeneratedFile]) -> None:
     for name, generated in files.items():
         if name.endswith(".json"):
             json.loads(generated.content)
+    rules = yaml.safe_load(files["prometheus-rules.yaml"].content)
+    assert rules["groups"][0]["rules"], "prometheus-rules.yaml rendered no rule"
     job = yaml.safe_load(files["k8s-job.yaml"].content)
     assert job["kind"] == "PyTorchJob", "k8s-job.yaml did not render a PyTorchJob"

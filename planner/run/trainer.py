@@ -8,9 +8,10 @@ sequence length and recomputation from ``plan.json``; tensor parallel through Au
 once per rank; unknown launcher arguments are ignored.
 
 Outputs: ``<log>.rank<R>.jsonl`` (one line per step: step, loss, step_time_s, tokens_per_s,
-peak_memory_bytes, ...), ``run_info.rank<R>.json`` (what this rank built: pipeline stage,
-layer range, DeepSpeed's stage boundaries, parameters), atomic checkpoints, and a progress
-line per step from rank 0.
+peak_memory_bytes, ..., and comm_time_s with ``--metrics-port``), a Prometheus endpoint per rank
+on ``--metrics-port`` + local rank when given (planner/run/exporter.py),
+``run_info.rank<R>.json`` (what this rank built: pipeline stage, layer range, DeepSpeed's stage
+boundaries, parameters), atomic checkpoints, and a progress line per step from rank 0.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from planner.emit.plan_file import PlanFile
 from planner.errors import UserError
 from planner.model.spec import ModelSpec, VisionEmbedBlock
+from planner.run.exporter import check_port
 from planner.run.metrics import MetricsLog, metrics_path
 from planner.run.rundir import (
     CHECKPOINT_DIR,
@@ -62,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", type=Path)
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on PORT + local rank (0, the default: off)")
     # generate passes moe.json for custom entries; the trainer reads the same facts from the ModelSpec
     p.add_argument("--moe-config", type=Path, help=argparse.SUPPRESS)
     # fault injection for supervisor tests: exit abruptly on one rank at a step, or mid-save
@@ -73,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UserError(f"--steps {args.steps}: must be at least 1")
     if args.checkpoint_every < 0:
         raise UserError(f"--checkpoint-every {args.checkpoint_every}: must be 0 (never) or positive")
+    check_port(args.metrics_port)
     return args
 
 
@@ -299,12 +304,15 @@ def _train_loop(args: argparse.Namespace, engine: Any, model: _Model, plan: Plan
     from planner.run import checkpoint
 
     metrics = MetricsLog(log)
+    monitor = _Monitor(args.metrics_port, rank, args.local_rank) if args.metrics_port else None
     device = get_accelerator().current_device_name()
     grad_accum = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_micro_batch_size_per_gpu() * grad_accum * dp * seq_len
     for step in range(start_step + 1, args.steps + 1):
         if args.fault == "step" and step == args.fault_step and rank == args.fault_rank:
             os._exit(17)
+        if monitor is not None:
+            monitor.comm.take()  # what ran between steps (a checkpoint's collectives) is no step's
         start = time.perf_counter()
         batches = [model.data.batch(step, m, dp_rank) for m in range(grad_accum)]
         batches = [(tuple(t.to(device) for t in inputs), labels.to(device)) for inputs, labels in batches]
@@ -313,6 +321,8 @@ def _train_loop(args: argparse.Namespace, engine: Any, model: _Model, plan: Plan
         record = {"step": step, "rank": rank, "loss": loss, "step_time_s": elapsed,
                   "tokens_per_s": tokens_per_step / elapsed, "tokens": tokens_per_step,
                   "peak_memory_bytes": peak_memory_bytes(), "time": time.time()}
+        if monitor is not None:
+            record["comm_time_s"] = monitor.observe(step, elapsed, record["tokens_per_s"])
         metrics.write(record)
         if rank == 0:
             print(f"step {step}/{args.steps} loss {record['loss']:.4f} step_time {elapsed:.3f}s "
@@ -324,6 +334,28 @@ def _train_loop(args: argparse.Namespace, engine: Any, model: _Model, plan: Plan
                 os._exit(18)  # files written, never published
             checkpoint.save(engine, ckpt_dir, step, {"step": step, "tokens_per_step": tokens_per_step},
                             args.checkpoint_copy)
+    if monitor is not None:
+        monitor.close()
+
+
+class _Monitor:
+    """``--metrics-port``: this rank's Prometheus endpoint and the communication timer it reports."""
+
+    def __init__(self, port: int, rank: int, local_rank: int | None) -> None:
+        from planner.run.exporter import CommTimer, TrainerMetrics
+
+        local = int(os.environ.get("LOCAL_RANK", local_rank or 0))  # the launchers set LOCAL_RANK
+        self.metrics = TrainerMetrics(port, rank, local)
+        self.comm = CommTimer()
+
+    def observe(self, step: int, step_time_s: float, tokens_per_s: float) -> float:
+        """Publish one step; returns its communication seconds."""
+        comm_s = self.comm.take()
+        self.metrics.observe(step, step_time_s, tokens_per_s, comm_s)
+        return comm_s
+
+    def close(self) -> None:
+        self.metrics.close()
 
 
 if __name__ == "__main__":
