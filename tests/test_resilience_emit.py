@@ -150,3 +150,19 @@ def test_bad_checkpoint_flags_are_one_message_and_exit_2(tmp_path, flag, value, 
     assert r.exit_code == 2
     assert flag in r.output and says in r.output and "Traceback" not in r.output
     assert not out.exists()  # nothing half-written
+
+
+def test_deepspeed_elasticity_is_not_emitted_because_deepspeed_removed_it(tmp_path):
+    """The issue asks for DeepSpeed elasticity where a smaller world is allowed; DeepSpeed 0.19
+    refuses the block outright, so ds_config.json never carries it (torchrun's c10d rendezvous
+    and the restart policies are the way back after a failure)."""
+    import sys
+
+    code = ("from deepspeed.runtime.config import DeepSpeedConfig\n"
+            "try:\n    DeepSpeedConfig({'train_batch_size': 8, 'elasticity': {'enabled': True}})\n"
+            "except Exception as err:\n    print('REFUSED', err)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert "REFUSED Elastic training has been removed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    run_dir = _generate(tmp_path, "--model", "llama-3-8b", "--nodes", "2", "--framework", "deepspeed", "--zero", "1")
+    assert "elasticity" not in json.loads((run_dir / "ds_config.json").read_text())
