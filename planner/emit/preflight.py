@@ -14,7 +14,7 @@ import json
 from planner.cost.collectives import collective_time_for_size
 from planner.emit.plan_file import PlanFile
 from planner.hardware.cluster import Cluster
-from planner.hardware.profile import HardwareProfile
+from planner.hardware.profile import RDMA_FABRICS, HardwareProfile
 from planner.run.preflight_spec import BusbwPoint, Expectations, Gemm, Group
 
 # The sizes preflight.sh runs nccl-tests over: -b 8 -e 1G -f 2 (1 GiB fits every GPU profiled
@@ -22,7 +22,6 @@ from planner.run.preflight_spec import BusbwPoint, Expectations, Gemm, Group
 MIN_BYTES, MAX_BYTES = 8, 2**30
 # nccl-tests binary -> the collective it times (nccl-tests src/all_reduce.cu, src/all_gather.cu)
 OPS = {"all_reduce_perf": "allreduce", "all_gather_perf": "allgather"}
-RDMA_FABRICS = ("infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce")
 
 
 def _points(cluster: Cluster, op: str, ranks: int) -> list[BusbwPoint]:

@@ -35,7 +35,7 @@ from planner.emit.resilience import RESTARTS, async_save, collective_timeout_s, 
 from planner.emit.torchtitan_config import CONFIG_FILE as TORCHTITAN_CONFIG
 from planner.emit.torchtitan_config import TORCHTITAN_VERSION, to_toml, torchtitan_job
 from planner.errors import UserError, spell
-from planner.hardware.profile import HardwareProfile
+from planner.hardware.profile import RDMA_FABRICS, HardwareProfile
 from planner.model.spec import ModelSpec
 from planner.resources import templates_dir
 from planner.run.exporter import COMM_SHARE, STEP_TIME
@@ -49,7 +49,6 @@ DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
 # pod every HCA the plugin's selectors match. `--k8s-rdma NAME=COUNT` names another (e.g. the
 # SR-IOV device plugin's per-NIC nvidia.com/hostdev=8), `--k8s-rdma none` asks for none.
 DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
-RDMA_FABRICS = ("infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce")
 # A Kubernetes extended resource name (domain/name) and a scheduler name (a DNS subdomain).
 _K8S_RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _K8S_SCHEDULER = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")

@@ -115,6 +115,11 @@ class Node(_Strict):
     nvlink_domain_nodes: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
 
 
+# The fabrics NCCL reaches over verbs (InfiniBand, RoCE): RDMA devices for k8s-job.yaml, NICs to
+# count for preflight.sh.
+RDMA_FABRICS = ("infiniband_hdr", "infiniband_ndr", "infiniband_xdr", "roce")
+
+
 class Fabric(_Strict):
     """The network between nodes, modelled as a fat-tree (leaf and spine)."""
 
