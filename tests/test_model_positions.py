@@ -187,8 +187,8 @@ BIGSCIENCE_FLAGS = {
     "--layernorm-epsilon", "--log-interval", "--lr", "--lr-decay-style", "--lr-warmup-iters",
     "--max-position-embeddings", "--micro-batch-size", "--min-lr", "--num-attention-heads", "--num-layers",
     "--optimizer", "--pad-vocab-size-to", "--pipeline-model-parallel-size", "--position-embedding-type",
-    "--save-interval", "--seq-length", "--tensor-model-parallel-size", "--train-iters", "--weight-decay",
-    "--zero-stage",
+    "--save", "--save-interval", "--load", "--seq-length", "--tensor-model-parallel-size", "--train-iters",
+    "--weight-decay", "--zero-stage",
 }
 BLOOM_RUN = ["--model", "bloom-176b", "--nodes", "48", "--framework", "megatron-deepspeed", "--tp", "4", "--pp", "12",
              "--zero", "1", "--micro-batch", "2", "--global-batch", "2048", "--recompute", "full"]
