@@ -18,7 +18,7 @@ import click
 from planner import limits
 from planner.cli.fit import allow_oom_option, check_fits
 from planner.cli.flags import FLAGS, cli_text
-from planner.cli.options import balancer_option, constraint_options, workload_options
+from planner.cli.options import balancer_option, constraint_options, objective_option, workload_options
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.cli.outputs import OutputPath
 from planner.errors import UserError, whole_number
@@ -75,8 +75,7 @@ def _copy_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                   precision_list=True)
 @constraint_options
 @balancer_option
-@click.option("--objective", type=click.Choice(["throughput", "memory", "cost"]), default="throughput",
-              show_default=True)
+@objective_option
 @click.option("--out", "out_dir", required=True, type=OutputPath("dir"),
               help="Run directory to write (created if missing).")
 @click.option("--entry", default="builtin", show_default=True, metavar="builtin|SCRIPT",

@@ -226,6 +226,17 @@ def balancer_option(command):
                         help="Pipeline layer-partition balancer.")(command)
 
 
+def objective_option(command):
+    """--objective, for suggest and for generate's search (planner/search/rank.py OBJECTIVES)."""
+    import click
+
+    return click.option(
+        "--objective", type=click.Choice(["throughput", "memory", "cost", "goodput"]), default="throughput",
+        show_default=True,
+        help="Rank by tokens/s, by lowest peak memory, by GPU-hours per token, or by useful tokens/s "
+             "(tokens/s x goodput: checkpoint stalls, failures and restarts paid; see --mtbf-hours).")(command)
+
+
 def constraint_options(command):
     """The search-axis flags shared by ``suggest``, ``generate`` and ``plot`` (one definition)."""
     import click

@@ -19,6 +19,7 @@ from planner.cli.options import (
     axes_from_options,
     balancer_option,
     constraint_options,
+    objective_option,
     workload_from_options,
     workload_options,
 )
@@ -37,10 +38,7 @@ from planner.cli.output import json_option
                   precision_list=True)
 @constraint_options
 @balancer_option
-@click.option("--objective", type=click.Choice(["throughput", "memory", "cost", "goodput"]), default="throughput",
-              show_default=True,
-              help="Rank by tokens/s, by lowest peak memory, by GPU-hours per token, or by useful tokens/s "
-                   "(tokens/s x goodput: checkpoint stalls, failures and restarts paid; see --mtbf-hours).")
+@objective_option
 @click.option("--top", type=int, default=5, show_default=True, help="How many plans to show.")
 @json_option
 def suggest_command(as_json: bool, **opts: Any) -> None:
