@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.cost.checkpoint_io import checkpoint_arrays
+from planner.cost.checkpoint_io import CheckpointArrays, checkpoint_arrays
 from planner.cost.parallel import Workload
 from planner.hardware.profile import HardwareProfile
 from planner.model.spec import ModelSpec
@@ -94,9 +94,9 @@ class CheckpointPlan:
 
 
 def candidates_goodput(col: dict[str, np.ndarray], step_s: np.ndarray, model: ModelSpec, workload: Workload,
-                       profile: HardwareProfile, nodes: int) -> tuple[Schedule, float, object]:
+                       profile: HardwareProfile, nodes: int) -> tuple[Schedule, float, CheckpointArrays]:
     """The checkpoint schedule and goodput of each candidate of ``col`` at its step time; the
-    job's MTBF in seconds; and the checkpoint facts (checkpoint_io.CheckpointArrays)."""
+    job's MTBF in seconds; and the checkpoint facts."""
     ckpt = checkpoint_arrays(col, model, workload, profile, nodes)
     mtbf = job_mtbf_s(profile, nodes, profile.gpus_per_node, workload.mtbf_hours)
     return schedule(step_s, ckpt.stall_s, ckpt.persist_s, ckpt.restore_s, profile.reliability.restart_s, mtbf), \

@@ -41,6 +41,9 @@ class Outcome:
     certain_oom: np.ndarray  # out of memory by its bound alone
     time_lb: np.ndarray
     mem_lb: np.ndarray
+    # Under the goodput objective, each evaluated candidate's goodput (1 elsewhere): priced once,
+    # when its step time is known (planner/cost/goodput.py).
+    goodput: np.ndarray = field(default_factory=lambda: np.ones(0))
     details: dict[int, Detail] = field(default_factory=dict)
     overrides: dict[int, tuple[Split, float]] = field(default_factory=dict)  # memory-limited splits
 
@@ -61,7 +64,7 @@ def search(p: Pricing, ks: KeyedSpace, objective: str, top: int,
     certain_oom = mem_lb > p.ctx.cluster.profile.gpu.memory_bytes
     n = len(ks.space)
     out = Outcome(np.full(n, np.inf), np.where(certain_oom, mem_lb, np.inf), np.zeros(n), np.zeros(n, dtype=bool),
-                  certain_oom, time_lb, mem_lb)
+                  certain_oom, time_lb, mem_lb, np.ones(n))
     _evaluate_within_bar(p, ks, out, objective, top, dense, expert, progress)
     _rebalance_oom(p, ks, out, objective, top)
     return out
@@ -72,16 +75,16 @@ def _value(out: Outcome, p: Pricing, ks: KeyedSpace, objective: str) -> np.ndarr
     objective step time over goodput (never below the step time, so the time bound still bounds it)."""
     if objective == "memory":
         return out.peak
-    if objective != "goodput":
-        return out.step
-    rows = np.flatnonzero(out.done & np.isfinite(out.step))
-    value = np.full(out.step.shape, np.inf)
+    return out.step / out.goodput if objective == "goodput" else out.step
+
+
+def _price_goodput(out: Outcome, p: Pricing, ks: KeyedSpace, rows: np.ndarray) -> None:
+    """``out.goodput`` of ``rows`` at their step times (the goodput objective)."""
+    rows = rows[np.isfinite(out.step[rows])]
     if rows.size:
         ctx = p.ctx
-        sched = candidates_goodput(take(ks.columns, rows), out.step[rows], p.model, ctx.workload,
-                                   ctx.cluster.profile, ctx.cluster.nodes)[0]
-        value[rows] = out.step[rows] / sched.goodput
-    return value
+        out.goodput[rows] = candidates_goodput(take(ks.columns, rows), out.step[rows], p.model, ctx.workload,
+                                               ctx.cluster.profile, ctx.cluster.nodes)[0].goodput
 
 
 def _bar(out: Outcome, p: Pricing, value: np.ndarray, top: int) -> float:
@@ -126,6 +129,8 @@ def _evaluate_within_bar(p: Pricing, ks: KeyedSpace, out: Outcome, objective: st
         rows = res.rows
         out.step[rows], out.peak[rows], out.cpu[rows], out.done[rows] = res.step_time, res.peak_bytes, \
             res.cpu_bytes, True
+        if objective == "goodput":
+            _price_goodput(out, p, ks, rows)
         out.details.update(res.details)
         pending[chunk] = False
         batch *= 2
@@ -166,7 +171,11 @@ def _rebalance_oom(p: Pricing, ks: KeyedSpace, out: Outcome, objective: str, top
     pos, batch = 0, 32
     while pos < len(rows) and bound[pos] <= (limit := _bar(out, p, _value(out, p, ks, objective), top)):
         # A time bar lets memfit skip candidates no split within memory makes fast enough.
+        redone = []
         for r in memfit.rebalance(p, ks, rows[pos:pos + batch], np.inf if by_memory else limit):
             out.step[r.candidate], out.peak[r.candidate], out.cpu[r.candidate] = r.step_time, r.peak_bytes, r.cpu_bytes
             out.overrides[r.candidate] = (r.parts, r.bottleneck)
+            redone.append(r.candidate)
+        if objective == "goodput" and redone:
+            _price_goodput(out, p, ks, np.array(redone, dtype=np.int64))
         pos += batch

@@ -18,7 +18,6 @@ import numpy as np
 
 from planner.cost.candidates import take
 from planner.cost.degrees import default_global_batch
-from planner.cost.goodput import candidates_goodput
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
@@ -270,8 +269,7 @@ def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space
     gpus = cluster.num_gpus
     tps = workload.global_batch * workload.seq_len / out.step[idx]
     if objective == "goodput":
-        tps = tps * candidates_goodput(take(space.columns, idx), out.step[idx], model, workload, cluster.profile,
-                                       cluster.nodes)[0].goodput
+        tps = tps * out.goodput[idx]
     ranked = idx[rk.order(objective, take(space.columns, idx), tps, out.peak[idx], out.cpu[idx], gpus)]
     chosen = rk.distinct_top(ranked, space.columns, out.step, out.peak, top)
     built = build_plans(p, ks, [i for i, _ in chosen], out.details, overrides)
