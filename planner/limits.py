@@ -55,6 +55,10 @@ MAX_LATENCY_US = 1e6
 MAX_MEMORY_GIB = float(2**20)
 MAX_CPU_CORES = 2**16
 MAX_OVERSUBSCRIPTION = 64.0
+# A calibration factor (dsplan calibrate) scales an achieved rate: a hundredfold either way is
+# far past any measured miss (the published ones stay within 2x) and keeps the rates positive.
+MAX_CALIBRATION_FACTOR = 100.0
+MIN_CALIBRATION_FACTOR = 1.0 / MAX_CALIBRATION_FACTOR
 
 # -- the workload ----------------------------------------------------------------------------
 # Samples per optimizer step: published runs use at most ~16K samples (DeepSeek-V3: 15,360 of

@@ -80,6 +80,8 @@ class Device:
     flash: float | None = None  # FlashAttention's level as a fraction of peak; None: mamf
     low: "Device | None" = None  # the recipe's GEMM format (precision.py), None without one
     low_bytes: float = 2.0  # bytes per element of that format's operands
+    gemm_sustained: float = GEMM_SUSTAINED  # x the profile's calibration.gemm
+    hbm_efficiency: float = HBM_EFFICIENCY  # x the profile's calibration.hbm
 
     @property
     def flash_ceiling(self) -> float:
@@ -93,22 +95,23 @@ class Device:
 
     @property
     def hbm_effective(self) -> float:
-        return self.hbm * HBM_EFFICIENCY
+        return self.hbm * self.hbm_efficiency
 
 
 def device(profile: HardwareProfile, dtype: str = "bf16", recipe: str | None = None) -> Device:
     """The GPU in the working ``dtype``; with a TE ``recipe``, ``low`` is the GPU in the
     recipe's GEMM format, at its measured MAMF where the profile has one (H100 fp8: 70.9%)."""
-    gpu = profile.gpu
+    gpu, cal = profile.gpu, profile.calibration
+    rates = {"gemm_sustained": GEMM_SUSTAINED * cal.gemm, "hbm_efficiency": HBM_EFFICIENCY * cal.hbm}
     sms = next((n for key, n in _SMS.items() if key.lower() in gpu.name.lower()), 108)
     low = None
     if recipe is not None:
         check_recipe(recipe, gpu.peak_TFLOPs, gpu.name)  # type: ignore[arg-type]
         r = RECIPES[recipe]
         mamf = gpu.matmul_efficiency_low.get(r.gemm_format, gpu.matmul_efficiency)  # type: ignore[call-overload]
-        low = Device(gpu.peak_flops(r.gemm_format), mamf, gpu.hbm_GBps * 1e9, sms)
+        low = Device(gpu.peak_flops(r.gemm_format), mamf, gpu.hbm_GBps * 1e9, sms, **rates)
     return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms, gpu.flash_attention_efficiency,
-                  low, RECIPES[recipe].element_bytes if recipe else 2.0)
+                  low, RECIPES[recipe].element_bytes if recipe else 2.0, **rates)
 
 
 def tile_efficiency(m, n, sms: int):
@@ -127,7 +130,7 @@ def tile_efficiency(m, n, sms: int):
 def gemm_efficiency(m, n, k, dev: Device):
     """Fraction of the dense peak a (m x k) @ (k x n) GEMM reaches on the compute side."""
     k = np.asarray(k, dtype=float)
-    return dev.mamf * GEMM_SUSTAINED * tile_efficiency(m, n, dev.sms) * k / (k + K_HALF)
+    return dev.mamf * dev.gemm_sustained * tile_efficiency(m, n, dev.sms) * k / (k + K_HALF)
 
 
 def gemm_time(m, n, k, dev: Device, batch=1, bytes_per_el: int = 2):
@@ -137,7 +140,7 @@ def gemm_time(m, n, k, dev: Device, batch=1, bytes_per_el: int = 2):
     k = np.asarray(k, dtype=float)
     flops = 2.0 * m * n * k * batch
     # Batched small GEMMs (experts, heads) fill the GPU together: quantise over all of them.
-    eff = dev.mamf * GEMM_SUSTAINED * tile_efficiency(m * batch, n, dev.sms) * k / (k + K_HALF)
+    eff = dev.mamf * dev.gemm_sustained * tile_efficiency(m * batch, n, dev.sms) * k / (k + K_HALF)
     compute = flops / (dev.peak_flops * eff)
     memory = bytes_per_el * (m * k + k * n + m * n) * batch / dev.hbm_effective
     return np.where(flops > 0, np.maximum(compute, memory) + KERNEL_OVERHEAD_S, 0.0)
@@ -146,7 +149,8 @@ def gemm_time(m, n, k, dev: Device, batch=1, bytes_per_el: int = 2):
 def flash_efficiency(head_dim, dev: Device):
     """FlashAttention-2 forward efficiency as a fraction of the peak."""
     d = np.asarray(head_dim, dtype=float)
-    return dev.flash_ceiling * d / (d + FLASH_HEAD_HALF)
+    calibrated = dev.gemm_sustained / GEMM_SUSTAINED  # the profile's calibration.gemm
+    return dev.flash_ceiling * d / (d + FLASH_HEAD_HALF) * calibrated
 
 
 def flash_time(flops, head_dim, causal: bool, dev: Device, backward: bool = False):

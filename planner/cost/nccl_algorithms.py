@@ -173,7 +173,8 @@ def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
             lat += 2 * math.ceil(math.log2(m)) * _step(SIMPLE, links.net_lat)
         name = "nvls" if m == 1 else "nvls_tree"
         out.append(Candidate(name, "Simple", lat, spb, 0.0, NVLS_FILL, NVLS_FILL_CAP_BYTES))
-    return tuple(out)
+    rate = cluster.profile.calibration.network  # dsplan calibrate's network factor (1.0: none)
+    return tuple(out) if rate == 1.0 else tuple(c._replace(spb=c.spb / rate) for c in out)
 
 
 def _multinode_allreduce(links: Links, proto: Protocol, n: int, r: int, m: int, ramp: float) -> list[Candidate]:

@@ -203,15 +203,16 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
 
 
 def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.ndarray, gather: np.ndarray,
-               tied: np.ndarray) -> np.ndarray:
+               tied: np.ndarray, overlap_share: float = 1.0) -> np.ndarray:
     """Per rank: the data-parallel traffic (``dp_collectives``' seconds) the backward pass, the
-    pipeline cool-down and the first forward do not hide."""
+    pipeline cool-down and the first forward do not hide; ``overlap_share`` of that compute
+    hides it (the profile's calibration.overlap: 1.0, all of it, unless fitted)."""
     zero, fwi = col["zero"], col["framework"]
     m = col["grad_accum"][:, None].astype(float)
     vs = col["vs"][:, None].astype(float)
     deep = col["pp"] > 1
     engine = _PIPE_ENGINE[fwi] & deep
-    fwd, bwd = r["fwd"], r["bwd"] + r["rc"]
+    fwd, bwd = r["fwd"] * overlap_share, (r["bwd"] + r["rc"]) * overlap_share
     overlap = _OVERLAPS[deep.astype(int), fwi][:, None]
     # The earlier ranks' backward of the last micro-batch (1/v of it each), none on the ranks a
     # PipelineEngine's ReduceTiedGrads holds until rank 0 is done.

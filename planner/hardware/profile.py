@@ -163,6 +163,25 @@ class Reliability(_Strict):
     restart_s: Annotated[float, Field(ge=0, le=86_400)] = 300.0
 
 
+Factor = Annotated[float, Field(ge=limits.MIN_CALIBRATION_FACTOR, le=limits.MAX_CALIBRATION_FACTOR)]
+
+
+class Calibration(_Strict):
+    """The cost model's global efficiency factors, fitted to runs measured on this system
+    (``dsplan calibrate``): multipliers on the achieved rates the published figures give, 1.0
+    where nothing was fitted. One set per system, never per run (docs/accuracy.md)."""
+
+    gemm: Factor = 1.0  # GEMM and attention-kernel rate (efficiency.GEMM_SUSTAINED x this)
+    hbm: Factor = 1.0  # memory-bound kernels' bandwidth (efficiency.HBM_EFFICIENCY x this)
+    network: Factor = 1.0  # collectives' bandwidth (nccl_algorithms.candidates)
+    overlap: Annotated[float, Field(ge=0, le=1)] = 1.0  # share of the backward that hides data-parallel traffic
+    fitted_on: list[str] = Field(default_factory=_empty_list)  # the runs the factors were fitted on
+
+    @property
+    def identity(self) -> bool:
+        return (self.gemm, self.hbm, self.network, self.overlap) == (1.0, 1.0, 1.0, 1.0)
+
+
 class HardwareProfile(_Strict):
     name: str
     description: str = ""
@@ -171,6 +190,7 @@ class HardwareProfile(_Strict):
     fabric: Fabric
     storage: Storage = Storage()
     reliability: Reliability = Reliability()
+    calibration: Calibration = Calibration()
     sources: list[str] = Field(default_factory=_empty_list)
 
     @model_validator(mode="after")
