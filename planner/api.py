@@ -26,6 +26,7 @@ from planner.api_records import label, record, records, to_dataframe, uncertaint
 from planner.errors import UserError, arg
 
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
+    from planner.cost.measured_blocks import LayerProfile
     from planner.cost.parallel import ParallelConfig, Workload
     from planner.cost.plan import Plan
     from planner.hardware.cluster import Cluster
@@ -160,7 +161,7 @@ def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float
 # The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
 WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours")
+                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile")
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
              "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate")
@@ -172,7 +173,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
                   te_attention: bool = True, fp8_param_gather: bool = True,
                   precision_aware_optimizer: bool = False, ep_comm_overlap: bool = True,
-                  moe_imbalance: float = 1.0, mtbf_hours: float | None = None) -> "Workload":
+                  moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
+                  layer_profile: "str | LayerProfile | None" = None) -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), and the model's default images and
@@ -193,6 +195,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
         global_batch = default_global_batch(seq, gpus or 1)
     limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
+    from planner.cost.measured_blocks import as_layer_profile
     from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS
 
     if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not (
@@ -209,7 +212,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
-                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours)
+                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours,
+                        layer_profile=as_layer_profile(layer_profile))
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
 
@@ -387,6 +391,6 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     tp_comm_overlap=wl.tp_comm_overlap, te_attention=wl.te_attention,
                     fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
                     ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
-                    dropout=wl.dropout, constraints=cons, balancer=balancer,
+                    layer_profile=wl.layer_profile, dropout=wl.dropout, constraints=cons, balancer=balancer,
                     objective=objective, top=top,
                     progress=progress)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from planner import api
 from planner.cli import main
-from planner.cost.block_times import overlapped_tp
+from planner.cost.comm_overlap import overlapped_tp
 from planner.cost.parallel import RECOMPUTES, ParallelConfig, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile

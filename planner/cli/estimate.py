@@ -15,7 +15,7 @@ import click
 from planner.cli.fit import DOES_NOT_FIT_EXIT, allow_oom_option, warn_does_not_fit
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
-from planner.cli.options import workload_options
+from planner.cli.options import layer_profile_option, workload_options
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
 from planner.errors import UserError
 
@@ -61,6 +61,7 @@ from planner.errors import UserError
 @click.option("--stage-blocks", default=None, metavar="A-B,B-C,...",
               help="Explicit pipeline partition: half-open block ranges, pp x virtual-stages of them "
                    "[default: even split].")
+@layer_profile_option
 @allow_oom_option("Exit with status 0 when the plan does not fit in memory (the warning stays).")
 @json_option
 def estimate_command(as_json: bool, allow_oom: bool, **opts: Any) -> None:

@@ -18,7 +18,13 @@ import click
 from planner import limits
 from planner.cli.fit import allow_oom_option, check_fits
 from planner.cli.flags import FLAGS, cli_text
-from planner.cli.options import balancer_option, constraint_options, objective_option, workload_options
+from planner.cli.options import (
+    balancer_option,
+    constraint_options,
+    layer_profile_option,
+    objective_option,
+    workload_options,
+)
 from planner.cli.output import console, err_console, json_option, print_json
 from planner.cli.outputs import OutputPath
 from planner.errors import UserError, whole_number
@@ -32,7 +38,8 @@ if TYPE_CHECKING:
 _SEARCH_FLAGS = (
     "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
     "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "dp", "tp", "pp", "ep", "zero",
+    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile", "dp", "tp", "pp",
+    "ep", "zero",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm", "dp_replicate",
 )
@@ -75,6 +82,7 @@ def _copy_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                   precision_list=True)
 @constraint_options
 @balancer_option
+@layer_profile_option
 @objective_option
 @click.option("--out", "out_dir", required=True, type=OutputPath("dir"),
               help="Run directory to write (created if missing).")
@@ -332,7 +340,8 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
 _SUGGEST_KEYS = (
     "model", "hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "images_per_sample", "tiles_per_image",
     "precision", "optimizer", "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "dp", "tp", "pp", "ep", "zero",
+    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile", "dp", "tp", "pp",
+    "ep", "zero",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes",
     "balancer", "objective", "cp", "cp_comm", "dp_replicate",

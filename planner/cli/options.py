@@ -218,6 +218,17 @@ def workload_from_options(opts: dict) -> dict:
     return out
 
 
+PROFILE_HELP = ("Measured block costs from `dsplan profile` (profile.json) in place of the analytic ones, carried "
+                "to the plan's micro-batch, sequence and tensor parallelism by the cost model.")
+
+
+def layer_profile_option(command):
+    """--profile FILE: dsplan profile's measurements (planner/cost/measured_blocks.py)."""
+    import click
+
+    return click.option("--profile", "layer_profile", default=None, metavar="FILE", help=PROFILE_HELP)(command)
+
+
 def balancer_option(command):
     """--balancer greedy|optimal."""
     import click

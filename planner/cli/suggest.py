@@ -19,6 +19,7 @@ from planner.cli.options import (
     axes_from_options,
     balancer_option,
     constraint_options,
+    layer_profile_option,
     objective_option,
     workload_from_options,
     workload_options,
@@ -38,6 +39,7 @@ from planner.cli.output import json_option
                   precision_list=True)
 @constraint_options
 @balancer_option
+@layer_profile_option
 @objective_option
 @click.option("--top", type=int, default=5, show_default=True, help="How many plans to show.")
 @json_option

@@ -28,8 +28,10 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_times_keyed
+from planner.cost.comm_overlap import overlapped_ep, overlapped_tp
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.layers import LayerCost, layer_costs
+from planner.cost.measured_blocks import LayerProfile, as_measured, measured_for, time_ratios
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.hardware.cluster import Cluster
@@ -163,7 +165,7 @@ def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, fl
 
 def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], micro_batches: tuple[int, ...],
                  dev: eff.Device, cluster: Cluster, runs: np.ndarray | None = None,
-                 cp: list[CpGroups] | None = None) -> list[BlockTable]:
+                 cp: list[CpGroups] | None = None, measured: np.ndarray | None = None) -> list[BlockTable]:
     """One table per (layer costs, TP shape, EP shape) group, over the same micro-batches.
 
     The groups list the same blocks (one model under different tp, sp, ep). Every quantity is
@@ -172,7 +174,9 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     collectives, which depend on each group's process-group shapes, are priced once per
     (shape, collective). ``runs``: how many consecutive blocks of the tables each priced block
     stands for (runs of identical blocks are priced once, then widened here: ``_widen``).
-    ``cp``: per group, the context-parallel groups its attention talks over (none: cp 1)."""
+    ``cp``: per group, the context-parallel groups its attention talks over (none: cp 1).
+    ``measured``: [forward, backward, recompute] x block ratios of measured to analytic seconds
+    (measured_blocks.time_ratios), which scale every group's compute."""
     bs = np.asarray(micro_batches, dtype=float)
     n_groups, n_blocks = len(groups), len(groups[0][0])
     if any(len(group) != n_blocks for group, _, _ in groups):
@@ -185,6 +189,8 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     ckpt = per_block([c.checkpointed for c in costs]) > 0
     has_attn = per_block([c.attn is not None for c in costs]) > 0
     fwd, bwd, rc, gemm, te, attn = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt, has_attn)
+    if measured is not None:
+        fwd, bwd, rc, gemm, te, attn = as_measured(measured, fwd, bwd, rc, gemm, te, attn)
     tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]))
     cp_t = np.zeros_like(tp)
     if cp is not None:
@@ -212,29 +218,6 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         fields = {k: _widen(v, runs) for k, v in fields.items()}
     return [BlockTable(tuple(micro_batches), **{k: v[g] for k, v in fields.items()}, batch=(fields, g))
             for g in range(n_groups)]
-
-
-def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: np.ndarray) -> np.ndarray:
-    """[group, mode, b, block] TP seconds left exposed when each block's TP collectives overlap
-    its GEMMs (frameworks.Traits.tp_comm_overlap): the GEMMs hide up to their own seconds,
-    forward and twice that backward (and the recomputed forward's again), and the first of the
-    tp chunks is always exposed."""
-    passes = np.full((tp.shape[0], tp.shape[1], 1, tp.shape[3]), 3.0)
-    passes[:, RECOMPUTES.index("full"), 0] += ckpt
-    chunk = tp / tp_size[:, None, None, None]
-    return np.where(tp > 0, np.maximum(tp - passes * gemm[:, None], chunk), 0.0)
-
-
-def overlapped_ep(ep: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
-    """[group, mode, b, block] EP seconds left exposed when Megatron-Core's combined 1F1B runs the
-    forward of one micro-batch beside the backward of another, layer by layer, each one's
-    all-to-alls on a second stream under the other's compute (frameworks.Traits.ep_comm_overlap,
-    ``--overlap-moe-expert-parallel-comm``): a layer pair takes max(compute, all-to-alls), so
-    what passes the block's forward and backward seconds (attention as TE runs it) stays exposed.
-    Megatron refuses it under full recomputation (transformer_config.py): that mode keeps all."""
-    out = np.maximum(ep - (fwd + bwd)[:, None], 0.0)
-    out[:, RECOMPUTES.index("full")] = ep[:, RECOMPUTES.index("full")]
-    return out
 
 
 def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarray, dev: eff.Device,
@@ -369,6 +352,19 @@ class BlockTables:
         self.cluster, self.dev, self.cp, self.cp_comm = cluster, dev, cp, cp_comm
         self.runs = RunModel(model, workload, cp)
         self._tables: dict[tuple[int, int, int], BlockTable] = {}
+        profile = workload.layer_profile
+        self.measured = self._measured_ratios(profile) if profile is not None else None
+
+    def _measured_ratios(self, profile: LayerProfile) -> np.ndarray:
+        """measured_blocks.time_ratios of the run model's blocks: the profiled spec priced at the
+        profile's micro-batch, sequence and dtype, unsharded, on this cluster's device."""
+        index = measured_for(profile, self.runs.short, self.cluster.profile.name)
+        at = self.runs.workload.model_copy(update={"seq_len": profile.seq_len, "precision": profile.dtype,
+                                                   "recipe": None, "layer_profile": None})
+        one = strided_shape(self.cluster, 1, 1, "tp")
+        t = block_tables([(layer_costs(profile.profiled_spec, at), one, one)], (profile.micro_batch,),
+                         eff.device(self.cluster.profile, profile.dtype), self.cluster)[0]
+        return time_ratios(profile, index, t.fwd[0], t.bwd[0], t.rc[RECOMPUTES.index("full"), 0])
 
     def table(self, tp: int, sp: int, ep: int, micro: tuple[int, ...]) -> BlockTable:
         """The table of (tp, sp, ep) covering the micro-batch sizes ``micro``."""
@@ -397,4 +393,4 @@ class BlockTables:
         groups = [(self.runs.layer_costs(tp, bool(sp), ep), strided_shape(self.cluster, 1, tp, "tp"),
                    strided_shape(self.cluster, tp, ep, "ep")) for tp, sp, ep in keys]
         cp = [cp_groups(self.cluster, tp, self.cp, self.cp_comm) for tp, _, _ in keys] if self.cp > 1 else None
-        return block_tables(groups, mbs, self.dev, self.cluster, runs=self.runs.runs, cp=cp)
+        return block_tables(groups, mbs, self.dev, self.cluster, runs=self.runs.runs, cp=cp, measured=self.measured)

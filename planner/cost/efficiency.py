@@ -66,7 +66,8 @@ FLASH_BWD_RATIO = 0.80  # backward efficiency relative to the forward (FlashAtte
 
 # Streaming multiprocessors per GPU (vendor whitepapers), for wave quantisation.
 _SMS = {"A100": 108, "H100": 132, "H200": 132, "H800": 132, "GH200": 132, "B200": 148, "L40S": 142,
-        "MI250X": 110, "MI300X": 304, "V100": 80}
+        "MI250X": 110, "MI300X": 304, "V100": 80,
+        "CPU rank": 1}  # a cpu-local rank (planner/run/profile_hardware.py): one thread's BLAS runs one tile at a time
 
 
 @dataclass(frozen=True, slots=True)

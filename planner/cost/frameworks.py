@@ -100,7 +100,7 @@ class Traits:
     # group inside one NVLink domain) split each all-gather / reduce-scatter into tp chunks and
     # pipeline them with the QKV, projection and MLP GEMMs, forward and backward. What stays
     # exposed per block: max(TP seconds - its GEMM seconds, one chunk = TP seconds / tp)
-    # (block_times.overlapped_tp).
+    # (comm_overlap.overlapped_tp).
     tp_comm_overlap: bool = False
     # Attention through Transformer Engine (Megatron-Core's default TE layers: cuDNN's fused
     # attention), written for Hopper and Blackwell, so it levels off at the GPU's MAMF; the
@@ -110,7 +110,7 @@ class Traits:
     # Expert all-to-alls overlapped with another micro-batch's compute: Megatron-Core's combined
     # 1F1B (``--overlap-moe-expert-parallel-comm --delay-wgrad-compute``) runs one micro-batch's
     # forward beside another's backward, layer by layer, each one's dispatch and combine on a
-    # second stream (block_times.overlapped_ep). DeepSpeed MoE has no such schedule.
+    # second stream (comm_overlap.overlapped_ep). DeepSpeed MoE has no such schedule.
     ep_comm_overlap: bool = False
     # Blocks a ZeRO-3 / FSDP rank holds gathered whole: DeepSpeed's estimator counts the largest
     # layer once (estimate_zero3_model_states_mem_needs); Megatron-FSDP all-gathers the next FSDP

@@ -27,7 +27,7 @@ def ep_overlapped(can: "bool | np.ndarray", ep, pp, vs, allowed: bool):
     arrays): the runtime can (Traits.ep_comm_overlap), the workload allows it, there is expert
     parallelism, and a pipeline is interleaved (Megatron-Core asserts virtual stages when
     pp > 1, transformer_config.py). Full recomputation, which Megatron refuses with it, is
-    priced without it (block_times.overlapped_ep)."""
+    priced without it (comm_overlap.overlapped_ep)."""
     return allowed & can & (ep > 1) & ((pp == 1) | (vs > 1))
 
 

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from planner.cost.measured_blocks import LayerProfile
 from planner.cost.precision import RECIPE_NAMES
 from planner.errors import UserError, arg
 
@@ -95,6 +96,9 @@ class Workload(BaseModel):
     # The job's mean time between failures, hours (planner/cost/goodput.py); None: from the
     # hardware profile's per-GPU and per-node rates, scaled by the job's size.
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)
+    # Block costs measured by ``dsplan profile`` (planner/cost/measured_blocks.py), replacing the
+    # analytic ones where given: how this job's blocks run on this system.
+    layer_profile: LayerProfile | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -18,6 +18,7 @@ import numpy as np
 
 from planner.cost.candidates import take
 from planner.cost.degrees import default_global_batch
+from planner.cost.measured_blocks import LayerProfile
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
@@ -193,15 +194,14 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
             te_attention: bool = True, fp8_param_gather: bool = True, precision_aware_optimizer: bool = False,
             ep_comm_overlap: bool = True, moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
-            constraints: Constraints | None = None, balancer: str = "optimal",
-            objective: str = "throughput", top: int = 5,
+            layer_profile: LayerProfile | None = None, constraints: Constraints | None = None,
+            balancer: str = "optimal", objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
             rep: int = 1) -> SuggestResult:
     """The search for one precision, one context-parallel split ``cp`` and one count of
     hybrid-sharding groups ``rep`` (``suggest``)."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    whole_number("nodes", nodes)
-    whole_number("top", top)
+    whole_number("nodes", nodes), whole_number("top", top)
     if balancer not in BALANCERS:
         raise UserError(f"{arg('balancer')}: use {' or '.join(BALANCERS)}, not {balancer!r}")
     if objective not in rk.OBJECTIVES:
@@ -227,13 +227,14 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout,  # type: ignore[arg-type]
-                        mtbf_hours=mtbf_hours)
+                        mtbf_hours=mtbf_hours, layer_profile=layer_profile)
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
               "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
               "tp_comm_overlap": tp_comm_overlap, "te_attention": te_attention,
               "fp8_param_gather": fp8_param_gather, "precision_aware_optimizer": precision_aware_optimizer,
               "ep_comm_overlap": ep_comm_overlap, "moe_imbalance": moe_imbalance, "mtbf_hours": mtbf_hours,
+              "layer_profile": layer_profile.summary() if layer_profile else None,
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()

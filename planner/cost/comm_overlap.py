@@ -1,0 +1,36 @@
+"""How much of a block's TP and EP communication its own compute hides, where a runtime overlaps them.
+
+Two runtimes' schedules, priced per [group, recompute mode, micro-batch, block] on the block
+tables' arrays (block_times.py): Transformer Engine's userbuffers overlap of TP collectives
+with the GEMMs (frameworks.Traits.tp_comm_overlap), and Megatron-Core's combined 1F1B that
+hides one micro-batch's expert all-to-alls under another's compute (Traits.ep_comm_overlap).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.cost.parallel import RECOMPUTES
+
+
+def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: np.ndarray) -> np.ndarray:
+    """[group, mode, b, block] TP seconds left exposed when each block's TP collectives overlap
+    its GEMMs (frameworks.Traits.tp_comm_overlap): the GEMMs hide up to their own seconds,
+    forward and twice that backward (and the recomputed forward's again), and the first of the
+    tp chunks is always exposed."""
+    passes = np.full((tp.shape[0], tp.shape[1], 1, tp.shape[3]), 3.0)
+    passes[:, RECOMPUTES.index("full"), 0] += ckpt
+    chunk = tp / tp_size[:, None, None, None]
+    return np.where(tp > 0, np.maximum(tp - passes * gemm[:, None], chunk), 0.0)
+
+
+def overlapped_ep(ep: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """[group, mode, b, block] EP seconds left exposed when Megatron-Core's combined 1F1B runs the
+    forward of one micro-batch beside the backward of another, layer by layer, each one's
+    all-to-alls on a second stream under the other's compute (frameworks.Traits.ep_comm_overlap,
+    ``--overlap-moe-expert-parallel-comm``): a layer pair takes max(compute, all-to-alls), so
+    what passes the block's forward and backward seconds (attention as TE runs it) stays exposed.
+    Megatron refuses it under full recomputation (transformer_config.py): that mode keeps all."""
+    out = np.maximum(ep - (fwd + bwd)[:, None], 0.0)
+    out[:, RECOMPUTES.index("full")] = ep[:, RECOMPUTES.index("full")]
+    return out

@@ -1,0 +1,117 @@
+"""``dsplan profile`` measures a model's blocks for real, and ``--profile`` prices plans with them.
+
+The profile runs here on the CPU (a quarter-width gpt3-125m, a few repetitions): every number
+below is measured afresh, none recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner import api
+from planner.cost.measured_blocks import block_signature, load_layer_profile
+from planner.errors import UserError
+
+DSPLAN = [sys.executable, "-m", "planner"]
+
+
+def _dsplan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*DSPLAN, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("profile")
+    done = _dsplan("profile", "--model", "gpt3-125m", "--device", "cpu", "--seq-len", "128", "--micro-batch", "2",
+                   "--warmup", "1", "--repetitions", "3", "--out", "p.json", "--hardware-out", "box.yaml", cwd=where)
+    assert done.returncode == 0, done.stderr
+    return where
+
+
+def test_every_distinct_block_is_measured_once_with_its_costs(profiled):
+    prof = load_layer_profile(profiled / "p.json")
+    spec = api.load_model("gpt3-125m")
+    assert [b.kind for b in prof.blocks] == ["embedding", "decoder", "norm", "lm_head"]
+    assert {block_signature(b) for b in spec.blocks} == {b.signature for b in prof.blocks}
+    decoder = prof.blocks[1]
+    assert decoder.backward_s > decoder.forward_s > 0  # two GEMMs per forward one
+    assert decoder.recompute_s is not None and decoder.recompute_s > 0.3 * decoder.forward_s
+    assert prof.blocks[0].recompute_s is None  # only transformer layers are checkpointed
+    # the decoder keeps at least its inputs of 2 x 128 tokens x 768 fp32 for the four GEMMs, and
+    # less than the analytic count with no FlashAttention (scores 12 heads x 128^2 per sample)
+    assert 4 * 2 * 128 * 768 * 4 < decoder.activation_bytes < 40 * 2 * 128 * 768 * 4
+    assert prof.matmul_flops_per_s() > 1e9
+    assert prof.memory_bandwidth_GBps > 0.5
+    assert {c.op for c in prof.collectives} == {"allreduce", "allgather"}
+    assert prof.hardware == "box" and prof.dtype == "fp32" and prof.micro_batch == 2 and prof.seq_len == 128
+
+
+def test_at_the_profiles_own_point_the_prediction_is_the_measurement(profiled):
+    prof = load_layer_profile(profiled / "p.json")
+    cluster = api.load_cluster(str(profiled / "box.yaml"), gpus_per_node=1)
+    plan = api.estimate("gpt3-125m", cluster, global_batch=2, micro_batch=2, seq_len=128, precision="fp32",
+                        layer_profile=str(profiled / "p.json"))
+    spec = api.load_model("gpt3-125m")
+    by_sig = {b.signature: b for b in prof.blocks}
+    measured = sum(by_sig[block_signature(b)].forward_s + by_sig[block_signature(b)].backward_s for b in spec.blocks)
+    assert plan.time.compute == pytest.approx(measured, rel=1e-6)
+    assert plan.to_json()["layer_profile"]["device"] == prof.device
+
+
+def test_other_micro_batches_scale_each_blocks_measurement_by_its_analytic_shape(profiled):
+    from planner.cost import efficiency as eff
+    from planner.cost.block_times import BlockTables
+
+    cluster = api.load_cluster(str(profiled / "box.yaml"), gpus_per_node=1)
+    plain = api.make_workload("gpt3-125m", gpus=1, global_batch=2, seq_len=128, precision="fp32")
+    measured = plain.model_copy(update={"layer_profile": load_layer_profile(profiled / "p.json")})
+    spec, dev = api.load_model("gpt3-125m"), eff.device(cluster.profile, "fp32")
+    with_p = BlockTables(spec, cluster, measured, dev).table(1, 0, 1, (2, 4, 8))
+    without = BlockTables(spec, cluster, plain, dev).table(1, 0, 1, (2, 4, 8))
+    for name in ("fwd", "bwd"):
+        ratio = getattr(with_p, name) / getattr(without, name)  # [micro-batch, block]
+        assert ratio == pytest.approx(ratio[0:1].repeat(3, axis=0), rel=1e-9)  # one level per block
+    assert with_p.fwd[0].sum() == pytest.approx(sum(b.forward_s for b in measured.layer_profile.blocks)
+                                                + 11 * measured.layer_profile.blocks[1].forward_s, rel=1e-9)
+
+
+def test_a_profile_of_another_model_or_system_is_refused(profiled):
+    path = str(profiled / "p.json")
+    cluster = api.load_cluster(str(profiled / "box.yaml"), gpus_per_node=1)
+    with pytest.raises(UserError, match="measured model gpt3-125m, not gpt3-350m"):
+        api.estimate("gpt3-350m", cluster, global_batch=2, micro_batch=2, seq_len=128, layer_profile=path)
+    with pytest.raises(UserError, match="measured for hardware box"):
+        api.estimate("gpt3-125m", api.load_cluster("dgx-a100-80g"), global_batch=8, micro_batch=1, seq_len=128,
+                     layer_profile=path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("{not json", "cannot read it as JSON"),
+    ('{"format": "other"}', "not a dsplan layer profile"),
+    ('{"format": "dsplan-layer-profile/1", "model": "x"}', "write it again with `dsplan profile`"),
+])
+def test_bad_profile_files_exit_2_with_one_message(tmp_path, content, message):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    done = _dsplan("estimate", "--model", "gpt3-125m", "--profile", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_profile_refuses_to_overwrite_without_force(profiled):
+    done = _dsplan("profile", "--model", "gpt3-125m", "--device", "cpu", "--out", "p.json", cwd=profiled)
+    assert done.returncode == 2 and "exists; pass --force" in done.stderr
+    assert json.loads((profiled / "p.json").read_text())["model"] == "gpt3-125m"
+
+
+def test_profile_on_cuda_without_a_gpu_says_so(tmp_path):
+    done = _dsplan("profile", "--model", "gpt3-125m", "--device", "cuda", "--out", "p.json", cwd=tmp_path)
+    assert done.returncode == 2 and "no CUDA device" in done.stderr
+    assert not (tmp_path / "p.json").exists()
