@@ -17,7 +17,7 @@ from planner.resources import hardware_profiles_dir
 
 EXPECTED = {
     "dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200", "h800", "a100-pcie", "l40s-pcie", "mi250x", "mi300x",
-    "dgx-b200", "dgx-b300", "gb200-nvl72", "gb300-nvl72",
+    "dgx-b200", "dgx-b300", "gb200-nvl72", "gb300-nvl72", "cpu-local",
 }
 # NVL72 systems: a node is one compute tray of 4 GPUs whose host link is NVLink-C2C (tests/test_nvl72.py).
 NVL72 = {"gb200-nvl72", "gb300-nvl72"}
@@ -53,6 +53,10 @@ def test_builtin_profile_loads_and_is_self_consistent(name: str):
     assert p.name == name  # file stem and name field agree
     assert p.sources, "every built-in profile cites its sources"
     assert p.description
+    if p.gpu.vendor == "cpu":  # a CPU process per rank: its peaks are measured GEMM rates
+        assert 1e9 < p.gpu.peak_flops("fp32") < 1e13 and p.gpu.matmul_efficiency == 1.0
+        assert p.node.gpus == 2
+        return
     assert p.gpu.peak_flops("bf16") > 1e14
     assert 0.4 < p.gpu.matmul_efficiency < 0.95
     assert p.node.gpus == (4 if name in NVL72 else 8)
@@ -160,8 +164,8 @@ def test_pcie_host_links_match_reference(reference_dir: Path):
     gen5 = _first_number(_spec(reference_dir, "PCIe Gen5 x16")["scale_up_interconnect"])
     for name in list_profiles():
         p = load_profile(name)
-        if name == "mi250x" or name in NVL72:
-            continue  # CPU-GCD is Infinity Fabric (36 GB/s), Grace-GPU NVLink-C2C: not PCIe
+        if name in ("mi250x", "cpu-local") or name in NVL72:
+            continue  # CPU-GCD is Infinity Fabric (36 GB/s), Grace-GPU NVLink-C2C, a CPU rank's RAM: not PCIe
         expected = gen4 if p.node.pcie_gen == 4 else gen5
         assert abs(p.node.pcie_GBps - expected) / expected < 0.03, name
 

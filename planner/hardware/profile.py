@@ -40,7 +40,7 @@ def _empty_list() -> list:
 
 class GPU(_Strict):
     name: str
-    vendor: Literal["nvidia", "amd", "other"] = "nvidia"
+    vendor: Literal["nvidia", "amd", "cpu", "other"] = "nvidia"  # cpu: a CPU process per rank (cpu-local)
     memory_GiB: Memory
     peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "fp4", "tf32", "fp32"], Rate]  # dense, no sparsity
     hbm_GBps: Rate

@@ -13,6 +13,9 @@ What changes and why:
   suite builds them in too, unless ``TORCH_EXTENSIONS_DIR`` is set.
 
 The measured numbers are CPU numbers for a scaled model; the report says so next to them.
+A plan made for a CPU hardware profile (``--hardware cpu-local``, or one ``dsplan profile
+--hardware-out`` wrote: ``gpu.vendor: cpu``) runs as planned instead: the real model at the
+planned sequence and precision, so the report compares a prediction with the same job.
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def adapt_for_local(info: "RunDirInfo", scale: str | None = None, max_procs: int
         raise UserError(f"--local: {info.path}/entry.sh runs your own script, and --local adapts dsplan's reference "
                         "trainer (scale, sequence, precision); run your script with its own CPU settings instead")
     planned_seq = int(info.plan.get("seq_len") or MAX_LOCAL_SEQ_LEN)
+    if planned_for_cpu(info.plan):
+        return LocalPlan(nodes=info.nodes, procs_per_node=info.gpus_per_node,
+                         threads_per_proc=max(1, (os.cpu_count() or 1) // needed), scale=scale or "1",
+                         seq_len=planned_seq, planned_seq_len=planned_seq,
+                         ds_config=_cpu_ds_config(info.path / "ds_config.json") if info.fp16 else None)
     return LocalPlan(
         nodes=info.nodes,
         procs_per_node=info.gpus_per_node,
@@ -99,6 +107,16 @@ def adapt_for_local(info: "RunDirInfo", scale: str | None = None, max_procs: int
         planned_seq_len=planned_seq,
         ds_config=_cpu_ds_config(info.path / "ds_config.json") if info.fp16 else None,
     )
+
+
+def planned_for_cpu(plan: dict[str, Any]) -> bool:
+    """Whether plan.json's hardware profile is a CPU one (gpu.vendor cpu)."""
+    from planner.hardware.load import load_profile
+
+    try:
+        return load_profile(str(plan.get("hardware") or "")).gpu.vendor == "cpu"
+    except UserError:
+        return False
 
 
 def _cpu_ds_config(path: Path) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class Expectations(_Strict):
     version: Literal[1] = SCHEMA_VERSION
     plan: str
     profile: str
-    vendor: Literal["nvidia", "amd", "other"]
+    vendor: Literal["nvidia", "amd", "cpu", "other"]
     gpu_name: str
     nodes: int = Field(ge=1)
     gpus_per_node: int = Field(ge=1)

@@ -41,7 +41,7 @@ def cpu_hardware_profile(profile: LayerProfile, name: str, ranks: int, cores: in
     return {
         "name": name,
         "description": f"this machine's CPUs as {ranks} ranks ({profile.device}), measured by dsplan profile",
-        "gpu": {"name": f"CPU rank ({profile.device})", "vendor": "other", "memory_GiB": round(memory / ranks, 2),
+        "gpu": {"name": f"CPU rank ({profile.device})", "vendor": "cpu", "memory_GiB": round(memory / ranks, 2),
                 "peak_TFLOPs": peaks, "hbm_GBps": round(profile.memory_bandwidth_GBps or 10.0, 3),
                 "matmul_efficiency": 1.0},
         "node": {"gpus": ranks,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.run.job import Job
+from planner.run.local import planned_for_cpu
 from planner.run.supervisor import RunResult
 
 WARMUP_STEPS = 1
@@ -33,6 +34,8 @@ LOCAL_NOTE = (
     "relative errors are not a statement about the planner's accuracy; they only show that the "
     "run directory trains and that the report is complete."
 )
+AS_PLANNED_NOTE = ("Measured with --local on the CPU hardware profile the plan was made for ({hardware}): the "
+                   "model, sequence and precision as planned, so the relative errors are the planner's accuracy.")
 ADAPTED_NOTE = ("no prediction for this CPU run: dsplan's cost model has no CPU hardware profile, "
                 "so re-estimating the plan for it would not be meaningful")
 
@@ -157,6 +160,8 @@ def build_report(job: Job, result: RunResult, warmup: int = WARMUP_STEPS) -> dic
     ranks = sorted(int(r) for r in measured["peak_memory_bytes_per_rank"]) or list(range(info.world_size))
     predicted = predict(info.plan, _stages(info.path, ranks))
     local = job.local
+    as_planned = local is not None and local.scale == "1" and local.seq_len == local.planned_seq_len \
+        and planned_for_cpu(info.plan)
     curve = loss_curve(result.records)
     return {
         "run_dir": str(info.path),
@@ -164,7 +169,8 @@ def build_report(job: Job, result: RunResult, warmup: int = WARMUP_STEPS) -> dic
         "launcher": job.launcher,
         "local": local is not None,
         "local_adaptation": local.to_json() if local is not None else None,
-        "note": LOCAL_NOTE.format(scale=local.scale, seq=local.seq_len) if local is not None else None,
+        "note": (AS_PLANNED_NOTE.format(hardware=info.plan.get("hardware")) if as_planned else
+                 LOCAL_NOTE.format(scale=local.scale, seq=local.seq_len) if local is not None else None),
         "plan": {k: info.plan.get(k) for k in ("model", "hardware", "nodes", "gpus_per_node", "dp", "tp", "pp", "ep",
                                                  "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch",
                                                  "seq_len", "precision")},
@@ -176,7 +182,7 @@ def build_report(job: Job, result: RunResult, warmup: int = WARMUP_STEPS) -> dic
         "predicted": predicted,
         "comparison": comparison(measured, predicted),
         "adapted_prediction": None,
-        "adapted_prediction_note": ADAPTED_NOTE if local is not None else None,
+        "adapted_prediction_note": ADAPTED_NOTE if local is not None and not as_planned else None,
         "loss_curve": curve,
         "restarts": [{"attempt": r.attempt, "time": r.time, "time_iso": _iso(r.time), "reason": r.reason,
                       "resumed_from_step": r.resumed_from_step, "first_step_after_restart": r.first_step}
