@@ -292,3 +292,19 @@ def test_remove_shm_buffers_takes_only_that_jobs_buffers():
     finally:
         for path in mine + others:
             path.unlink(missing_ok=True)
+
+
+def test_a_plan_for_a_cpu_profile_runs_locally_as_planned(tmp_path):
+    """--hardware cpu-local: the real model at the planned sequence, not a tiny-scale smoke run."""
+    runner = CliRunner()
+    est = runner.invoke(main, ["estimate", "--model", "gpt3-125m", "--hardware", "cpu-local", "--zero", "2",
+                               "--micro-batch", "1", "--global-batch", "2", "--seq-len", "512", "--precision", "fp32",
+                               "--json"])
+    assert est.exit_code == 0, est.output
+    (tmp_path / "p.json").write_text(est.stdout)
+    gen = runner.invoke(main, ["generate", "--plan", str(tmp_path / "p.json"), "--out", str(tmp_path / "r")])
+    assert gen.exit_code == 0, gen.output
+    cpu = json.loads(run_cli(str(tmp_path / "r"), "--local", "--dry-run", "--json").stdout)["local_adaptation"]
+    assert (cpu["scale"], cpu["seq_len"], cpu["planned_seq_len"], cpu["processes_per_node"]) == ("1", 512, 512, 2)
+    gpu = json.loads(run_cli(str(generate(tmp_path, "gpu", seq_len=512)), "--local", "--dry-run", "--json").stdout)
+    assert (gpu["local_adaptation"]["scale"], gpu["local_adaptation"]["seq_len"]) == ("tiny", 256)
