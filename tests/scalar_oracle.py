@@ -460,7 +460,7 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
     else:
         reduce, gather = on("allreduce", gb * dense, gb * expert), 0.0
     first_fwd = t.fwd if cfg.framework == "megatron" else 0.0
-    overlap = fw.grad_reduce_overlaps(traits, cfg.pp)
+    overlap = fw.grad_reduce_overlaps(traits, cfg.pp, cfg.zero_stage)
     exposed = dp_exposed(reduce, gather, overlap, t.bwd + t.recompute, first_fwd, cooldown)
     if cfg.zero_stage == 2 and traits.zero2_reduces_every_microbatch:
         exposed += earlier_microbatch_reductions(reduce, overlap, t.bwd + t.recompute, cfg.grad_accum)

@@ -95,6 +95,11 @@ class Traits:
     # (zero/stage_1_and_2.py:2293-2294, reduce_ready_partitions_and_remove_grads reduces when
     # partition_gradients or at the accumulation boundary; ZeRO-1 only at the boundary).
     zero2_reduces_every_microbatch: bool = False
+    # Without ZeRO the engine all-reduces the gradients after the backward, not from hooks during
+    # it: ``engine.backward`` ends with ``allreduce_gradients``, which for stage 0 runs
+    # ``buffered_allreduce_fallback`` over every gradient (runtime/engine.py allreduce_gradients);
+    # ZeRO-1/2 reduce from backward hooks (stage_1_and_2.py reduce_ready_partitions_and_remove_grads).
+    zero0_reduces_after_backward: bool = False
     # Tensor-parallel collectives overlapped with the GEMMs beside them: Transformer Engine's
     # userbuffers (Megatron-Core ``--tp-comm-overlap``, which needs sequence parallelism and a TP
     # group inside one NVLink domain) split each all-gather / reduce-scatter into tp chunks and
@@ -126,9 +131,10 @@ class Traits:
 
 TRAITS = {
     "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True,
-                        zero2_reduces_every_microbatch=True),
+                        zero2_reduces_every_microbatch=True, zero0_reduces_after_backward=True),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
-                                 zero_grad_allreduce=True, zero2_reduces_every_microbatch=True),
+                                 zero_grad_allreduce=True, zero2_reduces_every_microbatch=True,
+                                 zero0_reduces_after_backward=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
                        ep_comm_overlap=True, zero3_live_blocks=2),
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
@@ -151,7 +157,9 @@ def traits(framework: str) -> Traits:
     return TRAITS[framework]
 
 
-def grad_reduce_overlaps(t: Traits, pp: int) -> bool:
+def grad_reduce_overlaps(t: Traits, pp: int, zero: int = 1) -> bool:
     """Whether gradient reduction starts during the last micro-batch's backward: where the
-    runtime buckets it (Traits.overlap_grad_reduce), but not in DeepSpeed's PipelineEngine."""
-    return t.overlap_grad_reduce and not (t.pipe_engine and pp > 1)
+    runtime buckets it (Traits.overlap_grad_reduce), but not in DeepSpeed's PipelineEngine nor
+    in its engine without ZeRO (Traits.zero0_reduces_after_backward)."""
+    return (t.overlap_grad_reduce and not (t.pipe_engine and pp > 1)
+            and not (t.zero0_reduces_after_backward and zero == 0))

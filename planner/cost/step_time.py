@@ -116,7 +116,8 @@ DP_OPS = ("reducescatter", "allreduce", "allgather")
 _TRAITS = [fw.traits(f) for f in FRAMEWORKS]
 _ALLREDUCE = np.array([t.zero_grad_allreduce for t in _TRAITS])  # ZeRO-1/2 gradients all-reduced
 _PIPE_ENGINE = np.array([t.pipe_engine for t in _TRAITS])
-_OVERLAPS = np.array([[fw.grad_reduce_overlaps(t, pp) for t in _TRAITS] for pp in (1, 2)])  # [deep, framework]
+_OVERLAPS = np.array([[[fw.grad_reduce_overlaps(t, pp, zero) for t in _TRAITS] for zero in (1, 0)]
+                      for pp in (1, 2)])  # [deep, no ZeRO, framework]
 _EVERY_MICROBATCH = np.array([t.zero2_reduces_every_microbatch for t in _TRAITS])
 _HSDP_EVERY_MICROBATCH = np.array([t.hsdp_allreduce_every_microbatch for t in _TRAITS])
 MEGATRON = FRAMEWORKS.index("megatron")
@@ -213,7 +214,7 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
     deep = col["pp"] > 1
     engine = _PIPE_ENGINE[fwi] & deep
     fwd, bwd = r["fwd"] * overlap_share, (r["bwd"] + r["rc"]) * overlap_share
-    overlap = _OVERLAPS[deep.astype(int), fwi][:, None]
+    overlap = _OVERLAPS[deep.astype(int), (zero == 0).astype(int), fwi][:, None]
     # The earlier ranks' backward of the last micro-batch (1/v of it each), none on the ranks a
     # PipelineEngine's ReduceTiedGrads holds until rank 0 is done.
     cooldown = np.where(engine[:, None] & (r["tied"] > 0), 0.0, (np.cumsum(bwd, axis=1) - bwd) / vs)
