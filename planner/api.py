@@ -290,6 +290,7 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 
     from planner.cost.degrees import build_parallel_config
     from planner.cost.estimate import estimate as _estimate
+    from planner.cost.measured_blocks import profile_notes
     from planner.cost.notes import batch_notes
     from planner.cost.schedule_check import plan_schedule_notes
 
@@ -307,6 +308,7 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
     plan = _estimate(spec, cluster, workload, cfg, partition)
     notes = batch_notes(plan.to_json(), workload.seq_len) + plan_schedule_notes(spec, cluster, workload, cfg,
                                                                                plan.partition, plan.step_time_s)
+    notes += profile_notes(workload.layer_profile, cfg.micro_batch, workload.seq_len, cfg.tp)
     return dataclasses.replace(plan, notes=notes)
 
 

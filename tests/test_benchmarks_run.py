@@ -4,6 +4,7 @@ once broke bench_suggest_speed without any test noticing)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,21 @@ def test_goodput_benchmark_agrees_with_simulation_and_llama3():
     ll = bench.llama3()
     assert abs(ll["mtbf_hours"] - ll["published_mtbf_hours"]) < 0.05
     assert 0.9 < ll["goodput"] < 1.0
+
+
+def test_cpu_predicted_vs_measured_runs_a_real_plan_and_compares(tmp_path):
+    """A small version of bench_cpu_predicted_vs_measured: profile gpt3-125m on this CPU, plan
+    DP 2 with ZeRO-2 on cpu-local with the profile, run it for real, compare (all measured now)."""
+    bench = _load("bench_cpu_predicted_vs_measured")
+    prof = bench.profile("gpt3-125m", 64, tmp_path)
+    row = bench.plan_and_run("gpt3-125m", "zero2", 64, 3, prof, tmp_path)
+    report = json.loads(Path(row["report"]).read_text())
+    assert report["status"] == "completed" and report["measured"]["steps_measured"] >= 2
+    assert "the planner's accuracy" in report["note"]  # the same job on both sides: no scaling
+    assert report["local_adaptation"]["scale"] == "1" and report["local_adaptation"]["seq_len"] == 64
+    plan = json.loads((Path(row["report"]).parent / "plan.json").read_text())
+    assert plan["layer_profile"]["model"] == "gpt3-125m"
+    assert row["measured_s"] > 0 and row["predicted_s"] > 0
+    # docs/accuracy.md records today's residual (the run is slower than predicted, mostly in
+    # DeepSpeed's CPU gradient reduction); within a factor of five either way until it is closed
+    assert 0.2 < row["predicted_s"] / row["measured_s"] < 5.0

@@ -118,6 +118,15 @@ class LayerProfile(_Frozen):
         return out
 
 
+def profile_notes(profile: LayerProfile | None, micro_batch: int, seq_len: int, tp: int) -> list[str]:
+    """A plan's note on the measured block costs it was priced with, and how it carries them over."""
+    if profile is None:
+        return []
+    moved = profile.differences(micro_batch, seq_len, tp)
+    carried = f"; carried by the cost model to {', '.join(moved)}" if moved else ", as measured"
+    return [f"block compute measured by dsplan profile on {profile.device} ({profile.dtype}){carried}"]
+
+
 def block_signature(block: Any) -> str:
     """A short hash of a block's full description: equal blocks, equal signature."""
     text = json.dumps(block.model_dump(mode="json"), sort_keys=True)
