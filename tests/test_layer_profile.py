@@ -115,3 +115,21 @@ def test_profile_on_cuda_without_a_gpu_says_so(tmp_path):
     done = _dsplan("profile", "--model", "gpt3-125m", "--device", "cuda", "--out", "p.json", cwd=tmp_path)
     assert done.returncode == 2 and "no CUDA device" in done.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_pipeline_balancer_balances_the_measured_costs(profiled):
+    """The same model and layout, with its embedding measured 40 times heavier: the optimal
+    balancer moves decoder layers off the first stage to even the measured stages out."""
+    prof = load_layer_profile(profiled / "p.json")
+    decoder = prof.blocks[1]
+    heavy = prof.model_copy(update={"blocks": (prof.blocks[0].model_copy(update={
+        "forward_s": 40 * decoder.forward_s, "backward_s": 40 * decoder.backward_s}), *prof.blocks[1:])})
+    cluster = api.load_cluster(str(profiled / "box.yaml"))
+    common = {"seq_len": 128, "precision": "fp32", "global_batch": 8, "pp": 2, "micro_batch": 1, "top": 1,
+              "framework": "deepspeed"}
+
+    def first_stage_blocks(profile) -> int:
+        best = api.suggest("gpt3-125m", cluster, layer_profile=profile, **common).plans[0].plan
+        return best.partition[0][1] - best.partition[0][0]
+
+    assert first_stage_blocks(heavy) < first_stage_blocks(prof)
