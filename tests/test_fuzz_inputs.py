@@ -110,6 +110,7 @@ BASES: dict[tuple[str, ...], list[str]] = {
     ("generate",): ["--model", "gpt3-125m", "--out", "{out}"],
     ("plot",): ["pareto", "--model", "gpt3-125m", "--out", "{out}.png"],
     ("run",): [NO_RUN_DIR],
+    ("calibrate",): [str(Path(__file__).parent / "data" / "calibrate" / "run-dp8"), "--out", "{out}.yaml"],
 }
 # Outputs (their own tests: tests/test_cli_io_errors.py) and `run`'s directory are not fuzzed.
 SKIPPED = {"--out", "--draw", "--dot", "run_dir", "entry_args"}

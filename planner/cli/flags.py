@@ -15,6 +15,7 @@ from planner.errors import spell, spell_all
 FLAGS: dict[str, str] = {
     "model": "--model",
     "hardware": "--hardware",
+    "calibration": "--calibration",
     "nodes": "--nodes",
     "gpus_per_node": "--gpus-per-node",
     "dp": "--dp",
