@@ -275,3 +275,8 @@ def test_a_report_moved_away_from_its_run_directory_still_calibrates(tmp_path: P
     result = _invoke("calibrate", str(moved), "--out", str(tmp_path / "c.yaml"), "--json")
     assert result.exit_code == 0, result.output
     assert abs(json.loads(result.output)["runs"][0]["error_after"]) < 0.01
+
+
+def test_an_unwritable_out_is_one_message_and_nothing_is_fitted(tmp_path: Path) -> None:
+    message = _error(_invoke("calibrate", str(DATA / "run-dp8"), "--out", str(tmp_path / "missing" / "c.yaml")))
+    assert "cannot write --out" in message and "does not exist" in message
