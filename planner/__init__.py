@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 
 _API = (
     "SEARCH_AXES", "constraints", "estimate", "label", "load_cluster", "load_hardware", "load_model", "make_workload",
-    "parallel_config", "record", "records", "suggest", "to_dataframe", "uncertainty", "with_fabric",
+    "parallel_config", "record", "records", "suggest", "to_dataframe", "uncertainty", "with_calibration",
+    "with_fabric",
 )
 _SUBMODULES = ("explore", "plots")
 

@@ -50,6 +50,7 @@ __all__ = [
     "suggest",
     "to_dataframe",
     "uncertainty",
+    "with_calibration",
     "with_fabric",
 ]
 
@@ -71,8 +72,10 @@ def load_model(name_or_path: "str | ModelSpec") -> "ModelSpec":
     return _load(name_or_path)
 
 
-def load_hardware(name_or_path: "str | HardwareProfile" = DEFAULT_HARDWARE) -> "HardwareProfile":
-    """A hardware profile by built-in name (``"dgx-h100"``) or YAML path.
+def load_hardware(name_or_path: "str | HardwareProfile" = DEFAULT_HARDWARE,
+                  calibration: "str | None" = None) -> "HardwareProfile":
+    """A hardware profile by built-in name (``"dgx-h100"``) or YAML path; ``calibration``, a
+    calibration.yaml of ``dsplan calibrate``, replaces its calibration section (with_calibration).
 
     >>> load_hardware("h100").gpu.name
     'H100-SXM5-80GB'
@@ -80,24 +83,31 @@ def load_hardware(name_or_path: "str | HardwareProfile" = DEFAULT_HARDWARE) -> "
     from planner.hardware.load import load_profile
     from planner.hardware.profile import HardwareProfile
 
-    if isinstance(name_or_path, HardwareProfile):
-        return name_or_path
-    return load_profile(name_or_path)
+    profile = name_or_path if isinstance(name_or_path, HardwareProfile) else load_profile(name_or_path)
+    return profile if calibration is None else with_calibration(profile, calibration)
 
 
 def load_cluster(hardware: "str | HardwareProfile" = DEFAULT_HARDWARE, nodes: int = 1, *,
-                 gpus_per_node: int | None = None) -> "Cluster":
-    """``nodes`` machines of one hardware profile, as the topology the cost model routes over.
+                 gpus_per_node: int | None = None, calibration: "str | None" = None) -> "Cluster":
+    """``nodes`` machines of one hardware profile (``calibration``: as for load_hardware).
 
     >>> load_cluster("dgx-a100-80g", nodes=4).num_gpus
     32
     """
     from planner.hardware.cluster import Cluster
 
-    profile = load_hardware(hardware)
+    profile = load_hardware(hardware, calibration)
     if gpus_per_node is not None:
         profile = profile.with_gpus_per_node(gpus_per_node)
     return Cluster.build(profile, nodes)
+
+
+def with_calibration(hardware: "str | HardwareProfile", calibration: str) -> "HardwareProfile":
+    """``hardware`` with the calibration section of ``calibration`` (a dsplan calibrate file; one
+    fitted on another system is a UserError naming both)."""
+    from planner.hardware.calibration_file import with_calibration as _with
+
+    return _with(load_hardware(hardware), calibration)
 
 
 _FABRIC_KINDS = {"hdr": "infiniband_hdr", "ndr": "infiniband_ndr", "xdr": "infiniband_xdr"}
@@ -148,14 +158,8 @@ def with_fabric(hardware: "str | HardwareProfile", *, fabric: str | None = None,
 
 
 def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float | None) -> str:
-    parts = [base]
-    if fabric:
-        parts.append(fabric.lower())
-    if gbit:
-        parts.append(f"{gbit:g}G")
-    if over:
-        parts.append(f"{over:g}:1")
-    return "+".join(parts)
+    parts = [base, fabric.lower() if fabric else "", f"{gbit:g}G" if gbit else "", f"{over:g}:1" if over else ""]
+    return "+".join(p for p in parts if p)
 
 
 # The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
@@ -186,7 +190,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     from pydantic import ValidationError
 
     from planner.cost.degrees import default_global_batch, rule_message
-    from planner.cost.parallel import Workload
+    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS, Workload
     from planner.model.vision_inputs import vision_inputs
 
     spec = load_model(model)
@@ -196,8 +200,6 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     from planner.cost.measured_blocks import as_layer_profile
-    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS
-
     if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not (
             1 <= moe_imbalance <= MAX_MOE_IMBALANCE):
         raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to {MAX_MOE_IMBALANCE:g} (the busiest "

@@ -112,6 +112,7 @@ BASES: dict[tuple[str, ...], list[str]] = {
     ("run",): [NO_RUN_DIR],
     # --device cuda on a machine without one stops before measuring (a real profile takes a minute)
     ("profile",): ["--model", "gpt3-125m", "--device", "cuda", "--out", "{out}.json"],
+    ("calibrate",): [str(Path(__file__).parent / "data" / "calibrate" / "run-dp8"), "--out", "{out}.yaml"],
 }
 # Outputs (their own tests: tests/test_cli_io_errors.py) and `run`'s directory are not fuzzed.
 SKIPPED = {"--out", "--draw", "--dot", "run_dir", "entry_args"}

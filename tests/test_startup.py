@@ -117,7 +117,7 @@ def test_routes_identical_to_networkx(profile):
     cluster = Cluster.build(profile, 1)
     key = profile.model_dump_json()
     shapes = _shapes(profile.node.gpus)
-    assert len(shapes) >= 4
+    assert len(shapes) >= (4 if profile.node.gpus >= 4 else 3)  # cpu-local has 2 ranks: 3 shapes
     for groups in shapes:
         assert intra_routes(key, groups) == _reference(cluster.node_graph, groups), (profile.name, groups)
 

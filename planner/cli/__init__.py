@@ -24,7 +24,8 @@ from planner.cli.flags import cli_text
 from planner.errors import UserError
 
 # planner.cli.<name> holds the command ``name`` (its ``commands`` list); absent modules are skipped.
-COMMAND_MODULES = ("models", "hardware", "topo", "estimate", "suggest", "generate", "run", "plot", "profile")
+COMMAND_MODULES = ("models", "hardware", "topo", "estimate", "suggest", "generate", "run", "calibrate", "plot",
+                   "profile")
 
 
 class _Group(click.Group):

@@ -15,7 +15,7 @@ import click
 from planner.cli.fit import DOES_NOT_FIT_EXIT, allow_oom_option, warn_does_not_fit
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
-from planner.cli.options import layer_profile_option, workload_options
+from planner.cli.options import calibration_option, layer_profile_option, workload_options
 from planner.cli.output import console, human_bytes, human_time, json_option, print_json
 from planner.errors import UserError
 
@@ -24,6 +24,7 @@ from planner.errors import UserError
 @click.option("--model", "model_name", required=True, metavar="NAME|PATH",
               help="Model preset (see `dsplan models`) or a config.json.")
 @hardware_option
+@calibration_option
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
 @click.option("--gpus-per-node", type=int, default=None,
               help="GPUs per node, 1-576 [default: from the hardware profile].")
@@ -76,6 +77,7 @@ def estimate_command(as_json: bool, allow_oom: bool, **opts: Any) -> None:
       dsplan estimate --model llama-3-8b --nodes 1 --tp 2 --micro-batch 1 --global-batch 512
       dsplan estimate --model llama-2-70b --nodes 16 --tp 8 --pp 4 --framework megatron \\
           --zero 1 --sequence-parallel --recompute selective --global-batch 1024 --json
+      dsplan estimate --model llama-3-8b --nodes 2 --tp 2 --calibration calibration.yaml
     """
     plan = run_estimate(**opts)
     if as_json:
@@ -89,12 +91,12 @@ def estimate_command(as_json: bool, allow_oom: bool, **opts: Any) -> None:
 
 
 def run_estimate(model_name: str, hardware: str, nodes: int, gpus_per_node: int | None, zero_stage: int | None,
-                 stage_blocks: str | None, **knobs: Any):
+                 stage_blocks: str | None, calibration: str | None = None, **knobs: Any):
     """Flags to Plan through ``planner.api.estimate`` (defaults, rules and notes live there)."""
     from planner import api
 
     model = api.load_model(model_name)
-    cluster = api.load_cluster(hardware, nodes, gpus_per_node=gpus_per_node)
+    cluster = api.load_cluster(hardware, nodes, gpus_per_node=gpus_per_node, calibration=calibration)
     partition = _parse_stage_blocks(stage_blocks) if stage_blocks else None
     return api.estimate(model, cluster, partition=partition, zero=zero_stage, **knobs)
 

@@ -16,6 +16,7 @@ FLAGS: dict[str, str] = {
     "model": "--model",
     "hardware": "--hardware",
     "layer_profile": "--profile",
+    "calibration": "--calibration",
     "nodes": "--nodes",
     "gpus_per_node": "--gpus-per-node",
     "dp": "--dp",

@@ -20,6 +20,7 @@ from planner.cli.fit import allow_oom_option, check_fits
 from planner.cli.flags import FLAGS, cli_text
 from planner.cli.options import (
     balancer_option,
+    calibration_option,
     constraint_options,
     layer_profile_option,
     objective_option,
@@ -70,6 +71,7 @@ def _copy_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Model preset or config.json [default with --plan: the plan's model].")
 @click.option("--hardware", default=None, metavar="NAME|PATH",
               help="Hardware profile [default: the plan's, else dgx-a100-80g].")
+@calibration_option
 @click.option("--nodes", type=int, default=None, help="Number of nodes [default: the plan's, else 1].")
 @click.option("--gpus-per-node", type=int, default=None,
               help="GPUs per node, 1-576 [default: from the hardware profile].")
@@ -132,8 +134,10 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
       dsplan generate --model vl2 --nodes 8 --out runs/vl2 --hosts node1,node2,node3,node4,node5,node6,node7,node8
       dsplan estimate --model llama-3.1-8b --nodes 1 --tp 2 --pp 1 --micro-batch 1 --global-batch 64 --json > plan.json
       dsplan generate --plan plan.json --out runs/llama8b --entry train.py -- --data /data/tokens --tag "first run"
+      dsplan generate --plan plan.json --calibration calibration.yaml --out runs/llama8b
 
-    Arguments after `--` are passed, quoted, to the entry on every rank.
+    Arguments after `--` are passed, quoted, to the entry on every rank. With --calibration, the
+    plan (a --plan file too) is priced by the calibrated cost model, and plan.json says which factors.
     """
     from planner.emit.ds_config import TrainSettings
     from planner.emit.plan_file import fit_problem
@@ -145,10 +149,12 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         raise UserError("--hosts and --hostfile: give one of them, not both")
     entry = resolve_entry(opts["entry"])
     plan, model = _choose_plan(opts)
+    profile = load_profile(opts["hardware"] or plan.hardware)
+    if opts["calibration"] is not None:
+        profile, plan = _calibrated(opts, plan, model, profile)
     oom = fit_problem(plan.to_json())  # the search's plans fit; a --plan file may not
     check_fits(oom, f"--plan {opts['plan_path']}", opts["allow_oom"], "write",
                "pick a plan that fits (`dsplan suggest`, or `dsplan estimate` other degrees)")
-    profile = load_profile(opts["hardware"] or plan.hardware)
     hosts = _hosts(opts, plan)
     options = LaunchOptions(
         entry=entry,
@@ -174,6 +180,24 @@ def generate_command(as_json: bool, entry_args: tuple[str, ...], **opts: Any) ->
         print_json({**report.model_dump(), "files": sorted(files), "plan": plan.to_json(), "warnings": warnings})
         return
     _print_written(report, plan, note)
+
+
+def _calibrated(opts: dict[str, Any], plan, model, profile):
+    """The profile with --calibration's factors, and the plan priced under them: a --plan file's
+    predictions replaced (its degrees, batch and partition kept), the search's already made so.
+    plan.json records the factors and the file."""
+    from planner.api import with_calibration
+    from planner.calibrate import price
+    from planner.cli.flags import cli_data
+    from planner.emit.plan_file import plan_from_dict
+
+    profile = with_calibration(profile, opts["calibration"])
+    data = plan.to_json()
+    if opts["plan_path"] is not None:
+        priced = cli_data(price(plan, model, profile).to_json())
+        data = {**data, **priced, "model": plan.model, "hardware": plan.hardware}
+    data["calibration"] = {**profile.calibration.model_dump(), "file": str(opts["calibration"])}
+    return profile, plan_from_dict(data, f"--plan {opts['plan_path']}")
 
 
 def _print_written(report, plan, note: str | None) -> None:
@@ -344,7 +368,7 @@ _SUGGEST_KEYS = (
     "ep", "zero",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes",
-    "balancer", "objective", "cp", "cp_comm", "dp_replicate",
+    "balancer", "objective", "cp", "cp_comm", "dp_replicate", "calibration",
 )
 
 

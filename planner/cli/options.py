@@ -229,6 +229,17 @@ def layer_profile_option(command):
     return click.option("--profile", "layer_profile", default=None, metavar="FILE", help=PROFILE_HELP)(command)
 
 
+def calibration_option(command):
+    """--calibration FILE, for ``estimate``, ``suggest`` and ``generate``."""
+    import click
+
+    return click.option(
+        "--calibration", default=None, metavar="FILE",
+        help="A calibration.yaml written by `dsplan calibrate` for this hardware profile: its fitted factors "
+             "(GEMM, HBM, network, overlap) replace the profile's calibration section [default: the profile's "
+             "own, 1.0 in the built-in ones].")(command)
+
+
 def balancer_option(command):
     """--balancer greedy|optimal."""
     import click

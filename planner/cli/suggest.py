@@ -18,6 +18,7 @@ from planner.cli.flags import cli_text
 from planner.cli.options import (
     axes_from_options,
     balancer_option,
+    calibration_option,
     constraint_options,
     layer_profile_option,
     objective_option,
@@ -32,6 +33,7 @@ from planner.cli.output import json_option
               help="Model preset (see `dsplan models`) or a config.json.")
 @click.option("--hardware", "hardware", default="dgx-a100-80g", show_default=True, metavar="NAME|PATH",
               help="Hardware profile: a built-in name (see `dsplan hardware`) or a YAML file.")
+@calibration_option
 @click.option("--nodes", type=int, default=1, show_default=True, help="Number of nodes.")
 @click.option("--gpus-per-node", type=int, default=None,
               help="GPUs per node, 1-576 [default: from the hardware profile].")
@@ -70,6 +72,7 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
       dsplan suggest --model vl2 --nodes 8
       dsplan suggest --model llama-3.1-70b --nodes 4 --tp 8 --pp 2,4 --zero 1
       dsplan suggest --model llama-3.1-405b --nodes 2048 --objective cost --json
+      dsplan suggest --model llama-3-8b --nodes 2 --calibration calibration.yaml
     """
     from planner.search.suggest import NoPlanFits
 
@@ -108,7 +111,8 @@ def run_suggest(opts: dict[str, Any], progress=None):
 
     axes = axes_from_options(opts)
     model = api.load_model(opts["model"])
-    cluster = api.load_cluster(opts["hardware"], opts["nodes"], gpus_per_node=opts.get("gpus_per_node"))
+    cluster = api.load_cluster(opts["hardware"], opts["nodes"], gpus_per_node=opts.get("gpus_per_node"),
+                               calibration=opts.get("calibration"))
     return api.suggest(model, cluster, top=opts["top"], objective=opts["objective"], balancer=opts["balancer"],
                        progress=progress, **workload_from_options(opts), **axes)
 

@@ -68,6 +68,8 @@ class PlanFile(BaseModel):
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)  # busiest EP rank's tokens / mean (Workload)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
     optimizer: Optimizer = "adamw"
+    flash_attention: bool = True  # FlashAttention, or the unfused kernels (Workload)
+    dropout: bool = False  # dropout masks kept for backward (Workload)
     stage_blocks: list[tuple[int, int]] | None = None
     images_per_sample: int = Field(0, ge=0)
     tiles_per_image: int = Field(0, ge=0)
@@ -111,6 +113,7 @@ class PlanFile(BaseModel):
         return Workload(
             global_batch=self.global_batch, seq_len=self.seq_len, images_per_sample=self.images_per_sample,
             tiles_per_image=self.tiles_per_image, precision=self.precision, optimizer=self.optimizer,
+            flash_attention=self.flash_attention, dropout=self.dropout,
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
             fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
             ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance, mtbf_hours=self.mtbf_hours,
@@ -160,21 +163,22 @@ def plan_from_dict(data: Any, source: str = "plan", fix: str = WRITE_A_PLAN) -> 
         raise UserError(f"{describe_validation_error(source, err)}; {fix}") from None
 
 
-def load_plan_file(path: str | Path) -> PlanFile:
-    """Read a plan.json (one plan, or a ``suggest --json`` answer whose first plan is taken)."""
+def load_plan_file(path: str | Path, flag: str = "--plan") -> PlanFile:
+    """Read a plan.json (one plan, or a ``suggest --json`` answer whose first plan is taken);
+    messages name the file after ``flag``, the option that gave it."""
     p = Path(path).expanduser()
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"--plan {p}: no such file") from None
+        raise UserError(f"{flag} {p}: no such file") from None
     except (OSError, ValueError) as err:  # ValueError: not UTF-8, or a NUL byte in the name
-        raise UserError(f"--plan {p}: cannot read it ({err.__class__.__name__}: {err})") from None
+        raise UserError(f"{flag} {p}: cannot read it ({err.__class__.__name__}: {err})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise UserError(f"--plan {p}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+        raise UserError(f"{flag} {p}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
     if isinstance(data, dict) and isinstance(data.get("plans"), list) and "dp" not in data:
         if not data["plans"]:
-            raise UserError(f"--plan {p}: the file lists no plans")
+            raise UserError(f"{flag} {p}: the file lists no plans")
         data = data["plans"][0]
-    return plan_from_dict(data, f"--plan {p}")
+    return plan_from_dict(data, f"{flag} {p}")

@@ -12,6 +12,9 @@ A step run twice (before a failure and again after the restart) counts once, fro
   time; start-up, checkpoint saves, steps lost to a failure and restarts are what it leaves out,
   as the plan's predicted goodput (planner/cost/goodput.py) does.
 
+``plan`` holds every input of plan.json (planner.emit.plan_file.PlanFile's fields), so the report
+alone can be priced again (``dsplan calibrate``), even moved away from its run directory.
+
 Predicted values come from plan.json as dsplan wrote it: ``step_time_s``, ``tokens_per_s``, and
 the peak memory of each rank's pipeline stage (``stages[i].memory.peak_bytes``).
 """
@@ -153,6 +156,20 @@ def comparison(measured: dict[str, Any], predicted: dict[str, Any]) -> list[dict
     return rows
 
 
+def plan_inputs(plan: dict[str, Any]) -> dict[str, Any]:
+    """Every input of the plan (each PlanFile field, defaults filled; not its predictions): what
+    ``dsplan calibrate`` re-prices the run from, with no plan.json beside the report."""
+    from pydantic import ValidationError
+
+    from planner.emit.plan_file import PlanFile
+
+    try:
+        data = PlanFile.model_validate(plan).to_json()
+    except ValidationError:  # inspect_run_dir validated it; a hand-built job keeps what it has
+        data = plan
+    return {k: data[k] for k in PlanFile.model_fields if k in data}
+
+
 def build_report(job: Job, result: RunResult, warmup: int = WARMUP_STEPS) -> dict[str, Any]:
     info = job.info
     measured = measure(result.records, warmup)
@@ -171,9 +188,7 @@ def build_report(job: Job, result: RunResult, warmup: int = WARMUP_STEPS) -> dic
         "local_adaptation": local.to_json() if local is not None else None,
         "note": (AS_PLANNED_NOTE.format(hardware=info.plan.get("hardware")) if as_planned else
                  LOCAL_NOTE.format(scale=local.scale, seq=local.seq_len) if local is not None else None),
-        "plan": {k: info.plan.get(k) for k in ("model", "hardware", "nodes", "gpus_per_node", "dp", "tp", "pp", "ep",
-                                                 "zero_stage", "offload", "micro_batch", "grad_accum", "global_batch",
-                                                 "seq_len", "precision")},
+        "plan": plan_inputs(info.plan),
         "steps": {"target": job.target_steps, "last": curve[-1]["step"] if curve else None,
                   "logged": measured["steps_logged"]},
         "wall_time_s": result.ended - result.started,
