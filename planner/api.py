@@ -310,7 +310,7 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
     plan = _estimate(spec, cluster, workload, cfg, partition)
     notes = batch_notes(plan.to_json(), workload.seq_len) + plan_schedule_notes(spec, cluster, workload, cfg,
                                                                                plan.partition, plan.step_time_s)
-    notes += profile_notes(workload.layer_profile, cfg.micro_batch, workload.seq_len, cfg.tp)
+    notes += profile_notes(workload.layer_profile, cfg, workload.seq_len, cluster.profile.calibration)
     return dataclasses.replace(plan, notes=notes)
 
 

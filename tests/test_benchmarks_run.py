@@ -112,3 +112,26 @@ def test_cpu_predicted_vs_measured_runs_a_real_plan_and_compares(tmp_path):
     # docs/accuracy.md records today's residual (the run is slower than predicted, mostly in
     # DeepSpeed's CPU gradient reduction); within a factor of five either way until it is closed
     assert 0.2 < row["predicted_s"] / row["measured_s"] < 5.0
+
+
+def test_the_gpu_loop_script_passes_shellcheck_and_uses_only_real_flags():
+    """benchmarks/gpu_profile_plan_run.sh cannot run here (no GPU); what can be checked is that
+    shellcheck passes and every dsplan command and flag it calls exists."""
+    import re
+    import shutil
+
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    script = BENCH / "gpu_profile_plan_run.sh"
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    proc = subprocess.run([shellcheck, str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+    text = script.read_text().replace("\\\n", " ")
+    calls = re.findall(r"^dsplan (\w+)(.*)$", text, flags=re.M)
+    assert {c for c, _ in calls} == {"profile", "suggest", "generate", "run", "calibrate"}
+    for command, rest in calls:
+        helptext = CliRunner().invoke(main, [command, "--help"]).output
+        for flag in re.findall(r"(--[a-z][a-z-]*)", rest):
+            assert flag in helptext, (command, flag)

@@ -65,3 +65,12 @@ def test_overlap_zero_leaves_all_data_parallel_traffic_exposed():
     assert hidden == 0.0
     assert exposed > 0.03
     assert 0.0 < dp_seconds(_calibrated(overlap=0.05)) < exposed
+
+
+def test_a_calibrated_plan_says_so_in_its_notes():
+    cluster = api.load_cluster(_calibrated(gemm=0.7, network=0.5), nodes=1)
+    plan = api.estimate("gpt3-125m", cluster, dp=8, micro_batch=1, global_batch=8, seq_len=512)
+    assert any("calibrated: gemm x0.7, hbm x1, network x0.5, overlap 1" in n for n in plan.notes)
+    plain = api.estimate("gpt3-125m", api.load_cluster("dgx-a100-80g"), dp=8, micro_batch=1, global_batch=8,
+                         seq_len=512)
+    assert not any("calibrated" in n for n in plain.notes)

@@ -118,13 +118,20 @@ class LayerProfile(_Frozen):
         return out
 
 
-def profile_notes(profile: LayerProfile | None, micro_batch: int, seq_len: int, tp: int) -> list[str]:
-    """A plan's note on the measured block costs it was priced with, and how it carries them over."""
-    if profile is None:
-        return []
-    moved = profile.differences(micro_batch, seq_len, tp)
-    carried = f"; carried by the cost model to {', '.join(moved)}" if moved else ", as measured"
-    return [f"block compute measured by dsplan profile on {profile.device} ({profile.dtype}){carried}"]
+def profile_notes(profile: LayerProfile | None, cfg: Any, seq_len: int, calibration: Any = None) -> list[str]:
+    """A plan's notes on what it was priced with beyond the published figures: measured block
+    costs (and how they were carried to ``cfg``'s micro-batch and tp), and a fitted calibration."""
+    out = []
+    if profile is not None:
+        moved = profile.differences(cfg.micro_batch, seq_len, cfg.tp)
+        carried = f"; carried by the cost model to {', '.join(moved)}" if moved else ", as measured"
+        out.append(f"block compute measured by dsplan profile on {profile.device} ({profile.dtype}){carried}")
+    if calibration is not None and not calibration.identity:
+        c = calibration
+        runs = f", fitted on {len(c.fitted_on)} run(s)" if c.fitted_on else ""
+        out.append(f"calibrated: gemm x{c.gemm:.3g}, hbm x{c.hbm:.3g}, network x{c.network:.3g}, "
+                   f"overlap {c.overlap:.3g}{runs}")
+    return out
 
 
 def block_signature(block: Any) -> str:
