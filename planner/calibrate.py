@@ -33,6 +33,7 @@ from planner.errors import UserError
 from planner.hardware.profile import Calibration
 
 if TYPE_CHECKING:  # pragma: no cover
+    from planner.cost.measured_blocks import LayerProfile
     from planner.cost.plan import Plan
     from planner.emit.plan_file import PlanFile
     from planner.hardware.profile import HardwareProfile
@@ -57,6 +58,7 @@ class Run:
     model: "ModelSpec"
     profile: "HardwareProfile"
     measured_s: float
+    layer_profile: "LayerProfile | None" = None  # the measured block costs the run's plan was priced with
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,11 @@ class FitResult:
     evaluations: int = 0
 
 
-def price(plan: "PlanFile", model: "ModelSpec", profile: "HardwareProfile") -> "Plan":
+def price(plan: "PlanFile", model: "ModelSpec", profile: "HardwareProfile",
+          layer_profile: "LayerProfile | None" = None) -> "Plan":
     """The cost model's Plan for a plan file on ``profile`` (its calibration included): the
-    degrees, batch split, workload and stage partition the file fixes, priced afresh."""
+    degrees, batch split, workload and stage partition the file fixes, priced afresh (with the
+    measured block costs of ``layer_profile``, as ``--profile`` priced it)."""
     from planner.cost.estimate import estimate
     from planner.hardware.cluster import Cluster
 
@@ -100,7 +104,8 @@ def price(plan: "PlanFile", model: "ModelSpec", profile: "HardwareProfile") -> "
     cfg = plan.parallel_config()
     blocks = plan.stage_blocks
     partition = [tuple(b) for b in blocks] if blocks and len(blocks) == cfg.pp * cfg.virtual_stages else None
-    return estimate(model, cluster, plan.workload(), cfg, partition)
+    workload = plan.workload().model_copy(update={"layer_profile": layer_profile})
+    return estimate(model, cluster, workload, cfg, partition)
 
 
 def calibrated(profile: "HardwareProfile", calibration: Calibration) -> "HardwareProfile":
@@ -110,7 +115,7 @@ def calibrated(profile: "HardwareProfile", calibration: Calibration) -> "Hardwar
 def predict(run: Run, calibration: Calibration | None = None) -> float:
     """The run's predicted step time in seconds, under ``calibration`` (None: the profile's own)."""
     profile = run.profile if calibration is None else calibrated(run.profile, calibration)
-    return price(run.plan, run.model, profile).step_time_s
+    return price(run.plan, run.model, profile, run.layer_profile).step_time_s
 
 
 def check_one_system(runs: Sequence[Run]) -> str:
@@ -157,7 +162,8 @@ def fit(runs: Sequence[Run], ridge: float = RIDGE,
         if rb @ rb <= r @ r + 1e-12:
             x = back
     cal = factors_of(x, [run.name for run in runs])
-    identified = dict(zip(FACTORS, sensitive))
+    # a factor kept away from 1.0 (at a bound, where it no longer moves the runs) was still fitted
+    identified = {name: bool(s or abs(v) > 1e-9) for name, s, v in zip(FACTORS, sensitive, x)}
     rows = [RunFit(run.name, run.measured_s, predictor(run, run.profile.calibration), predictor(run, cal))
             for run in runs]
     return FitResult(system, cal, rows, identified, evaluations)

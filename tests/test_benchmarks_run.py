@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -109,9 +111,18 @@ def test_cpu_predicted_vs_measured_runs_a_real_plan_and_compares(tmp_path):
     plan = json.loads((Path(row["report"]).parent / "plan.json").read_text())
     assert plan["layer_profile"]["model"] == "gpt3-125m"
     assert row["measured_s"] > 0 and row["predicted_s"] > 0
-    # docs/accuracy.md records today's residual (the run is slower than predicted, mostly in
-    # DeepSpeed's CPU gradient reduction); within a factor of five either way until it is closed
-    assert 0.2 < row["predicted_s"] / row["measured_s"] < 5.0
+    # docs/accuracy.md records today's residual: the run is 3-5x slower than predicted at this
+    # size, nearly all of it DeepSpeed's CPU gradient reduction and gathers (bounds until closed)
+    assert 0.1 < row["predicted_s"] / row["measured_s"] < 2.0
+    # calibrating on the run prices it as its plan was priced: with the same measured blocks
+    refused = bench.subprocess.run([*bench.DSPLAN, "calibrate", row["report"], "--out", str(tmp_path / "c.yaml")],
+                                   capture_output=True, text=True, cwd=tmp_path)
+    assert refused.returncode == 2 and "pass that file with --profile" in refused.stderr
+    fitted = bench.dsplan("calibrate", row["report"], "--profile", str(prof), "--out", str(tmp_path / "c.yaml"),
+                          "--json", cwd=tmp_path)
+    (run,) = json.loads(fitted.stdout)["runs"]
+    assert run["predicted_before_s"] == pytest.approx(row["predicted_s"], rel=1e-6)
+    assert abs(run["error_after"]) < 0.01
 
 
 def test_the_gpu_loop_script_passes_shellcheck_and_uses_only_real_flags():

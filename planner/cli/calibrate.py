@@ -29,11 +29,14 @@ if TYPE_CHECKING:
                    "(repeatable). Megatron-LM: its 'elapsed time per iteration (ms)' lines; DeepSpeed: the "
                    "throughput timer's CurrSamplesPerSec lines (steps_per_print), or the pipeline engine's "
                    "'iter time (s)'.")
+@click.option("--profile", "profiles", multiple=True, metavar="FILE",
+              help="The `dsplan profile` file a run's plan was priced with (--profile of estimate/suggest/"
+                   "generate), one per model (repeatable): runs are re-priced with the same measured blocks.")
 @click.option("--out", required=True, type=OutputPath("file"), help="The calibration.yaml to write.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @json_option
-def calibrate_command(reports: tuple[str, ...], logs: tuple[tuple[str, str], ...], out: str, force: bool,
-                      as_json: bool) -> None:
+def calibrate_command(reports: tuple[str, ...], logs: tuple[tuple[str, str], ...], profiles: tuple[str, ...],
+                      out: str, force: bool, as_json: bool) -> None:
     """Fit the cost model's global factors (GEMM rate, HBM-bound work, network bandwidth, and the
     share of the backward that hides data-parallel traffic) to measured runs of one system, and
     write them to a calibration.yaml that `estimate`, `suggest` and `generate` apply with
@@ -61,7 +64,8 @@ def calibrate_command(reports: tuple[str, ...], logs: tuple[tuple[str, str], ...
     if target.exists() and not force:
         raise UserError(f"--out {out}: the file exists; pass --force to replace it, or choose another --out")
     measured = _read_runs(reports, logs)
-    result = fit([_run(m) for m in measured])
+    blocks = _layer_profiles(profiles)
+    result = fit([_run(m, blocks) for m in measured])
     rows = [{**row.to_json(), "kind": m.kind, "source": m.source, "steps": m.steps}
             for row, m in zip(result.runs, measured)]
     text = calibration_text(result.system, result.calibration, [_yaml_row(r) for r in rows])
@@ -91,9 +95,22 @@ def _read_runs(reports: tuple[str, ...], logs: tuple[tuple[str, str], ...]) -> l
     return out
 
 
-def _run(measured: "MeasuredRun") -> "Run":
+def _layer_profiles(paths: tuple[str, ...]) -> dict[str, Any]:
+    """The --profile files by the model each measured (one per model)."""
+    from planner.cost.measured_blocks import load_layer_profile
+
+    out: dict[str, Any] = {}
+    for path in paths:
+        prof = load_layer_profile(path, "--profile")
+        if prof.model in out:
+            raise UserError(f"--profile {path}: a second profile of {prof.model}; give one per model")
+        out[prof.model] = prof
+    return out
+
+
+def _run(measured: "MeasuredRun", blocks: dict[str, Any]) -> "Run":
     """The fit's plain data: the plan's model and hardware profile loaded (paths relative to the
-    run directory resolve there)."""
+    run directory resolve there), and the measured blocks its plan was priced with."""
     from planner.calibrate import Run
     from planner.hardware.load import load_profile
     from planner.limits import path_kind
@@ -104,7 +121,11 @@ def _run(measured: "MeasuredRun") -> "Run":
     if base is not None and not Path(hardware).is_absolute() and path_kind(base / hardware) == "file":
         hardware = str(base / hardware)
     model = resolve_model(plan.model, base if base is not None else Path("."))
-    return Run(measured.name, plan, model, load_profile(hardware), measured.step_time_s)
+    priced_with = (plan.model_extra or {}).get("layer_profile")
+    if priced_with and model.name not in blocks:
+        raise UserError(f"{measured.source}: its plan was priced with a dsplan profile of {model.name} "
+                        f"({priced_with.get('device')}); pass that file with --profile so the fit prices it alike")
+    return Run(measured.name, plan, model, load_profile(hardware), measured.step_time_s, blocks.get(model.name))
 
 
 def _yaml_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -167,7 +167,10 @@ def plan_inputs(plan: dict[str, Any]) -> dict[str, Any]:
         data = PlanFile.model_validate(plan).to_json()
     except ValidationError:  # inspect_run_dir validated it; a hand-built job keeps what it has
         data = plan
-    return {k: data[k] for k in PlanFile.model_fields if k in data}
+    out = {k: data[k] for k in PlanFile.model_fields if k in data}
+    if plan.get("layer_profile"):  # priced with dsplan profile's blocks: calibrate needs the same file
+        out["layer_profile"] = plan["layer_profile"]
+    return out
 
 
 def build_report(job: Job, result: RunResult, warmup: int = WARMUP_STEPS) -> dict[str, Any]:
