@@ -12,7 +12,7 @@ Layouts (2 ranks): dp (ZeRO-0), zero2, zero3 (micro-batch 1, global batch 2), pp
 stages, 4 micro-batches), tp2 (DeepSpeed AutoTP).
 
 Usage: python benchmarks/bench_cpu_predicted_vs_measured.py [--models gpt3-125m] [--seq-len 128]
-           [--layouts dp,zero2,zero3,pp2,tp2] [--steps 5] [--calibrate-on zero2,pp2] [--work DIR] [--json]
+           [--layouts dp,zero2,zero3,pp2,tp2] [--steps 5] [--calibrate-on dp,pp2] [--work DIR] [--json]
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def recalibrated(rows: list[dict[str, Any]], fit_on: list[str], work: Path) -> d
     """``dsplan calibrate`` on the runs of the layouts ``fit_on``; each other run priced again."""
     chosen = [r["report"] for r in rows if r["layout"] in fit_on]
     cal = work / "calibration.yaml"
-    dsplan("calibrate", *chosen, "--out", str(cal), "--force", cwd=work)
+    profiles = [str(work / f"{m}.profile.json") for m in sorted({r["model"] for r in rows})]
+    dsplan("calibrate", *chosen, *[a for p in profiles for a in ("--profile", p)], "--out", str(cal), "--force",
+           cwd=work)
     out = {}
     for r in rows:
         plan = json.loads(Path(r["report"]).parent.joinpath("plan.json").read_text())
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--calibrate-on", default="", help="layouts whose runs dsplan calibrate fits (e.g. zero2,pp2)")
+    ap.add_argument("--calibrate-on", default="", help="layouts whose runs dsplan calibrate fits (e.g. dp,pp2)")
     ap.add_argument("--work", default=None, help="directory for profiles, plans and run directories")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
