@@ -16,6 +16,7 @@ from planner.cli.options import (
     axes_from_options,
     balancer_option,
     constraint_options,
+    layer_profile_option,
     parse_int_list,
     workload_from_options,
     workload_options,
@@ -38,6 +39,7 @@ KINDS = ("pareto", "heatmap", "scaling")
               help="PNG file to write (replaced atomically).")
 @workload_options("Samples per step [default: ~4M tokens, divisible by many DP sizes].")
 @constraint_options
+@layer_profile_option
 @balancer_option
 @json_option
 def plot_command(kind: str, model_name: str, hardware: str, nodes: str, out: str, as_json: bool, **opts: Any) -> None:

@@ -77,8 +77,13 @@ def profile_command(as_json: bool, out: str, hardware_out: str | None, force: bo
 def _run(opts: dict[str, Any], hardware_out: str | None):
     """The measurement (after the cheap checks), and the hardware profile mapping if asked."""
     from planner.api import load_model
+    from planner.hardware.load import load_profile
+    from planner.run.model_scale import parse_scale
 
     spec = load_model(opts["model_name"])
+    parse_scale(opts["scale"])  # the cheap checks before a device is touched
+    if opts["hardware"]:
+        load_profile(opts["hardware"])
     device = opts["device"] or _default_device()
     if hardware_out and device != "cpu":
         raise UserError("--hardware-out: writes a CPU hardware profile; use it with --device cpu")
