@@ -89,16 +89,22 @@ def inspect_run_dir(path: str | Path, launcher: str = "deepspeed") -> RunDirInfo
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    return read_json_object(path, str(path), "regenerate the run directory with `dsplan generate`")
+
+
+def read_json_object(path: Path, where: str, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``; unreadable, invalid or not an object: a UserError naming
+    ``where``, then ``fix``."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file; {fix}") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read it ({err}); "
-                        "regenerate the run directory with `dsplan generate`") from None
+        raise UserError(f"{where}: cannot read it ({err.__class__.__name__}: {err}); {fix}") from None
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON (line {err.lineno}: {err.msg}); "
-                        "regenerate it with `dsplan generate`") from None
+        raise UserError(f"{where}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); {fix}") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object; regenerate it with `dsplan generate`")
+        raise UserError(f"{where}: expected a JSON object, got {type(data).__name__}; {fix}")
     return data
 
 

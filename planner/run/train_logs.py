@@ -24,7 +24,6 @@ Pure Python: nothing here imports torch or DeepSpeed.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -35,6 +34,7 @@ from typing import Any
 from planner.emit.plan_file import PlanFile, load_plan_file, plan_from_dict
 from planner.errors import UserError
 from planner.limits import path_kind, shown_path
+from planner.run.rundir import read_json_object
 
 REPORT_FILE = "report.json"
 UNSCALED_FIX = ("run it unscaled: plan it for this machine (`dsplan generate ... --hardware cpu-local`) and "
@@ -90,20 +90,7 @@ def read_report(path: str | Path) -> MeasuredRun:
 def _read_json(file: Path, where: str) -> dict[str, Any]:
     if path_kind(file) is None:
         raise UserError(f"{where}: no such file; give a report.json of `dsplan run` or its run directory")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{where}: no such file; give a report.json of `dsplan run` or its run directory") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise UserError(f"{where}: cannot read it ({err.__class__.__name__}: {err})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{where}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); give the "
-                        "report.json `dsplan run` wrote") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{where}: expected a JSON object (a report of `dsplan run`), got {type(data).__name__}")
-    return data
+    return read_json_object(file, where, "give the report.json `dsplan run` wrote")
 
 
 def _check_unscaled(report: dict[str, Any], where: str) -> None:
