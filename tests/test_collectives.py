@@ -205,3 +205,31 @@ def test_times_keyed_equal_one_call_per_key(profile, nodes):
             k = which[q, row]
             want = 0.0 if k < 0 else collective_time_array(cluster, *pairs[k], sizes[q, row:row + 1])[0]
             assert got[q, row] == want, (pairs[k] if k >= 0 else None, sizes[q, row])
+
+
+def test_multinode_ring_latency_counts_nvlink_and_network_hops_apart():
+    """NCCL's ring latency (tuning.cc): n - m NVLink hops and m - 1 network hops per pass, so a
+    small all-gather over 1,536 ranks on 192 nodes costs far more than over 192 ranks on as many
+    nodes, and less than 1,535 network steps."""
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 192)
+    wide = collective_time_for_size(cluster, "allgather", 1536, 2**20)
+    assert wide.algorithm.startswith("ring")
+    links = nccl_algorithms.links_for(cluster, contiguous_shape(cluster, 1536))
+    for proto in nccl_algorithms.PROTOCOLS:
+        intra, net = nccl_algorithms._step(proto, links.intra_lat), nccl_algorithms._step(proto, links.net_lat)
+        assert nccl_algorithms._ring_latency(1536, 192, intra, net) == pytest.approx(1344 * intra + 191 * net)
+        assert nccl_algorithms._ring_latency(8, 1, intra, net) == pytest.approx(7 * intra)
+    assert wide.time_s > 10 * collective_time_for_size(cluster, "allgather", 8, 2**20).time_s
+
+
+def test_pat_only_with_one_gpu_per_node():
+    """NCCL enables PAT only when every rank is on its own node (tuning.cc ncclPatEnable)."""
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 192)
+    shape = contiguous_shape(cluster, 1536)
+    algos = {c.algorithm for c in nccl_algorithms.candidates(cluster, "allgather", shape, False)}
+    assert algos == {"ring"}
+    strided = Placement(cluster, {"tp": 8, "dp": 192}).group("dp")
+    assert strided.ranks_per_node == 1
+    pat = [c for c in nccl_algorithms.candidates(cluster, "allgather", strided, False) if c.algorithm == "pat"]
+    assert [c.protocol for c in pat] == ["Simple"]
+    assert pat[0].latency_s >= 192 * nccl_algorithms.PAT_PER_RANK_S

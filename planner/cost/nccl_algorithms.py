@@ -51,6 +51,7 @@ TREE_EFFICIENCY = 0.9  # NCCL's tree runs a little below ring bandwidth (tuning.
 NVLS_EFFICIENCY = 0.61
 NVLS_FILL = 0.5
 NVLS_FILL_CAP_BYTES = 32 * MiB
+PAT_PER_RANK_S = 2.8e-6  # NCCL src/graph/tuning.cc: PAT's linear latency term per rank
 ALLTOALL_PEER_S = 0.5e-6  # posting one send/recv pair per peer (assumption; no reference row)
 
 
@@ -144,17 +145,18 @@ def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
     out: list[Candidate] = []
     for proto in PROTOCOLS:
         step = _step(proto, slow_lat)
+        ring_lat = _ring_latency(n, m, _step(proto, links.intra_lat), step)
         ramp = proto.ramp_bytes_per_rank * n
         if op == "allreduce":
             bw = _ring_bw(links, proto)
-            out.append(Candidate("ring", proto.name, 2 * (n - 1) * step, 2 * (n - 1) / n / bw, ramp))
+            out.append(Candidate("ring", proto.name, 2 * ring_lat, 2 * (n - 1) / n / bw, ramp))
             if m > 1:
                 out.extend(_multinode_allreduce(links, proto, n, r, m, ramp))
         elif op in ("reducescatter", "allgather"):
             spb = (n - 1) / n / _ring_bw(links, proto)
-            out.append(Candidate("ring", proto.name, (n - 1) * step, spb, ramp))
-            if m > 1:  # PAT (NCCL 2.23+): log-latency all-gather / reduce-scatter at scale
-                out.append(Candidate("pat", proto.name, math.ceil(math.log2(n)) * step, spb / TREE_EFFICIENCY, ramp))
+            out.append(Candidate("ring", proto.name, ring_lat, spb, ramp))
+            if m > 1 and r == 1 and proto is SIMPLE:
+                out.append(Candidate("pat", proto.name, _pat_latency(n, m, step), spb / TREE_EFFICIENCY, ramp))
         elif op == "broadcast":
             out.append(Candidate("ring", proto.name, (n - 1) * step, 1.0 / _ring_bw(links, proto), ramp))
         elif op == "p2p":
@@ -175,6 +177,20 @@ def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
         out.append(Candidate(name, "Simple", lat, spb, 0.0, NVLS_FILL, NVLS_FILL_CAP_BYTES))
     rate = cluster.profile.calibration.network  # dsplan calibrate's network factor (1.0: none)
     return tuple(out) if rate == 1.0 else tuple(c._replace(spb=c.spb / rate) for c in out)
+
+
+def _ring_latency(n: int, m: int, intra_step: float, net_step: float) -> float:
+    """One pass of a ring over ``n`` ranks on ``m`` nodes: a chunk crosses n - m NVLink hops
+    and m - 1 network hops (NCCL tuning.cc: (nsteps - nInterSteps) x intraLat + nInterSteps x
+    interLat; an all-reduce makes two passes)."""
+    return (n - m) * intra_step + (m - 1) * net_step if m > 1 else (n - 1) * intra_step
+
+
+def _pat_latency(n: int, m: int, net_step: float) -> float:
+    """PAT (NCCL 2.23+, Simple only, one GPU per node: tuning.cc ncclPatEnable): log-latency
+    steps between nodes at a third of a ring's network step, plus the linear part NCCL still
+    charges per rank (tuning.cc: log2i(nNodes) x interLat / 3.5 + nRanks x 2.8 us)."""
+    return math.ceil(math.log2(m)) * net_step / 3.5 + n * PAT_PER_RANK_S
 
 
 def _multinode_allreduce(links: Links, proto: Protocol, n: int, r: int, m: int, ramp: float) -> list[Candidate]:
