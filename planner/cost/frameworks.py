@@ -127,14 +127,18 @@ class Traits:
     # (FSDPModule.set_requires_all_reduce, which torchtitan 0.2.2's loop never calls);
     # Megatron-FSDP only on the last micro-batch (megatron_fsdp.py, outer_fsdp_group_grad_reduce).
     hsdp_allreduce_every_microbatch: bool = False
+    # ZeRO-3 gathers per module and prefetch bucket and reduces per gradient bucket (DeepSpeed's
+    # parameter coordinator, zero3_fetch.py), not one call per wrapped block (FSDP2, Megatron-FSDP).
+    zero3_module_fetch: bool = False
 
 
 TRAITS = {
     "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True,
-                        zero2_reduces_every_microbatch=True, zero0_reduces_after_backward=True),
+                        zero2_reduces_every_microbatch=True, zero0_reduces_after_backward=True,
+                        zero3_module_fetch=True),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True,
-                                 zero0_reduces_after_backward=True),
+                                 zero0_reduces_after_backward=True, zero3_module_fetch=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
                        ep_comm_overlap=True, zero3_live_blocks=2),
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
@@ -150,6 +154,12 @@ REDUCE_BUCKET_SIZE = int(2e8)
 ALLGATHER_BUCKET_SIZE = int(2e8)
 STAGE3_PREFETCH_BUCKET_SIZE = int(5e7)  # DeepSpeed default
 STAGE3_MAX_LIVE_PARAMETERS = int(1e9)  # DeepSpeed default
+
+
+def stage3_persistence_threshold(hidden: int) -> int:
+    """``stage3_param_persistence_threshold`` as transformers' DeepSpeed integration sets "auto"
+    (10 x hidden): norms and biases stay resident instead of being gathered every layer."""
+    return 10 * hidden
 OVERLAP_COMM_FACTOR = 4.5  # DeepSpeed docs: "overlap_comm uses 4.5x the allgather_bucket_size and reduce_bucket_size"
 
 

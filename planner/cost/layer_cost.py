@@ -29,6 +29,9 @@ class Gemm(NamedTuple):
     k: int
     batch: int = 1
     low: bool = False  # runs in the recipe's low-precision format (planner/cost/precision.py)
+    # Shares of the weight held as separate tensors (the reference trainer's and Hugging Face's
+    # q/k/v and gate/up projections are modules of their own): what ZeRO-3 fetches (zero3_fetch.py).
+    split: tuple[float, ...] = (1.0,)
 
     @property
     def flops(self) -> float:

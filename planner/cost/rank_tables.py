@@ -36,12 +36,13 @@ import numpy as np
 from planner.cost import frameworks as fw
 from planner.cost import pipeline_sends as ps
 from planner.cost.block_times import BlockTable
-from planner.cost.collectives import collective_time_array, collective_times_keyed
+from planner.cost.collectives import collective_times_keyed
 from planner.cost.context import CostContext
 from planner.cost.layout import Layout
 from planner.cost.paid import Paid, merged_share
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
 from planner.cost.precision import gathers_fp8_params
+from planner.cost.zero3_fetch import call_counts, seconds_over_calls
 from planner.hardware.placement import GroupShape
 from planner.model.spec import ModelSpec
 
@@ -270,10 +271,10 @@ class RankTables:
         edp, cluster, layout = dp // ep, self.ctx.cluster, spec.layout
         gbytes = self.ctx.grad_bytes(spec.framework, zero=3)
 
-        def on(op: str, d: np.ndarray, e: np.ndarray) -> np.ndarray:
-            t = collective_time_array(cluster, op, layout.dp, d) if dp > 1 else np.zeros_like(d)
+        def on(op: str, d: np.ndarray, e: np.ndarray, calls: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+            t = seconds_over_calls(cluster, op, layout.dp, d, calls[0]) if dp > 1 else np.zeros_like(d)
             if edp > 1:
-                t = t + np.where(e > 0, collective_time_array(cluster, op, layout.edp, e), 0.0)
+                t = t + np.where(e > 0, seconds_over_calls(cluster, op, layout.edp, e, calls[1]), 0.0)
             return t
 
         # FP8 parameter gather moves its GEMM weights at 1 byte (an MoE block's at 2: the table
@@ -281,8 +282,10 @@ class RankTables:
         w = self.ctx.workload
         fp8 = gathers_fp8_params(w.recipe, w.fp8_param_gather, FRAMEWORKS[spec.framework], 3)
         dense_bytes = 2 * table.params - (np.where(table.expert == 0, table.low, 0.0) if fp8 else 0.0)
-        gather = on("allgather", dense_bytes, 2 * table.expert)
-        reduce = on("reducescatter", gbytes * table.params, gbytes * table.expert)
+        fetch, grads = call_counts(table.params, table.expert, table.z3_calls,
+                                   fw.traits(FRAMEWORKS[spec.framework]).zero3_module_fetch)
+        gather = on("allgather", dense_bytes, 2 * table.expert, fetch)
+        reduce = on("reducescatter", gbytes * table.params, gbytes * table.expert, grads)
         out = {"z3_gather": np.concatenate(([0.0], np.cumsum(gather))),
                "z3_reduce": np.concatenate(([0.0], np.cumsum(reduce)))}
         self._z3[key] = (table, out)

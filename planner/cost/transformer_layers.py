@@ -36,7 +36,8 @@ def _attention_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
         out_in = a.heads * v
     else:
         qw, kvw = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        gemms = [Gemm(tokens, int((qw + 2 * kvw) / t), h)]
+        qkv = qw + 2 * kvw
+        gemms = [Gemm(tokens, int(qkv / t), h, split=(qw / qkv, kvw / qkv, kvw / qkv))]
         shard_store = ACT * (qw + 2 * kvw)  # Q, K, V kept for the score and value products
         shard_store += ACT * (qw + kvw) if a.qk_norm else 0  # the QK-norm inputs, for its backward
         repl_store, repl_params = 0.0, a.qk_norm_params  # the head_dim norm scales: every rank
@@ -123,7 +124,8 @@ def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx
     w = width / t
     up = 2 * w if gated else w
     low = ctx is not None and ctx.recipe is not None
-    gemms = [Gemm(tokens, int(up), h, batch, low), Gemm(tokens, h, int(w), batch, low)]
+    gemms = [Gemm(tokens, int(up), h, batch, low, (0.5, 0.5) if gated else (1.0,)),
+             Gemm(tokens, h, int(w), batch, low)]
     rows = tokens * batch
     # gated: fc1 output (gate and up, 2w) + fc2 input (w); GELU: its input (w) + fc2 input (w).
     # The fc1 input is the layer's MLP input, counted with the replicated tensors.

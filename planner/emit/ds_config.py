@@ -117,11 +117,10 @@ def _zero(plan: PlanFile, model: ModelSpec) -> dict[str, Any]:
     if plan.offload == "optimizer+params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
-        # Persistence threshold 10*h as transformers' DeepSpeed integration sets for "auto":
-        # norms and biases stay resident instead of being gathered every layer.
+        # The fetch sizes the cost model priced its gathers with (planner/cost/zero3_fetch.py).
         zero.update(
             stage3_prefetch_bucket_size=fw.STAGE3_PREFETCH_BUCKET_SIZE,
-            stage3_param_persistence_threshold=10 * model.hidden,
+            stage3_param_persistence_threshold=fw.stage3_persistence_threshold(model.hidden),
             stage3_max_live_parameters=fw.STAGE3_MAX_LIVE_PARAMETERS,
             stage3_max_reuse_distance=fw.STAGE3_MAX_LIVE_PARAMETERS,
             stage3_gather_16bit_weights_on_model_save=True,

@@ -1,0 +1,93 @@
+"""DeepSpeed ZeRO-3 as it fetches: one all-gather per module / prefetch bucket, each paying the
+ring's latency at the DP group's size, so ZeRO-3 stops hiding its traffic at scale."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cost import frameworks as fw
+from planner.cost.collectives import collective_time_array
+from planner.cost.estimate import estimate
+from planner.cost.layers import layer_costs
+from planner.cost.parallel import ParallelConfig, Workload
+from planner.cost.zero3_fetch import call_counts, fetch_calls, seconds_over_calls, weight_tensors
+from planner.emit.ds_config import build_ds_config
+from planner.emit.plan_file import PlanFile
+from planner.hardware.cluster import Cluster
+from planner.hardware.load import load_profile
+from planner.hardware.placement import contiguous_shape
+from planner.model.catalog import load_model
+
+WL = Workload(global_batch=1536, seq_len=2048, precision="fp16", flash_attention=False)
+
+
+def _decoder(model: str, tp: int = 1):
+    costs = layer_costs(load_model(model), WL, tp=tp)
+    return next(c for c in costs if c.kind == "decoder"), costs
+
+
+def test_a_gpt3_layer_is_six_fetches_its_norms_none():
+    """GPT-3 175B: q, k, v, o (151M elements each) and fc1, fc2 (604M) each reach the 5e7
+    prefetch bucket, so each is a call; norms and biases stay resident (10 x hidden)."""
+    layer, costs = _decoder("gpt3-175b")
+    h = 12288
+    assert sorted(weight_tensors(layer)) == pytest.approx(sorted([h * h] * 4 + [4 * h * h] * 2))
+    assert fetch_calls(layer) == pytest.approx(6.0)
+    norm = next(c for c in costs if c.kind == "norm")
+    assert fetch_calls(norm) == 0.0
+    embedding = next(c for c in costs if c.kind == "embedding")  # 50257 x 12288 + positions: one call
+    assert fetch_calls(embedding) == 1.0
+
+
+def test_small_tensors_share_a_bucket():
+    """Llama-3-8B: q, k, v, o (16.8M + 4.2M + 4.2M + 16.8M) share 0.84 of a bucket's call;
+    gate, up and down (58.7M each) are a call each. Under TP 2 all of them share buckets."""
+    layer, _ = _decoder("llama-3-8b")
+    attn = (4096 * 4096 * 2 + 4096 * 1024 * 2) / fw.STAGE3_PREFETCH_BUCKET_SIZE
+    assert fetch_calls(layer) == pytest.approx(3 + attn, rel=1e-6)
+    half, _ = _decoder("llama-3-8b", tp=2)
+    assert fetch_calls(half) == pytest.approx((attn * 5e7 + 3 * 4096 * 14336) / 2 / 5e7, rel=1e-6)
+
+
+def test_calls_split_the_bytes_and_each_pays_the_latency():
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 192)
+    shape = contiguous_shape(cluster, 1536)
+    size = np.array([3.6e9, 0.0, 1e6])
+    calls = np.array([6.0, 6.0, 0.0])
+    t = seconds_over_calls(cluster, "allgather", shape, size, calls)
+    assert t[0] == pytest.approx(6 * collective_time_array(cluster, "allgather", shape, np.array([0.6e9]))[0])
+    assert t[0] > collective_time_array(cluster, "allgather", shape, size[:1])[0]  # latency paid six times
+    assert t[1] == 0.0 and t[2] == 0.0  # nothing to move; resident tensors make no call
+    (g_dense, _), (r_dense, _) = call_counts(np.array([4e8]), np.array([0.0]), np.array([6.0]), True)
+    assert g_dense[0] == 6.0 and r_dense[0] == pytest.approx(4e8 / fw.REDUCE_BUCKET_SIZE)
+    (g_fsdp, _), (r_fsdp, _) = call_counts(np.array([4e8]), np.array([0.0]), np.array([6.0]), False)
+    assert g_fsdp[0] == r_fsdp[0] == 1.0
+
+
+def _z3(nodes: int, framework: str = "deepspeed"):
+    model = load_model("gpt3-175b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    dp = nodes * 8
+    cfg = ParallelConfig(dp=dp, tp=1, pp=1, micro_batch=1, grad_accum=1536 // dp, recompute="full",
+                         framework=framework, zero_stage=3)
+    return estimate(model, cluster, WL, cfg)
+
+
+def test_zero3_stops_hiding_its_gathers_past_a_few_hundred_gpus():
+    """The issue's case: GPT-3 175B, ZeRO-3, one sample per GPU, fp16, unfused attention. On
+    512 GPUs the gathers hide under compute; on 1,536 each of the 6 x 96 fetches per pass pays
+    a 1,536-rank ring's latency and the step is a third DP traffic."""
+    small, large = _z3(64), _z3(192)
+    assert small.time.dp_comm == 0.0
+    assert large.time.dp_comm > 0.2 * large.step_time_s
+    assert large.mfu < 0.8 * small.mfu
+
+
+def test_ds_config_carries_the_persistence_threshold_the_cost_model_used():
+    plan = PlanFile(model="gpt3-175b", hardware="dgx-a100-80g", nodes=192, gpus_per_node=8, framework="deepspeed",
+                    dp=1536, zero_stage=3, micro_batch=1, grad_accum=1, global_batch=1536, seq_len=2048)
+    zero = build_ds_config(plan, load_model("gpt3-175b"))["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == fw.stage3_persistence_threshold(12288) == 122880
+    assert zero["stage3_prefetch_bucket_size"] == fw.STAGE3_PREFETCH_BUCKET_SIZE
+    assert zero["reduce_bucket_size"] == fw.REDUCE_BUCKET_SIZE
