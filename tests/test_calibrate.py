@@ -131,8 +131,8 @@ def test_the_report_carries_every_plan_input() -> None:
 
 
 def _invoke(*argv: str):
-    # a wide terminal, so the table's headers are not wrapped (xdist workers have none: 80 columns)
-    return CliRunner().invoke(main, list(argv), env={"COLUMNS": "200"})
+    # a wide terminal, so headers do not wrap beside long xdist tmp paths (workers have none: 80 columns)
+    return CliRunner().invoke(main, list(argv), env={"COLUMNS": "400"})
 
 
 def _write_reports(tmp_path: Path, true: Calibration, hardware: str = "dgx-a100-80g", plans: dict = PLANS,
