@@ -10,7 +10,8 @@ S bytes is
   all-reduce 2(n-1)/n) over the bottleneck bandwidth, links from the topology graph times the
   protocol's efficiency;
 - ``ramp``: below this size NCCL runs fewer channels (enqueue.cc lowers the channel count
-  until each has enough bytes), so the time stays flat while bandwidth grows with size;
+  until each has enough bytes of the whole buffer), so the time stays flat while bandwidth
+  grows with size;
 - ``fill``: pipelines whose first and last chunk do not overlap (NVLS push-then-multicast)
   expose a fraction of the transfer until the chunk size saturates at ``fill_cap``.
 
@@ -61,14 +62,18 @@ class Protocol:
     step_latency_factor: float  # x the link latency of the slowest hop
     step_extra_s: float  # store-and-forward of one slice per step
     efficiency: float  # of the intra-node link rate
-    ramp_bytes_per_rank: float  # channels saturate once each rank holds this many bytes
+    # Channels saturate from this buffer size on: NCCL lowers the channel count while the
+    # buffer is under channels x threads x threshold (enqueue.cc), a threshold that grows with
+    # the ranks for ring LL only (tuning.cc threadThresholds), so a fixed size for the others.
+    ramp_bytes: float
+    ramp_scales_with_ranks: bool = False
 
     def net_efficiency(self) -> float:
         return NET_EFFICIENCY * self.efficiency / SIMPLE.efficiency
 
 
-LL = Protocol("LL", 0.25, 0.0, 0.08, 0.0)
-LL128 = Protocol("LL128", 0.9, 0.0, 0.533, 512 * 1024)
+LL = Protocol("LL", 0.25, 0.0, 0.08, 0.0, True)
+LL128 = Protocol("LL128", 0.9, 0.0, 0.533, 8 * 512 * 1024)  # fitted on the 8-GPU A100 node: 512 KiB per rank
 SIMPLE = Protocol("Simple", 1.0, 9.8e-6, 0.80, 0.0)
 PROTOCOLS = (LL, LL128, SIMPLE)
 
@@ -146,7 +151,7 @@ def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
     for proto in PROTOCOLS:
         step = _step(proto, slow_lat)
         ring_lat = _ring_latency(n, m, _step(proto, links.intra_lat), step)
-        ramp = proto.ramp_bytes_per_rank * n
+        ramp = proto.ramp_bytes * (n if proto.ramp_scales_with_ranks else 1)
         if op == "allreduce":
             bw = _ring_bw(links, proto)
             out.append(Candidate("ring", proto.name, 2 * ring_lat, 2 * (n - 1) / n / bw, ramp))
