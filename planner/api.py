@@ -165,7 +165,8 @@ def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float
 # The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
 WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile")
+                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
+                 "zero_pp")
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
              "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate")
@@ -178,7 +179,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   te_attention: bool = True, fp8_param_gather: bool = True,
                   precision_aware_optimizer: bool = False, ep_comm_overlap: bool = True,
                   moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
-                  layer_profile: "str | LayerProfile | None" = None) -> "Workload":
+                  layer_profile: "str | LayerProfile | None" = None, zero_pp: "str | tuple" = ()) -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), and the model's default images and
@@ -190,7 +191,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     from pydantic import ValidationError
 
     from planner.cost.degrees import default_global_batch, rule_message
-    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS, Workload
+    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS, Workload, parse_zero_pp
     from planner.model.vision_inputs import vision_inputs
 
     spec = load_model(model)
@@ -215,7 +216,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours,
-                        layer_profile=as_layer_profile(layer_profile))
+                        layer_profile=as_layer_profile(layer_profile), zero_pp=parse_zero_pp(zero_pp))
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
 
@@ -396,5 +397,4 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
                     ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
                     layer_profile=wl.layer_profile, dropout=wl.dropout, constraints=cons, balancer=balancer,
-                    objective=objective, top=top,
-                    progress=progress)
+                    objective=objective, top=top, zero_pp=wl.zero_pp, progress=progress)

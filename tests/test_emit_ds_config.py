@@ -64,6 +64,7 @@ MATRIX = [
     ("deepseek-v2-lite", 1, dict(zero_stage=2, ep=8, offload="optimizer")),
     ("gpt3-125m", 1, dict(zero_stage=3, precision="fp32", optimizer="sgd", micro_batch=8)),
     ("gpt3-125m", 1, dict(zero_stage=0, optimizer="adam")),
+    ("gpt3-13b", 4, dict(zero_stage=3, zero_pp=("qwz", "hpz", "qgz"), recompute="full")),
 ]
 
 # Two long lines of the script are split over adjacent string literals; the script's text is unchanged.
@@ -110,6 +111,7 @@ def derived(config, dp):
         "prefetch_bucket_size": int(z.prefetch_bucket_size),
         "param_persistence_threshold": int(z.param_persistence_threshold),
         "max_live_parameters": int(z.max_live_parameters),
+        "zeropp": [int(z.zero_hpz_partition_size), z.zero_quantized_weights, z.zero_quantized_gradients],
         "autotp_size": c.tensor_parallel_config.autotp_size,
         "pipeline": c.pipeline,
         "optimizer": c.optimizer_name,
@@ -185,6 +187,13 @@ def test_deepspeed_reads_precision_offload_and_parallel_sections(matrix_results)
         assert got["optimizer_known"]
         assert got["scheduler"] == "WarmupCosineLR"
         assert got["gradient_clipping"] == 1.0
+
+
+def test_deepspeed_reads_the_zero_plus_plus_options_as_priced(matrix_results):
+    """ZeRO++ (--zeropp): hpZ's partition is one node's DP ranks, the size zero3_fetch prices."""
+    got = {tuple(plan.zero_pp): res["zeropp"] for plan, _, _, res in matrix_results if plan.zero_stage == 3}
+    assert got[("qwz", "hpz", "qgz")] == [8, True, True]
+    assert got[()] == [1, False, False]
 
 
 def test_sections_appear_only_when_the_plan_needs_them():

@@ -91,3 +91,94 @@ def test_ds_config_carries_the_persistence_threshold_the_cost_model_used():
     assert zero["stage3_param_persistence_threshold"] == fw.stage3_persistence_threshold(12288) == 122880
     assert zero["stage3_prefetch_bucket_size"] == fw.STAGE3_PREFETCH_BUCKET_SIZE
     assert zero["reduce_bucket_size"] == fw.REDUCE_BUCKET_SIZE
+
+
+# -- ZeRO++ (--zeropp) ---------------------------------------------------------------------------
+
+
+def _block(zero_pp: tuple[str, ...], nodes: int = 192) -> dict[str, float]:
+    from planner.cost.context import CostContext
+    from planner.cost.parallel import FRAMEWORKS
+    from planner.cost.zero3_fetch import block_seconds, tensor_count
+
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), nodes)
+    wl = WL.model_copy(update={"zero_pp": zero_pp})
+    ctx = CostContext.of(cluster, wl)
+    layer = next(c for c in layer_costs(load_model("gpt3-175b"), wl) if c.kind == "decoder")
+    dp = nodes * 8
+    one = lambda x: np.array([float(x)])  # noqa: E731
+    out = block_seconds(ctx, ctx.layout(1, 1, dp, 1), dp, dp, FRAMEWORKS.index("deepspeed"), one(layer.params_rank),
+                        one(0), one(0), one(fetch_calls(layer)), one(tensor_count(layer)))
+    return {k: float(v[0]) for k, v in out.items()} | {"params": layer.params_rank, "tensors": tensor_count(layer)}
+
+
+def test_hpz_gathers_inside_the_node_after_the_first_forward():
+    plain, hpz = _block(()), _block(("hpz",))
+    assert hpz["first"] == plain["first"] and hpz["reduce"] == plain["reduce"]
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 192)
+    node = collective_time_array(cluster, "allgather", contiguous_shape(cluster, 8), np.array([2 * hpz["params"] / 6]))
+    assert hpz["rest"] == pytest.approx(6 * node[0])
+    assert hpz["rest"] < 0.5 * plain["rest"]
+
+
+def test_qwz_halves_the_gathered_bytes_and_pays_a_dequantize():
+    """On 8 nodes (bandwidth-bound), int8 gathers take a little over half the 16-bit time."""
+    plain, qwz = _block((), 8), _block(("qwz",), 8)
+    assert 0.45 * plain["first"] < qwz["first"] < 0.75 * plain["first"]
+    assert qwz["rest"] == qwz["first"] and qwz["reduce"] == plain["reduce"]
+
+
+def test_qgz_reduces_each_tensor_in_two_int4_all_to_alls():
+    from planner.cost.context import CostContext
+    from planner.cost.zero3_fetch import QGZ_BYTES, qgz_seconds
+
+    plain, qgz = _block(()), _block(("qgz",))
+    assert qgz["reduce"] < 0.5 * plain["reduce"] and qgz["first"] == plain["first"]
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 192)
+    ctx = CostContext.of(cluster, WL)
+    # twice the tensors (each half the size) pay each all-to-all's latency twice as often
+    one, two = (qgz_seconds(ctx, 1536, np.array([qgz["params"]]), np.array([n]))[0] for n in (6.0, 12.0))
+    assert two > one
+    assert QGZ_BYTES == 0.5
+
+
+def test_zero_plus_plus_end_to_end_memory_time_and_rules():
+    model = load_model("gpt3-175b")
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 192)
+    cfg = ParallelConfig(dp=1536, micro_batch=1, grad_accum=1, recompute="full", framework="deepspeed", zero_stage=3)
+    base = estimate(model, cluster, WL, cfg)
+    hpz = estimate(model, cluster, WL.model_copy(update={"zero_pp": ("hpz",)}), cfg)
+    extra = hpz.stages[0].memory.weights - base.stages[0].memory.weights
+    assert extra == pytest.approx(2 * model.total_params() / 8, rel=0.01)  # the secondary partition
+    assert hpz.time.dp_comm < base.time.dp_comm
+    from planner.errors import UserError
+
+    with pytest.raises(UserError, match="qwz is DeepSpeed.s ZeRO\\+\\+, which runs on ZeRO-3"):
+        estimate(model, cluster, WL.model_copy(update={"zero_pp": ("qwz",)}),
+                 cfg.model_copy(update={"framework": "megatron"}))
+    from planner.cost.parallel import parse_zero_pp
+
+    assert parse_zero_pp("qgz, QWZ") == ("qwz", "qgz") and parse_zero_pp("none") == ()
+    with pytest.raises(UserError, match="unknown ZeRO\\+\\+ option 'qwx'"):
+        parse_zero_pp("qwx")
+
+
+def test_cli_zeropp_on_estimate_and_generate(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    base = ["--model", "gpt3-13b", "--nodes", "2", "--framework", "deepspeed", "--zero", "3", "--global-batch", "32"]
+    run = CliRunner().invoke(main, ["estimate", *base, "--zeropp", "hpz,qwz", "--json"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.output)["zero_pp"] == ["qwz", "hpz"]
+    bad = CliRunner().invoke(main, ["estimate", *base, "--zeropp", "hpz,fast"])
+    assert bad.exit_code == 2 and "--zeropp: unknown ZeRO++ option 'fast'" in bad.output
+    out = tmp_path / "run"
+    gen = CliRunner().invoke(main, ["generate", *base, "--zeropp", "qgz", "--out", str(out)])
+    assert gen.exit_code == 0, gen.output
+    zero = json.loads((out / "ds_config.json").read_text())["zero_optimization"]
+    assert zero["zero_quantized_gradients"] is True and "zero_hpz_partition_size" not in zero
+    assert json.loads((out / "plan.json").read_text())["zero_pp"] == ["qgz"]

@@ -53,6 +53,7 @@ FLAGS: dict[str, str] = {
     "moe_imbalance": "--moe-imbalance",
     "mtbf_hours": "--mtbf-hours",
     "precision_aware_optimizer": "--precision-aware-optimizer",
+    "zero_pp": "--zeropp",
 }
 
 

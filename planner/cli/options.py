@@ -146,12 +146,18 @@ PAO_HELP = ("Megatron-Core's precision-aware optimizer (TE's FusedAdam, --use-pr
             "then searches only those [default: off].")
 
 
+ZEROPP_HELP = ("DeepSpeed ZeRO++ on ZeRO-3, a comma list: qwz (int8 weight all-gathers), hpz (a 16-bit secondary "
+               "weight partition per node, gathered inside the node after the step's first forward; costs 2 bytes "
+               "per parameter / GPUs per node), qgz (int4 gradients in two all-to-alls). Needs --framework deepspeed "
+               "--zero 3; suggest then searches only those [default: none].")
+
+
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
     --te-attention/--no-te-attention, --ep-comm-overlap/--no-ep-comm-overlap, --moe-imbalance, --fp8-param-gather,
-    --precision-aware-optimizer/--no-precision-aware-optimizer, --dropout/--no-dropout and --mtbf-hours.
+    --precision-aware-optimizer/--no-precision-aware-optimizer, --zeropp, --dropout/--no-dropout and --mtbf-hours.
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -191,6 +197,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                           "FP8 and all-gather them so (Megatron-Core --fp8-param-gather with the distributed "
                           "optimizer, as NVIDIA's Megatron-Bridge recipes do) [default: on]."),
         click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None, help=PAO_HELP),
+        click.option("--zeropp", "zero_pp", default=None, metavar="LIST", help=ZEROPP_HELP),
         click.option("--dropout/--no-dropout", default=None,
                      help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
                           "Llama, DeepSeek and Qwen pre-training]."),

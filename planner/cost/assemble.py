@@ -21,8 +21,10 @@ from planner.cost.frameworks import traits
 from planner.cost.paid import ep_overlapped
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
 from planner.cost.precision import RECIPES
+from planner.cost.zero3_fetch import secondary_bytes
 
 _EP_OVERLAP = np.array([traits(f).ep_comm_overlap for f in FRAMEWORKS])
+_MODULE_FETCH = np.array([traits(f).zero3_module_fetch for f in FRAMEWORKS])
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
                                                w.optimizer_moments, **w.state_dtypes)
     if w.recipe is not None:
         weights = weights + _recipe_weights(ctx, col, r)
+    if "hpz" in w.zero_pp:  # ZeRO++ on DeepSpeed's ZeRO-3 (the rules keep the others out)
+        hpz = (col["zero"] == 3) & _MODULE_FETCH[col["framework"]]
+        weights = weights + np.where(hpz[:, None], secondary_bytes(ctx.cluster, shard_ranks(col), r["dense"]), 0.0)
     inflight = _inflight(ctx, col, pp)
     acts = mem.activation_bytes(r["stored"], r["live"], inflight)
     buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],

@@ -34,7 +34,7 @@ from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.measured_blocks import LayerProfile, as_measured, measured_for, time_ratios
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
-from planner.cost.zero3_fetch import fetch_calls
+from planner.cost.zero3_fetch import fetch_calls, tensor_count
 from planner.hardware.cluster import Cluster
 from planner.hardware.placement import GroupShape, strided_shape
 from planner.model.spec import ModelSpec
@@ -62,6 +62,7 @@ class BlockTable:
     expert: np.ndarray  # expert_params_rank per block
     low: np.ndarray  # LayerCost.low_params per block (the recipe's quantized weights)
     z3_calls: np.ndarray  # all-gathers DeepSpeed's ZeRO-3 fetches the block in (zero3_fetch.fetch_calls)
+    z3_tensors: np.ndarray  # its fetched weight tensors (zero3_fetch.tensor_count: qgZ's all-to-alls)
     act: np.ndarray  # [mode, block] stored bytes per sample
     act_live: np.ndarray  # per sample, 0 for blocks that are not checkpointed
     pp_bytes: np.ndarray  # per sample
@@ -211,7 +212,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         "params": per_block([c.params_rank for c in costs]),
         "expert": per_block([c.expert_params_rank for c in costs]),
         "low": per_block([c.low_params for c in costs]),
-        "z3_calls": per_block([fetch_calls(c) for c in costs]),
+        "z3_calls": per_block([fetch_calls(c) for c in costs]), "z3_tensors": per_block(list(map(tensor_count, costs))),
         "act": np.array([[c.act[m] for c in costs] for m in RECOMPUTES], dtype=float)
                  .reshape(len(RECOMPUTES), n_groups, n_blocks).transpose(1, 0, 2),
         "act_live": per_block([c.act_live if c.checkpointed else 0.0 for c in costs]),

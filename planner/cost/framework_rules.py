@@ -36,6 +36,7 @@ class RunFacts:
     precision_aware_optimizer: bool = False  # Workload.precision_aware_optimizer
     expert_bias: bool = False  # MoE experts with biased linears (gpt-oss)
     window: bool = False  # sliding-window attention on some layer (gpt-oss)
+    zero_pp: tuple[str, ...] = ()  # Workload.zero_pp: DeepSpeed ZeRO++ options
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +106,15 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"{arg('precision_aware_optimizer')} is Megatron-Core's (TE's FusedAdam over the distributed "
                       f"optimizer, bf16 training, Adam, no offload); use {arg('framework')} megatron {arg('zero')} 1 "
                       f"{arg('offload')} none or drop it"),
+    # ZeRO++ is DeepSpeed's ZeRO-3 (zero_hpz_partition_size, zero_quantized_weights and
+    # zero_quantized_gradients act in runtime/zero/stage3.py and partition_parameters.py only).
+    Rule(None, lambda c, x: bool(x.zero_pp) and (
+        ((c.framework != "deepspeed") & (c.framework != "megatron-deepspeed")) | (c.zero_stage != 3)),
+         lambda c, x: f"{arg('zero_pp')} {','.join(x.zero_pp)} is DeepSpeed's ZeRO++, which runs on ZeRO-3; use "
+                      f"{arg('framework')} deepspeed {arg('zero')} 3 or drop it"),
     # Hybrid sharding: Megatron-Core's --num-distributed-optimizer-instances (the distributed
     # optimizer, or Megatron-FSDP's HSDP: mcore_fsdp_adapter.py enable_hsdp) and torchtitan's
-    # FSDP2 over a replicate x shard mesh. DeepSpeed's MiCS and hpZ are not planned.
+    # FSDP2 over a replicate x shard mesh. DeepSpeed 0.19 removed MiCS; its hpZ is ZeRO++ (--zeropp).
     Rule(None, lambda c, x: (c.dp_replicate > 1)
          & ((c.framework != "megatron") | ((c.zero_stage != 1) & (c.zero_stage != 3)))
          & ((c.framework != "torchtitan") | (c.zero_stage != 3)),
@@ -253,14 +260,14 @@ class ConfigColumns:
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
                     precision: str, mla: bool = False, positions: str = "rope", model: str = "",
                     precision_aware_optimizer: bool = False, expert_bias: bool = False,
-                    window: bool = False) -> None:
+                    window: bool = False, zero_pp: tuple[str, ...] = ()) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
     ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
     work, recipe = split_precision(precision)
     facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
-                     precision_aware_optimizer, expert_bias, window)
+                     precision_aware_optimizer, expert_bias, window, zero_pp)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -287,11 +294,11 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
 
 
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str,
-                        precision_aware_optimizer: bool = False) -> None:
+                        precision_aware_optimizer: bool = False, zero_pp: tuple[str, ...] = ()) -> None:
     """``check_framework`` with the facts of ``model`` its rules read (the one place that
     picks them; the search passes them hoisted, since it asks thousands of times)."""
     check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision,
-                    precision_aware_optimizer=precision_aware_optimizer)
+                    precision_aware_optimizer=precision_aware_optimizer, zero_pp=zero_pp)
 
 
 def model_facts(model: "ModelSpec") -> dict[str, Any]:

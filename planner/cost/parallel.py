@@ -9,9 +9,10 @@ planner/cost/frameworks.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from planner.cost.measured_blocks import LayerProfile
 from planner.cost.precision import RECIPE_NAMES
@@ -28,6 +29,19 @@ Optimizer = Literal["adamw", "adam", "sgd"]
 # of K/V chunks over p2p, overlapped with each step's attention; an all-to-all of Q, K, V and
 # the output over heads (DeepSpeed Ulysses, Megatron "a2a"); a2a inside a node and p2p across.
 CpComm = Literal["p2p", "a2a", "a2a+p2p"]
+ZeroPP = Literal["qwz", "hpz", "qgz"]  # DeepSpeed ZeRO++: int8 weight gather, hierarchical partition, int4 grads
+ZERO_PP = ("qwz", "hpz", "qgz")
+
+
+def parse_zero_pp(value: "str | Sequence[str]") -> tuple[str, ...]:
+    """``--zeropp``: a comma list of qwz, hpz, qgz (or none), in any order."""
+    items = [v.strip().lower() for v in (value.split(",") if isinstance(value, str) else value)]
+    items = [v for v in items if v and v != "none"]
+    bad = [v for v in items if v not in ZERO_PP]
+    if bad:
+        raise UserError(f"{arg('zero_pp')}: unknown ZeRO++ option {bad[0]!r}; give a comma list of "
+                        f"{', '.join(ZERO_PP)} (or none)")
+    return tuple(k for k in ZERO_PP if k in items)
 
 # Appended, never reordered: search columns and cached tables hold indices into it.
 FRAMEWORKS: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron", "torchtitan")
@@ -93,6 +107,12 @@ class Workload(BaseModel):
     # weights (OptimizerConfig.store_param_remainders, on by default): 2 + 4 bytes of optimizer
     # state per parameter instead of 4 + 8 (megatron/core/optimizer/optimizer_config.py).
     precision_aware_optimizer: bool = False
+    # DeepSpeed ZeRO++ on ZeRO-3 (Wang et al. 2023, arXiv:2306.10209; planner/cost/zero3_fetch.py):
+    # qwz all-gathers int8 weights (zero_quantized_weights), hpz keeps a secondary 16-bit weight
+    # partition inside each node and gathers from it after the step's first forward
+    # (zero_hpz_partition_size), qgz reduces gradients as int4 in two all-to-alls, inside the
+    # node and then across (zero_quantized_gradients).
+    zero_pp: tuple[ZeroPP, ...] = ()
     # The job's mean time between failures, hours (planner/cost/goodput.py); None: from the
     # hardware profile's per-GPU and per-node rates, scaled by the job's size.
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)
@@ -107,6 +127,11 @@ class Workload(BaseModel):
         if isinstance(data, dict) and data.get("precision") in RECIPE_NAMES:
             data = {**data, "recipe": data["precision"], "precision": "bf16"}
         return data
+
+    @field_validator("zero_pp", mode="after")
+    @classmethod
+    def _zero_pp_order(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(k for k in ZERO_PP if k in value)
 
     @property
     def precision_name(self) -> str:

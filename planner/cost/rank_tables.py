@@ -41,8 +41,7 @@ from planner.cost.context import CostContext
 from planner.cost.layout import Layout
 from planner.cost.paid import Paid, merged_share
 from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
-from planner.cost.precision import gathers_fp8_params
-from planner.cost.zero3_fetch import call_counts, seconds_over_calls
+from planner.cost.zero3_fetch import block_seconds
 from planner.hardware.placement import GroupShape
 from planner.model.spec import ModelSpec
 
@@ -54,9 +53,12 @@ Split = list[tuple[int, int]]
 # embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and
 # reduce-scatters; the quantized weights; last, the exposed context-parallel traffic.
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
-               "tied", "z3_gather", "z3_reduce", "low", "cp")
+               "tied", "z3_gather", "z3_gather_rest", "z3_reduce", "low", "cp")
 ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
-Z3_ROWS = [ROW["z3_gather"], ROW["z3_reduce"]]  # zero unless the candidate runs ZeRO-3
+# ZeRO-3's gathers of the step's first forward and of every other pass, and its reduction
+# (zero3_fetch.block_seconds); zero unless the candidate runs ZeRO-3.
+Z3_SERIES = {"z3_gather": "first", "z3_gather_rest": "rest", "z3_reduce": "reduce"}
+Z3_ROWS = [ROW[name] for name in Z3_SERIES]
 TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp", "cp")]  # MicroBatchTime's fields, in order
 # The per-block series summed over a chunk's blocks (by prefix sums), and then the chunk's pipeline
 # seconds: the rows of the per-chunk array a rank table is summed from. The first seven are
@@ -252,7 +254,7 @@ class RankTables:
         out = base.copy()
         starts = np.array([a for a, _ in spec.parts])
         ends = np.array([e for _, e in spec.parts])
-        for name in ("z3_gather", "z3_reduce"):
+        for name in Z3_SERIES:
             out[ROW[name]] = (z3[name][ends] - z3[name][starts]).reshape(spec.vs, spec.pp).sum(axis=0)
         return out
 
@@ -268,26 +270,9 @@ class RankTables:
         hit = self._z3.get(key)
         if hit is not None and hit[0] is table:
             return hit[1]
-        edp, cluster, layout = dp // ep, self.ctx.cluster, spec.layout
-        gbytes = self.ctx.grad_bytes(spec.framework, zero=3)
-
-        def on(op: str, d: np.ndarray, e: np.ndarray, calls: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-            t = seconds_over_calls(cluster, op, layout.dp, d, calls[0]) if dp > 1 else np.zeros_like(d)
-            if edp > 1:
-                t = t + np.where(e > 0, seconds_over_calls(cluster, op, layout.edp, e, calls[1]), 0.0)
-            return t
-
-        # FP8 parameter gather moves its GEMM weights at 1 byte (an MoE block's at 2: the table
-        # does not say which of its low-precision weights are experts', as step_time.dp_collectives).
-        w = self.ctx.workload
-        fp8 = gathers_fp8_params(w.recipe, w.fp8_param_gather, FRAMEWORKS[spec.framework], 3)
-        dense_bytes = 2 * table.params - (np.where(table.expert == 0, table.low, 0.0) if fp8 else 0.0)
-        fetch, grads = call_counts(table.params, table.expert, table.z3_calls,
-                                   fw.traits(FRAMEWORKS[spec.framework]).zero3_module_fetch)
-        gather = on("allgather", dense_bytes, 2 * table.expert, fetch)
-        reduce = on("reducescatter", gbytes * table.params, gbytes * table.expert, grads)
-        out = {"z3_gather": np.concatenate(([0.0], np.cumsum(gather))),
-               "z3_reduce": np.concatenate(([0.0], np.cumsum(reduce)))}
+        series = block_seconds(self.ctx, spec.layout, dp, dp // ep, spec.framework, table.params, table.expert,
+                               table.low, table.z3_calls, table.z3_tensors)
+        out = {row: np.concatenate(([0.0], np.cumsum(series[part]))) for row, part in Z3_SERIES.items()}
         self._z3[key] = (table, out)
         return out
 

@@ -230,11 +230,13 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
     if z3.any():  # ZeRO-3: per-block gathers and reduce-scatters against compute, per micro-batch;
         # hybrid sharding's all-reduce of the shards (``reduce``) rides on the last micro-batch's
         # backward, or on every one's where the runtime runs it so (Traits)
-        g3, r3, b3, a3 = r["z3_gather"][z3], r["z3_reduce"][z3], bwd[z3], reduce[z3]
+        # ZeRO++'s hpZ gathers over the whole group only in the step's first forward (``first``).
+        g3, r3, b3, a3 = r["z3_gather_rest"][z3], r["z3_reduce"][z3], bwd[z3], reduce[z3]
         plain = np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 - b3)
         last = np.maximum(0.0, g3 - fwd[z3]) + np.maximum(0.0, g3 + r3 + a3 - b3)
+        first = np.maximum(0.0, r["z3_gather"][z3] - fwd[z3]) - np.maximum(0.0, g3 - fwd[z3])
         every_mb = _HSDP_EVERY_MICROBATCH[fwi[z3]][:, None]
-        out[z3] = np.where(every_mb, m[z3] * last, (m[z3] - 1.0) * plain + last)
+        out[z3] = np.where(every_mb, m[z3] * last, (m[z3] - 1.0) * plain + last) + first
     alone = (dp == 1) & (col["ep"] == 1)
     out[alone] = tied[alone]
     return out

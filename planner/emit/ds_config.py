@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from planner.cost import frameworks as fw
 from planner.cost.framework_rules import check_framework_for
+from planner.cost.zero3_fetch import node_ranks
 from planner.emit.plan_file import PlanFile
 from planner.model.spec import DecoderBlock, ModelSpec, MoEMLP
 
@@ -125,6 +126,13 @@ def _zero(plan: PlanFile, model: ModelSpec) -> dict[str, Any]:
             stage3_max_reuse_distance=fw.STAGE3_MAX_LIVE_PARAMETERS,
             stage3_gather_16bit_weights_on_model_save=True,
         )
+        # ZeRO++ as priced (planner/cost/zero3_fetch.py): hpZ's secondary partition over one node's DP ranks.
+        if "hpz" in plan.zero_pp:
+            zero["zero_hpz_partition_size"] = node_ranks(plan.gpus_per_node, plan.dp * plan.cp)
+        if "qwz" in plan.zero_pp:
+            zero["zero_quantized_weights"] = True
+        if "qgz" in plan.zero_pp:
+            zero["zero_quantized_gradients"] = True
     return zero
 
 
@@ -133,7 +141,7 @@ def build_ds_config(plan: PlanFile, model: ModelSpec, settings: TrainSettings | 
     settings = settings or TrainSettings()
     # The runtime rules a ds_config cannot express (PipelineModule with ZeRO-2/3, AutoTP with ZeRO-3, ...).
     check_framework_for(plan.parallel_config(), model, optimizer=plan.optimizer, precision=plan.precision,
-                        precision_aware_optimizer=plan.precision_aware_optimizer)
+                        precision_aware_optimizer=plan.precision_aware_optimizer, zero_pp=plan.zero_pp)
     config: dict[str, Any] = {
         "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
         "train_micro_batch_size_per_gpu": plan.micro_batch,

@@ -28,6 +28,7 @@ from planner.cost.parallel import (
     PrecisionName,
     Recompute,
     Workload,
+    ZeroPP,
 )
 from planner.cost.precision import split_precision
 from planner.errors import UserError, describe_validation_error
@@ -64,6 +65,7 @@ class PlanFile(BaseModel):
     te_attention: bool = True  # Megatron-Core's attention through Transformer Engine (Workload)
     fp8_param_gather: bool = True  # weights kept and all-gathered in FP8 where the recipe allows (Workload)
     precision_aware_optimizer: bool = False  # Megatron-Core's bf16-moment Adam (Workload)
+    zero_pp: tuple[ZeroPP, ...] = ()  # DeepSpeed ZeRO++ options on ZeRO-3 (Workload)
     ep_comm_overlap: bool = True  # expert all-to-alls overlapped with another micro-batch where the runtime can
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)  # busiest EP rank's tokens / mean (Workload)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
@@ -117,6 +119,7 @@ class PlanFile(BaseModel):
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
             fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
             ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance, mtbf_hours=self.mtbf_hours,
+            zero_pp=self.zero_pp,
         )
 
     @property

@@ -48,7 +48,8 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     which single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
     gb = workload.global_batch
     run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
-                         recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer)
+                         recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer,
+                         zero_pp=workload.zero_pp)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
@@ -144,7 +145,8 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
             try:
                 check_framework_for(most[1], model, optimizer=workload.optimizer,
                                     precision=workload.precision_name,
-                                    precision_aware_optimizer=workload.precision_aware_optimizer)
+                                    precision_aware_optimizer=workload.precision_aware_optimizer,
+                                    zero_pp=workload.zero_pp)
             except UserError as err:
                 text += f" ({marked(err)})"
         why.append(text)

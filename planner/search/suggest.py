@@ -197,7 +197,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             layer_profile: LayerProfile | None = None, constraints: Constraints | None = None,
             balancer: str = "optimal", objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
-            rep: int = 1) -> SuggestResult:
+            rep: int = 1, zero_pp: tuple[str, ...] = ()) -> SuggestResult:
     """The search for one precision, one context-parallel split ``cp`` and one count of
     hybrid-sharding groups ``rep`` (``suggest``)."""
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -227,14 +227,14 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout,  # type: ignore[arg-type]
-                        mtbf_hours=mtbf_hours, layer_profile=layer_profile)
+                        mtbf_hours=mtbf_hours, layer_profile=layer_profile, zero_pp=zero_pp)  # type: ignore[arg-type]
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
               "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
               "tp_comm_overlap": tp_comm_overlap, "te_attention": te_attention,
               "fp8_param_gather": fp8_param_gather, "precision_aware_optimizer": precision_aware_optimizer,
               "ep_comm_overlap": ep_comm_overlap, "moe_imbalance": moe_imbalance, "mtbf_hours": mtbf_hours,
-              "layer_profile": layer_profile.summary() if layer_profile else None,
+              "layer_profile": layer_profile.summary() if layer_profile else None, "zero_pp": ",".join(zero_pp),
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
