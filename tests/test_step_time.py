@@ -91,7 +91,7 @@ def _exposed(framework: str, zero: int, reduce: list[float], gather: list[float]
            "vs": np.array([1]), "pp": np.array([pp]), "dp": np.array([8]), "ep": np.array([1]), "cp": np.array([1])}
     zeros = [[0.0] * pp]
     r = {"fwd": np.array([fwd]), "bwd": np.array([bwd]), "rc": np.array(zeros), "tied": np.array(zeros),
-         "z3_gather": np.full((1, pp), z3[0]), "z3_gather_rest": np.full((1, pp), z3[0]),
+         "z3_gather": np.full((1, pp), z3[0]), "z3_gather_rest": np.full((1, pp), z3[0]), "z3_host": np.array(zeros),
          "z3_reduce": np.full((1, pp), z3[1])}
     return st.dp_exposed(col, r, np.array([reduce]), np.array([gather]), np.array(zeros))[0].tolist()
 

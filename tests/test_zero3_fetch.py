@@ -3,6 +3,8 @@ ring's latency at the DP group's size, so ZeRO-3 stops hiding its traffic at sca
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ from planner.cost.collectives import collective_time_array
 from planner.cost.estimate import estimate
 from planner.cost.layers import layer_costs
 from planner.cost.parallel import ParallelConfig, Workload
-from planner.cost.zero3_fetch import call_counts, fetch_calls, seconds_over_calls, weight_tensors
+from planner.cost.zero3_fetch import call_counts, fetch_calls, seconds_over_calls, tensor_count, weight_tensors
 from planner.emit.ds_config import build_ds_config
 from planner.emit.plan_file import PlanFile
 from planner.hardware.cluster import Cluster
@@ -164,8 +166,6 @@ def test_zero_plus_plus_end_to_end_memory_time_and_rules():
 
 
 def test_cli_zeropp_on_estimate_and_generate(tmp_path):
-    import json
-
     from click.testing import CliRunner
 
     from planner.cli import main
@@ -182,3 +182,35 @@ def test_cli_zeropp_on_estimate_and_generate(tmp_path):
     zero = json.loads((out / "ds_config.json").read_text())["zero_optimization"]
     assert zero["zero_quantized_gradients"] is True and "zero_hpz_partition_size" not in zero
     assert json.loads((out / "plan.json").read_text())["zero_pp"] == ["qgz"]
+
+
+def test_deepspeed_hooks_bound_a_small_model_on_a_fast_gpu():
+    """gpt3-125m, one 1,024-token sample per H100: 74 fetched tensors x 1.04 ms of host hooks
+    per micro-batch against ~2 ms of device work, so the hooks set the step; Megatron-FSDP has none."""
+    model = load_model("gpt3-125m")
+    cluster = Cluster.build(load_profile("dgx-h100"), 1)
+    wl = Workload(global_batch=16, seq_len=1024)
+    tensors = sum(tensor_count(c) for c in layer_costs(model, wl))
+    assert tensors == 12 * 6 + 2  # q, k, v, o, fc1, fc2 per layer; the embedding; the (tied) head's weight
+    cfg = ParallelConfig(dp=8, micro_batch=1, grad_accum=2, framework="deepspeed", zero_stage=3)
+    plan = estimate(model, cluster, wl, cfg)
+    host = 2 * tensors * fw.ZERO3_HOST_S_PER_MODULE
+    assert plan.time.dp_comm == pytest.approx(host - plan.time.compute, rel=0.01)  # hooks less the device's work
+    assert plan.time.dp_comm > 0.5 * plan.step_time_s
+    fsdp = estimate(model, cluster, wl, cfg.model_copy(update={"framework": "megatron"}))
+    assert fsdp.time.dp_comm < 0.1 * plan.time.dp_comm
+
+
+def test_the_host_overhead_benchmark_measures_deepspeeds_hooks():
+    """The constant's benchmark, small: real DeepSpeed ZeRO-3 against ZeRO-0 on this CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_zero3_host_overhead.py"
+    proc = subprocess.run([sys.executable, str(script), "--modules", "60", "--steps", "4", "--json"],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["zero3_s"] > got["zero0_s"] and got["modules"] == 60
+    assert 0.1 * fw.ZERO3_HOST_S_PER_MODULE < got["host_s_per_module"] < 10 * fw.ZERO3_HOST_S_PER_MODULE

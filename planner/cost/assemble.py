@@ -78,7 +78,9 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
     total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"] + r["cp"]
     worst, bubble = st.pipeline(total, col["pp"], vs)
     body = m[:, 0] * total[np.arange(len(total)), worst]
-    dp_t = st.dp_exposed(col, r, *st.dp_collectives(ctx, col, r), ctx.cluster.profile.calibration.overlap)
+    profile = ctx.cluster.profile
+    dp_t = st.dp_exposed(col, r, *st.dp_collectives(ctx, col, r), profile.calibration.overlap,
+                         profile.gpu.vendor == "cpu")
     opt_t = st.optimizer_seconds(ctx, col, r["dense"], r["expert"], m)
     step = body + bubble + dp_t.max(axis=1) + opt_t.max(axis=1)
     if len(st.depths(col["pp"], pp)) > 1:  # padded ranks: context and NCCL buffers only, never a candidate's peak

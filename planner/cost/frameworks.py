@@ -154,6 +154,10 @@ REDUCE_BUCKET_SIZE = int(2e8)
 ALLGATHER_BUCKET_SIZE = int(2e8)
 STAGE3_PREFETCH_BUCKET_SIZE = int(5e7)  # DeepSpeed default
 STAGE3_MAX_LIVE_PARAMETERS = int(1e9)  # DeepSpeed default
+# Host seconds DeepSpeed's ZeRO-3 hooks spend per fetched module per forward + backward (trace,
+# fetch, wait, release): benchmarks/bench_zero3_host_overhead.py, DeepSpeed 0.19.8 on this
+# project's 2-core host, 1033-1055 us. A faster host runs them faster: on GPU nodes this errs slow.
+ZERO3_HOST_S_PER_MODULE = 1.04e-3
 
 
 def stage3_persistence_threshold(hidden: int) -> int:

@@ -53,11 +53,11 @@ Split = list[tuple[int, int]]
 # embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and
 # reduce-scatters; the quantized weights; last, the exposed context-parallel traffic.
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
-               "tied", "z3_gather", "z3_gather_rest", "z3_reduce", "low", "cp")
+               "tied", "z3_gather", "z3_gather_rest", "z3_reduce", "z3_host", "low", "cp")
 ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
-# ZeRO-3's gathers of the step's first forward and of every other pass, and its reduction
-# (zero3_fetch.block_seconds); zero unless the candidate runs ZeRO-3.
-Z3_SERIES = {"z3_gather": "first", "z3_gather_rest": "rest", "z3_reduce": "reduce"}
+# ZeRO-3's gathers of the step's first forward and of every other pass, its reduction and its
+# hooks' host time (zero3_fetch.block_seconds); zero unless the candidate runs ZeRO-3.
+Z3_SERIES = {"z3_gather": "first", "z3_gather_rest": "rest", "z3_reduce": "reduce", "z3_host": "host"}
 Z3_ROWS = [ROW[name] for name in Z3_SERIES]
 TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp", "cp")]  # MicroBatchTime's fields, in order
 # The per-block series summed over a chunk's blocks (by prefix sums), and then the chunk's pipeline

@@ -204,10 +204,12 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
 
 
 def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.ndarray, gather: np.ndarray,
-               tied: np.ndarray, overlap_share: float = 1.0) -> np.ndarray:
+               tied: np.ndarray, overlap_share: float = 1.0, host_is_device: bool = False) -> np.ndarray:
     """Per rank: the data-parallel traffic (``dp_collectives``' seconds) the backward pass, the
     pipeline cool-down and the first forward do not hide; ``overlap_share`` of that compute
-    hides it (the profile's calibration.overlap: 1.0, all of it, unless fitted)."""
+    hides it (the profile's calibration.overlap: 1.0, all of it, unless fitted). ZeRO-3's host
+    hook time counts here too, where it outlasts the device's work (``host_is_device``: a CPU
+    profile, where nothing runs beside it)."""
     zero, fwi = col["zero"], col["framework"]
     m = col["grad_accum"][:, None].astype(float)
     vs = col["vs"][:, None].astype(float)
@@ -237,6 +239,10 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
         first = np.maximum(0.0, r["z3_gather"][z3] - fwd[z3]) - np.maximum(0.0, g3 - fwd[z3])
         every_mb = _HSDP_EVERY_MICROBATCH[fwi[z3]][:, None]
         out[z3] = np.where(every_mb, m[z3] * last, (m[z3] - 1.0) * plain + last) + first
+        # DeepSpeed's fetch hooks run on the host beside the kernels they launch: what outlasts
+        # the device's work per micro-batch shows (all of it where the host is the device).
+        device = 0.0 if host_is_device else (r["fwd"] + r["bwd"] + r["rc"])[z3]
+        out[z3] += m[z3] * np.maximum(0.0, r["z3_host"][z3] - device)
     alone = (dp == 1) & (col["ep"] == 1)
     out[alone] = tied[alone]
     return out

@@ -83,8 +83,9 @@ def secondary_bytes(cluster: Cluster, dp: np.ndarray, params: np.ndarray) -> np.
 def block_seconds(ctx: CostContext, layout: Layout, dp: int, edp: int, framework: int, params: np.ndarray,
                   expert: np.ndarray, low: np.ndarray, fetch: np.ndarray, tensors: np.ndarray) -> dict[str, np.ndarray]:
     """Per block, ZeRO-3's seconds of the step's first forward gather (``first``), of every
-    other gather (``rest``: the backward's, and the later micro-batches' forward) and of the
-    gradient reduction (``reduce``), with the workload's ZeRO++ where the runtime is DeepSpeed.
+    other gather (``rest``: the backward's, and the later micro-batches' forward), of the
+    gradient reduction (``reduce``), with the workload's ZeRO++ where the runtime is DeepSpeed,
+    and the host time of DeepSpeed's fetch hooks per micro-batch (``host``).
     ``params``, ``expert``: elements; ``low``: the recipe's low-precision GEMM weights;
     ``fetch``: fetch_calls and ``tensors``: tensor_count per block."""
     cluster, w, name = ctx.cluster, ctx.workload, FRAMEWORKS[framework]
@@ -114,7 +115,8 @@ def block_seconds(ctx: CostContext, layout: Layout, dp: int, edp: int, framework
     reduce = on("reducescatter", gbytes * params, gbytes * expert, grads)
     if "qgz" in zpp:
         reduce = np.where(tensors > 0, qgz_seconds(ctx, dp, params + expert, tensors), reduce)
-    return {"first": first, "rest": rest, "reduce": reduce}
+    host = tensors * fw.ZERO3_HOST_S_PER_MODULE if module else np.zeros_like(params)
+    return {"first": first, "rest": rest, "reduce": reduce, "host": host}
 
 
 def qgz_seconds(ctx: CostContext, dp: int, params: np.ndarray, tensors: np.ndarray) -> np.ndarray:
