@@ -364,9 +364,8 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
     ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``,
     ``cp``, ``cp_comm``, ``dp_replicate`` (hybrid-sharding groups: each value searched on its
-    own, default 1); the workload is ``workload`` or its fields as keywords (``global_batch``,
-    ``seq_len``, ..., ``flash_attention``, ``dropout``, as for ``estimate``; default batch:
-    ``make_workload``'s).
+    own, default 1); the workload is ``workload`` or its fields as keywords (``global_batch``, ...,
+    ``zero_pp``, which also takes "auto", as for ``estimate``; default batch: ``make_workload``'s).
     ``progress`` is called with the fraction of the search done. Returns the search's
     ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the estimate's Plan,
     ``.why`` (why #1 won, or why this one ranks below it) and ``.to_json()``), ``.evaluated``,
@@ -387,6 +386,7 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     precisions = given.get("precision")
     if isinstance(precisions, (tuple, list)):  # several precisions: each searched, the plans ranked together
         given["precision"] = precisions[0] if precisions else "bf16"
+    zero_pp = given.pop("zero_pp", workload.zero_pp if workload else ())  # "auto": search.suggest tries each
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
     _check_workload(wl)
     many = tuple(precisions) if isinstance(precisions, (tuple, list)) and len(precisions) > 1 else None
@@ -397,4 +397,4 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
                     ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
                     layer_profile=wl.layer_profile, dropout=wl.dropout, constraints=cons, balancer=balancer,
-                    objective=objective, top=top, zero_pp=wl.zero_pp, progress=progress)
+                    objective=objective, top=top, zero_pp=zero_pp, progress=progress)

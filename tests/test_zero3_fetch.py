@@ -214,3 +214,33 @@ def test_the_host_overhead_benchmark_measures_deepspeeds_hooks():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["zero3_s"] > got["zero0_s"] and got["modules"] == 60
     assert 0.1 * fw.ZERO3_HOST_S_PER_MODULE < got["host_s_per_module"] < 10 * fw.ZERO3_HOST_S_PER_MODULE
+
+
+def test_suggest_searches_each_zero_plus_plus_choice_with_auto():
+    from click.testing import CliRunner
+
+    from planner import api
+    from planner.cli import main
+
+    cluster = api.load_cluster("dgx-a100-80g", nodes=192)
+    kw = dict(global_batch=1536, precision="fp16", flash_attention=False, framework="deepspeed", zero=3, top=10)
+    result = api.suggest("gpt3-175b", cluster, zero_pp="auto", **kw)
+    assert result.inputs["zero_pp"] == "auto"
+    chosen = {p.plan.workload.zero_pp for p in result.plans}
+    assert len(chosen) > 1 and result.plans[0].plan.workload.zero_pp != ()  # qwZ pays at 1,536 GPUs
+    plain = api.suggest("gpt3-175b", cluster, **kw)
+    assert result.plans[0].plan.step_time_s < plain.plans[0].plan.step_time_s
+    out = CliRunner().invoke(main, ["suggest", "--model", "gpt3-175b", "--nodes", "192", "--global-batch", "1536",
+                                    "--precision", "fp16", "--no-flash-attention", "--framework", "deepspeed",
+                                    "--zero", "3", "--zeropp", "auto", "--top", "3"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "3++w" in out.output and "ZeRO++ (w qwz" in out.output and "--zeropp auto" in out.output
+
+
+def test_auto_leaves_out_zero_plus_plus_where_deepspeed_zero3_cannot_run():
+    from planner import api
+
+    result = api.suggest("mixtral-8x7b", api.load_cluster("dgx-a100-80g", nodes=2), zero_pp="auto", top=3)
+    assert all(p.plan.workload.zero_pp == () for p in result.plans)
+    notes = [str(n) for n in result.notes]
+    assert sum(n.startswith("left out: ZeRO++ ") for n in notes) == 4

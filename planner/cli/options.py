@@ -149,7 +149,8 @@ PAO_HELP = ("Megatron-Core's precision-aware optimizer (TE's FusedAdam, --use-pr
 ZEROPP_HELP = ("DeepSpeed ZeRO++ on ZeRO-3, a comma list: qwz (int8 weight all-gathers), hpz (a 16-bit secondary "
                "weight partition per node, gathered inside the node after the step's first forward; costs 2 bytes "
                "per parameter / GPUs per node), qgz (int4 gradients in two all-to-alls). Needs --framework deepspeed "
-               "--zero 3; suggest then searches only those [default: none].")
+               "--zero 3; suggest then searches only those. suggest and generate also take auto: none, each "
+               "alone and all three, each searched and ranked together [default: none].")
 
 
 def workload_options(global_batch_help: str, precision_list: bool = False):

@@ -250,6 +250,9 @@ def _legend(rows: list[tuple[str, ...]]) -> str:
         stage, groups = hybrid.split("h")
         parts.append(f"zero {hybrid} = ZeRO-{stage} sharded within each of {groups} groups that replicate "
                      "each other (hybrid sharding)")
+    if zpp := first("zero", "++"):
+        parts.append(f"zero {zpp} = ZeRO-3 with DeepSpeed's ZeRO++ (w qwz: int8 weight gathers, p hpz: "
+                     "node-local secondary weights, g qgz: int4 gradients)")
     offloads = {c["offload"] for c in cells}
     if "opt" in offloads:
         parts.append("opt = optimizer states offloaded to the CPU")
@@ -305,6 +308,9 @@ def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
     return layout, figures
 
 
+_ZERO_PP_MARK = {"qwz": "w", "hpz": "p", "qgz": "g"}  # the zero column's ZeRO++ letters (h is hybrid sharding)
+
+
 def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
     """One plan's cells, in _COLUMNS order; ``ties``: the ids within the model's error of #1
     (marked "~", #1 itself aside); ``precision``: name the plan's precision beside its runtime."""
@@ -320,7 +326,8 @@ def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
         str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
         f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}", str(p["ep"]),
         f"{p['cp']}{_CP_MARK[p['cp_comm']] if p['cp'] > 1 else ''}",
-        f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}",
+        f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}"
+        + ("++" + "".join(_ZERO_PP_MARK[k] for k in p["zero_pp"]) if p.get("zero_pp") else ""),
         _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
         f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB", human_time(p["step_time_s"]),
         human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", _floor_percent(p.get("goodput", 1.0)),

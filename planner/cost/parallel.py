@@ -33,6 +33,17 @@ ZeroPP = Literal["qwz", "hpz", "qgz"]  # DeepSpeed ZeRO++: int8 weight gather, h
 ZERO_PP = ("qwz", "hpz", "qgz")
 
 
+# ``--zeropp auto`` on suggest: none, each option alone, and all three, each searched.
+ZERO_PP_AUTO: tuple[tuple[str, ...], ...] = ((), ("qwz",), ("hpz",), ("qgz",), ZERO_PP)
+
+
+def zero_pp_variants(value: "str | Sequence[str]") -> tuple[tuple[str, ...], ...]:
+    """The ZeRO++ choices a search tries: ``auto``'s five, or the one list given."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return ZERO_PP_AUTO
+    return (parse_zero_pp(value),)
+
+
 def parse_zero_pp(value: "str | Sequence[str]") -> tuple[str, ...]:
     """``--zeropp``: a comma list of qwz, hpz, qgz (or none), in any order."""
     items = [v.strip().lower() for v in (value.split(",") if isinstance(value, str) else value)]
@@ -40,7 +51,7 @@ def parse_zero_pp(value: "str | Sequence[str]") -> tuple[str, ...]:
     bad = [v for v in items if v not in ZERO_PP]
     if bad:
         raise UserError(f"{arg('zero_pp')}: unknown ZeRO++ option {bad[0]!r}; give a comma list of "
-                        f"{', '.join(ZERO_PP)} (or none)")
+                        f"{', '.join(ZERO_PP)} (or none; suggest also takes auto)")
     return tuple(k for k in ZERO_PP if k in items)
 
 # Appended, never reordered: search columns and cached tables hold indices into it.

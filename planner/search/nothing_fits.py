@@ -21,6 +21,7 @@ def describe(p: dict) -> str:
     off = f" offload-{p['offload']}" if p.get("offload", "none") != "none" else ""
     sp = " sp" if p.get("sequence_parallel") else ""
     rep = f"-hsdp{p['dp_replicate']}" if p.get("dp_replicate", 1) > 1 else ""
+    rep += f"-zeropp-{'-'.join(p['zero_pp'])}" if p.get("zero_pp") else ""
     return (f"{p['framework']} dp{p['dp']} tp{p['tp']}{sp} pp{p['pp']}{vs}{extra} zero{p['zero_stage']}{rep}{off} "
             f"mb{p['micro_batch']}x{p['grad_accum']} recompute-{p['recompute']}")
 

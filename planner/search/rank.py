@@ -185,11 +185,16 @@ def _seconds(s: float) -> str:
 
 
 _CONFIG_KEYS = ("dp", "tp", "pp", "ep", "cp", "cp_comm", "zero_stage", "dp_replicate", "offload", "micro_batch",
-                "grad_accum", "recompute", "sequence_parallel", "virtual_stages", "framework")
+                "grad_accum", "recompute", "sequence_parallel", "virtual_stages", "framework", "zero_pp")
+
+
+def _shown(value: object) -> str:
+    """A config value as the explanation names it (a ZeRO++ list as its comma list, or none)."""
+    return (",".join(value) or "none") if isinstance(value, (list, tuple)) else str(value)
 
 
 def _config_difference(a: dict, b: dict) -> str:
-    parts = [f"{k} {a[k]} vs {b[k]}" for k in _CONFIG_KEYS if k in a and k in b and a[k] != b[k]]
+    parts = [f"{k} {_shown(a[k])} vs {_shown(b[k])}" for k in _CONFIG_KEYS if k in a and k in b and a[k] != b[k]]
     return ", ".join(parts) if parts else "same configuration, different partition"
 
 

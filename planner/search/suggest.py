@@ -20,7 +20,7 @@ from planner.cost.candidates import take
 from planner.cost.degrees import default_global_batch
 from planner.cost.measured_blocks import LayerProfile
 from planner.cost.notes import batch_notes
-from planner.cost.parallel import FRAMEWORKS, Workload
+from planner.cost.parallel import FRAMEWORKS, Workload, zero_pp_variants
 from planner.cost.plan import Plan
 from planner.cost.precision import RECIPES, split_precision, unsupported
 from planner.cost.schedule_check import schedule_notes
@@ -125,6 +125,7 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     groups (``constraints.dp_replicate``) is searched on its own too, and ranked with the rest.
     ``options``: the keywords of ``_suggest_one``."""
     names = (precision,) if isinstance(precision, str) else tuple(dict.fromkeys(precision))
+    variants = zero_pp_variants(options.pop("zero_pp", ()))  # --zeropp auto: each ZeRO++ choice its own search
     if isinstance(model, str):
         from planner.model.catalog import load_model
 
@@ -132,23 +133,26 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     cons = options.get("constraints") or Constraints()
     seq = options.get("seq_len") or model.train_seq_len
     gpus = _profile(hardware, options.get("gpus_per_node")).node.gpus * whole_number("nodes", nodes)
-    splits = [(cp, rep) for cp in context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
-              for rep in (cons.dp_replicate or (1,))]
+    splits = [(cp, rep, zpp) for cp in context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
+              for rep in (cons.dp_replicate or (1,)) for zpp in variants]
     if len(names) == 1 and len(splits) == 1:
         return _suggest_one(model, hardware, nodes, precision=names[0], cp=splits[0][0], rep=splits[0][1],
-                            **options)
+                            zero_pp=splits[0][2], **options)
     profile = _profile(hardware, options.get("gpus_per_node"))
     results, left_out, first_error = [], [], None
+    ran, refused = set(), {}  # ZeRO++ choices that gave plans; the first error of the others
     for name in names:
         recipe = RECIPES.get(split_precision(name)[1] or "")
         why = recipe and unsupported(recipe, profile.gpu.peak_TFLOPs, profile.gpu.name)  # type: ignore[arg-type]
         errors = [UserError(f"{arg('precision')} {name}: {why}")] if why else []
-        for split, rep in ([] if why else splits):
+        for split, rep, zpp in ([] if why else splits):
             try:
-                results.append(_suggest_one(model, hardware, nodes, precision=name, cp=split, rep=rep,
+                results.append(_suggest_one(model, hardware, nodes, precision=name, cp=split, rep=rep, zero_pp=zpp,
                                             **_share(options, len(results) + len(errors), len(names) * len(splits))))
+                ran.add(zpp)
             except UserError as err:
                 errors.append(err)
+                refused.setdefault(zpp, err)
         first_error = first_error or (errors[0] if errors else None)
         if len(errors) == (1 if why else len(splits)):  # nothing of this precision fits: say why
             left_out.append(f"left out: {errors[0]}")
@@ -156,9 +160,13 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
         options["progress"](1.0)
     if not results:
         raise first_error  # type: ignore[misc]
-    if len(names) == 1 and len(results) == 1:
+    left_out += [f"left out: ZeRO++ {','.join(z)}: {refused[z]}" for z in variants if z and z not in ran]
+    if len(names) == 1 and len(results) == 1 and len(variants) == 1:
         return results[0]
-    return _merge(results, names, left_out, options.get("objective", "throughput"), options.get("top", 5))
+    merged = _merge(results, names, left_out, options.get("objective", "throughput"), options.get("top", 5))
+    if len(variants) > 1:
+        merged.inputs["zero_pp"] = "auto"
+    return merged
 
 
 def _share(options: dict, k: int, n: int) -> dict:
