@@ -57,16 +57,17 @@ def not_expressible(row: dict) -> str | None:
         return "FSDP over part of the DP group (hybrid sharding)"
     if row["model"] == "DeepSeekV3" and "with MTP" in row["notes"]:
         return "DeepSeek-V3's multi-token-prediction module"
-    if (int(row["gpus"]) // (_int(row["tp"]) * _int(row["pp"]))) % _int(row["ep"]):
-        return "EP folded over TP ranks (MoE parallel folding, expert TP 1 under TP 2)"
     return None
 
 
 def layout(row: dict) -> dict:
     """The row's layout as dsplan's pins: FSDP over the whole DP group is Megatron-FSDP (ZeRO-3),
-    else the distributed optimizer (ZeRO-1), as the recipes run."""
-    return {"tp": _int(row["tp"]), "pp": _int(row["pp"]), "virtual_stages": _int(row["vp"]), "ep": _int(row["ep"]),
+    else the distributed optimizer (ZeRO-1), as the recipes run; MoE rows with expert TP 1 (the
+    one row with TP 2, H100 Qwen3-235B at EP 32 over 16 DP ranks, can run no other way: its EP
+    takes the TP ranks; at TP 1 the two are the same)."""
+    pins = {"tp": _int(row["tp"]), "pp": _int(row["pp"]), "virtual_stages": _int(row["vp"]), "ep": _int(row["ep"]),
             "cp": _int(row["cp"]), "micro_batch": _int(row["micro_batch"]), "zero": 3 if _int(row["fsdp"], 0) else 1}
+    return {**pins, "etp": 1} if "LLAMA" not in row["model"] else pins
 
 
 def _search(row: dict, pins: dict, top: int):

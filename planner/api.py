@@ -169,7 +169,7 @@ WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_imag
                  "zero_pp")
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
-             "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate")
+             "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate", "etp")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
@@ -278,7 +278,7 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 
     ``knobs``: the plan's ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``offload``,
     ``micro_batch``, ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework``,
-    ``cp``, ``cp_comm`` and ``dp_replicate`` (CLI defaults), and either ``workload`` or its
+    ``cp``, ``cp_comm``, ``dp_replicate`` and ``etp`` (CLI defaults), and either ``workload`` or its
     fields (``global_batch``, ``seq_len``, ``images_per_sample``, ``tiles_per_image``,
     ``precision``, ``optimizer``, ``flash_attention``, ``dropout``). The default global batch
     is ~4M tokens that the plan's micro-batch x dp divides, with at least pp micro-batches
@@ -318,7 +318,7 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 # -- many plans ------------------------------------------------------------------------------
 
 SEARCH_AXES = ("dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework",
-               "sequence_parallel", "allow_tp_across_nodes", "cp", "cp_comm", "dp_replicate")
+               "sequence_parallel", "allow_tp_across_nodes", "cp", "cp_comm", "dp_replicate", "etp")
 _COUNT_AXES = ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages", "dp_replicate")
 
 
@@ -333,7 +333,7 @@ def constraints(**axes: Any) -> Any:
     from planner.search.space import Constraints
 
     _check_keys("search constraint", axes, SEARCH_AXES)
-    choices = {"offload": OFFLOADS, "recompute": RECOMPUTES, "framework": FRAMEWORKS, "cp_comm": CP_COMMS}
+    choices = dict(offload=OFFLOADS, recompute=RECOMPUTES, framework=FRAMEWORKS, cp_comm=CP_COMMS, etp=(1, "tp"))
     out: dict[str, Any] = {}
     for key, value in axes.items():
         if value is None:
@@ -350,8 +350,8 @@ def constraints(**axes: Any) -> Any:
             elif key == "zero" and (isinstance(v, bool) or v not in (0, 1, 2, 3)):
                 raise UserError(f"{arg('zero')}: stages are 0, 1, 2 or 3, got {','.join(map(str, values))}")
             elif key in choices and v not in choices[key]:
-                raise UserError(f"{arg(key)}: unknown value {v!r}; choose from {', '.join(choices[key])}")
-        out[key] = values
+                raise UserError(f"{arg(key)}: unknown value {v!r}; choose from {', '.join(map(str, choices[key]))}")
+        out[key] = tuple(None if v == "tp" else v for v in values) if key == "etp" else values
     return Constraints(**out)
 
 
@@ -363,9 +363,9 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     ``axes`` pin or restrict the search like the CLI flags, each one value or a sequence:
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
     ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``,
-    ``cp``, ``cp_comm``, ``dp_replicate`` (hybrid-sharding groups: each value searched on its
-    own, default 1); the workload is ``workload`` or its fields as keywords (``global_batch``, ...,
-    ``zero_pp``, which also takes "auto", as for ``estimate``; default batch: ``make_workload``'s).
+    ``cp``, ``cp_comm``, ``dp_replicate``, ``etp`` (hybrid-sharding groups, default 1; the experts'
+    TP, 1 and/or "tp", default both: each value its own search); the workload is ``workload`` or its
+    fields (``global_batch``, ..., ``zero_pp``, which takes "auto"; as ``estimate``; batch: ``make_workload``'s).
     ``progress`` is called with the fraction of the search done. Returns the search's
     ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the estimate's Plan,
     ``.why`` (why #1 won, or why this one ranks below it) and ``.to_json()``), ``.evaluated``,

@@ -237,15 +237,16 @@ def gpu_optimizer_time(local_params: float, dev: eff.Device, sgd: bool = False) 
 
 
 def model_states(dense_params: float, expert_params: float, *, framework: str, zero: int, offload: str,
-                 dp: int, ep: int, precision: str = "bf16", moments: int = 2,
+                 dp: int, edp: int, precision: str = "bf16", moments: int = 2,
                  live_layer_params: float = 0.0) -> ModelStates:
-    """Model states on one GPU: dense parameters shard over dp, routed experts over dp/ep.
+    """Model states on one GPU: dense parameters shard over dp, routed experts over their
+    ``edp`` replicas (dp / ep, or tp x dp / ep with the experts folded out of TP).
 
     ``live_layer_params``: with ZeRO-3 the largest layer is gathered whole (weights and
     gradients, 4 bytes per parameter) while it runs, as in DeepSpeed's estimator.
     """
     wd, gd, od, cd = bytes_per_param(framework, zero, offload, dp, precision, moments)
-    we, ge, oe, ce = bytes_per_param(framework, zero, offload, max(dp // ep, 1), precision, moments)
+    we, ge, oe, ce = bytes_per_param(framework, zero, offload, max(edp, 1), precision, moments)
     weights = wd * dense_params + we * expert_params
     grads = gd * dense_params + ge * expert_params
     if zero == 3:  # Megatron-FSDP double-buffers: the unit computing and the one prefetched
@@ -289,7 +290,7 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
     stages = cfg.pp * cfg.virtual_stages
     parts = (default_partition(model, stages) if partition is None
              else check_partition(partition, len(model.blocks), stages))
-    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep, cp=cfg.cp)
+    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep, cp=cfg.cp, etp=cfg.etp)
     dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
     comms = build_comms(cluster, cfg)
     traits = fw.traits(cfg.framework)
@@ -406,7 +407,7 @@ def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: fl
     b = cfg.micro_batch
     largest = max((c.params_rank + c.expert_params_rank for c in blocks), default=0.0)
     states = model_states(dense, expert, framework=cfg.framework, zero=cfg.zero_stage, offload=cfg.offload,
-                              dp=cfg.dp_ranks, ep=cfg.ep, precision=w.precision, moments=w.optimizer_moments,
+                              dp=cfg.dp_ranks, edp=_edp(cfg), precision=w.precision, moments=w.optimizer_moments,
                               live_layer_params=largest)
     stored = sum(c.act[cfg.recompute] for c in blocks) * b
     live = max((c.act_live for c in blocks if c.checkpointed), default=0.0) * b if cfg.recompute == "full" else 0.0
@@ -441,7 +442,7 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
     if dp == 1 and cfg.ep == 1:
         return 0.0
     gb = _grad_comm_bytes(cfg, w, traits)
-    edp = dp // cfg.ep
+    edp = _edp(cfg)
 
     def on(op: str, nbytes_dense: float, nbytes_expert: float) -> float:
         out = comms.dp(op, nbytes_dense) if dp > 1 else 0.0
@@ -467,10 +468,15 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
     return exposed
 
 
+def _edp(cfg: ParallelConfig) -> int:
+    """Replicas of each routed expert: the stage's tp x dp x cp ranks over expert TP x EP."""
+    return cfg.tp * cfg.dp_ranks // (cfg.etp * cfg.ep)
+
+
 def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, cluster: Cluster,
                     dev: Device) -> float:
     sharded = cfg.zero_stage >= 1
-    local = dense / (cfg.dp_ranks if sharded else 1) + expert / (max(cfg.dp_ranks // cfg.ep, 1) if sharded else 1)
+    local = dense / (cfg.dp_ranks if sharded else 1) + expert / (max(_edp(cfg), 1) if sharded else 1)
     if cfg.offload == "none":
         return gpu_optimizer_time(local, dev, sgd=w.optimizer == "sgd")
     node = cluster.profile.node
@@ -490,17 +496,20 @@ def build_comms(cluster: Cluster, cfg: ParallelConfig) -> Comms:
     Rank order is TP innermost, then EP, then the rest of DP, then PP (Megatron and DeepSpeed
     order); EP ranks are part of the DP group, so the dense DP group spans both.
     """
-    return _comms_cached(cluster, cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.cp, cfg.cp_comm)
+    return _comms_cached(cluster, cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.cp, cfg.cp_comm, cfg.etp)
 
 
 @lru_cache(maxsize=256)
-def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int, cp: int = 1, cp_comm: str = "p2p") -> Comms:
+def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int, cp: int = 1, cp_comm: str = "p2p",
+                  etp: int = 0) -> Comms:
     from planner.cost.collectives import collective_seconds
     from planner.hardware.placement import Placement, pipeline_hops
 
-    full = Placement(cluster, dims={"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}, order=("tp", "ep", "dp", "pp"))
+    etp = etp or tp  # the experts' ranks: expert TP innermost, then EP, then expert DP (Megatron's expert order)
+    full = Placement(cluster, dims={"tp": etp, "ep": ep, "dp": tp * dp // (etp * ep), "pp": pp},
+                     order=("tp", "ep", "dp", "pp"))
     dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
-    shapes = {"tp": full.group("tp"), "ep": full.group("ep"), "edp": full.group("dp"), "dp": dense.group("dp"),
+    shapes = {"tp": dense.group("tp"), "ep": full.group("ep"), "edp": full.group("dp"), "dp": dense.group("dp"),
               "pp": full.group("pp")}
     # hops inside a node of a pp group that spans nodes (placement.pipeline_hops)
     near = pipeline_hops(cluster, full.stride("pp"), pp)[1] if shapes["pp"].crosses_nodes else None

@@ -42,10 +42,12 @@ def prepared(name: str, nodes: int, cons: Constraints, global_batch: int = 64, s
 
 
 def case_of(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str = "optimal") -> Case:
-    """The search's pricing of ``space``, whose candidates share one context-parallel split."""
+    """The search's pricing of ``space``, whose candidates share one context-parallel split and
+    one expert-TP choice (folded: some row's experts off its TP)."""
     c = space.columns
     cp = (int(c["cp"][0]), CP_COMMS[int(c["cp_comm"][0])]) if len(space) else (1, "p2p")
-    return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer, *cp),
+    etp = 1 if len(space) and bool((c["etp"] < c["tp"]).any()) else None
+    return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer, *cp, etp=etp),
                 group_by_key(space))
 
 

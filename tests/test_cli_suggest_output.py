@@ -163,7 +163,7 @@ LAYOUTS = [
     (("--model", "llama-3.1-8b", "--tp", "1", "--pp", "8", "--dp", "1"),
      {"compute", "PP bubble", "PP comm", "optimizer"}),
     (("--model", "mixtral-8x7b", "--nodes", "4", "--tp", "2", "--pp", "2", "--ep", "8", "--recompute", "selective",
-      "--framework", "megatron"),
+      "--framework", "megatron", "--sequence-parallel"),
      {"compute", "recompute", "TP comm", "PP bubble", "PP comm", "DP comm", "EP comm", "optimizer"}),
 ]
 JSON_KEYS = {"compute": "compute_s", "recompute": "recompute_s", "TP comm": "tp_comm_s", "PP bubble": "pp_bubble_s",

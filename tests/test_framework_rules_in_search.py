@@ -1,4 +1,4 @@
-"""The search asks the framework rules once per pattern of what they read (space._rule_pattern),
+"""The search asks the framework rules once per pattern of what they read (rule_patterns.rule_pattern),
 in their vector form (framework_rules.first_broken): over whole spaces, the candidates it keeps and the
 count it rejects equal checking every config directly with check_framework."""
 

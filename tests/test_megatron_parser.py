@@ -43,6 +43,9 @@ CASES = {
     "llama-3-8b-megatron-fsdp": ["--model", "llama-3-8b", "--nodes", "1", "--zero", "3"],
     "llama-3-8b-megatron-hsdp": ["--model", "llama-3-8b", "--nodes", "2", "--zero", "3", "--dp-replicate", "2"],
     "llama-3-8b-cp2-a2a": ["--model", "llama-3-8b", "--nodes", "1", "--cp", "2", "--cp-comm", "a2a"],
+    # MoE parallel folding: EP 16 over TP 2 x DP 8, the experts off TP
+    "qwen3-30b-a3b-tp2-etp1-ep16": ["--model", "qwen3-30b-a3b", "--nodes", "2", "--tp", "2", "--etp", "1",
+                                    "--ep", "16", "--pp", "1", "--sequence-parallel"],
 }
 # Cases written from `dsplan estimate --json`'s plan with `generate --plan ... --allow-oom` rather
 # than by generate's search: what Megatron makes of the flags does not depend on the plan fitting
@@ -59,6 +62,7 @@ MUST_EMIT = {
     "llama-3-8b-megatron-fsdp": ["--use-megatron-fsdp"],
     "llama-3-8b-megatron-hsdp": ["--use-megatron-fsdp", "--num-distributed-optimizer-instances"],
     "llama-3-8b-cp2-a2a": ["--context-parallel-size", "--cp-comm-type"],
+    "qwen3-30b-a3b-tp2-etp1-ep16": ["--expert-tensor-parallel-size", "--expert-model-parallel-size"],
 }
 
 

@@ -14,6 +14,7 @@ from planner.model.catalog import load_model
 from planner.search.bounds import lower_bounds
 from planner.search.context_splits import context_splits
 from planner.search.evaluate import evaluate_keys
+from planner.search.expert_tp import expert_tp_choices
 from planner.search.request import candidate_space
 from planner.search.space import Constraints
 from planner.search.suggest import _scalar_key, suggest
@@ -52,11 +53,13 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
                    tiles_per_image=tiles if model.is_vlm else None, constraints=cons, objective=objective, top=1,
                    mtbf_hours=mtbf)
 
-    # Exhaustive: every candidate of every context-parallel split the search tries through the
-    # scalar oracle, with the balancer's partition.
+    # Exhaustive: every candidate of every context-parallel split and expert-TP choice the search
+    # tries through the scalar oracle, with the balancer's partition.
     plans, evaluated = [], 0
-    for split in context_splits(cons, model, seq, True, cluster.num_gpus):
-        space = candidate_space(model, cluster, workload, cons, cp=split)
+    searches = [(split, etp) for split in context_splits(cons, model, seq, True, cluster.num_gpus)
+                for etp in expert_tp_choices(cons, model)]
+    for split, (etp, tp1) in searches:
+        space = candidate_space(model, cluster, workload, cons, cp=split, etp=etp, tp1=tp1)
         case = case_of(model, cluster, workload, space)
         res = evaluate_keys(case.p, case.ks)
         evaluated += len(space)

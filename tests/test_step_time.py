@@ -262,10 +262,10 @@ def test_megatron_offloads_the_optimizer_through_the_hybrid_device_optimizer():
 
 def test_moe_all_to_all():
     p = _plan(model="mixtral-8x7b", nodes=2, dp=8, tp=2, ep=4, micro_batch=1, grad_accum=8, zero_stage=1,
-              framework="megatron", recompute="full", seq_len=4096)
+              framework="megatron", recompute="full", seq_len=4096, sequence_parallel=True)
     assert p.time.ep_comm > 0
     dense = _plan(model="mixtral-8x7b", nodes=2, dp=8, tp=2, ep=1, micro_batch=1, grad_accum=8, zero_stage=1,
-                  framework="megatron", recompute="full", seq_len=4096)
+                  framework="megatron", recompute="full", seq_len=4096, sequence_parallel=True)
     assert dense.time.ep_comm == 0
     assert p.memory.weights < dense.memory.weights  # experts sharded over ep
 

@@ -33,6 +33,10 @@ from planner.errors import UserError
 @click.option("--dp", type=int, default=None, help="Data-parallel degree [default: GPUs / (tp x pp)].")
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Expert-parallel degree (ranks taken from the DP group).")
+@click.option("--etp", type=int, default=None,
+              help="Expert tensor-parallel degree, 1 or tp: at 1 the experts leave TP and expert parallelism "
+                   "takes the TP ranks too, ep dividing tp x dp x cp (Megatron-Core --expert-tensor-parallel-size, "
+                   "torchtitan expert_tensor_parallel_degree) [default: tp].")
 @click.option("--cp", type=int, default=1, show_default=True,
               help="Context-parallel degree: each sample's sequence split over cp ranks (Megatron-Core "
                    "--context-parallel-size; DeepSpeed Ulysses with --cp-comm a2a).")
@@ -129,7 +133,7 @@ def render(plan) -> None:
         virtual = f" (v {c.virtual_stages}" + (f", micro-batch group {g}" if g else "") + ")"
     console.print(f"[bold]{escape(plan.model)}[/bold] on {plan.nodes} x {plan.gpus_per_node} {escape(plan.hardware)} "
                   f"({plan.gpus} GPUs), {c.framework}: dp {c.dp} x tp {c.tp} x pp {c.pp}" + virtual
-                  + (f", ep {c.ep}" if c.ep > 1 else "")
+                  + (f", ep {c.ep}" if c.ep > 1 else "") + (" (etp 1: experts off TP)" if c.etp < c.tp else "")
                   + (f", cp {c.cp} ({c.cp_comm})" if c.cp > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f" in {c.dp_replicate} replicated groups of {c.dp_shard}" if c.dp_replicate > 1 else "")
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")

@@ -23,6 +23,7 @@ FLAGS: dict[str, str] = {
     "tp": "--tp",
     "pp": "--pp",
     "ep": "--ep",
+    "etp": "--etp",
     "cp": "--cp",
     "cp_comm": "--cp-comm",
     "flash_attention": "--flash-attention",

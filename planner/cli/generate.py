@@ -43,6 +43,7 @@ _SEARCH_FLAGS = (
     "ep", "zero", "zero_pp",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm", "dp_replicate",
+    "etp",
 )
 
 
@@ -219,7 +220,9 @@ def _print_written(report, plan, note: str | None) -> None:
                      + (f", micro-batch group {g}"
                         if (g := group_to_set(plan.pp, plan.virtual_stages, plan.grad_accum)) else "")
                      + ")" if plan.virtual_stages > 1 else "")
-                  + (f", EP {plan.ep}" if plan.ep > 1 else "") + (f", CP {plan.cp}" if plan.cp > 1 else "")
+                  + (f", EP {plan.ep}" if plan.ep > 1 else "")
+                  + (" (experts off TP, ETP 1)" if plan.ep > 1 and (plan.etp or plan.tp) < plan.tp else "")
+                  + (f", CP {plan.cp}" if plan.cp > 1 else "")
                   + f", ZeRO-{plan.zero_stage}"
                   + (f" in {plan.dp_replicate} replicated groups" if plan.dp_replicate > 1 else "")
                   + f", micro-batch {plan.micro_batch} x {plan.grad_accum} = {plan.global_batch}")
@@ -368,7 +371,7 @@ _SUGGEST_KEYS = (
     "ep", "zero", "zero_pp",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes",
-    "balancer", "objective", "cp", "cp_comm", "dp_replicate", "calibration",
+    "balancer", "objective", "cp", "cp_comm", "dp_replicate", "etp", "calibration",
 )
 
 

@@ -109,6 +109,9 @@ _CONSTRAINT_FLAGS = (
     ("--tp", f"Tensor-parallel degree: {_LIST_HELP}."),
     ("--pp", f"Pipeline-parallel degree: {_LIST_HELP}."),
     ("--ep", f"Expert-parallel degree: {_LIST_HELP}."),
+    ("--etp", "Expert tensor parallelism: 1 (MoE parallel folding: the experts leave TP and their expert-parallel "
+     "ranks take the TP ranks too) or tp (the experts share the attention's TP), one or 1,tp, each searched "
+     "[default: both for a mixture-of-experts model, on megatron and torchtitan]."),
     ("--cp", "Context-parallel degree (each sample's sequence split over cp ranks): one value or a comma list "
      "[default: 1 and 2, 4, ... while each rank keeps at least 2,048 tokens]."),
     ("--cp-comm", "How context-parallel ranks exchange: p2p (ring, Megatron only), a2a (all-to-all over heads, "
@@ -281,6 +284,10 @@ def constraint_options(command):
     return command
 
 
+def _expert_tp(values: tuple[str, ...] | None) -> tuple[int | str, ...] | None:
+    return None if values is None else tuple(1 if v == "1" else v for v in values)
+
+
 def axes_from_options(opts: dict) -> dict:
     """The search-axis flags, parsed, as ``planner.api.suggest`` keywords (tuples; None: not
     pinned). The API checks the values (planner/api.py ``constraints``)."""
@@ -293,6 +300,7 @@ def axes_from_options(opts: dict) -> dict:
         "cp": parse_int_list("--cp", opts.get("cp")),
         "cp_comm": parse_choice_list("--cp-comm", opts.get("cp_comm"), CP_COMMS),
         "dp_replicate": parse_int_list("--dp-replicate", opts.get("dp_replicate")),
+        "etp": _expert_tp(parse_choice_list("--etp", opts.get("etp"), ("1", "tp"))),
         "zero": parse_int_list("--zero", opts.get("zero"), minimum=0),
         "offload": parse_choice_list("--offload", opts.get("offload"), OFFLOADS),
         "micro_batch": parse_int_list("--micro-batch", opts.get("micro_batch")),

@@ -241,6 +241,9 @@ def _legend(rows: list[tuple[str, ...]]) -> str:
     if vs := first("pp", "x"):
         stages, virtual = vs.split("x")
         parts.append(f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages per rank")
+    if folded := first("ep", "f"):
+        parts.append(f"ep {folded} = {folded.removesuffix('f')} expert-parallel ranks with the experts folded out "
+                     "of TP (etp 1)")
     for comm, mark in _CP_MARK.items():
         if cp := first("cp", mark or "\0"):
             parts.append(f"cp {cp} = context parallel over {cp.removesuffix(mark)} ranks, {comm}")
@@ -324,7 +327,8 @@ def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
         "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on))  # identical predictions
         + (f" {p['precision']}" if precision else ""),
         str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
-        f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}", str(p["ep"]),
+        f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}",
+        f"{p['ep']}{'f' if p['etp'] < p['tp'] else ''}",
         f"{p['cp']}{_CP_MARK[p['cp_comm']] if p['cp'] > 1 else ''}",
         f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}"
         + ("++" + "".join(_ZERO_PP_MARK[k] for k in p["zero_pp"]) if p.get("zero_pp") else ""),

@@ -34,6 +34,7 @@ from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.measured_blocks import LayerProfile, as_measured, measured_for, time_ratios
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
+from planner.cost.run_model import RunModel
 from planner.cost.zero3_fetch import fetch_calls, tensor_count
 from planner.hardware.cluster import Cluster
 from planner.hardware.placement import GroupShape, strided_shape
@@ -311,50 +312,16 @@ def table_rows(tables: list[BlockTable], name: str) -> tuple[np.ndarray, np.ndar
     return np.stack([getattr(t, name) for t in tables]), np.arange(len(tables))
 
 
-class RunModel:
-    """A model with each run of identical consecutive blocks cut to its first block, and the
-    layer costs of that short model, kept per (block, tp, sp, ep).
-
-    A block's cost depends on the block, the workload and (for a norm) whether the block
-    before it is a vision block, so the first block of each run stands for the run: the 27
-    SigLIP blocks or 126 Llama layers are priced once, and per-block arrays are widened
-    afterwards (``block_tables(..., runs=)``). Equal to pricing every block
-    (tests/test_search_space.py)."""
-
-    def __init__(self, model: ModelSpec, workload: Workload, cp: int = 1) -> None:
-        self.model, self.workload, self.cp = model, workload, cp
-        blocks = model.blocks
-        # Most copies are one object: ``is`` answers before pydantic's field-by-field ==.
-        keep = [i for i in range(len(blocks))
-                if i == 0 or (blocks[i] is not blocks[i - 1] and blocks[i] != blocks[i - 1])]
-        self.positions = np.searchsorted(keep, np.arange(len(blocks)), side="right") - 1
-        self.runs = np.bincount(self.positions)
-        self.short = model.model_copy(update={"blocks": [blocks[i] for i in keep]})
-        self._memo: dict = {}
-        self._flops: float | None = None
-
-    def layer_costs(self, tp: int, sp: bool, ep: int) -> list[LayerCost]:
-        return layer_costs(self.short, self.workload, tp, sp, ep, self._memo, self.cp)
-
-    def flops_per_step(self) -> float:
-        """Model FLOPs of one step: 3x the forward (backward = 2x), no recomputation, attention
-        at full s^2 (the Megatron/Korthikanti convention); each block's own forward, summed in
-        model order."""
-        if self._flops is None:
-            fwd = [c.fwd_flops for c in layer_costs(self.short, self.workload, 1, False, 1, self._memo)]
-            self._flops = 3.0 * sum(fwd[j] for j in self.positions.tolist()) * self.workload.global_batch
-        return self._flops
-
-
 class BlockTables:
-    """The block tables of one (model, cluster, workload, context-parallel split), one per (tp,
+    """The block tables of one (model, cluster, workload, context-parallel split, expert-TP
+    choice ``etp``: None for the attention's tp, 1 for experts folded out of it), one per (tp,
     sp, ep) group, each covering every micro-batch size asked for so far (the kernels are
     elementwise in the size, so a wider table holds the same numbers for the sizes a group uses)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, workload: Workload, dev: eff.Device, cp: int = 1,
-                 cp_comm: str = "p2p") -> None:
+                 cp_comm: str = "p2p", etp: int | None = None) -> None:
         self.cluster, self.dev, self.cp, self.cp_comm = cluster, dev, cp, cp_comm
-        self.runs = RunModel(model, workload, cp)
+        self.runs = RunModel(model, workload, cp, etp)
         self._tables: dict[tuple[int, int, int], BlockTable] = {}
         profile = workload.layer_profile
         self.measured = self._measured_ratios(profile) if profile is not None else None
@@ -392,9 +359,9 @@ class BlockTables:
 
     def _build(self, keys: list[tuple[int, int, int]], mbs: tuple[int, ...]) -> list[BlockTable]:
         """``block_tables`` of the run model's layer costs per (tp, sp, ep): the TP group is the
-        innermost tp ranks, the CP and the EP group the next cp and ep (cost/layout.py), whatever
-        dp and pp are."""
+        innermost tp ranks, the CP and the EP group the next cp and ep after the expert-TP ranks
+        (cost/layout.py), whatever dp and pp are."""
         groups = [(self.runs.layer_costs(tp, bool(sp), ep), strided_shape(self.cluster, 1, tp, "tp"),
-                   strided_shape(self.cluster, tp, ep, "ep")) for tp, sp, ep in keys]
+                   strided_shape(self.cluster, self.runs.expert_tp(tp), ep, "ep")) for tp, sp, ep in keys]
         cp = [cp_groups(self.cluster, tp, self.cp, self.cp_comm) for tp, _, _ in keys] if self.cp > 1 else None
         return block_tables(groups, mbs, self.dev, self.cluster, runs=self.runs.runs, cp=cp, measured=self.measured)

@@ -11,10 +11,10 @@ from typing import Iterable
 
 import numpy as np
 
-from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig
+from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, expert_replicas
 
 COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum",
-           "cp", "cp_comm", "rep")
+           "cp", "cp_comm", "rep", "etp")
 
 Columns = dict[str, np.ndarray]
 
@@ -23,7 +23,7 @@ def columns_of(configs: Iterable[ParallelConfig]) -> Columns:
     """The columns of ``configs``, in order."""
     rows = [(c.dp, c.tp, c.pp, c.ep, c.virtual_stages, c.zero_stage, OFFLOADS.index(c.offload),
              RECOMPUTES.index(c.recompute), int(c.sequence_parallel), FRAMEWORKS.index(c.framework), c.micro_batch,
-             c.grad_accum, c.cp, CP_COMMS.index(c.cp_comm), c.dp_replicate) for c in configs]
+             c.grad_accum, c.cp, CP_COMMS.index(c.cp_comm), c.dp_replicate, c.expert_tp) for c in configs]
     table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
     return {name: table[:, k].copy() for k, name in enumerate(COLUMNS)}
 
@@ -36,7 +36,7 @@ def config_of(row: dict[str, int]) -> ParallelConfig:
         recompute=RECOMPUTES[row["recompute"]], sequence_parallel=bool(row["sp"]),  # type: ignore[arg-type]
         virtual_stages=row["vs"], framework=FRAMEWORKS[row["framework"]],  # type: ignore[arg-type]
         cp=row.get("cp", 1), cp_comm=CP_COMMS[row.get("cp_comm", 0)],  # type: ignore[arg-type]
-        dp_replicate=row.get("rep", 1),
+        dp_replicate=row.get("rep", 1), etp=row.get("etp"),
     )
 
 
@@ -50,6 +50,17 @@ def shard_ranks(columns: Columns) -> np.ndarray:
     """Per candidate, the ranks ZeRO shards over: one hybrid-sharding group of the dp x cp ranks
     (ParallelConfig.dp_shard)."""
     return dp_ranks(columns) // columns["rep"]
+
+
+def expert_ranks(columns: Columns) -> np.ndarray:
+    """Per candidate, the replicas of each routed expert (parallel.expert_replicas)."""
+    return expert_replicas(dp_ranks(columns), columns["tp"], columns["ep"], columns["etp"])
+
+
+def expert_shard_ranks(columns: Columns) -> np.ndarray:
+    """Per candidate, the ranks ZeRO shards a routed expert over: its replicas within one
+    hybrid-sharding group."""
+    return expert_ranks(columns) // columns["rep"]
 
 
 def config_at(columns: Columns, i: int) -> ParallelConfig:

@@ -22,8 +22,8 @@ class CostContext:
     def of(cls, cluster: Cluster, workload: Workload) -> "CostContext":
         return cls(cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
 
-    def layout(self, tp: int, ep: int, dp: int, pp: int, rep: int = 1) -> Layout:
-        return layout(self.cluster, tp, ep, dp, pp, rep)
+    def layout(self, tp: int, ep: int, dp: int, pp: int, rep: int = 1, etp: int | None = None) -> Layout:
+        return layout(self.cluster, tp, ep, dp, pp, rep, etp)
 
     def grad_bytes(self, framework: int, zero: int = 0) -> int:
         """Bytes per gradient element on the wire: fp32 for fp32 training and for Megatron's

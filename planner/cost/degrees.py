@@ -94,7 +94,7 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
                           offload: str = "none", micro_batch: int = 1, recompute: str = "none",
                           sequence_parallel: bool = False, virtual_stages: int = 1,
                           framework: str = "deepspeed", cp: int = 1, cp_comm: str = "p2p",
-                          dp_replicate: int = 1) -> ParallelConfig:
+                          dp_replicate: int = 1, etp: int | None = None) -> ParallelConfig:
     """The ParallelConfig of the given degrees on ``cluster``, defaults filled (module
     docstring): dp, the ZeRO stage, accumulation, and, when ``global_batch`` is None, the
     batch of ``default_global_batch`` for ``seq_len`` tokens per sample (read
@@ -104,6 +104,10 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("micro_batch", micro_batch),
                         ("virtual_stages", virtual_stages), ("dp_replicate", dp_replicate)):
         whole_number(name, value)
+    if etp is not None and whole_number("etp", etp) not in (1, tp):
+        raise UserError(f"{arg('etp')} {etp}: the experts' tensor parallelism is 1 (folded into expert parallelism) "
+                        f"or the attention's {arg('tp')} {tp}; pick 1 or {tp}")
+    fold = tp // (tp if etp is None else etp)
     if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
         raise UserError(f"{arg('zero')}: stages are 0, 1, 2 or 3, got {zero!r}")
     dp = data_parallel(cluster, tp, pp, dp, cp)
@@ -112,17 +116,17 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
             raise TypeError("build_parallel_config: give global_batch or seq_len (for the default batch)")
         global_batch = default_global_batch(seq_len, cluster.num_gpus, unit=micro_batch * dp, min_microbatches=pp)
     grad_accum = grad_accum_for(whole_number("global_batch", global_batch), micro_batch, dp)
-    if ep >= 1 and (dp * cp) % ep == 0 and not replicates_evenly(dp, cp, ep, dp_replicate):
+    if ep >= 1 and (dp * cp * fold) % ep == 0 and not replicates_evenly(dp, cp, ep, dp_replicate, fold):
         raise UserError(f"{arg('dp_replicate')} {dp_replicate}: hybrid sharding needs it to divide {arg('dp')} {dp} "
-                        f"and dp x cp / ep = {dp * cp // ep}, leaving at least 2 ranks per sharding group; pick a "
-                        f"divisor of {math.gcd(dp, dp * cp // ep)} that does, or 1")
+                        f"and the expert replicas ({dp * cp * fold // ep}), leaving at least 2 ranks per sharding "
+                        f"group; pick a divisor of {math.gcd(dp, dp * cp * fold // ep)} that does, or 1")
     try:
         zero = (1 if dp * cp > 1 else 0) if zero is None else zero
         return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero,
                               offload=offload, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
                               sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
                               framework=framework, cp=cp, cp_comm=cp_comm,  # type: ignore[arg-type]
-                              dp_replicate=dp_replicate)
+                              dp_replicate=dp_replicate, etp=etp)
     except ValidationError as err:
         raise UserError(rule_message("plan", err)) from None
 

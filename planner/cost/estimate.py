@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from planner.cost import pipeline_sends as ps
 from planner.cost.assemble import assemble
-from planner.cost.block_times import BlockTables, RunModel
+from planner.cost.block_times import BlockTables
 from planner.cost.candidates import columns_of
 from planner.cost.context import CostContext
 from planner.cost.context_parallel import check_context_parallel, cp_groups
@@ -22,6 +22,7 @@ from planner.cost.partition import Partition, check_partition, default_partition
 from planner.cost.plan import Plan
 from planner.cost.plans import BlockKinds, build_plan
 from planner.cost.rank_tables import RankSpec, RankTables, rank_fields
+from planner.cost.run_model import RunModel
 from planner.errors import UserError, arg
 from planner.hardware.cluster import Cluster
 from planner.model.spec import ModelSpec
@@ -41,13 +42,13 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     parts = (default_partition(model, stages) if partition is None
              else check_partition(partition, len(model.blocks), stages))
     ctx = CostContext.of(cluster, workload)
-    tables = BlockTables(model, cluster, workload, ctx.dev, cfg.cp, cfg.cp_comm)
+    tables = BlockTables(model, cluster, workload, ctx.dev, cfg.cp, cfg.cp_comm, cfg.expert_tp)
     sp = int(cfg.sequence_parallel)
     table = tables.table(cfg.tp, sp, cfg.ep, (cfg.micro_batch,))
     spec = RankSpec.build(table, parts, mode=RECOMPUTES.index(cfg.recompute), b=cfg.micro_batch, pp=cfg.pp,
                           vs=cfg.virtual_stages, tp=cfg.tp, sp=bool(sp), ep=cfg.ep, dp=cfg.dp_ranks,
                           framework=FRAMEWORKS.index(cfg.framework),
-                          layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.dp_replicate),
+                          layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.dp_replicate, cfg.expert_tp),
                           zero3=cfg.zero_stage == 3, send=pp_send,
                           paid=paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp,
                                     cfg.virtual_stages), rep=cfg.dp_replicate, m=cfg.grad_accum)

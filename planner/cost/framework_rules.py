@@ -66,6 +66,9 @@ def _interleave_rule(f: str) -> Rule:
                              f"{arg('framework')} megatron")
 
 
+# The runtimes whose experts have a TP degree of their own (MoE parallel folding).
+EXPERT_TP_RUNTIMES = ("megatron", "torchtitan")
+
 # In the order they are checked: a config breaking several is told about the first.
 RULES: tuple[Rule, ...] = (
     # First, what the runtime cannot build at all, whatever the layout: the one thing to say.
@@ -196,12 +199,22 @@ RULES: tuple[Rule, ...] = (
                       f"{' ' + arg('tp') + ' 1' if c.framework == 'deepspeed' else ''} or {arg('framework')} megatron"),
     # torchtitan's own limits, each a (broken, message) pair (planner/cost/torchtitan.py).
     *(Rule("torchtitan", broken, message) for broken, message in TORCHTITAN_RULES),
-    # Megatron-Core asserts "Bias in Moe is only supported when ETP==1" (transformer_config.py), and
-    # its experts take the attention's TP unless told otherwise, as dsplan prices them.
-    Rule("megatron", lambda c, x: x.expert_bias and c.tp > 1,
+    # Megatron-Core asserts "Bias in Moe is only supported when ETP==1" (transformer_config.py).
+    Rule("megatron", lambda c, x: x.expert_bias and c.etp > 1,
          lambda c, x: f"framework megatron: this model's experts have biases, which Megatron-Core runs only "
-                      f"without expert tensor parallelism, and its experts share the attention's TP; "
-                      f"use {arg('tp')} 1"),
+                      f"without expert tensor parallelism; use {arg('etp')} 1 or {arg('tp')} 1"),
+    # Experts folded out of TP (MoE parallel folding): Megatron-Core's --expert-tensor-parallel-size
+    # and torchtitan's expert_tensor_parallel_degree; DeepSpeed's MoE layers keep the TP ranks.
+    Rule(None, lambda c, x: (c.etp < c.tp) & (c.framework != EXPERT_TP_RUNTIMES[0])
+         & (c.framework != EXPERT_TP_RUNTIMES[1]),
+         lambda c, x: f"framework {c.framework}: its MoE layers have no expert tensor parallelism of their own "
+                      f"({arg('etp')} {c.etp} under {arg('tp')} {c.tp}); use {arg('etp')} {c.tp}, or "
+                      f"{arg('framework')} megatron or torchtitan"),
+    # Megatron-Core's MoE layer raises in training under TP without sequence parallelism
+    # (transformer/moe/moe_layer.py, 0.19.2): its dispatch routes each TP rank's own tokens.
+    Rule("megatron", lambda c, x: x.is_moe and (c.tp > 1) & (c.sequence_parallel == False),  # noqa: E712
+         lambda c, x: f"framework megatron: its MoE layers under tensor parallelism ({arg('tp')} {c.tp}) need "
+                      f"sequence parallelism (Megatron-Core raises without it); add {arg('sequence_parallel')}"),
     # Transformer Engine runs sliding-window attention under context parallelism only with the
     # all-to-all exchange (its assertion: cp_comm_type a2a or all_gather).
     Rule("megatron", lambda c, x: x.window and (c.cp > 1) & (c.cp_comm != "a2a"),
@@ -255,6 +268,11 @@ class ConfigColumns:
     cp: np.ndarray | int = 1
     cp_comm: np.ndarray | Coded | str = "p2p"
     dp_replicate: np.ndarray | int = 1
+    etp: np.ndarray | int | None = None  # None: tp
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            self.etp = self.tp
 
 
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,

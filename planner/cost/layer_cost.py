@@ -120,7 +120,7 @@ class LayerCost(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class LayerContext:
-    """The layout (tp, sequence parallel, ep, cp) and kernel choices a block is priced under."""
+    """The layout (tp, sequence parallel, ep, cp, expert tp) and kernel choices a block is priced under."""
 
     tp: int
     sp: bool
@@ -131,6 +131,11 @@ class LayerContext:
     recipe: Recipe | None = None  # the TE recipe of the transformer layers' linear GEMMs
     cp: int = 1  # context parallel: the block sees seq_len / cp tokens of each sample
     imbalance: float = 1.0  # Workload.moe_imbalance: the busiest EP rank's token copies over the mean
+    etp: int | None = None  # the routed experts' TP degree, 1 or tp (None: tp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def linear_input_bytes(self) -> float:

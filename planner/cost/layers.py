@@ -54,16 +54,19 @@ def vision_tiles(model: ModelSpec, workload: Workload) -> int:
 
 
 def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = False, ep: int = 1,
-                memo: dict[tuple[int, int, bool, int, int], LayerCost] | None = None, cp: int = 1) -> list[LayerCost]:
+                memo: dict[tuple[int, int, bool, int, int, int], LayerCost] | None = None, cp: int = 1,
+                etp: int | None = None) -> list[LayerCost]:
     """The cost profile of every block, in ModelSpec order; under context parallelism ``cp``
     each block sees seq_len / cp tokens of a sample (Megatron-Core splits the whole sequence,
     embedding and loss included) and attention reads the whole context (AttnCore.context).
 
     ``memo``: a dict the caller keeps across calls for one (model, workload), holding each
-    block's cost by (index, tp, sp, ep, cp), with ep 1 but for a mixture-of-experts layer (the only
-    block that reads it): a search prices dozens of (tp, sp, ep), which differ in those layers only."""
+    block's cost by (index, tp, sp, ep, cp, etp), with ep and etp 1 but for a mixture-of-experts
+    layer (the only block that reads them): a search prices dozens of (tp, sp, ep), which differ
+    in those layers only. ``etp``: the routed experts' TP degree (None: tp)."""
+    etp = tp if etp is None else etp
     ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
-                       RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance)
+                       RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance, etp)
     s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []
@@ -74,7 +77,8 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
         if memo is None:
             out.append(_block_cost(model, i, b, s, tiles, ctx, seen))
             continue
-        key = (i, tp, sp, ep if b.kind == "decoder" and b.mlp.kind == "moe" else 1, cp)
+        moe = b.kind == "decoder" and b.mlp.kind == "moe"
+        key = (i, tp, sp, ep if moe else 1, cp, etp if moe else 1)
         cost = memo.get(key)
         if cost is None:  # priced directly: hashing a layer for ``seen`` costs about as much
             cost = memo[key] = _block_cost(model, i, b, s, tiles, ctx, None)

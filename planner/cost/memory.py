@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cost import frameworks as fw
-from planner.cost.candidates import shard_ranks
+from planner.cost.candidates import expert_shard_ranks, shard_ranks
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 
 GiB = 2**30
@@ -234,7 +234,7 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
     dp = shard_ranks(col)
     rows = [per_param(f, z, o, d) + per_param(f, z, o, e) for f, z, o, d, e in zip(
         col["framework"].tolist(), col["zero"].tolist(), col["offload"].tolist(), dp.tolist(),
-        np.maximum(dp // col["ep"], 1).tolist())]
+        np.maximum(expert_shard_ranks(col), 1).tolist())]
     wd, gd, od, cd, we, ge, oe, ce = np.array(rows, dtype=float).reshape(-1, 8).T[:, :, None]
     z3 = col["zero"] == 3
     live3 = np.where(z3[:, None], 2.0 * live_blocks(col)[:, None] * largest, 0.0) if z3.any() else 0.0
@@ -254,7 +254,7 @@ def model_states(dense_params: float, expert_params: float, *, framework: str, z
     its largest layer), for one configuration."""
     col = {"framework": np.array([FRAMEWORKS.index(framework)]), "zero": np.array([zero]),
            "offload": np.array([OFFLOADS.index(offload)]), "dp": np.array([dp]), "ep": np.array([ep]),
-           "cp": np.array([1]), "rep": np.array([1])}
+           "cp": np.array([1]), "rep": np.array([1]), "tp": np.array([1]), "etp": np.array([1])}
     one = np.array([[float(x)] for x in (dense_params, expert_params, live_layer_params)])
     return ModelStates(*(float(x[0, 0]) for x in state_bytes(col, *one[:, None], precision, moments,
                                                                     **dtypes)))

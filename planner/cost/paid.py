@@ -60,7 +60,7 @@ def paid(ctx: "CostContext", framework: str, sp: bool, tp: int, ep: int, dp: int
     """What ``framework`` does with the blocks of a plan of these degrees on ``ctx``'s cluster, as
     its workload allows (Workload.tp_comm_overlap, .te_attention, .ep_comm_overlap)."""
     w = ctx.workload
-    in_node = ctx.layout(tp, ep, dp, pp).tp.nodes_spanned == 1
+    in_node = ctx.layout(tp, 1, dp, pp).tp.nodes_spanned == 1
     return Paid(tp_overlapped(framework, sp, tp, in_node, w.tp_comm_overlap),
                 w.te_attention and traits(framework).te_attention,
                 bool(ep_overlapped(traits(framework).ep_comm_overlap, ep, pp, vs, w.ep_comm_overlap)))

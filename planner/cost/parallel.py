@@ -10,7 +10,7 @@ planner/cost/frameworks.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
@@ -184,6 +184,10 @@ class ParallelConfig(BaseModel):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
     ep: PositiveInt = 1
+    # Expert tensor parallel (MoE parallel folding, Megatron-Core --expert-tensor-parallel-size):
+    # the routed experts' own TP degree, 1 or tp (None: tp, Megatron's default). At 1 under
+    # tp > 1 the TP ranks become expert-parallel ranks: experts span tp x dp x cp / ep ranks.
+    etp: PositiveInt | None = None
     cp: PositiveInt = 1  # context parallel: each sample's sequence split over cp ranks
     cp_comm: CpComm = "p2p"
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -199,14 +203,27 @@ class ParallelConfig(BaseModel):
     # --num-distributed-optimizer-instances, torchtitan's data_parallel_replicate_degree).
     dp_replicate: PositiveInt = 1
 
+    @model_validator(mode="before")
+    @classmethod
+    def _experts_take_tp(cls, data: Any) -> Any:
+        """An unset ``etp`` is the attention's tp, so that equal layouts compare equal."""
+        if isinstance(data, dict) and data.get("etp") is None:
+            return {**data, "etp": data.get("tp", 1)}
+        return data
+
     @model_validator(mode="after")
     def _rules(self) -> "ParallelConfig":
         # Expert parallelism reuses data-parallel ranks (DeepSpeed MoE, Megatron-Core EP):
         # experts are sharded over `ep` ranks of the DP group (with context parallelism, of the
-        # dp x cp ranks that reduce a dense gradient: Megatron-Core's expert mapping folds cp in).
-        if self.dp_ranks % self.ep:
-            raise ValueError(f"ep ({self.ep}) must divide dp x cp ({self.dp_ranks}): "
-                             "expert parallel ranks come from the data-parallel group")
+        # dp x cp ranks that reduce a dense gradient: Megatron-Core's expert mapping folds cp in;
+        # with etp 1 under tp > 1, of the tp x dp x cp ranks: parallel folding).
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"etp ({self.etp}) must be 1 or tp ({self.tp}): the experts keep the attention's "
+                             "tensor parallelism or fold it into expert parallelism")
+        if (self.dp_ranks * self.tp // self.expert_tp) % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide {'dp x cp' if self.expert_tp == self.tp else 'tp x dp x cp'}"
+                             f" ({self.dp_ranks * self.tp // self.expert_tp}): expert parallel ranks come from the "
+                             "data-parallel group" + (" and the folded TP ranks" if self.expert_tp < self.tp else ""))
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallel needs tp > 1 (it splits the TP-replicated activations)")
         if self.virtual_stages > 1 and self.pp == 1:
@@ -215,9 +232,9 @@ class ParallelConfig(BaseModel):
             raise ValueError("parameter offload needs ZeRO-3")
         if self.offload == "optimizer" and self.zero_stage == 0:
             raise ValueError("optimizer offload needs ZeRO 1, 2 or 3")
-        if not replicates_evenly(self.dp, self.cp, self.ep, self.dp_replicate):
-            raise ValueError(f"dp_replicate ({self.dp_replicate}) must divide dp ({self.dp}) and dp x cp / ep "
-                             f"({self.expert_dp}), and leave at least 2 ranks per sharding group")
+        if not replicates_evenly(self.dp, self.cp, self.ep, self.dp_replicate, self.tp // self.expert_tp):
+            raise ValueError(f"dp_replicate ({self.dp_replicate}) must divide dp ({self.dp}) and the expert "
+                             f"replicas ({self.expert_dp}), and leave at least 2 ranks per sharding group")
         return self
 
     @property
@@ -242,9 +259,14 @@ class ParallelConfig(BaseModel):
         return self.micro_batch * self.grad_accum * self.dp
 
     @property
+    def expert_tp(self) -> int:
+        """The routed experts' tensor-parallel degree (``etp``)."""
+        return self.etp or self.tp
+
+    @property
     def expert_dp(self) -> int:
-        """Data-parallel replicas of each expert (the rest of the DP x CP group)."""
-        return self.dp_ranks // self.ep
+        """Data-parallel replicas of each expert (expert_replicas)."""
+        return expert_replicas(self.dp_ranks, self.tp, self.ep, self.expert_tp)
 
     @property
     def microbatches(self) -> int:
@@ -256,11 +278,23 @@ class ParallelConfig(BaseModel):
         return self.pp > 1
 
 
-def replicates_evenly(dp: int, cp: int, ep: int, rep: int) -> bool:
+def expert_replicas(dp_ranks, tp, ep, etp):
+    """Replicas of each routed expert, the group its gradients reduce over: the ranks of one
+    pipeline stage, tp x dp x cp, over etp x ep (Megatron-Core's expert mapping); dp x cp / ep
+    while the experts keep the attention's tp. Ints or numpy arrays alike."""
+    return dp_ranks * tp // (etp * ep)
+
+
+def expert_tp_of(choice: int | None, tp: int) -> int:
+    """The experts' TP beside ``tp`` under a search's expert-TP choice (None: tp; 1: folded)."""
+    return tp if choice is None else min(choice, tp)
+
+
+def replicates_evenly(dp: int, cp: int, ep: int, rep: int, fold: int = 1) -> bool:
     """Whether ``rep`` hybrid-sharding groups split the dp x cp ranks evenly: whole DP replicas
     (torchtitan's replicate x shard mesh), whole expert-DP groups (Megatron-Core's partial
-    expert data parallel), and at least two ranks to shard over."""
-    return rep == 1 or (dp % rep == 0 and (dp * cp // ep) % rep == 0 and dp * cp // rep >= 2)
+    expert data parallel; ``fold``: tp / etp), and at least two ranks to shard over."""
+    return rep == 1 or (dp % rep == 0 and (dp * cp * fold // ep) % rep == 0 and dp * cp // rep >= 2)
 
 
 def check_against_model(cfg: ParallelConfig, *, heads: int, kv_heads: int, routed_experts: int, blocks: int) -> None:

@@ -113,7 +113,7 @@ class Plan:
         data: dict[str, Any] = {
             "model": self.model, "hardware": self.hardware, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
             "gpus": self.gpus, "framework": c.framework, "dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep,
-            "cp": c.cp, "cp_comm": c.cp_comm, "dp_replicate": c.dp_replicate,
+            "etp": c.etp, "cp": c.cp, "cp_comm": c.cp_comm, "dp_replicate": c.dp_replicate,
             "zero_stage": c.zero_stage, "offload": c.offload, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
             "global_batch": w.global_batch, "seq_len": w.seq_len, "recompute": c.recompute,
             "sequence_parallel": c.sequence_parallel, "virtual_stages": c.virtual_stages, "precision": w.precision_name,

@@ -270,7 +270,8 @@ class RankTables:
         hit = self._z3.get(key)
         if hit is not None and hit[0] is table:
             return hit[1]
-        series = block_seconds(self.ctx, spec.layout, dp, dp // ep, spec.framework, table.params, table.expert,
+        series = block_seconds(self.ctx, spec.layout, dp, spec.layout.edp.size, spec.framework, table.params,
+                               table.expert,
                                table.low, table.z3_calls, table.z3_tensors)
         out = {row: np.concatenate(([0.0], np.cumsum(series[part]))) for row, part in Z3_SERIES.items()}
         self._z3[key] = (table, out)

@@ -32,7 +32,7 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
-from planner.cost.candidates import dp_ranks, shard_ranks
+from planner.cost.candidates import dp_ranks, expert_shard_ranks, shard_ranks
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
@@ -125,16 +125,17 @@ MEGATRON = FRAMEWORKS.index("megatron")
 
 def layout_keys(ctx: CostContext, col: dict[str, np.ndarray]) -> tuple[Callable[[int], tuple[str, GroupShape]],
                                                                           np.ndarray]:
-    """Numbers for the (op, group shape) pairs each (tp, ep, dp, pp, rep) layout among the rows
+    """Numbers for the (op, group shape) pairs each (tp, ep, dp, pp, rep, etp) layout among the rows
     may price, three per op of ``DP_OPS`` (k: 3k over the DP group, 3k + 1 over the expert-DP
     group, 3k + 2 over the outer hybrid-sharding group; 2: the pp group's p2p), as a lookup that
     builds only the shapes asked for, and each row's layout number."""
     dp = dp_ranks(col)
     code = (col["tp"] * (col["ep"].max() + 1) + col["ep"]) * (dp.max() + 1) + dp
     code = (code * (col["pp"].max() + 1) + col["pp"]) * (col["rep"].max() + 1) + col["rep"]
+    code = code * 2 + (col["etp"] < col["tp"])
     _, first, layout_of = np.unique(code, return_index=True, return_inverse=True)
-    layouts = [(int(col["tp"][i]), int(col["ep"][i]), int(dp[i]), int(col["pp"][i]), int(col["rep"][i]))
-               for i in first.tolist()]
+    layouts = [(int(col["tp"][i]), int(col["ep"][i]), int(dp[i]), int(col["pp"][i]), int(col["rep"][i]),
+                int(col["etp"][i])) for i in first.tolist()]
 
     def key_of(k: int) -> tuple[str, GroupShape]:
         layout, slot = divmod(k, 3 * len(DP_OPS))
@@ -170,14 +171,15 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
     hybrid = (col["rep"] > 1) & ((zero == 1) | (zero == 3))
     shard_gbytes = np.array([[ctx.grad_bytes(f, z) for z in range(4)] for f in range(len(FRAMEWORKS))],
                             dtype=float)[fwi, zero][:, None]
-    shard = shard_gbytes * (dense / dp[:, None] + expert / np.maximum(dp // col["ep"], 1)[:, None])
+    edp = expert_shard_ranks(col)
+    shard = shard_gbytes * (dense / dp[:, None] + expert / np.maximum(edp, 1)[:, None])
     engine = _PIPE_ENGINE[fwi] & (col["pp"] > 1)
     z12 = (zero == 1) | (zero == 2)
     # Per row, the op that reduces its gradients (ZeRO-1/2 reduce-scatter or all-reduce, ZeRO-0
     # all-reduce; none under ZeRO-3) and whether it gathers 16-bit weights (ZeRO-1/2).
     red_op = np.where(zero == 0, 1, np.where(z12, np.where(_ALLREDUCE[fwi], 1, 0), -1))
     key_of, layout_of = layout_keys(ctx, col)
-    has_dp, has_edp = dp > 1, dp // col["ep"] > 1
+    has_dp, has_edp = dp > 1, edp > 1
     ops = len(DP_OPS)
     # [request x row] key numbers of ``key_of`` (-1: nothing to price): dense parameters over the DP
     # group, expert parameters over the expert-DP group; ReduceTiedGrads over the pp group.
@@ -261,7 +263,7 @@ def optimizer_seconds(ctx: CostContext, col: dict[str, np.ndarray], dense: np.nd
     sharded = (col["zero"] >= 1)[:, None]
     ranks = shard_ranks(col)
     dp = ranks[:, None].astype(float)
-    edp = np.maximum(ranks // col["ep"], 1)[:, None].astype(float)
+    edp = np.maximum(expert_shard_ranks(col), 1)[:, None].astype(float)
     local = dense / np.where(sharded, dp, 1.0) + expert / np.where(sharded, edp, 1.0)
     w = ctx.workload
     step_bytes = eff.SGD_STEP_BYTES if w.optimizer == "sgd" else eff.adam_step_bytes(**w.state_dtypes)

@@ -85,15 +85,17 @@ def _score_bytes(core: AttnCore) -> float:
 
 def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     """A dense or MoE MLP: GEMMs, stored bytes per token (replicated, sharded), parameters
-    (replicated, TP-sharded, routed experts per GPU), memory traffic per token, EP traffic."""
+    (replicated, TP-sharded, routed experts per GPU), memory traffic per token, EP traffic, and
+    the MLP's own TP collectives (forward)."""
     h, t, mlp = b.hidden, ctx.tp, b.mlp
+    pair = ctx.tp_pair(tokens * h * ACT)
     if isinstance(mlp, DenseMLP):
         g, stored, traffic = _ffn(mlp.ffn, mlp.gated, tokens, h, t, 1, ctx)
         out_bias = h if mlp.bias else 0
-        return g, 0.0, stored / tokens, out_bias, mlp.params(h) - out_bias, 0.0, traffic / tokens, 0.0, 0
+        return g, 0.0, stored / tokens, out_bias, mlp.params(h) - out_bias, 0.0, traffic / tokens, 0.0, 0, pair
     assert isinstance(mlp, MoEMLP)
     gated = mlp.act == "swiglu"
-    e, k = mlp.routed_experts, mlp.top_k
+    e, k, et = mlp.routed_experts, mlp.top_k, ctx.expert_tp
     gemms = [Gemm(tokens, e, h)]  # router, replicated
     repl = 2 * 4.0 * e  # fp32 router logits and probabilities
     shard, traffic = 0.0, 0.0
@@ -102,19 +104,28 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
         gemms += g
         shard += stored / tokens
         traffic += tr / tokens
-    # Routed experts: balanced routing gives each GPU tokens*top_k token-copies after the
-    # dispatch, spread over its e/ep local experts (Megatron-Core grouped GEMM); expert
-    # weights are split over TP as well (expert tensor parallel = tp, Megatron-Core's default).
-    # The busiest EP rank receives ``imbalance`` x the mean copies, and every rank waits for it.
+    # Routed experts (Megatron-Core's alltoall dispatcher): each rank routes the tokens it holds
+    # (tokens / tp under sequence parallelism), sends top_k copies of each over EP, and the
+    # expert-TP group of ``et`` ranks gathers what its ranks received: the grouped GEMMs of the
+    # e / ep local experts see tokens x top_k x et / tp copies with 1/et of each expert's width.
+    # Under tp > 1 without SP (DeepSpeed) et is tp and every TP rank holds every token. The
+    # busiest EP rank receives ``imbalance`` x the mean copies, and every rank waits for it.
     local, copies = e // ctx.ep, k * (ctx.imbalance if ctx.ep > 1 else 1.0)
-    g, stored, tr = _ffn(mlp.expert_ffn, gated, tokens * copies / local, h, t, local, ctx)
+    held = 1 / t if ctx.sp else 1.0  # share of the tokens a rank holds and dispatches
+    gathered = tokens * copies * et / t
+    g, stored, tr = _ffn(mlp.expert_ffn, gated, gathered / local, h, et, local, ctx)
     gemms += g
-    shard += stored / tokens
-    repl += copies * 2 * ACT * h  # permuted input copies and the expert outputs awaiting combine
-    traffic += tr / tokens + copies * 4 * ACT * h  # permute + unpermute: read and write each copy
-    expert_rank = e * mlp.expert_params(h) / (t * ctx.ep)
-    a2a = tokens * copies * h * ACT / (t if ctx.sp else 1)
-    return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2
+    shard += stored * t / et / tokens
+    # Kept for backward: the experts' (gathered) input and the outputs awaiting combine (held).
+    shard += copies * ACT * h * (et + held * t)
+    traffic += tr / tokens + copies * 4 * ACT * h * held  # permute + unpermute: read and write each copy
+    expert_rank = e * mlp.expert_params(h) / (et * ctx.ep)
+    a2a = tokens * copies * h * ACT * held
+    # TP collectives: the shared expert's input gather and output reduce-scatter over TP; the
+    # routed copies' gather and reduce-scatter over expert TP (the TP group itself when et = tp).
+    if ctx.sp:
+        pair = ((pair if mlp.shared_ffn else ()) + (ctx.tp_pair(gathered * h * ACT) if et > 1 else ()))
+    return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2, pair
 
 
 def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx: LayerContext | None = None):
@@ -138,7 +149,7 @@ def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx
 def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCost:
     h = b.hidden
     ag, core, a_repl, a_shard, a_rp, a_sp = _attention_parts(b, s, ctx)
-    mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count = _mlp_parts(b, s, ctx)
+    mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count, m_tp = _mlp_parts(b, s, ctx)
     if ctx.rope:  # fused RoPE reads and writes the rotary part of Q and K once
         m_traffic += 2 * ACT * _rope_width(b) / ctx.tp
     if b.attention.qk_norm:  # QK-norm reads and writes every query and key head once
@@ -148,7 +159,7 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
                                                                     for g in ag + mg if g.low) / s
     cost = _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
-                              a2a, a2a_count, ctx)
+                              a2a, a2a_count, ctx, m_tp)
     cp = _cp_bytes(b, s, ctx)
     return cost._replace(extra={**cost.extra, **cp}) if cp else cost
 
@@ -178,8 +189,9 @@ def vision_cost(i: int, b: VisionBlock, tiles: int, patches: int, ctx: LayerCont
 
 
 def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl, shard, repl_params, shard_params,
-                       expert_rank, mlp_traffic, a2a, a2a_count, ctx: LayerContext) -> LayerCost:
-    """Assemble a pre-norm transformer layer (Korthikanti Eq. 1 layout) from its parts."""
+                       expert_rank, mlp_traffic, a2a, a2a_count, ctx: LayerContext, mlp_tp=None) -> LayerCost:
+    """Assemble a pre-norm transformer layer (Korthikanti Eq. 1 layout) from its parts; the
+    MLP's TP collectives are ``mlp_tp`` (default: the dense MLP's pair, as the attention's)."""
     t = ctx.tp
     # Replicated per token: two norm inputs, attention input, MLP input (4 x 2h = 8h), plus a
     # dropout mask after attention and after the MLP (2 x 1h): Korthikanti's 10sbh. Under a TE
@@ -199,7 +211,7 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     score_tok = 0.0 if core.flash else core.heads * core.seq * (2 * ACT + ((2 * ACT + MASK) if ctx.dropout else 0))
     per_tok += score_tok
     nbytes = tokens * h * ACT
-    tp = ctx.tp_pair(nbytes) * 2
+    tp = ctx.tp_pair(nbytes) + (ctx.tp_pair(nbytes) if mlp_tp is None else mlp_tp)
     bwd = tuple([(_MIRROR.get(op, op), n) for op, n in tp])
     return LayerCost(i, kind, params, repl_params + shard_params / t, expert_rank, tokens, h, tuple(gemms), core,
                      per_tok * tokens, act, stored_none * tokens, tp, bwd, a2a, a2a_count, True,

@@ -21,6 +21,8 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         _a("--moe-router-topk", moe.top_k),
         _a("--moe-ffn-hidden-size", moe.expert_ffn),
         _a("--expert-model-parallel-size", plan.ep),
+        # Megatron's default is the attention's TP; a folded plan (etp 1) says so explicitly.
+        _a("--expert-tensor-parallel-size", plan.etp or plan.tp),
         _a("--moe-layer-freq", pattern),
         _a("--moe-token-dispatcher-type", "alltoall"),
         *router_args(moe),

@@ -48,6 +48,7 @@ class PlanFile(BaseModel):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
     ep: PositiveInt = 1
+    etp: PositiveInt | None = None  # the routed experts' TP, 1 or tp (ParallelConfig.etp; None: tp)
     cp: PositiveInt = 1
     cp_comm: CpComm = "p2p"
     dp_replicate: PositiveInt = 1  # hybrid-sharding groups (ParallelConfig.dp_replicate)
@@ -108,7 +109,7 @@ class PlanFile(BaseModel):
             dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero_stage=self.zero_stage, offload=self.offload,
             micro_batch=self.micro_batch, grad_accum=self.grad_accum, recompute=self.recompute,
             sequence_parallel=self.sequence_parallel, virtual_stages=self.virtual_stages, framework=self.framework,
-            cp=self.cp, cp_comm=self.cp_comm, dp_replicate=self.dp_replicate,
+            cp=self.cp, cp_comm=self.cp_comm, dp_replicate=self.dp_replicate, etp=self.etp,
         )
 
     def workload(self) -> Workload:

@@ -66,7 +66,7 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
         "context_parallel_degree": plan.cp,
         "context_parallel_rotate_method": "alltoall",  # K/V passed around the ring (dsplan's p2p)
         "expert_parallel_degree": plan.ep,
-        "expert_tensor_parallel_degree": plan.tp if plan.ep > 1 else 1,  # experts TP-sharded as dsplan prices
+        "expert_tensor_parallel_degree": (plan.etp or plan.tp) if plan.ep > 1 else 1,  # as dsplan prices
     }
     if plan.pp > 1:
         parallelism["module_fqns_per_model_part"] = module_fqns(plan, model)

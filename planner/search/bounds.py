@@ -13,7 +13,7 @@ import numpy as np
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.block_times import BlockTable, stacked, table_rows
-from planner.cost.candidates import dp_ranks, shard_ranks, take
+from planner.cost.candidates import dp_ranks, expert_ranks, expert_shard_ranks, shard_ranks, take
 from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
@@ -139,13 +139,14 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
 
 def _state_bytes(ctx: CostContext, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per candidate: GPU model-state bytes (weights, gradients, optimizer) per dense parameter
-    (sharded over dp) and per expert parameter (over dp / ep). ``memory.bytes_per_param`` runs
-    once per (framework, ZeRO, offload) present, over the group sizes present, not over every
-    candidate of each setting; one lookup in the [setting x size] table hands out both values."""
+    (sharded over dp) and per expert parameter (over its replicas: candidates.expert_shard_ranks).
+    ``memory.bytes_per_param`` runs once per (framework, ZeRO, offload) present, over the group
+    sizes present, not over every candidate of each setting; one lookup in the [setting x size]
+    table hands out both values."""
     w = ctx.workload
     setting = (c["framework"] * 8 + c["zero"]) * 8 + c["offload"]
     ranks = shard_ranks(c)
-    size = np.concatenate((ranks, np.maximum(ranks // c["ep"], 1)))  # dense, then expert group sizes
+    size = np.concatenate((ranks, np.maximum(expert_shard_ranks(c), 1)))  # dense, then expert group sizes
     sizes = np.flatnonzero(np.bincount(size))  # the sizes present, ascending
     table, n = np.zeros((int(setting.max(initial=0)) + 1, len(sizes))), sizes.astype(float)
     for code in np.flatnonzero(np.bincount(setting)).tolist():
@@ -293,7 +294,7 @@ def gather_bound(ctx: CostContext, col: dict[str, np.ndarray], dense: np.ndarray
     sub = take(col, rows)
     key_of, layout_of = layout_keys(ctx, sub)  # numbered as step_time.dp_collectives prices them
     dense_gather = layout_of * 3 * len(DP_OPS) + 3 * DP_OPS.index("allgather")
-    which = np.stack((dense_gather, np.where(dp_ranks(sub) // sub["ep"] > 1, dense_gather + 1, -1)))
+    which = np.stack((dense_gather, np.where(expert_ranks(sub) > 1, dense_gather + 1, -1)))
     pp = sub["pp"].astype(float)
     t = collective_times_numbered(ctx.cluster, key_of, which, np.stack((2 * dense[rows] / pp, 2 * expert[rows] / pp)))
     out[rows] = t.max(axis=0) * (1 - 1e-9)

@@ -44,13 +44,14 @@ class Pricing:
     kinds: BlockKinds
     cp: int = 1
     rep: int = 1  # hybrid-sharding groups, one value per search as cp
+    etp: int | None = None  # the routed experts' TP: None, the attention's tp; 1, folded into EP (as cp)
 
     @classmethod
     def of(cls, model: ModelSpec, cluster: Cluster, workload: Workload, balancer: str = "optimal", cp: int = 1,
-           cp_comm: str = "p2p", rep: int = 1) -> "Pricing":
+           cp_comm: str = "p2p", rep: int = 1, etp: int | None = None) -> "Pricing":
         ctx = CostContext.of(cluster, workload)
-        return cls(model, ctx, BlockTables(model, cluster, workload, ctx.dev, cp, cp_comm),
-                   Splits(Units(model), balancer), RankTables(model, ctx), BlockKinds(model), cp, rep)
+        return cls(model, ctx, BlockTables(model, cluster, workload, ctx.dev, cp, cp_comm, etp),
+                   Splits(Units(model), balancer), RankTables(model, ctx), BlockKinds(model), cp, rep, etp)
 
     def table(self, ks: KeyedSpace, key: Key) -> BlockTable:
         """The block table of ``key``'s group, covering the sizes its group's keys use."""
@@ -68,7 +69,8 @@ class Pricing:
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
                               sp=bool(key.sp), ep=key.ep, dp=key.dp * self.cp, framework=key.framework,
-                              layout=self.ctx.layout(key.tp, key.ep, key.dp * self.cp, key.pp, self.rep),
+                              layout=self.ctx.layout(key.tp, key.ep, key.dp * self.cp, key.pp, self.rep,
+                                                     self.tables.runs.expert_tp(key.tp)),
                               zero3=zero3, paid=self.paid(key), rep=self.rep,
                               m=self.ctx.workload.global_batch // (key.micro_batch * key.dp))
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.cost import memory as mem
-from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES
+from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, expert_replicas
 from planner.cost.rank_tables import Split
 from planner.search.evaluate import Pricing, evaluate_rows
 from planner.search.keys import KeyedSpace
@@ -55,11 +55,12 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
     tp, ep, b, mode, pp, vs, fwi = key.tp, key.ep, key.micro_batch, key.recompute, key.pp, key.vs, key.framework
     dp = key.dp * p.cp // p.rep  # the ranks ZeRO shards over (ParallelConfig.dp_shard)
     zero, off, m = int(c["zero"][i]), int(c["offload"][i]), int(c["grad_accum"][i])
+    edp = max(expert_replicas(key.dp * p.cp, tp, ep, int(c["etp"][i])) // p.rep, 1)
     w = p.ctx.workload
     table = p.table(ks, key)
     wd, gd, od, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], dp, w.precision, w.optimizer_moments,
                                         **w.state_dtypes)
-    we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], max(dp // ep, 1), w.precision,
+    we, ge, oe, _ = mem.bytes_per_param(FRAMEWORKS[fwi], zero, OFFLOADS[off], edp, w.precision,
                                         w.optimizer_moments, **w.state_dtypes)
     grow = mem.GROWTH
     per_block_state = (wd + gd + od) * table.params + (we + ge + oe) * table.expert

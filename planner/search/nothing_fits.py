@@ -14,7 +14,7 @@ from planner.search.space import Constraints
 
 def describe(p: dict) -> str:
     """dp8 tp4 pp2 z1 mb2x16 — the short name of a plan in messages."""
-    extra = f" ep{p['ep']}" if p.get("ep", 1) > 1 else ""
+    extra = f" ep{p['ep']}" + ("-etp1" if p.get("etp", p["tp"]) < p["tp"] else "") if p.get("ep", 1) > 1 else ""
     extra += f" cp{p['cp']}" + ("" if p.get("cp_comm", "p2p") == "p2p" else f"-{p['cp_comm']}") \
         if p.get("cp", 1) > 1 else ""
     vs = f" v{p['virtual_stages']}" if p.get("virtual_stages", 1) > 1 else ""

@@ -184,7 +184,7 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
-_CONFIG_KEYS = ("dp", "tp", "pp", "ep", "cp", "cp_comm", "zero_stage", "dp_replicate", "offload", "micro_batch",
+_CONFIG_KEYS = ("dp", "tp", "pp", "ep", "etp", "cp", "cp_comm", "zero_stage", "dp_replicate", "offload", "micro_batch",
                 "grad_accum", "recompute", "sequence_parallel", "virtual_stages", "framework", "zero_pp")
 
 

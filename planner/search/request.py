@@ -42,7 +42,8 @@ PINS = ("dp", "tp", "pp", "ep", "virtual_stages", "micro_batch", "zero", "offloa
 
 
 def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons: Constraints,
-                    explain: bool = True, cp: tuple[int, str] = (1, "p2p"), rep: int = 1) -> Space:
+                    explain: bool = True, cp: tuple[int, str] = (1, "p2p"), rep: int = 1,
+                    etp: int | None = None, tp1: bool = True) -> Space:
     """The candidate space beside one context-parallel split ``cp`` (degree, comm) and one count
     of hybrid-sharding groups ``rep``; UserError when it is empty, saying why (``explain``: and
     which single pin, dropped, would leave candidates, which costs one enumeration per pin)."""
@@ -58,7 +59,8 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
 
     def enumerate_with(c: Constraints) -> Space:
         return enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, c, rule, cp[0], cp[1],
-                               1 if cp[1] == "p2p" else cp[0], nvlink_gpus=cluster.nvlink_gpus, rep=rep)
+                               1 if cp[1] == "p2p" else cp[0], nvlink_gpus=cluster.nvlink_gpus, rep=rep, etp=etp,
+                               tp1=tp1)
 
     space = enumerate_with(cons)
     if len(space):

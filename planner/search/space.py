@@ -22,12 +22,11 @@ import itertools
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from planner.cost.candidates import COLUMNS, config_of
-from planner.cost.framework_rules import Coded, ConfigColumns
 from planner.cost.parallel import (
     CP_COMMS,
     FRAMEWORKS,
@@ -35,9 +34,11 @@ from planner.cost.parallel import (
     RECOMPUTES,
     SEARCHED_BY_DEFAULT,
     ParallelConfig,
+    expert_tp_of,
     replicates_evenly,
 )
 from planner.hardware.placement import splits_evenly
+from planner.search.rule_patterns import Degrees, FrameworkRule, Verdicts, pattern_verdicts, refusals_of, rule_pattern
 
 # Interleaved chunks per pipeline rank tried when the user does not pin --virtual-stages: every
 # count up to 8. Megatron's published configurations use 2 and 3 (SC21 Table 1, the sc21
@@ -46,14 +47,6 @@ from planner.hardware.placement import splits_evenly
 # Beyond 8, chunks of one or two layers lean on per-chunk costs (a send and a receive each
 # way per chunk, kernel launches) that no published run calibrates; pass a list to go further.
 DEFAULT_VIRTUAL_STAGES = tuple(range(1, 9))
-
-
-# A framework rule: for many configs (ConfigColumns), the index of the rule each breaks, -1 when
-# the runtime runs it (framework_rules.first_broken). It is asked once per ``_rule_pattern``, so it may
-# read the settings and whether tp, pp and ep exceed 1, and only when virtual stages > 1, whether
-# the layers (ModelFacts.units) divide by pp x virtual stages and whether there are at least pp
-# accumulation steps: nothing else.
-FrameworkRule = Callable[[ConfigColumns], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -75,6 +68,9 @@ class Constraints:
     cp: tuple[int, ...] | None = None  # context-parallel degrees (search/context_splits.py)
     cp_comm: tuple[str, ...] | None = None
     dp_replicate: tuple[int, ...] | None = None  # hybrid-sharding groups, each searched on its own [default: 1]
+    # The experts' TP: 1 (folded into EP) and/or None (the attention's tp), each searched on its own
+    # [default: both, for a mixture-of-experts model] (suggest.expert_tp_choices).
+    etp: tuple[int | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,22 +122,15 @@ def _allowed(values: Iterable, pinned: Sequence | None) -> list:
     return values if pinned is None else [v for v in values if v in pinned]
 
 
-class Degrees(NamedTuple):
-    """One (dp, tp, pp, ep, vs) combination (a tuple: hundreds are made per search)."""
-
-    dp: int
-    tp: int
-    pp: int
-    ep: int
-    vs: int
-
-
 def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
                         cons: Constraints, cp: int = 1, head_split: int = 1,
-                        nvlink_gpus: int | None = None) -> tuple[list[Degrees], int]:
+                        nvlink_gpus: int | None = None, etp: int | None = None,
+                        tp1: bool = True) -> tuple[list[Degrees], int]:
     """Valid (dp, tp, pp, ep, vs) combinations beside a context-parallel degree ``cp`` (dp x
     tp x pp x cp = world) and how many were rejected as indivisible. ``head_split``: the ranks
-    a context-parallel all-to-all splits heads over besides TP (context_parallel.py).
+    a context-parallel all-to-all splits heads over besides TP (context_parallel.py). ``etp``
+    1: the experts folded out of TP, so ep divides tp x dp x cp (None: experts on the attention's
+    tp, ep divides dp x cp); ``tp1`` False leaves out tp 1 (where folding changes nothing).
 
     TP groups stay inside ``nvlink_gpus`` (Cluster.nvlink_gpus: the node, or a multi-node
     NVLink domain such as NVL72's 72 GPUs; default the node) unless allowed across.
@@ -164,6 +153,9 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
         return found[n]
 
     for tp in _allowed([d for d in world_divisors if world % d == 0], cons.tp):
+        if tp == 1 and not tp1:
+            continue
+        et = expert_tp_of(etp, tp)
         tp_ok = all(h % (tp * head_split) == 0 for h in facts.heads) and facts.kv_heads % (tp * head_split) == 0
         tp_ok = tp_ok and (cons.allow_tp_across_nodes or (nvlink_gpus or gpus_per_node) % tp == 0)
         for pp in _allowed(divisors_of(world // tp), cons.pp):
@@ -171,26 +163,29 @@ def degree_combinations(world: int, gpus_per_node: int, global_batch: int, facts
             if cons.dp is not None and dp not in cons.dp:
                 continue
             # A dense model has no experts to shard: ep is 1, not a rejected candidate.
-            eps = _allowed(divisors_of(dp * cp), cons.ep) if experts else [1]
+            eps = _allowed(divisors_of(dp * cp * tp // et), cons.ep) if experts else [1]
             combos += len(eps)
             if not (tp_ok and pp <= facts.units and global_batch % dp == 0):
                 continue
             if pp not in pp_vss:
                 pp_vss[pp] = [vs for vs in vss if pp * vs <= facts.units and (vs == 1 or pp > 1)]
             for ep in eps:
-                if (not experts or experts % ep == 0) and _groups_split_evenly(gpus_per_node, tp, ep, dp * cp, pp, cp):
+                if (not experts or experts % ep == 0) and _groups_split_evenly(gpus_per_node, tp, ep, dp * cp, pp, cp,
+                                                                               et):
                     valid += [Degrees(dp, tp, pp, ep, vs) for vs in pp_vss[pp]]
     return valid, combos * len(vss) - len(valid)
 
 
-def _groups_split_evenly(gpus_per_node: int, tp: int, ep: int, dp: int, pp: int, cp: int = 1) -> bool:
-    """Every process group of the layout (TP innermost, then EP, expert-DP and PP; and TP, DP,
-    PP for dense parameters; CP the first ``cp`` of the ``dp`` ranks after TP, which here count
-    the context-parallel ones) holds equal shares of the nodes it touches. Other layouts run,
+def _groups_split_evenly(gpus_per_node: int, tp: int, ep: int, dp: int, pp: int, cp: int = 1,
+                         etp: int | None = None) -> bool:
+    """Every process group of the layout (expert TP innermost, then EP, expert-DP and PP; and
+    TP, DP, PP for dense parameters; CP the first ``cp`` of the ``dp`` ranks after TP, which
+    here count the context-parallel ones) holds equal shares of the nodes it touches. Other layouts run,
     but the collective model prices one group shape per dimension, so they are not offered:
     e.g. DP groups of 3 ranks 4 apart on 8-GPU nodes put two ranks on one node, one on the next."""
+    et = tp if etp is None else etp
     return all(splits_evenly(gpus_per_node, stride, size) for stride, size in (
-        (1, tp), (tp, ep), (tp * ep, dp // ep), (tp, dp), (tp * dp, pp), (tp, cp)))
+        (1, tp), (1, et), (et, ep), (et * ep, dp * tp // (et * ep)), (tp, dp), (tp * dp, pp), (tp, cp)))
 
 
 def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
@@ -212,69 +207,6 @@ def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
     return [(z, o, r, sp, fw) for (z, o), r, sp, fw in itertools.product(pairs, recomputes, sps, frameworks)]
 
 
-def _rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
-    """What of a degree combination the framework rules can see (planner/cost/framework_rules.py
-    ``RULES``): whether tp, pp and ep exceed 1, and, only for an interleaved schedule (vs > 1),
-    whether the layers divide by pp x v and there are at least pp accumulation steps.
-    So all plain pipelines share one pattern and interleaved ones a few, and the rules run over
-    (pattern x setting) rows, not every candidate. tests/test_framework_rules_in_search.py checks the
-    result against direct calls over whole spaces."""
-    if deg.vs == 1:
-        return (min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True)
-    return (min(deg.tp, 2), units % (deg.pp * deg.vs) == 0, min(deg.ep, 2), 2, ga_ok)
-
-
-@dataclass
-class _Verdicts:
-    """The framework rules' answers per pattern (``_pattern_verdicts``)."""
-
-    ok_rows: np.ndarray  # [5, rows]: each pattern's runnable settings in turn, in settings order
-    allowed: list[tuple[int, int, int]]  # per pattern: (its first row in ok_rows, ok count, valid count)
-    # Per pattern, per broken rule (by rule): the settings it refuses (how many, the first).
-    reasons: list[dict[int, tuple[int, tuple[int, int, int, int, int]]]]
-
-
-def _pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
-                      rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p", rep: int = 1) -> _Verdicts:
-    """Per pattern (given by a representative degree combination and its accumulation flag):
-    the settings its framework runs, how many settings are structurally valid for it, and per
-    broken rule the settings it refuses (how many, the first).
-
-    One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
-    facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1. The
-    answers are tallied with whole-array calls, not per row."""
-    st = np.fromiter(itertools.chain.from_iterable(settings), np.int64, 5 * len(settings)).reshape(-1, 5)
-    deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2))
-                    for d, flag in reps], dtype=np.int64).reshape(-1, 5)
-    n, k = len(deg), len(st)
-    tp, pp, vs, ga_ok, ep = np.repeat(deg.T, k, axis=1)
-    z, o, r, sp, f = np.tile(st.T, n)
-    valid = (sp == 0) | (tp > 1)  # sequence parallel only means something with tp > 1
-    cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=Coded(o, OFFLOADS),
-                         micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
-                         recompute=Coded(r, RECOMPUTES), sequence_parallel=sp == 1, virtual_stages=vs,
-                         framework=Coded(f, FRAMEWORKS), cp=cp, cp_comm=cp_comm, dp_replicate=rep)
-    broken = np.where(valid, rule(cols), -1)
-    ok = valid & (broken < 0)
-    ok_at = np.flatnonzero(ok)  # row i * k + j: pattern i, setting j
-    ok_counts = np.bincount(ok_at // k, minlength=n).tolist()
-    valid_counts = valid.reshape(n, k).sum(axis=1).tolist()
-    starts = np.concatenate(([0], np.cumsum(ok_counts))).tolist()
-    allowed = [(starts[i], ok_counts[i], valid_counts[i]) for i in range(n)]
-    # Per (pattern, rule) code of the refused rows: how many, and the first setting (written
-    # backwards, so the first row's index is the one left).
-    hit = np.flatnonzero(broken >= 0)
-    rules = int(broken.max()) + 1 if broken.size else 0
-    codes = hit // k * rules + broken[hit]
-    counts = np.bincount(codes, minlength=n * rules)
-    first = np.zeros(n * rules, dtype=np.int64)
-    first[codes[::-1]] = hit[::-1] % k
-    reasons: list[dict[int, tuple[int, tuple[int, int, int, int, int]]]] = [{} for _ in range(n)]
-    for code in np.flatnonzero(counts).tolist():  # ascending: by pattern, then by rule
-        reasons[code // rules][code % rules] = (int(counts[code]), settings[first[code]])
-    return _Verdicts(np.ascontiguousarray(st.T)[:, ok_at % k], allowed, reasons)
-
-
 def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, list[int]]]:
     """The micro-batches ``micro`` (ascending, each dividing the per-DP-rank batch ``per_dp``)
     split by whether the accumulation per_dp / b reaches pp (True first); a side left empty is
@@ -285,12 +217,14 @@ def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, li
 
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
                     cons: Constraints, framework_rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p",
-                    head_split: int = 1, nvlink_gpus: int | None = None, rep: int = 1) -> Space:
+                    head_split: int = 1, nvlink_gpus: int | None = None, rep: int = 1, etp: int | None = None,
+                    tp1: bool = True) -> Space:
     """Every candidate beside the context-parallel split (``cp``, ``cp_comm``; ``head_split``
-    as degree_combinations takes it) and the hybrid-sharding groups ``rep``, as columns;
-    rejected counts by reason (degrees ``rep`` groups do not split evenly are indivisible)."""
+    as degree_combinations takes it), the hybrid-sharding groups ``rep`` and the expert-TP
+    choice (``etp``, ``tp1`` as degree_combinations takes them), as columns; rejected counts by
+    reason (degrees ``rep`` groups do not split evenly are indivisible)."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons, cp, head_split,
-                                               nvlink_gpus)
+                                               nvlink_gpus, etp, tp1)
     settings = allowed_settings(cons)
     # Micro-batches per dp, and split by whether the accumulation reaches pp per (dp, pp), which
     # many degree combinations share.
@@ -301,7 +235,7 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     pattern_first: list[tuple[Degrees, int]] = []  # per pattern: its first block's degrees and micro-batch
     blocks: list[tuple[Degrees, list[int], int]] = []
     for deg in degrees:
-        if not replicates_evenly(deg.dp, cp, deg.ep, rep):
+        if not replicates_evenly(deg.dp, cp, deg.ep, rep, deg.tp // expert_tp_of(etp, deg.tp)):
             indivisible += 1
             continue
         split = splits.get((deg.dp, deg.pp))
@@ -313,15 +247,15 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
             indivisible += 1
             continue
         for flag, mbs in split:
-            pattern = _rule_pattern(deg, flag, facts.units)
+            pattern = rule_pattern(deg, flag, facts.units)
             pattern_id = patterns.get(pattern)
             if pattern_id is None:
                 pattern_id = patterns[pattern] = len(reps)
                 reps.append((deg, flag))
                 pattern_first.append((deg, mbs[0]))
             blocks.append((deg, mbs, pattern_id))
-    verdicts = (_pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep) if reps
-                else _Verdicts(np.zeros((5, 0), dtype=np.int64), [], []))
+    verdicts = (pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep, etp) if reps
+                else Verdicts(np.zeros((5, 0), dtype=np.int64), [], []))
     pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
     # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
     # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
@@ -333,27 +267,14 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
         pattern_mbs[pattern_id] += len(mbs)
         if k:
             kept.append((deg, first, k, mbs))
-    refusals = _refusals(verdicts.reasons, pattern_mbs, pattern_first, global_batch, (cp, CP_COMMS.index(cp_comm), rep))
+    refusals = refusals_of(verdicts.reasons, pattern_mbs, pattern_first, global_batch,
+                           (cp, CP_COMMS.index(cp_comm), rep), etp)
     columns = _layout(kept, verdicts.ok_rows, global_batch)
     n = len(columns["dp"])
-    columns["cp"], columns["cp_comm"] = np.full(n, cp, dtype=np.int64), np.full(n, CP_COMMS.index(cp_comm),
-                                                                                dtype=np.int64)
-    columns["rep"] = np.full(n, rep, dtype=np.int64)
+    columns.update({k: np.full(n, v, dtype=np.int64) for k, v in (("cp", cp), ("cp_comm", CP_COMMS.index(cp_comm)),
+                                                                   ("rep", rep))})
+    columns["etp"] = columns["tp"].copy() if etp is None else np.minimum(columns["tp"], etp)
     return Space(columns, {"indivisible": indivisible, "framework": framework_rejected}, refusals)
-
-
-def _refusals(reasons_per_pattern: list, weights: list[int], firsts: list[tuple[Degrees, int]], global_batch: int,
-              tail: tuple[int, int, int]) -> dict[int, tuple[int, tuple[int, ...]]]:
-    """Candidates each framework reason refused, with the first refused candidate as an example
-    (its columns; ``tail``: the space's cp, cp_comm code and rep)."""
-    refusals: dict[int, tuple[int, tuple[int, ...]]] = {}
-    for reasons, weight, (deg, b) in zip(reasons_per_pattern, weights, firsts):
-        for reason, (count, setting) in reasons.items():
-            seen, example = refusals.get(reason, (0, ()))
-            if not example:  # patterns are met in block order: the first example stands
-                example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b), *tail)
-            refusals[reason] = (seen + count * weight, example)
-    return refusals
 
 
 def _layout(blocks: list[tuple[Degrees, int, int, list[int]]], ok_rows: np.ndarray,

@@ -33,6 +33,7 @@ from planner.search import rank as rk
 from planner.search.branch_and_bound import Outcome, search
 from planner.search.context_splits import context_splits
 from planner.search.evaluate import Pricing, build_plans, evaluate_keys
+from planner.search.expert_tp import expert_tp_choices
 from planner.search.keys import KeyedSpace, group_by_key
 from planner.search.nothing_fits import describe, nothing_fits_message, relaxations
 from planner.search.request import candidate_space, check_pins
@@ -121,8 +122,9 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     ``precision``: one name, or several: each is searched as its own workload and the plans are
     ranked together (precision is a property of the workload, so of every block's cost). A recipe
     the GPU cannot run, or one no plan fits, is left out with a note; all of them: the first's error.
-    Each context-parallel split (search/context_splits.py) and each count of hybrid-sharding
-    groups (``constraints.dp_replicate``) is searched on its own too, and ranked with the rest.
+    Each context-parallel split (search/context_splits.py), each count of hybrid-sharding groups
+    (``constraints.dp_replicate``) and each expert-TP choice (search/expert_tp.py) is searched
+    on its own too, and ranked with the rest.
     ``options``: the keywords of ``_suggest_one``."""
     names = (precision,) if isinstance(precision, str) else tuple(dict.fromkeys(precision))
     variants = zero_pp_variants(options.pop("zero_pp", ()))  # --zeropp auto: each ZeRO++ choice its own search
@@ -133,11 +135,11 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     cons = options.get("constraints") or Constraints()
     seq = options.get("seq_len") or model.train_seq_len
     gpus = _profile(hardware, options.get("gpus_per_node")).node.gpus * whole_number("nodes", nodes)
-    splits = [(cp, rep, zpp) for cp in context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
-              for rep in (cons.dp_replicate or (1,)) for zpp in variants]
+    splits = [(cp, rep, zpp, etp) for cp in context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
+              for rep in (cons.dp_replicate or (1,)) for zpp in variants for etp in expert_tp_choices(cons, model)]
     if len(names) == 1 and len(splits) == 1:
         return _suggest_one(model, hardware, nodes, precision=names[0], cp=splits[0][0], rep=splits[0][1],
-                            zero_pp=splits[0][2], **options)
+                            zero_pp=splits[0][2], etp=splits[0][3], **options)
     profile = _profile(hardware, options.get("gpus_per_node"))
     results, left_out, first_error = [], [], None
     ran, refused = set(), {}  # ZeRO++ choices that gave plans; the first error of the others
@@ -145,10 +147,11 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
         recipe = RECIPES.get(split_precision(name)[1] or "")
         why = recipe and unsupported(recipe, profile.gpu.peak_TFLOPs, profile.gpu.name)  # type: ignore[arg-type]
         errors = [UserError(f"{arg('precision')} {name}: {why}")] if why else []
-        for split, rep, zpp in ([] if why else splits):
+        for split, rep, zpp, etp in ([] if why else splits):
             try:
                 results.append(_suggest_one(model, hardware, nodes, precision=name, cp=split, rep=rep, zero_pp=zpp,
-                                            **_share(options, len(results) + len(errors), len(names) * len(splits))))
+                                            etp=etp, **_share(options, len(results) + len(errors),
+                                                              len(names) * len(splits))))
                 ran.add(zpp)
             except UserError as err:
                 errors.append(err)
@@ -205,9 +208,9 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             layer_profile: LayerProfile | None = None, constraints: Constraints | None = None,
             balancer: str = "optimal", objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
-            rep: int = 1, zero_pp: tuple[str, ...] = ()) -> SuggestResult:
-    """The search for one precision, one context-parallel split ``cp`` and one count of
-    hybrid-sharding groups ``rep`` (``suggest``)."""
+            rep: int = 1, zero_pp: tuple[str, ...] = (), etp: tuple[int | None, bool] = (None, True)) -> SuggestResult:
+    """The search for one precision, context-parallel split ``cp``, count of hybrid-sharding
+    groups ``rep`` and expert-TP choice ``etp`` (expert_tp.expert_tp_choices) (``suggest``)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     whole_number("nodes", nodes), whole_number("top", top)
     if balancer not in BALANCERS:
@@ -246,8 +249,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
               "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
               "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
-    space = candidate_space(model, cluster, workload, cons, cp=cp, rep=rep)
-    result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress, cp, rep)
+    space = candidate_space(model, cluster, workload, cons, cp=cp, rep=rep, etp=etp[0], tp1=etp[1])
+    result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress, cp, rep, etp[0])
     result.elapsed_s = time.perf_counter() - started
     result.cpu_s = time.process_time() - search_cpu_started
     result.setup_cpu_s = search_cpu_started - cpu_started
@@ -259,8 +262,9 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
 
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,
-            top: int, inputs: dict, progress, cp: tuple[int, str] = (1, "p2p"), rep: int = 1) -> SuggestResult:
-    p = Pricing.of(model, cluster, workload, balancer, *cp, rep=rep)
+            top: int, inputs: dict, progress, cp: tuple[int, str] = (1, "p2p"), rep: int = 1,
+            etp: int | None = None) -> SuggestResult:
+    p = Pricing.of(model, cluster, workload, balancer, *cp, rep=rep, etp=etp)
     ks = group_by_key(space)
     out = search(p, ks, objective, top, progress)
     fitting = out.fitting(p)
