@@ -55,8 +55,6 @@ def not_expressible(row: dict) -> str | None:
         return f"no {row['model']} preset"
     if 0 < _int(row["fsdp"], 0) < int(row["gpus"]) // (_int(row["tp"]) * _int(row["pp"])):
         return "FSDP over part of the DP group (hybrid sharding)"
-    if row["model"] == "DeepSeekV3" and "with MTP" in row["notes"]:
-        return "DeepSeek-V3's multi-token-prediction module"
     return None
 
 
@@ -75,8 +73,15 @@ def _search(row: dict, pins: dict, top: int):
     cluster = api.load_cluster(SYSTEMS[row["system"]], nodes=max(gpus // per, 1), gpus_per_node=min(gpus, per))
     t0 = time.perf_counter()
     out = api.suggest(MODELS[row["model"]], cluster, global_batch=int(row["global_batch"]),
-                      seq_len=int(row["seq_len"]), precision=PRECISIONS[row["precision"]], top=top, **pins)
+                      seq_len=int(row["seq_len"]), precision=PRECISIONS[row["precision"]], top=top,
+                      mtp_layers=mtp_layers(row), **pins)
     return out, time.perf_counter() - t0, gpus
+
+
+def mtp_layers(row: dict) -> int:
+    """The multi-token-prediction depths the row trains: the table says "with MTP" (one, the
+    model's own) or "without MTP" for DeepSeek-V3; the other models have none."""
+    return 1 if "with MTP" in row["notes"] else 0
 
 
 def pinned(row: dict) -> dict:

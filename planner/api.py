@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from planner import limits
 from planner.api_records import label, record, records, to_dataframe, uncertainty
+from planner.api_workload import WORKLOAD_KEYS, check_workload, make_workload, seq_len_of
 from planner.errors import UserError, arg
 
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
-    from planner.cost.measured_blocks import LayerProfile
     from planner.cost.parallel import ParallelConfig, Workload
     from planner.cost.plan import Plan
     from planner.hardware.cluster import Cluster
@@ -162,73 +162,9 @@ def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float
     return "+".join(p for p in parts if p)
 
 
-# The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
-WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
-                 "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
-                 "zero_pp")
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
              "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate", "etp")
-
-
-def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
-                  seq_len: int | None = None, images_per_sample: int | None = None,
-                  tiles_per_image: int | None = None, precision: str = "bf16", optimizer: str = "adamw",
-                  flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
-                  te_attention: bool = True, fp8_param_gather: bool = True,
-                  precision_aware_optimizer: bool = False, ep_comm_overlap: bool = True,
-                  moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
-                  layer_profile: "str | LayerProfile | None" = None, zero_pp: "str | tuple" = ()) -> "Workload":
-    """The per-step workload with the CLI's defaults: the model's training sequence length,
-    ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
-    search's default batch, planner/cost/degrees.py), and the model's default images and
-    tiles per sample for vision-language models.
-
-    >>> make_workload("vl2", gpus=64).global_batch
-    1024
-    """
-    from pydantic import ValidationError
-
-    from planner.cost.degrees import default_global_batch, rule_message
-    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS, Workload, parse_zero_pp
-    from planner.model.vision_inputs import vision_inputs
-
-    spec = load_model(model)
-    seq = _seq_len(spec, seq_len)
-    if global_batch is None:
-        global_batch = default_global_batch(seq, gpus or 1)
-    limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
-    images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
-    from planner.cost.measured_blocks import as_layer_profile
-    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not (
-            1 <= moe_imbalance <= MAX_MOE_IMBALANCE):
-        raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to {MAX_MOE_IMBALANCE:g} (the busiest "
-                        f"expert-parallel rank's tokens over the mean; 1 = balanced), "
-                        f"got {limits.shown(moe_imbalance)}")
-    if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float))
-                                   or not 0 < mtbf_hours <= MAX_MTBF_HOURS):
-        raise UserError(f"{arg('mtbf_hours')}: need hours above 0 and at most {MAX_MTBF_HOURS:g} (the job's mean "
-                        f"time between failures), got {limits.shown(mtbf_hours)}")
-    try:
-        return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
-                        precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
-                        tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
-                        fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
-                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours,
-                        layer_profile=as_layer_profile(layer_profile), zero_pp=parse_zero_pp(zero_pp))
-    except ValidationError as err:
-        raise UserError(rule_message("workload", err)) from None
-
-
-def _seq_len(spec: "ModelSpec", seq_len: int | None) -> int:
-    return limits.count("seq_len", spec.train_seq_len if seq_len is None else seq_len)
-
-
-def _check_workload(workload: "Workload") -> None:
-    """A Workload given whole (``workload=``) within the same bounds as its fields given one by one."""
-    seq = limits.count("seq_len", workload.seq_len)
-    limits.tokens_per_step(limits.count("global_batch", workload.global_batch), seq)
 
 
 def _check_counts(values: Mapping[str, Any]) -> None:
@@ -303,10 +239,10 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
     _check_counts({**knobs, **given})
     if workload is None:
         cfg = build_parallel_config(cluster, global_batch=given.pop("global_batch", None),
-                                    seq_len=_seq_len(spec, given.get("seq_len")), **knobs)
+                                    seq_len=seq_len_of(spec, given.get("seq_len")), **knobs)
         workload = make_workload(spec, global_batch=cfg.samples_per_step, **given)
     else:
-        _check_workload(workload)
+        check_workload(workload)
         cfg = build_parallel_config(cluster, global_batch=workload.global_batch, **knobs)
     plan = _estimate(spec, cluster, workload, cfg, partition)
     notes = batch_notes(plan.to_json(), workload.seq_len) + plan_schedule_notes(spec, cluster, workload, cfg,
@@ -388,7 +324,7 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
         given["precision"] = precisions[0] if precisions else "bf16"
     zero_pp = given.pop("zero_pp", workload.zero_pp if workload else ())  # "auto": search.suggest tries each
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
-    _check_workload(wl)
+    check_workload(wl)
     many = tuple(precisions) if isinstance(precisions, (tuple, list)) and len(precisions) > 1 else None
     return _suggest(spec, cluster.profile, cluster.nodes, global_batch=wl.global_batch, seq_len=wl.seq_len,
                     images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
@@ -396,5 +332,6 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     tp_comm_overlap=wl.tp_comm_overlap, te_attention=wl.te_attention,
                     fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
                     ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
-                    layer_profile=wl.layer_profile, dropout=wl.dropout, constraints=cons, balancer=balancer,
+                    layer_profile=wl.layer_profile, dropout=wl.dropout, mtp_layers=wl.mtp_layers, constraints=cons,
+                    balancer=balancer,
                     objective=objective, top=top, zero_pp=zero_pp, progress=progress)

@@ -32,7 +32,7 @@ from planner.cost.partition import Partition, check_partition, default_partition
 from planner.cost.plan import Plan, StagePlan
 from planner.cost.step_time import MicroBatchTime, StepTime, cpu_optimizer_time, hybrid_optimizer_time
 from planner.hardware.cluster import Cluster
-from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelSpec
+from planner.model.spec import DecoderBlock, EmbeddingBlock, LMHeadBlock, ModelSpec, MTPBlock
 
 CommFn = Callable[[str, float], float]  # (collective, bytes per rank) -> seconds
 
@@ -286,6 +286,7 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
 
     ``pp_send`` overrides how the runtime sends across pipeline stages (pipeline_sends.PP_SENDS;
     the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
+    model, workload = workload.trained(model), workload.resolved(model)  # its multi-token-prediction depths
     check_plan(model, cluster, workload, cfg)
     stages = cfg.pp * cfg.virtual_stages
     parts = (default_partition(model, stages) if partition is None
@@ -372,9 +373,11 @@ def model_flops(model: ModelSpec, workload: Workload) -> float:
 
 
 def _tied_owners(model: ModelSpec, chunks: list[list[tuple[int, int]]], tp: int) -> tuple[int, int, float] | None:
-    """(rank of the embedding, rank of the tied LM head, the copy's parameters per GPU after TP)
-    when a tied head sits on another pipeline rank than the embedding, else None."""
-    heads = [i for i, blk in enumerate(model.blocks) if isinstance(blk, LMHeadBlock) and blk.tied]
+    """(rank of the embedding, rank of the tied LM head or MTP depth, which looks tokens up in the
+    embedding, the copy's parameters per GPU after TP) when it sits on another pipeline rank
+    than the embedding, else None."""
+    heads = [i for i, blk in enumerate(model.blocks)
+             if (isinstance(blk, LMHeadBlock) and blk.tied) or isinstance(blk, MTPBlock)]
     embeds = [i for i, blk in enumerate(model.blocks) if isinstance(blk, EmbeddingBlock)]
     if not heads or not embeds:
         return None

@@ -69,10 +69,10 @@ def test_megatron_bridge_rows_dsplan_can_express_are_priced_and_the_rest_say_why
            ("DGX-H100", "LLAMA3_8B", "FP8-CS")}  # the last: Megatron-FSDP over its 8 GPUs
     nvl72 = {(s, m, p) for s in ("DGX-GB200", "DGX-GB300") for m, p in (
         ("LLAMA3_8B", "FP8-CS"), ("LLAMA3_8B", "FP8-MX"), ("LLAMA3_70B", "FP8-CS"), ("LLAMA3.1_405B", "FP8-CS"))}
-    # Every MoE row but DeepSeek-V3 with MTP (B200); Qwen3-235B's EP 32 over TP 2 x DP 16 (H100)
-    # runs with its experts folded out of TP (expert TP 1).
-    moe = {(r["system"], r["model"], r["precision"]) for r in rows if "LLAMA" not in r["model"]} - {
-        ("DGX-B200", "DeepSeekV3", "FP8-MX")}
+    # Every MoE row: DeepSeek-V3 with its MTP depth (B200) and without (the others); Qwen3-235B's
+    # EP 32 over TP 2 x DP 16 (H100) with its experts folded out of TP (expert TP 1).
+    moe = {(r["system"], r["model"], r["precision"]) for r in rows if "LLAMA" not in r["model"]}
+    assert [bench.mtp_layers(r) for r in rows if r["model"] == "DeepSeekV3"].count(1) == 1
     assert {(r["system"], r["model"], r["precision"]) for r in expressible} == dgx | nvl72 | moe
     for row in expressible:
         got = bench.pinned(row)

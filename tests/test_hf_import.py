@@ -101,9 +101,9 @@ def test_deepseek_moe_layer_rule_and_defaults():
     assert spec_from_hf_config(raw, "x", "x.json").decoder_blocks[0].attention.mla.q_lora_rank is None
 
 
-def test_deepseek_v3_warns_about_mtp_and_matches_the_preset():
-    with pytest.warns(HFImportWarning, match="multi-token-prediction"):
-        spec = load("deepseek_v3.json")
+def test_deepseek_v3_imports_its_mtp_depth_and_matches_the_preset():
+    spec = load("deepseek_v3.json")
+    assert spec.mtp_layers == 1 and spec.blocks[-1].kind == "mtp"
     assert spec.blocks == load_model("deepseek-v3").blocks
     assert spec.decoder_blocks[5].mlp.gate_bias
     assert load("deepseek_v2_lite.json").blocks == load_model("deepseek-v2-lite").blocks

@@ -43,6 +43,10 @@ CASES = {
     "llama-3-8b-megatron-fsdp": ["--model", "llama-3-8b", "--nodes", "1", "--zero", "3"],
     "llama-3-8b-megatron-hsdp": ["--model", "llama-3-8b", "--nodes", "2", "--zero", "3", "--dp-replicate", "2"],
     "llama-3-8b-cp2-a2a": ["--model", "llama-3-8b", "--nodes", "1", "--cp", "2", "--cp-comm", "a2a"],
+    # a multi-token-prediction depth in a custom pipeline layout: the "m" before the loss
+    "deepseek-v2-lite-mtp-pp2-layout": ["--model", "deepseek-v2-lite", "--nodes", "2", "--pp", "2", "--ep", "8",
+                                        "--mtp-layers", "1", "--stage-blocks", "0-12,12-31", "--global-batch", "64",
+                                        "--seq-len", "4096", "--micro-batch", "1", "--zero", "1"],
     # MoE parallel folding: EP 16 over TP 2 x DP 8, the experts off TP
     "qwen3-30b-a3b-tp2-etp1-ep16": ["--model", "qwen3-30b-a3b", "--nodes", "2", "--tp", "2", "--etp", "1",
                                     "--ep", "16", "--pp", "1", "--sequence-parallel"],
@@ -51,18 +55,19 @@ CASES = {
 # than by generate's search: what Megatron makes of the flags does not depend on the plan fitting
 # in memory, and this fully pinned layout is at the edge of 80 GiB (at commit ebe23ef: 96.2 GiB on
 # pipeline rank 0 with micro-batch 1 and selective recomputation, so generate refuses it).
-FROM_ESTIMATE = {"deepseek-v3-ep64-pp8-v4"}
+FROM_ESTIMATE = {"deepseek-v3-ep64-pp8-v4", "deepseek-v2-lite-mtp-pp2-layout"}
 # Flags a case is there to cover: the case fails if the plan no longer emits them.
 CONTROL_UNKNOWN, CONTROL_WORLD = "control: unknown flag", "control: world size + 1"
 MUST_EMIT = {
     # the plan's checkpoint interval, saved asynchronously (torch_dist), and the collective timeout
     "llama-3-70b-tp4-pp4-v2-sp-fp8": ["--save-interval", "--async-save", "--use-persistent-ckpt-worker",
                                       "--distributed-timeout-minutes", "--save", "--load"],
-    "deepseek-v3-ep64-pp8-v4": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
+    "deepseek-v3-ep64-pp8-v4": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--mtp-num-layers"],
     "llama-3-8b-megatron-fsdp": ["--use-megatron-fsdp"],
     "llama-3-8b-megatron-hsdp": ["--use-megatron-fsdp", "--num-distributed-optimizer-instances"],
     "llama-3-8b-cp2-a2a": ["--context-parallel-size", "--cp-comm-type"],
     "qwen3-30b-a3b-tp2-etp1-ep16": ["--expert-tensor-parallel-size", "--expert-model-parallel-size"],
+    "deepseek-v2-lite-mtp-pp2-layout": ["--mtp-num-layers", "--pipeline-model-parallel-layout"],
 }
 
 

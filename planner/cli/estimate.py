@@ -139,7 +139,8 @@ def render(plan) -> None:
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}")
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
-                  f"x accumulation {c.grad_accum} x dp {c.dp}; {w.precision_name}, {w.optimizer}; {verdict}")
+                  f"x accumulation {c.grad_accum} x dp {c.dp}; {w.precision_name}, {w.optimizer}"
+                  + (f", {w.mtp_layers} multi-token-prediction depth(s)" if w.mtp_layers else "") + f"; {verdict}")
     _render_memory(plan)
     _render_time(plan)
     for line in plan.notes:

@@ -24,6 +24,7 @@ FLAGS: dict[str, str] = {
     "pp": "--pp",
     "ep": "--ep",
     "etp": "--etp",
+    "mtp_layers": "--mtp-layers",
     "cp": "--cp",
     "cp_comm": "--cp-comm",
     "flash_attention": "--flash-attention",

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 _SEARCH_FLAGS = (
     "rank", "global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
     "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile", "dp", "tp", "pp",
+    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "mtp_layers", "layer_profile", "dp",
+    "tp", "pp",
     "ep", "zero", "zero_pp",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm", "dp_replicate",
@@ -367,7 +368,8 @@ def _plan_from_search(opts: dict[str, Any], model) -> dict[str, Any]:
 _SUGGEST_KEYS = (
     "model", "hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "images_per_sample", "tiles_per_image",
     "precision", "optimizer", "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
-    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile", "dp", "tp", "pp",
+    "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "mtp_layers", "layer_profile", "dp",
+    "tp", "pp",
     "ep", "zero", "zero_pp",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes",

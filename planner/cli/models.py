@@ -100,8 +100,10 @@ def _print_show(s: dict[str, Any]) -> None:
     if s["stated_total_params"]:
         stated = f" (authors: {human_count(s['stated_total_params'])} / {human_count(s['stated_activated_params'])})"
     console.print(f"[bold]{s['name']}[/bold]  {s['family']}  (model_type {s['hf_model_type'] or '-'})")
-    console.print(f"parameters: {human_count(s['total_params'])} total, {human_count(s['activated_params'])} activated "
-                  f"per token excluding the embedding table{stated}")
+    mtp = (f" ({human_count(s['total_params'] - s['mtp_params'])} main model + {human_count(s['mtp_params'])} in "
+           f"{s['mtp_layers']} multi-token-prediction depth(s))" if s["mtp_layers"] else "")
+    console.print(f"parameters: {human_count(s['total_params'])} total{mtp}, {human_count(s['activated_params'])} "
+                  f"activated per token excluding the embedding table{stated}")
     attn = f"{s['attention'].upper()} {s['heads']} heads / {s['kv_heads']} KV heads"
     console.print(f"shape: {s['layers']} layers, hidden {s['hidden']}, {attn}, vocab {s['vocab']}, "
                   f"{'tied' if s['tied_embeddings'] else 'untied'} head; seq {s['train_seq_len']} for training "

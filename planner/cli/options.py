@@ -156,12 +156,18 @@ ZEROPP_HELP = ("DeepSpeed ZeRO++ on ZeRO-3, a comma list: qwz (int8 weight all-g
                "alone and all three, each searched and ranked together [default: none].")
 
 
+MTP_HELP = ("Multi-token-prediction depths trained beside the model (DeepSeek-V3's MTP module: one more MoE layer, "
+            "a projection and the shared head per depth, on the last pipeline stage; Megatron-Core --mtp-num-layers); "
+            "0 plans the main model only [default: the model's own, 1 for deepseek-v3].")
+
+
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
     --te-attention/--no-te-attention, --ep-comm-overlap/--no-ep-comm-overlap, --moe-imbalance, --fp8-param-gather,
-    --precision-aware-optimizer/--no-precision-aware-optimizer, --zeropp, --dropout/--no-dropout and --mtbf-hours.
+    --precision-aware-optimizer/--no-precision-aware-optimizer, --zeropp, --dropout/--no-dropout, --mtbf-hours
+    and --mtp-layers.
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -206,6 +212,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                      help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
                           "Llama, DeepSeek and Qwen pre-training]."),
         click.option("--mtbf-hours", type=float, default=None, metavar="H", help=MTBF_HELP),
+        click.option("--mtp-layers", type=int, default=None, metavar="N", help=MTP_HELP),
     ]
 
     def apply(command):

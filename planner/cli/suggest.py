@@ -242,8 +242,8 @@ def _legend(rows: list[tuple[str, ...]]) -> str:
         stages, virtual = vs.split("x")
         parts.append(f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages per rank")
     if folded := first("ep", "f"):
-        parts.append(f"ep {folded} = {folded.removesuffix('f')} expert-parallel ranks with the experts folded out "
-                     "of TP (etp 1)")
+        parts.append(f"ep {folded} = EP {folded.removesuffix('f')} with the experts folded out of TP (etp 1: "
+                     "each rank holds whole experts)")
     for comm, mark in _CP_MARK.items():
         if cp := first("cp", mark or "\0"):
             parts.append(f"cp {cp} = context parallel over {cp.removesuffix(mark)} ranks, {comm}")

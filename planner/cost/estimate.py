@@ -35,6 +35,7 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     ``partition``: ``pp x virtual stages`` block ranges (default: Megatron's even split).
     ``pp_send`` overrides how the runtime sends across pipeline stages (pipeline_sends.PP_SENDS;
     the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
+    model, workload = workload.trained(model), workload.resolved(model)
     check_plan(model, cluster, workload, cfg)
     if pp_send is not None and pp_send not in ps.PP_SENDS:
         raise ValueError(f"pp_send {pp_send!r}: one of {', '.join(ps.PP_SENDS)}")

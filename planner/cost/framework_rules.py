@@ -37,6 +37,7 @@ class RunFacts:
     expert_bias: bool = False  # MoE experts with biased linears (gpt-oss)
     window: bool = False  # sliding-window attention on some layer (gpt-oss)
     zero_pp: tuple[str, ...] = ()  # Workload.zero_pp: DeepSpeed ZeRO++ options
+    mtp: bool = False  # trains a multi-token-prediction module (ModelSpec.mtp_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +222,12 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"framework megatron: this model's sliding-window attention runs under context parallelism "
                       f"only with the all-to-all exchange (Transformer Engine); use {arg('cp_comm')} a2a or "
                       f"{arg('cp')} 1"),
+    # Multi-token prediction: Megatron-Core's --mtp-num-layers. Megatron-DeepSpeed, DeepSpeed's
+    # engine over the reference trainer and torchtitan 0.2.2's deepseek_v3 (its 671B flavor is the
+    # main model) build no MTP module.
+    Rule(None, lambda c, x: x.mtp and c.framework != "megatron",
+         lambda c, x: f"framework {c.framework} has no multi-token-prediction module (the model trains with "
+                      f"one); use {arg('framework')} megatron, or {arg('mtp_layers')} 0 to plan the main model only"),
     Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
          lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
 )
@@ -278,14 +285,14 @@ class ConfigColumns:
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
                     precision: str, mla: bool = False, positions: str = "rope", model: str = "",
                     precision_aware_optimizer: bool = False, expert_bias: bool = False,
-                    window: bool = False, zero_pp: tuple[str, ...] = ()) -> None:
+                    window: bool = False, zero_pp: tuple[str, ...] = (), mtp: bool = False) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
     ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
     work, recipe = split_precision(precision)
     facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
-                     precision_aware_optimizer, expert_bias, window, zero_pp)
+                     precision_aware_optimizer, expert_bias, window, zero_pp, mtp)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -325,4 +332,4 @@ def model_facts(model: "ModelSpec") -> dict[str, Any]:
             "mla": model.decoder_blocks[0].attention.kind == "mla",
             "positions": model.positions.kind if model.positions else "rope", "model": model.name,
             "expert_bias": any(isinstance(b.mlp, MoEMLP) and b.mlp.expert_bias for b in model.decoder_blocks),
-            "window": any(b.attention.window is not None for b in model.decoder_blocks)}
+            "window": any(b.attention.window is not None for b in model.decoder_blocks), "mtp": model.mtp_layers > 0}

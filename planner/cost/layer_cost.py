@@ -155,6 +155,15 @@ class LayerContext:
         return (("allreduce", nbytes),)
 
 
+# A collective's backward partner (an all-reduce is its own).
+_MIRROR = {"allgather": "reducescatter", "reducescatter": "allgather"}
+
+
+def mirrored(ops: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    """A forward's TP collectives as its backward runs them."""
+    return tuple((_MIRROR.get(op, op), n) for op, n in ops)
+
+
 def same_in_every_mode(nbytes: float) -> dict[str, float]:
     """Stored bytes that no recompute mode changes."""
     return {mode: float(nbytes) for mode in RECOMPUTE_MODES}

@@ -24,6 +24,7 @@ from planner.cost.layer_cost import (
     Gemm,
     LayerContext,
     LayerCost,
+    mirrored,
     same_in_every_mode,
 )
 from planner.cost.parallel import Workload
@@ -35,6 +36,7 @@ from planner.model.spec import (
     EmbeddingBlock,
     LMHeadBlock,
     ModelSpec,
+    MTPBlock,
     NormBlock,
     ProjectorBlock,
     VisionBlock,
@@ -77,7 +79,8 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
         if memo is None:
             out.append(_block_cost(model, i, b, s, tiles, ctx, seen))
             continue
-        moe = b.kind == "decoder" and b.mlp.kind == "moe"
+        layer = b.layer if b.kind == "mtp" else b
+        moe = layer.kind == "decoder" and layer.mlp.kind == "moe"
         key = (i, tp, sp, ep if moe else 1, cp, etp if moe else 1)
         cost = memo.get(key)
         if cost is None:  # priced directly: hashing a layer for ``seen`` costs about as much
@@ -118,6 +121,9 @@ def _block_cost(model: ModelSpec, i: int, b: Block, s: int, tiles: int, ctx: Lay
     if kind == "lm_head":
         assert isinstance(b, LMHeadBlock)
         return _lm_head(i, b, s, ctx)
+    if kind == "mtp":
+        assert isinstance(b, MTPBlock)
+        return _mtp(i, b, s, ctx)
     raise TypeError(f"unknown block {type(b).__name__}")  # pragma: no cover - the Block union is closed
 
 
@@ -190,6 +196,28 @@ def _lm_head(i: int, b: LMHeadBlock, s: int, ctx: LayerContext) -> LayerCost:
     bwd = ((("reducescatter" if ctx.sp else "allreduce"), s * h * ACT),) if t > 1 else ()
     return LayerCost(i, "lm_head", b.params(), b.params() / t, 0.0, s, h, (Gemm(s, int(v / t), h),), None,
                      traffic, same_in_every_mode(act), act, fwd, bwd, 0.0, 0, False)
+
+
+def _mtp(i: int, b: MTPBlock, s: int, ctx: LayerContext) -> LayerCost:
+    """One multi-token-prediction depth: the shared embedding looked up again for the next
+    tokens, the two input norms and the 2h -> h projection (column-parallel, as the MLP's first
+    GEMM: its input kept, a TP pair), the transformer layer, the final norm and the shared head
+    with its cross-entropy, summed into one block (they run on one stage, after the head)."""
+    h, v = b.hidden, b.vocab
+    layer = decoder_cost(i, b.layer, s, ctx)
+    lookup = _embedding(i, EmbeddingBlock(vocab=v, hidden=h), s, ctx)
+    head = _lm_head(i, LMHeadBlock(vocab=v, hidden=h, tied=True), s, ctx)
+    norms = 3 * ctx.repl(4 * h) * s  # read and write h per token, three times
+    kept = ctx.repl(2 * ACT * h) * s + 3 * ctx.repl(ACT * h) * s  # the projection's input, the norms' inputs
+    pair = ctx.tp_pair(s * h * ACT)
+    act = {m: layer.act[m] + lookup.act[m] + head.act[m] + (kept if m != "full" else 0.0) for m in layer.act}
+    own = 2 * h * h / ctx.tp + 3 * norm_params(h, b.layer.norm)
+    return layer._replace(
+        kind="mtp", params=b.params(), params_rank=layer.params_rank + own,
+        gemms=layer.gemms + (Gemm(s, int(h / ctx.tp), 2 * h),) + head.gemms,
+        hbm_fwd=layer.hbm_fwd + lookup.hbm_fwd + head.hbm_fwd + norms + ctx.repl(2 * ACT * h) * s, act=act,
+        act_live=layer.act_live + kept, tp_fwd=layer.tp_fwd + lookup.tp_fwd + pair + head.tp_fwd,
+        tp_bwd=layer.tp_bwd + lookup.tp_bwd + mirrored(pair) + head.tp_bwd)
 
 
 # -- published formulas (tests compare the profile against these) ----------------------

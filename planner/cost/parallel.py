@@ -10,13 +10,16 @@ planner/cost/frameworks.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from planner.cost.measured_blocks import LayerProfile
 from planner.cost.precision import RECIPE_NAMES
 from planner.errors import UserError, arg
+
+if TYPE_CHECKING:
+    from planner.model.spec import ModelSpec
 
 Framework = Literal["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
@@ -66,6 +69,7 @@ CP_COMMS: tuple[str, ...] = ("p2p", "a2a", "a2a+p2p")
 
 # The largest --moe-imbalance: every token of a layer on one rank of a 64-way expert group.
 MAX_MOE_IMBALANCE = 64.0
+MAX_MTP_LAYERS = 16  # multi-token-prediction depths (DeepSeek-V3 trains one)
 # The largest --mtbf-hours: a century (beyond it no checkpoint interval changes).
 MAX_MTBF_HOURS = 876_000.0
 
@@ -130,6 +134,9 @@ class Workload(BaseModel):
     # Block costs measured by ``dsplan profile`` (planner/cost/measured_blocks.py), replacing the
     # analytic ones where given: how this job's blocks run on this system.
     layer_profile: LayerProfile | None = None
+    # Multi-token-prediction depths trained beside the model (DeepSeek-V3's MTP module, Megatron-Core's
+    # --mtp-num-layers; model.spec.MTPBlock): None keeps the model's own (num_nextn_predict_layers).
+    mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)
 
     @model_validator(mode="before")
     @classmethod
@@ -143,6 +150,17 @@ class Workload(BaseModel):
     @classmethod
     def _zero_pp_order(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(k for k in ZERO_PP if k in value)
+
+    def trained(self, model: "ModelSpec") -> "ModelSpec":
+        """``model`` as this workload trains it: with ``mtp_layers`` MTP depths when given."""
+        if self.mtp_layers is None or self.mtp_layers == model.mtp_layers:
+            return model
+        return model.with_mtp_layers(self.mtp_layers)
+
+    def resolved(self, model: "ModelSpec") -> "Workload":
+        """This workload with the MTP depths it trains ``model`` with stated, as plans record them."""
+        n = self.trained(model).mtp_layers
+        return self if self.mtp_layers == n else self.model_copy(update={"mtp_layers": n})
 
     @property
     def precision_name(self) -> str:

@@ -207,10 +207,12 @@ class TiedEmbedding(NamedTuple):
 
 
 def tied_embedding(model: ModelSpec) -> TiedEmbedding | None:
-    """The model's tied LM head and embedding, or None when the head has its own weights."""
+    """The block that reads the embedding's matrix besides the embedding (a tied LM head, or a
+    multi-token-prediction depth, which looks the next tokens up in it: Megatron-Core keeps a
+    copy on the MTP's stage) and the embedding, or None when no block shares it."""
     blocks = model.blocks
-    kinds = [b.kind for b in blocks]  # LMHeadBlock.kind, EmbeddingBlock.kind
-    heads = [i for i, k in enumerate(kinds) if k == "lm_head" and blocks[i].tied]
+    kinds = [b.kind for b in blocks]  # LMHeadBlock.kind, MTPBlock.kind, EmbeddingBlock.kind
+    heads = [i for i, k in enumerate(kinds) if (k == "lm_head" and blocks[i].tied) or k == "mtp"]
     embeds = [i for i, k in enumerate(kinds) if k == "embedding"]
     if not heads or not embeds:
         return None

@@ -4,7 +4,7 @@ Korthikanti et al. 2022 (arXiv:2205.05198) Eq. 1-6 write it, tensor by tensor.""
 
 from __future__ import annotations
 
-from planner.cost.layer_cost import ACT, MASK, AttnCore, Gemm, LayerContext, LayerCost
+from planner.cost.layer_cost import ACT, MASK, AttnCore, Gemm, LayerContext, LayerCost, mirrored
 from planner.errors import UserError, arg
 from planner.model.spec import DecoderBlock, DenseMLP, MoEMLP, VisionBlock, norm_params
 
@@ -212,11 +212,8 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     per_tok += score_tok
     nbytes = tokens * h * ACT
     tp = ctx.tp_pair(nbytes) + (ctx.tp_pair(nbytes) if mlp_tp is None else mlp_tp)
-    bwd = tuple([(_MIRROR.get(op, op), n) for op, n in tp])
+    bwd = mirrored(tp)
     return LayerCost(i, kind, params, repl_params + shard_params / t, expert_rank, tokens, h, tuple(gemms), core,
                      per_tok * tokens, act, stored_none * tokens, tp, bwd, a2a, a2a_count, True,
                      {"score_hbm": score_tok * tokens})
 
-
-# A collective's backward partner (an all-reduce is its own).
-_MIRROR = {"allgather": "reducescatter", "reducescatter": "allgather"}

@@ -40,6 +40,8 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         _a("--max-position-embeddings", max(model.max_seq_len, plan.seq_len)),
         _a("--pad-vocab-size-to" if bigscience else "--vocab-size", model.vocab),
     ]
+    if model.mtp_layers:  # DeepSeek-V3's multi-token prediction (Megatron-Core's default loss weight 0.1)
+        args.append(_a("--mtp-num-layers", model.mtp_layers))
     dense = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, DenseMLP)), None)
     moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
     ffn = dense.ffn if dense is not None else (moe.expert_ffn if moe is not None else None)
@@ -245,7 +247,7 @@ def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         return [_a("--decoder-first-pipeline-num-layers", per_chunk[0]),
                 _a("--decoder-last-pipeline-num-layers", per_chunk[-1])]
     stages = ["t" * n for n in per_chunk]
-    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "m" * model.mtp_layers + "L"  # MTP last, before the loss
     return [_a("--pipeline-model-parallel-layout", "|".join(stages)), *group]
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from planner.cost.parallel import (
     MAX_MOE_IMBALANCE,
     MAX_MTBF_HOURS,
+    MAX_MTP_LAYERS,
     CpComm,
     Framework,
     Offload,
@@ -70,6 +71,7 @@ class PlanFile(BaseModel):
     ep_comm_overlap: bool = True  # expert all-to-alls overlapped with another micro-batch where the runtime can
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)  # busiest EP rank's tokens / mean (Workload)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
+    mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)  # MTP depths trained (Workload; None: the model's)
     optimizer: Optimizer = "adamw"
     flash_attention: bool = True  # FlashAttention, or the unfused kernels (Workload)
     dropout: bool = False  # dropout masks kept for backward (Workload)
@@ -120,7 +122,7 @@ class PlanFile(BaseModel):
             tp_comm_overlap=self.tp_comm_overlap, te_attention=self.te_attention,
             fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
             ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance, mtbf_hours=self.mtbf_hours,
-            zero_pp=self.zero_pp,
+            zero_pp=self.zero_pp, mtp_layers=self.mtp_layers,
         )
 
     @property

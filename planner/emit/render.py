@@ -288,6 +288,7 @@ def render_run_dir(
         raise UserError(
             f"plan: {plan.gpus_per_node} GPUs per node, but hardware profile {profile.name} has {profile.gpus_per_node}"
         )
+    model = plan.workload().trained(model)  # with the plan's multi-token-prediction depths
     check_plan_against_model(plan, model)
     options = options.model_copy(update={"settings": resolved_settings(plan, options.settings)})
     ds_config = build_ds_config(plan, model, options.settings)

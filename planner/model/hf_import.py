@@ -33,6 +33,7 @@ from planner.model.spec import (
     LMHeadBlock,
     ModelSpec,
     MoEMLP,
+    MTPBlock,
     NormBlock,
     Positions,
 )
@@ -161,10 +162,6 @@ def _language_config(config: dict[str, Any], source: str) -> tuple[ConfigReader,
         warnings.warn(f"{source}: model_type {shown} is not one dsplan knows; imported it as a Llama-style "
                       "decoder from its standard keys: check the result with `dsplan models show`",
                       HFImportWarning, stacklevel=4)
-    if lm.config.get("num_nextn_predict_layers"):
-        warnings.warn(f"{source}: the {lm.config['num_nextn_predict_layers']} multi-token-prediction module(s) "
-                      "(num_nextn_predict_layers) are not modelled; planning covers the main model",
-                      HFImportWarning, stacklevel=4)
     return root, lm, family, model_type
 
 
@@ -194,6 +191,8 @@ def _build(config: dict[str, Any], name: str, source: str) -> ModelSpec:
     blocks.extend(decoders)
     blocks.append(NormBlock(hidden=hidden, norm=decoders[0].norm))
     blocks.append(LMHeadBlock(vocab=vocab, hidden=hidden, tied=tied))
+    # DeepSeek-V3's multi-token-prediction depths follow the head, each one of its last layer's kind.
+    blocks.extend([MTPBlock(layer=decoders[-1], vocab=vocab)] * (lm.get_int(K.MTP, minimum=0) if lm.has(*K.MTP) else 0))
 
     defaulted = list(lm.defaulted)
     train_seq = min(max_seq, TRAIN_SEQ_CAP)

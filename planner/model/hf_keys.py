@@ -31,6 +31,7 @@ TIED = ("tie_word_embeddings",)
 ROPE_THETA = ("rope_theta", "rotary_emb_base")
 ROTARY_PCT = ("partial_rotary_factor", "rotary_pct")
 NORM_EPS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon")
+MTP = ("num_nextn_predict_layers",)  # DeepSeek-V3's multi-token-prediction depths
 
 REQUIRED: Any = object()  # sentinel default: the key must be present
 
@@ -38,7 +39,7 @@ REQUIRED: Any = object()  # sentinel default: the key must be present
 _WIDTHS = HIDDEN + HEAD_DIM + ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                "width", "embed_dim", "n_embed", "input_dim")
 BOUNDED_AS: dict[str, str] = {
-    **dict.fromkeys(LAYERS + ("layers", "depth", "first_k_dense_replace"), "layers"),
+    **dict.fromkeys(LAYERS + MTP + ("layers", "depth", "first_k_dense_replace"), "layers"),
     **dict.fromkeys(_WIDTHS, "width"),
     **dict.fromkeys(FFN + ("moe_intermediate_size", "shared_expert_intermediate_size"), "ffn"),
     **dict.fromkeys(HEADS + KV_HEADS + ("heads", "num_heads"), "heads"),

@@ -32,8 +32,8 @@ from planner.model.parts import (
 )
 
 __all__ = ["MLA", "MLP", "Activation", "Attention", "Block", "DecoderBlock", "DenseMLP", "EmbeddingBlock",
-           "LMHeadBlock", "ModelSpec", "MoEMLP", "NormBlock", "NormKind", "Positions", "ProjectorBlock", "VisionBlock",
-           "VisionEmbedBlock", "VisionTiling", "linear_params", "norm_params"]
+           "LMHeadBlock", "MTPBlock", "ModelSpec", "MoEMLP", "NormBlock", "NormKind", "Positions", "ProjectorBlock",
+           "VisionBlock", "VisionEmbedBlock", "VisionTiling", "linear_params", "norm_params"]
 
 PositionKind = Literal["learned", "rope", "mrope", "alibi"]
 ScalingValue = Union[float, int, str, bool, list[int], None]
@@ -198,8 +198,35 @@ class LMHeadBlock(Frozen):
         return self.params()
 
 
+class MTPBlock(Frozen):
+    """One depth of a multi-token-prediction module (DeepSeek-V3, arXiv:2412.19437 sec. 2.2):
+    the next token's embedding and the previous depth's hidden state, each RMS-normed,
+    concatenated and projected from 2h to h, then one transformer ``layer`` and a final norm
+    before the output head. The embedding and the head are the main model's (shared, no
+    weights of their own); both still run for every token."""
+
+    kind: Literal["mtp"] = "mtp"
+    layer: DecoderBlock
+    vocab: PositiveInt
+
+    @property
+    def hidden(self) -> int:
+        return self.layer.hidden
+
+    def own_params(self) -> int:
+        """The projection and its three norms (enorm, hnorm, the final one)."""
+        return 2 * self.hidden * self.hidden + 3 * norm_params(self.hidden, self.layer.norm)
+
+    def params(self) -> int:
+        return self.layer.params() + self.own_params()
+
+    def activated_params(self) -> int:
+        return self.layer.activated_params() + self.own_params() + self.vocab * self.hidden  # the shared head runs
+
+
 Block = Annotated[
-    Union[EmbeddingBlock, VisionEmbedBlock, VisionBlock, ProjectorBlock, DecoderBlock, NormBlock, LMHeadBlock],
+    Union[EmbeddingBlock, VisionEmbedBlock, VisionBlock, ProjectorBlock, DecoderBlock, NormBlock, LMHeadBlock,
+          MTPBlock],
     Field(discriminator="kind"),
 ]
 
@@ -289,7 +316,22 @@ class ModelSpec(Frozen):
 
     # -- derived facts -------------------------------------------------------------------
     def total_params(self) -> int:
+        """Every block's parameters, a multi-token-prediction module's included."""
         return sum(b.params() for b in self.blocks)
+
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction depths (MTPBlock) the model trains with."""
+        return sum(1 for b in self.blocks if b.kind == "mtp")
+
+    def with_mtp_layers(self, n: int) -> ModelSpec:
+        """This model with ``n`` multi-token-prediction depths after its head (none: the main
+        model, as the authors count its parameters), each a copy of its last decoder layer
+        (DeepSeek-V3's MTP layer is one of its MoE layers), or the ones it has."""
+        main = [b for b in self.blocks if b.kind != "mtp"]
+        own = [b for b in self.blocks if b.kind == "mtp"]
+        depth = own[0] if own else MTPBlock(layer=self._decoders.blocks[-1], vocab=self.vocab)
+        return self.model_copy(update={"blocks": main + [depth] * n})
 
     def activated_params(self, include_input_embedding: bool = False) -> int:
         """Parameters a token passes through (top-k experts only; the lookup table excluded)."""

@@ -14,6 +14,7 @@ from planner.model.spec import (
     LMHeadBlock,
     ModelSpec,
     MoEMLP,
+    MTPBlock,
     NormBlock,
     ProjectorBlock,
     VisionBlock,
@@ -29,6 +30,8 @@ def block_label(block: Any, in_vision: bool = False) -> str:
         mlp = "MoE" if isinstance(block.mlp, MoEMLP) else "dense"
         window = f", window {block.attention.window}" if block.attention.window else ""
         return f"decoder ({mlp}, {block.attention.kind.upper()}{window})"
+    if isinstance(block, MTPBlock):  # its layer's kind, after the main model's head
+        return "mtp depth " + block_label(block.layer).removeprefix("decoder ")
     if isinstance(block, NormBlock):
         return "norm (vision)" if in_vision else "norm"
     if isinstance(block, LMHeadBlock):
@@ -101,6 +104,8 @@ def model_summary(spec: ModelSpec, blocks: bool = False) -> dict[str, Any]:
         "family": spec.family,
         "hf_model_type": spec.hf_model_type,
         "total_params": spec.total_params(),
+        "mtp_layers": spec.mtp_layers,
+        "mtp_params": spec.total_params() - spec.with_mtp_layers(0).total_params(),
         "activated_params": spec.activated_params(),
         "activated_params_incl_embedding": spec.activated_params(include_input_embedding=True),
         "stated_total_params": spec.stated_total_params,

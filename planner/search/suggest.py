@@ -205,7 +205,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
             te_attention: bool = True, fp8_param_gather: bool = True, precision_aware_optimizer: bool = False,
             ep_comm_overlap: bool = True, moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
-            layer_profile: LayerProfile | None = None, constraints: Constraints | None = None,
+            layer_profile: LayerProfile | None = None, mtp_layers: int | None = None,
+            constraints: Constraints | None = None,
             balancer: str = "optimal", objective: str = "throughput", top: int = 5,
             progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
             rep: int = 1, zero_pp: tuple[str, ...] = (), etp: tuple[int | None, bool] = (None, True)) -> SuggestResult:
@@ -238,16 +239,12 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
                         tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout,  # type: ignore[arg-type]
-                        mtbf_hours=mtbf_hours, layer_profile=layer_profile, zero_pp=zero_pp)  # type: ignore[arg-type]
+                        mtbf_hours=mtbf_hours, layer_profile=layer_profile, zero_pp=zero_pp,  # type: ignore[arg-type]
+                        mtp_layers=mtp_layers)
+    model, workload = workload.trained(model), workload.resolved(model)
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
-              "gpus": world, "global_batch": gb, "seq_len": seq, "tokens_per_step": gb * seq, "precision": precision,
-              "optimizer": optimizer, "flash_attention": flash_attention, "dropout": dropout,
-              "tp_comm_overlap": tp_comm_overlap, "te_attention": te_attention,
-              "fp8_param_gather": fp8_param_gather, "precision_aware_optimizer": precision_aware_optimizer,
-              "ep_comm_overlap": ep_comm_overlap, "moe_imbalance": moe_imbalance, "mtbf_hours": mtbf_hours,
-              "layer_profile": layer_profile.summary() if layer_profile else None, "zero_pp": ",".join(zero_pp),
-              "images_per_sample": images, "tiles_per_image": tiles, "balancer": balancer, "objective": objective,
-              "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
+              "gpus": world, **_workload_inputs(workload), "precision": precision,
+              "balancer": balancer, "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
     search_cpu_started = time.process_time()
     space = candidate_space(model, cluster, workload, cons, cp=cp, rep=rep, etp=etp[0], tp1=etp[1])
     result = _search(model, cluster, workload, space, balancer, objective, top, inputs, progress, cp, rep, etp[0])
@@ -259,6 +256,17 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
         raise NoPlanFits(nothing_fits_message(result.evaluated, result.rejected["out_of_memory"], result.closest,
                                               result.advice, profile), result)
     return result
+
+
+_WORKLOAD_INPUTS = ("global_batch", "seq_len", "tokens_per_step", "optimizer", "dropout", "mtbf_hours",
+                    "tp_comm_overlap", "te_attention", "fp8_param_gather", "precision_aware_optimizer", "mtp_layers",
+                    "ep_comm_overlap", "moe_imbalance", "flash_attention", "images_per_sample", "tiles_per_image")
+
+
+def _workload_inputs(w: Workload) -> dict[str, Any]:
+    """What the search's inputs record of its workload (the precision as the caller named it)."""
+    return {**{k: getattr(w, k) for k in _WORKLOAD_INPUTS}, "zero_pp": ",".join(w.zero_pp),
+            "layer_profile": w.layer_profile.summary() if w.layer_profile else None}
 
 
 def _search(model: ModelSpec, cluster: Cluster, workload: Workload, space: Space, balancer: str, objective: str,

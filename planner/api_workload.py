@@ -1,0 +1,88 @@
+"""The API's workload: ``make_workload`` with the CLI's defaults and bounds, and the Workload
+fields ``estimate`` and ``suggest`` take as keywords (planner/api.py re-exports them)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from planner import limits
+from planner.errors import UserError, arg
+
+if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
+    from planner.cost.measured_blocks import LayerProfile
+    from planner.cost.parallel import Workload
+    from planner.model.spec import ModelSpec
+
+# The Workload fields ``estimate`` and ``suggest`` take as keywords instead of ``workload=``.
+WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
+                 "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
+                 "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
+                 "zero_pp", "mtp_layers")
+
+
+def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
+                  seq_len: int | None = None, images_per_sample: int | None = None,
+                  tiles_per_image: int | None = None, precision: str = "bf16", optimizer: str = "adamw",
+                  flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
+                  te_attention: bool = True, fp8_param_gather: bool = True,
+                  precision_aware_optimizer: bool = False, ep_comm_overlap: bool = True,
+                  moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
+                  layer_profile: "str | LayerProfile | None" = None, zero_pp: "str | tuple" = (),
+                  mtp_layers: int | None = None) -> "Workload":
+    """The per-step workload with the CLI's defaults: the model's training sequence length,
+    ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
+    search's default batch, planner/cost/degrees.py), the model's default images and tiles per
+    sample for vision-language models, and its own multi-token-prediction depths unless
+    ``mtp_layers`` says how many (0: the main model only).
+
+    >>> make_workload("vl2", gpus=64).global_batch
+    1024
+    """
+    from pydantic import ValidationError
+
+    from planner.cost.degrees import default_global_batch, rule_message
+    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS, MAX_MTP_LAYERS, Workload, parse_zero_pp
+    from planner.model.load import load_model
+    from planner.model.spec import ModelSpec
+    from planner.model.vision_inputs import vision_inputs
+
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    seq = seq_len_of(spec, seq_len)
+    if global_batch is None:
+        global_batch = default_global_batch(seq, gpus or 1)
+    limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
+    images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
+    from planner.cost.measured_blocks import as_layer_profile
+    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not (
+            1 <= moe_imbalance <= MAX_MOE_IMBALANCE):
+        raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to {MAX_MOE_IMBALANCE:g} (the busiest "
+                        f"expert-parallel rank's tokens over the mean; 1 = balanced), "
+                        f"got {limits.shown(moe_imbalance)}")
+    if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float))
+                                   or not 0 < mtbf_hours <= MAX_MTBF_HOURS):
+        raise UserError(f"{arg('mtbf_hours')}: need hours above 0 and at most {MAX_MTBF_HOURS:g} (the job's mean "
+                        f"time between failures), got {limits.shown(mtbf_hours)}")
+    if mtp_layers is not None and (isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int)
+                                   or not 0 <= mtp_layers <= MAX_MTP_LAYERS):
+        raise UserError(f"{arg('mtp_layers')}: need a whole number of multi-token-prediction depths from 0 (the main "
+                        f"model only) to {MAX_MTP_LAYERS}, got {limits.shown(mtp_layers)}")
+    try:
+        return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
+                        precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
+                        tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
+                        fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
+                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours,
+                        layer_profile=as_layer_profile(layer_profile), zero_pp=parse_zero_pp(zero_pp),
+                        mtp_layers=mtp_layers).resolved(spec)
+    except ValidationError as err:
+        raise UserError(rule_message("workload", err)) from None
+
+
+def seq_len_of(spec: "ModelSpec", seq_len: int | None) -> int:
+    return limits.count("seq_len", spec.train_seq_len if seq_len is None else seq_len)
+
+
+def check_workload(workload: "Workload") -> None:
+    """A Workload given whole (``workload=``) within the same bounds as its fields given one by one."""
+    seq = limits.count("seq_len", workload.seq_len)
+    limits.tokens_per_step(limits.count("global_batch", workload.global_batch), seq)
