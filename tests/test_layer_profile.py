@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from planner import api
-from planner.cost.measured_blocks import block_signature, load_layer_profile
+from planner.cost.measured_blocks import block_signature, load_layer_profile, measured_for
 from planner.errors import UserError
 
 DSPLAN = [sys.executable, "-m", "planner"]
@@ -133,3 +133,19 @@ def test_the_pipeline_balancer_balances_the_measured_costs(profiled):
         return best.partition[0][1] - best.partition[0][0]
 
     assert first_stage_blocks(heavy) < first_stage_blocks(prof)
+
+
+def test_an_mtp_depth_runs_at_its_layers_measured_ratio(profiled):
+    """The profiler builds no MTP module: with --mtp-layers 1 the depth (one more decoder layer,
+    the projection and the head again) is priced at its layer's measured / analytic ratio."""
+    prof = load_layer_profile(profiled / "p.json")
+    spec = api.load_model("gpt3-125m")
+    with_mtp = spec.with_mtp_layers(1)
+    index = measured_for(prof, with_mtp, "box")
+    decoder = next(i for i, b in enumerate(spec.blocks) if b.kind == "decoder")
+    assert index[-1] == index[decoder] and len(index) == len(spec.blocks) + 1
+    cluster = api.load_cluster(str(profiled / "box.yaml"), gpus_per_node=1)
+    kw = dict(global_batch=2, micro_batch=2, seq_len=128, precision="fp32", framework="megatron",
+              layer_profile=str(profiled / "p.json"))
+    plain, mtp = api.estimate("gpt3-125m", cluster, **kw), api.estimate("gpt3-125m", cluster, mtp_layers=1, **kw)
+    assert mtp.time.compute > plain.time.compute + (prof.blocks[1].forward_s + prof.blocks[1].backward_s) * 0.99

@@ -63,3 +63,21 @@ def test_the_plan_file_carries_it(tmp_path):
                                   "--moe-imbalance", "1.25", "--entry", str(script), "--out", str(tmp_path / "run")])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["moe_imbalance"] == 1.25
+
+
+def test_deepspeed_moe_runs_at_the_capacity_it_was_priced_at(tmp_path):
+    """DeepSpeed's top-k gating sends fixed [experts, capacity, hidden] buffers: the ds_config's
+    capacity factor and the reference trainer's MoE layers both take the planned imbalance, so
+    every rank moves and computes the F x mean copies the plan priced at the busiest rank."""
+    from planner.run.model_layers import MoEFeedForward
+
+    r = CliRunner().invoke(main, ["generate", "--model", "mixtral-8x7b", "--hardware", "dgx-h100", "--ep", "8",
+                                  "--pp", "1", "--framework", "deepspeed", "--zero", "1", "--global-batch", "32",
+                                  "--moe-imbalance", "1.25", "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    moe = json.loads((tmp_path / "run" / "moe.json").read_text())["deepspeed_moe"]
+    assert moe["capacity_factor"] == moe["eval_capacity_factor"] == 1.25 and moe["drop_tokens"] is True
+    # The trainer builds DeepSpeed's own gate with it (plan.moe_imbalance -> TopKGate.capacity_factor).
+    mlp = load_model("mixtral-8x7b").decoder_blocks[0].mlp.model_copy(update={"expert_ffn": 32})
+    gate = MoEFeedForward(64, mlp, 1, 1.25).experts.deepspeed_moe.gate
+    assert (type(gate).__name__, gate.capacity_factor, gate.eval_capacity_factor) == ("TopKGate", 1.25, 1.25)

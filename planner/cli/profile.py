@@ -80,7 +80,9 @@ def _run(opts: dict[str, Any], hardware_out: str | None):
     from planner.hardware.load import load_profile
     from planner.run.model_scale import parse_scale
 
-    spec = load_model(opts["model_name"])
+    # The reference trainer has no MTP module: its depth is priced at its layer's measured ratio
+    # (measured_blocks.measured_for), and that layer is one of the main model's.
+    spec = load_model(opts["model_name"]).with_mtp_layers(0)
     parse_scale(opts["scale"])  # the cheap checks before a device is touched
     if opts["hardware"]:
         load_profile(opts["hardware"])

@@ -153,7 +153,8 @@ def measured_for(profile: LayerProfile, model: ModelSpec, hardware: str, source:
     index = {m.signature: i for i, m in enumerate(profile.blocks)}
     out = []
     for i, block in enumerate(model.blocks):
-        j = index.get(block_signature(block))
+        # A multi-token-prediction depth, which the profiler does not build, runs at its layer's ratio.
+        j = index.get(block_signature(block.layer if block.kind == "mtp" else block))
         if j is None:
             raise UserError(f"{source}: block {i} ({block.kind}) of {model.name} is not in the profile (the model "
                             "changed since it was measured); profile it again")

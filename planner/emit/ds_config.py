@@ -212,10 +212,13 @@ def build_moe_config(plan: PlanFile, model: ModelSpec) -> dict[str, Any] | None:
             "num_experts": mlp.routed_experts,
             "ep_size": plan.ep,
             "k": mlp.top_k,
-            # Capacity 1.0 with token dropping (GShard / DeepSeek-V2's device-level dropping);
-            # min_capacity keeps tiny micro-batches from dropping everything.
-            "capacity_factor": 1.0,
-            "eval_capacity_factor": 1.0,
+            # Capacity with token dropping (GShard / DeepSeek-V2's device-level dropping) at the
+            # planned routing imbalance (Workload.moe_imbalance, 1.0 balanced): DeepSpeed's top-k
+            # gating sends fixed buffers of capacity x the mean copies, which is what dsplan priced,
+            # and the reference trainer runs the same factor. min_capacity keeps tiny micro-batches
+            # from dropping everything.
+            "capacity_factor": plan.moe_imbalance,
+            "eval_capacity_factor": plan.moe_imbalance,
             "min_capacity": 4,
             "drop_tokens": True,
             # DeepSpeed's Residual-MoE: a dense MLP beside the experts, the shared experts here.

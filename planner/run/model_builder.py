@@ -49,8 +49,10 @@ def tiles_per_sample(spec: ModelSpec, images_per_sample: int, tiles_per_image: i
     return images * (tiles + (1 if spec.vision.global_view else 0))
 
 
-def layer_specs(spec: ModelSpec, *, ep_size: int, tiles: int, recompute: str) -> list[tuple[type, tuple]]:
-    """(class, args) per block, in forward order; built lazily so a pipeline stage builds only its own."""
+def layer_specs(spec: ModelSpec, *, ep_size: int, tiles: int, recompute: str,
+                capacity: float = 1.0) -> list[tuple[type, tuple]]:
+    """(class, args) per block, in forward order; built lazily so a pipeline stage builds only its own.
+    ``capacity``: DeepSpeed MoE's capacity factor (model_layers.MoEFeedForward)."""
     out: list[tuple[type, tuple]] = []
     for block in spec.blocks:
         if isinstance(block, VisionEmbedBlock):
@@ -62,7 +64,7 @@ def layer_specs(spec: ModelSpec, *, ep_size: int, tiles: int, recompute: str) ->
         elif isinstance(block, EmbeddingBlock):
             out.append((EmbeddingLayer, (block,)))
         elif isinstance(block, DecoderBlock):
-            out.append((_configured(DecoderLayer, recompute), (block, ep_size)))
+            out.append((_configured(DecoderLayer, recompute), (block, ep_size, capacity)))
         elif isinstance(block, NormBlock):
             out.append((NormLayer, (block,)))
         elif isinstance(block, LMHeadBlock):
@@ -137,11 +139,12 @@ class ReferenceForCausalLM(nn.Module):
         "layers.*.mlp.down_proj": "rowwise",
     }
 
-    def __init__(self, spec: ModelSpec, *, ep_size: int = 1, tiles: int = 0, recompute: str = "none"):
+    def __init__(self, spec: ModelSpec, *, ep_size: int = 1, tiles: int = 0, recompute: str = "none",
+                 capacity: float = 1.0):
         super().__init__()
         self.config = hf_like_config(spec)
-        self.model = ReferenceModel([cls(*args) for cls, args in
-                                     layer_specs(spec, ep_size=ep_size, tiles=tiles, recompute=recompute)])
+        self.model = ReferenceModel([cls(*args) for cls, args in layer_specs(
+            spec, ep_size=ep_size, tiles=tiles, recompute=recompute, capacity=capacity)])
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         *data, labels = inputs
@@ -149,7 +152,7 @@ class ReferenceForCausalLM(nn.Module):
 
 
 def build_pipeline(spec: ModelSpec, parts: list[int], *, ep_size: int, tiles: int, recompute: str,
-                   seed: int = 1234):
+                   seed: int = 1234, capacity: float = 1.0):
     """A DeepSpeed PipelineModule split exactly at ``parts`` (the planner's stage boundaries)."""
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -170,6 +173,6 @@ def build_pipeline(spec: ModelSpec, parts: list[int], *, ep_size: int, tiles: in
             self._set_bounds(start=parts[stage], stop=parts[stage + 1])
 
     specs = [LayerSpec(_tuple_input(cls), *args) for cls, args in layer_specs(spec, ep_size=ep_size, tiles=tiles,
-                                                                                recompute=recompute)]
+                                                                                recompute=recompute, capacity=capacity)]
     return PlannedPipelineModule(specs, parts, num_stages=len(parts) - 1, loss_fn=causal_lm_loss,
                                  base_seed=seed)

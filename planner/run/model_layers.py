@@ -149,15 +149,19 @@ class FeedForward(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """Routed experts through DeepSpeed MoE (expert parallel over ``ep_size``) plus shared experts."""
+    """Routed experts through DeepSpeed MoE (expert parallel over ``ep_size``) plus shared experts.
 
-    def __init__(self, hidden: int, mlp: MoEMLP, ep_size: int):
+    ``capacity``: DeepSpeed's capacity factor, the plan's routing imbalance (Workload.moe_imbalance):
+    its top-k gating sends fixed [experts, capacity, hidden] buffers, capacity x the mean copies,
+    which is what dsplan priced (tokens beyond it are dropped)."""
+
+    def __init__(self, hidden: int, mlp: MoEMLP, ep_size: int, capacity: float = 1.0):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
         self.experts = MoE(hidden_size=hidden, expert=FeedForward(hidden, mlp.expert_ffn, mlp.act, mlp.expert_bias),
                            num_experts=mlp.routed_experts, ep_size=ep_size, k=mlp.top_k,
-                           capacity_factor=2.0, eval_capacity_factor=2.0, min_capacity=4)
+                           capacity_factor=capacity, eval_capacity_factor=capacity, min_capacity=4)
         self.shared_experts = FeedForward(hidden, mlp.shared_ffn, mlp.act) if mlp.shared_ffn else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,14 +185,14 @@ class _Recomputable(nn.Module):
 
 
 class DecoderLayer(_Recomputable):
-    def __init__(self, block: DecoderBlock, ep_size: int = 1):
+    def __init__(self, block: DecoderBlock, ep_size: int = 1, capacity: float = 1.0):
         super().__init__()
         a = block.attention
         self.input_layernorm = make_norm(block.norm, block.hidden)
         self.self_attn = LatentAttention(block.hidden, a) if a.kind == "mla" else SelfAttention(block.hidden, a, True)
         self.post_attention_layernorm = make_norm(block.norm, block.hidden)
         if isinstance(block.mlp, MoEMLP):
-            self.mlp: nn.Module = MoEFeedForward(block.hidden, block.mlp, ep_size)
+            self.mlp: nn.Module = MoEFeedForward(block.hidden, block.mlp, ep_size, capacity)
         else:
             assert isinstance(block.mlp, DenseMLP)
             self.mlp = FeedForward(block.hidden, block.mlp.ffn, block.mlp.act, block.mlp.bias)

@@ -236,9 +236,11 @@ def _build_model(spec: ModelSpec, scale: Scale, plan: PlanFile, seq_len: int, se
                          patch_pixels=embed.patch_pixels if embed else 0, seed=seed)
     torch.manual_seed(seed)  # identical initial weights on every rank
     if plan.pp > 1:
-        module = build_pipeline(small, scaled.parts, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute, seed=seed)
+        module = build_pipeline(small, scaled.parts, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute, seed=seed,
+                                capacity=plan.moe_imbalance)
     else:
-        module = ReferenceForCausalLM(small, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute)
+        module = ReferenceForCausalLM(small, ep_size=plan.ep, tiles=tiles, recompute=plan.recompute,
+                                      capacity=plan.moe_imbalance)
     return _Model(scale=scale, scaled=scaled, module=module, data=data, image_tokens=image_tokens)
 
 
