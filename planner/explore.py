@@ -99,32 +99,36 @@ def candidates(model: Any, cluster: Any, *, workload: Any = None, balancer: str 
     from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES
     from planner.search.context_splits import context_splits
     from planner.search.evaluate import Pricing, evaluate_keys
+    from planner.search.expert_tp import expert_tp_choices
     from planner.search.keys import group_by_key
     from planner.search.request import candidate_space
 
     spec = api.load_model(model)
     wl = workload if workload is not None else api.make_workload(spec, gpus=cluster.num_gpus)
+    spec, wl = wl.trained(spec), wl.resolved(spec)  # with the workload's multi-token-prediction depths
     cons = api.constraints(**axes)
     capacity = cluster.profile.gpu.memory_bytes
     base = {"model": spec.name, "hardware": cluster.profile.name, "nodes": cluster.nodes, "gpus": cluster.num_gpus,
             "global_batch": wl.global_batch, "seq_len": wl.seq_len, "capacity_bytes": capacity}
     rows, spaces, errors = [], [], []
-    for split in context_splits(cons, spec, wl.seq_len, wl.flash_attention, cluster.num_gpus):  # as suggest does
+    searches = [(split, etp) for split in context_splits(cons, spec, wl.seq_len, wl.flash_attention, cluster.num_gpus)
+                for etp in expert_tp_choices(cons, spec)]  # as suggest does
+    for split, etp in searches:
         try:
-            spaces.append((split, candidate_space(spec, cluster, wl, cons, cp=split)))
+            spaces.append(((split, etp[0]), candidate_space(spec, cluster, wl, cons, cp=split, etp=etp[0], tp1=etp[1])))
         except UserError as err:  # a split the pins leave nothing of: the others stand
             errors.append(err)
     if not spaces:
         raise errors[0]
-    for split, space in spaces:
-        pricing = Pricing.of(spec, cluster, wl, balancer, *split)
+    for (split, etp), space in spaces:
+        pricing = Pricing.of(spec, cluster, wl, balancer, *split, etp=etp)
         res = evaluate_keys(pricing, group_by_key(space))
         col = take(space.columns, res.rows)
         tokens = wl.global_batch * wl.seq_len / res.step_time
         mfu = pricing.tables.runs.flops_per_step() / res.step_time / cluster.num_gpus / pricing.ctx.dev.mfu_peak
         for i in range(len(res.rows)):
             row = dict(base, dp=int(col["dp"][i]), tp=int(col["tp"][i]), pp=int(col["pp"][i]), ep=int(col["ep"][i]),
-                       cp=int(col["cp"][i]), cp_comm=CP_COMMS[col["cp_comm"][i]],
+                       etp=int(col["etp"][i]), cp=int(col["cp"][i]), cp_comm=CP_COMMS[col["cp_comm"][i]],
                        zero_stage=int(col["zero"][i]), offload=OFFLOADS[col["offload"][i]],
                        micro_batch=int(col["micro_batch"][i]), grad_accum=int(col["grad_accum"][i]),
                        recompute=RECOMPUTES[col["recompute"][i]], sequence_parallel=bool(col["sp"][i]),
