@@ -66,7 +66,8 @@ MUST_EMIT = {
     "llama-3-8b-megatron-fsdp": ["--use-megatron-fsdp"],
     "llama-3-8b-megatron-hsdp": ["--use-megatron-fsdp", "--num-distributed-optimizer-instances"],
     "llama-3-8b-cp2-a2a": ["--context-parallel-size", "--cp-comm-type"],
-    "qwen3-30b-a3b-tp2-etp1-ep16": ["--expert-tensor-parallel-size", "--expert-model-parallel-size"],
+    "qwen3-30b-a3b-tp2-etp1-ep16": ["--expert-tensor-parallel-size", "--expert-model-parallel-size",
+                                    "--moe-grouped-gemm"],
     "deepseek-v2-lite-mtp-pp2-layout": ["--mtp-num-layers", "--pipeline-model-parallel-layout"],
 }
 

@@ -25,6 +25,9 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         _a("--expert-tensor-parallel-size", plan.etp or plan.tp),
         _a("--moe-layer-freq", pattern),
         _a("--moe-token-dispatcher-type", "alltoall"),
+        # The local experts as one grouped GEMM, as dsplan prices them (layer_cost.Gemm.batch);
+        # Megatron-Core's default is a loop of per-expert GEMMs (SequentialMLP).
+        _a("--moe-grouped-gemm"),
         *router_args(moe),
     ]
     if moe.shared_ffn:
