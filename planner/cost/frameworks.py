@@ -130,6 +130,13 @@ class Traits:
     # ZeRO-3 gathers per module and prefetch bucket and reduces per gradient bucket (DeepSpeed's
     # parameter coordinator, zero3_fetch.py), not one call per wrapped block (FSDP2, Megatron-FSDP).
     zero3_module_fetch: bool = False
+    # Under a pipeline, FSDP2 keeps each stage's weights gathered and its gradients unsharded
+    # across the step's micro-batches: torch.distributed.pipelining runs every backward with
+    # resharding and gradient sync off (stage.py backward_maybe_with_nosync) and reduce-scatters
+    # once at the end (perform_reduce_grad), and torchtitan 0.2.2's default policy does not
+    # reshard after forward under PP. So one gather in the step's first forward, one reduction,
+    # and the stage's 16-bit weights plus fp32 accumulated gradients (reduce_dtype) held whole.
+    fsdp_pp_keeps_stage_gathered: bool = False
 
 
 TRAITS = {
@@ -144,7 +151,7 @@ TRAITS = {
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
     # one computes (two live); a stage sends (s/t, b, h); attention is SDPA, not TE; no async TP.
     "torchtitan": Traits("torchtitan", True, "sequence_parallel", True, False, zero3_live_blocks=2,
-                         hsdp_allreduce_every_microbatch=True),
+                         hsdp_allreduce_every_microbatch=True, fsdp_pp_keeps_stage_gathered=True),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config

@@ -33,6 +33,7 @@ import numpy as np
 from planner.cost import frameworks as fw
 from planner.cost.candidates import expert_shard_ranks, shard_ranks
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
+from planner.cost.zero3_fetch import keeps_stage_gathered, live_blocks
 
 GiB = 2**30
 # Allowances (documented estimates, not calibrated): the CUDA context with cuBLAS/cuDNN
@@ -238,13 +239,11 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
     wd, gd, od, cd, we, ge, oe, ce = np.array(rows, dtype=float).reshape(-1, 8).T[:, :, None]
     z3 = col["zero"] == 3
     live3 = np.where(z3[:, None], 2.0 * live_blocks(col)[:, None] * largest, 0.0) if z3.any() else 0.0
-    return (wd * dense + we * expert + live3, gd * dense + ge * expert + live3, od * dense + oe * expert,
+    whole = (z3 & keeps_stage_gathered(col))[:, None]  # FSDP2 under PP: the stage gathered, fp32 grads
+    w_live, g_live = np.where(whole, 2.0 * (dense + expert), live3), np.where(whole, 4.0 * (dense + expert), live3)
+    return (wd * dense + we * expert + w_live, gd * dense + ge * expert + g_live, od * dense + oe * expert,
             cd * dense + ce * expert)
 
-
-def live_blocks(col: dict[str, np.ndarray]) -> np.ndarray:
-    """Per candidate, the gathered blocks a ZeRO-3 rank holds whole (frameworks.Traits.zero3_live_blocks)."""
-    return _LIVE_BLOCKS[col["framework"]]
 
 
 def model_states(dense_params: float, expert_params: float, *, framework: str, zero: int, offload: str,
@@ -254,14 +253,13 @@ def model_states(dense_params: float, expert_params: float, *, framework: str, z
     its largest layer), for one configuration."""
     col = {"framework": np.array([FRAMEWORKS.index(framework)]), "zero": np.array([zero]),
            "offload": np.array([OFFLOADS.index(offload)]), "dp": np.array([dp]), "ep": np.array([ep]),
-           "cp": np.array([1]), "rep": np.array([1]), "tp": np.array([1]), "etp": np.array([1])}
+           "cp": np.array([1]), "rep": np.array([1]), "tp": np.array([1]), "etp": np.array([1]), "pp": np.array([1])}
     one = np.array([[float(x)] for x in (dense_params, expert_params, live_layer_params)])
     return ModelStates(*(float(x[0, 0]) for x in state_bytes(col, *one[:, None], precision, moments,
                                                                     **dtypes)))
 
 
 # Per framework (in FRAMEWORKS order): whether it keeps DeepSpeed's ZeRO bucket buffers.
-_LIVE_BLOCKS = np.array([fw.traits(f).zero3_live_blocks for f in FRAMEWORKS], dtype=float)
 _ZERO_BUCKETS = np.array([fw.traits(f).zero_buckets for f in FRAMEWORKS])
 
 

@@ -37,6 +37,7 @@ from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.cost.precision import gathers_fp8_params
+from planner.cost.zero3_fetch import keeps_stage_gathered
 from planner.hardware.placement import GroupShape
 
 
@@ -241,6 +242,11 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
         first = np.maximum(0.0, r["z3_gather"][z3] - fwd[z3]) - np.maximum(0.0, g3 - fwd[z3])
         every_mb = _HSDP_EVERY_MICROBATCH[fwi[z3]][:, None]
         out[z3] = np.where(every_mb, m[z3] * last, (m[z3] - 1.0) * plain + last) + first
+        # FSDP2 under a pipeline: the stage gathered once (the first forward) and reduced once (the
+        # last backward), whatever the micro-batches (zero3_fetch.keeps_stage_gathered).
+        once = keeps_stage_gathered(col)[z3][:, None]
+        out[z3] = np.where(once, np.maximum(0.0, r["z3_gather"][z3] - fwd[z3]) + np.maximum(0.0, r3 + a3 - b3),
+                           out[z3])
         # DeepSpeed's fetch hooks run on the host beside the kernels they launch: what outlasts
         # the device's work per micro-batch shows (all of it where the host is the device).
         device = 0.0 if host_is_device else (r["fwd"] + r["bwd"] + r["rc"])[z3]

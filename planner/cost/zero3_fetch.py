@@ -154,3 +154,20 @@ def seconds_over_calls(cluster: Cluster, op: str, shape: GroupShape, size: np.nd
     block makes no call: its tensors stay resident)."""
     each = np.divide(size, calls, out=np.zeros_like(size), where=calls > 0)
     return calls * collective_time_array(cluster, op, shape, each)
+
+
+# -- what a ZeRO-3 rank holds gathered ---------------------------------------------------------
+
+_LIVE_BLOCKS = np.array([fw.traits(f).zero3_live_blocks for f in FRAMEWORKS], dtype=float)
+_KEEPS_STAGE = np.array([fw.traits(f).fsdp_pp_keeps_stage_gathered for f in FRAMEWORKS])
+
+
+def live_blocks(col: dict[str, np.ndarray]) -> np.ndarray:
+    """Per candidate, the gathered blocks a ZeRO-3 rank holds whole (frameworks.Traits.zero3_live_blocks)."""
+    return _LIVE_BLOCKS[col["framework"]]
+
+
+def keeps_stage_gathered(col: dict[str, np.ndarray]) -> np.ndarray:
+    """Per candidate, whether its ZeRO-3 runtime keeps the stage's weights gathered and its
+    gradients unsharded over the step (frameworks.Traits.fsdp_pp_keeps_stage_gathered, pp > 1)."""
+    return _KEEPS_STAGE[col["framework"]] & (col["pp"] > 1)
