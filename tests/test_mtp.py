@@ -60,8 +60,7 @@ def test_mtp_adds_its_work_and_weights_to_the_last_stage():
     assert extra > 0 and extra == pytest.approx(
         3 * 64 * sum(c.fwd_flops for c in layer_costs(model.with_mtp_layers(1), with_mtp.workload)[-1:]), rel=1e-9)
     assert with_mtp.step_time_s > main_only.step_time_s
-    first, last = (s.memory.weights for s in with_mtp.stages), (s.memory.weights for s in main_only.stages)
-    grown = [a - b for a, b in zip(first, last)]
+    grown = [a.memory.weights - b.memory.weights for a, b in zip(with_mtp.stages, main_only.stages)]
     # the last stage holds the depth's weights and a copy of the embedding it looks the next tokens up in
     assert grown[0] == pytest.approx(0.0, abs=1.0)
     assert grown[-1] > 2 * (mtp.own_params() + model.vocab * model.hidden)

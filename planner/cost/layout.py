@@ -77,4 +77,4 @@ class Layout:
 @functools.lru_cache(maxsize=4096)
 def layout(cluster: Cluster, tp: int, ep: int, dp: int, pp: int, rep: int = 1, etp: int | None = None) -> Layout:
     """The one ``Layout`` of (tp, ep, dp, pp, rep, etp) on ``cluster`` (its shapes are found once)."""
-    return Layout(cluster, tp, ep, dp, pp, rep, tp if etp is None else etp)
+    return Layout(cluster, tp, ep, dp, pp, rep, etp)

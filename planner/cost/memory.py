@@ -239,8 +239,10 @@ def state_bytes(col: dict[str, np.ndarray], dense: np.ndarray, expert: np.ndarra
     wd, gd, od, cd, we, ge, oe, ce = np.array(rows, dtype=float).reshape(-1, 8).T[:, :, None]
     z3 = col["zero"] == 3
     live3 = np.where(z3[:, None], 2.0 * live_blocks(col)[:, None] * largest, 0.0) if z3.any() else 0.0
+    w_live = g_live = live3
     whole = (z3 & keeps_stage_gathered(col))[:, None]  # FSDP2 under PP: the stage gathered, fp32 grads
-    w_live, g_live = np.where(whole, 2.0 * (dense + expert), live3), np.where(whole, 4.0 * (dense + expert), live3)
+    if whole.any():
+        w_live, g_live = np.where(whole, 2.0 * (dense + expert), live3), np.where(whole, 4.0 * (dense + expert), live3)
     return (wd * dense + we * expert + w_live, gd * dense + ge * expert + g_live, od * dense + oe * expert,
             cd * dense + ce * expert)
 

@@ -159,7 +159,7 @@ class Workload(BaseModel):
 
     def resolved(self, model: "ModelSpec") -> "Workload":
         """This workload with the MTP depths it trains ``model`` with stated, as plans record them."""
-        n = self.trained(model).mtp_layers
+        n = model.mtp_layers if self.mtp_layers is None else self.mtp_layers
         return self if self.mtp_layers == n else self.model_copy(update={"mtp_layers": n})
 
     @property
