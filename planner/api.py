@@ -164,7 +164,7 @@ def _fabric_label(base: str, fabric: str | None, gbit: float | None, over: float
 
 # The keywords of one plan (``parallel_config``, ``estimate``).
 PLAN_KEYS = ("tp", "pp", "dp", "ep", "zero", "offload", "micro_batch", "recompute", "sequence_parallel",
-             "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate", "etp")
+             "virtual_stages", "framework", "cp", "cp_comm", "dp_replicate", "etp", "activation_offload")
 
 
 def _check_counts(values: Mapping[str, Any]) -> None:
@@ -214,7 +214,8 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 
     ``knobs``: the plan's ``tp``, ``pp``, ``dp``, ``ep``, ``zero``, ``offload``,
     ``micro_batch``, ``recompute``, ``sequence_parallel``, ``virtual_stages``, ``framework``,
-    ``cp``, ``cp_comm``, ``dp_replicate`` and ``etp`` (CLI defaults), and either ``workload`` or its
+    ``cp``, ``cp_comm``, ``dp_replicate``, ``etp`` and ``activation_offload`` (decoder layers whose
+    activations go to host memory) (CLI defaults), and either ``workload`` or its
     fields (``global_batch``, ``seq_len``, ``images_per_sample``, ``tiles_per_image``,
     ``precision``, ``optimizer``, ``flash_attention``, ``dropout``). The default global batch
     is ~4M tokens that the plan's micro-batch x dp divides, with at least pp micro-batches
@@ -254,7 +255,8 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
 # -- many plans ------------------------------------------------------------------------------
 
 SEARCH_AXES = ("dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute", "virtual_stages", "framework",
-               "sequence_parallel", "allow_tp_across_nodes", "cp", "cp_comm", "dp_replicate", "etp")
+               "sequence_parallel", "allow_tp_across_nodes", "cp", "cp_comm", "dp_replicate", "etp",
+               "activation_offload")
 _COUNT_AXES = ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages", "dp_replicate")
 
 
@@ -274,7 +276,7 @@ def constraints(**axes: Any) -> Any:
     for key, value in axes.items():
         if value is None:
             continue
-        if key == "allow_tp_across_nodes":
+        if key in ("allow_tp_across_nodes", "activation_offload"):
             out[key] = bool(value)
             continue
         values = (value,) if isinstance(value, (str, int, bool)) else tuple(value)
@@ -300,7 +302,9 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     ``dp``, ``tp``, ``pp``, ``ep``, ``zero``, ``offload``, ``micro_batch``, ``recompute``,
     ``virtual_stages``, ``framework``, ``sequence_parallel``, ``allow_tp_across_nodes``,
     ``cp``, ``cp_comm``, ``dp_replicate``, ``etp`` (hybrid-sharding groups, default 1; the experts'
-    TP, 1 and/or "tp", default both: each value its own search); the workload is ``workload`` or its
+    TP, 1 and/or "tp", default both: each value its own search), ``activation_offload`` (False: never
+    offload activations; default True: a plan may offload as few decoder layers as make it fit, where
+    the runtime can); the workload is ``workload`` or its
     fields (``global_batch``, ..., ``zero_pp``, which takes "auto"; as ``estimate``; batch: ``make_workload``'s).
     ``progress`` is called with the fraction of the search done. Returns the search's
     ``SuggestResult``: ``.plans`` (best first; each has ``.plan``, the estimate's Plan,

@@ -21,8 +21,8 @@ from typing import Any, Mapping
 # The marks around an input's name: control characters no message contains otherwise.
 _OPEN, _CLOSE = "\x02", "\x03"
 _MARKED = re.compile(f"{_OPEN}([a-z_]+){_CLOSE}")
-# Marked names whose API spelling is not the name itself: the one negative flag.
-_KEYWORDS = {"no_sequence_parallel": "sequence_parallel=False"}
+# Marked names whose API spelling is not the name itself: the negative flags.
+_KEYWORDS = {"no_sequence_parallel": "sequence_parallel=False", "no_ep_comm_overlap": "ep_comm_overlap=False"}
 
 
 def arg(name: str) -> str:

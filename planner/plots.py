@@ -20,7 +20,8 @@ VALUE_NAMES = {
 }
 TIME_PARTS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"),
               ("cp_comm_s", "CP comm"), ("pp_bubble_s", "PP bubble"), ("pp_comm_s", "PP comm"),
-              ("dp_comm_s", "DP comm"), ("ep_comm_s", "EP comm"), ("optimizer_s", "optimizer"))
+              ("dp_comm_s", "DP comm"), ("ep_comm_s", "EP comm"), ("optimizer_s", "optimizer"),
+              ("act_offload_s", "activation offload"))
 MEMORY_PARTS = (("weights_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer"),
                 ("activations_bytes", "activations"), ("buffers_bytes", "buffers"), ("overhead_bytes", "overhead"))
 

@@ -12,6 +12,7 @@ checks it against this walk.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -281,11 +282,47 @@ def overhead_bytes(allocated: float) -> float:
 
 
 def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
-             partition: Partition | None = None, pp_send: str | None = None) -> Plan:
+                    partition: Partition | None = None, pp_send: str | None = None,
+                    auto_offload: bool = False) -> Plan:
     """Memory per GPU and step time of ``cfg`` training ``model`` on ``cluster``.
 
     ``pp_send`` overrides how the runtime sends across pipeline stages (pipeline_sends.PP_SENDS;
-    the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
+    the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it). ``auto_offload``: a
+    plan out of GPU memory offloads the activations of the fewest decoder layers that make it fit
+    (the search's activation_offload.AUTO), where up to all but one layer would do."""
+    plan = _walk(model, cluster, workload, cfg, partition, pp_send)
+    if not auto_offload or plan.memory.peak <= plan.capacity_bytes:
+        return plan
+    need = math.ceil((plan.memory.peak - plan.capacity_bytes) / (mem.GROWTH * _layer_bytes(model, workload, cfg))
+                     - 1e-9)
+    if not 0 < need <= model.num_layers - 1:
+        return plan
+    return _walk(model, cluster, workload, cfg.model_copy(update={"activation_offload": need}), partition, pp_send)
+
+
+def _layer_bytes(model: ModelSpec, workload: Workload, cfg: ParallelConfig) -> float:
+    """One decoder layer's stored activations per micro-batch, the mean over the model's."""
+    model = workload.trained(model)
+    costs = layer_costs(model, workload.resolved(model), cfg.tp, cfg.sequence_parallel, cfg.ep, cp=cfg.cp,
+                        etp=cfg.etp)
+    decoders = [c for c, b in zip(costs, model.blocks) if isinstance(b, DecoderBlock)]
+    return sum(c.act[cfg.recompute] for c in decoders) * cfg.micro_batch / len(decoders)
+
+
+def offload_exposed(k: int, layers: int, layer_bytes: float, fwd: float, bwd: float, host_Bps: float) -> float:
+    """Activation offload's exposed copies per micro-batch, one case at a time (TE's schedule:
+    planner/cost/activation_offload.py's docstring)."""
+    if k == 0:
+        return 0.0
+    copies = k * layer_bytes / host_Bps
+    if layers - k < 2:
+        return 2 * copies
+    return max(0.0, copies - fwd * (layers - 1) / layers) + max(0.0, copies - bwd * (layers - 2) / layers)
+
+
+def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
+          partition: Partition | None = None, pp_send: str | None = None) -> Plan:
+    """``oracle_estimate`` of ``cfg`` as it is."""
     model, workload = workload.trained(model), workload.resolved(model)  # its multi-token-prediction depths
     check_plan(model, cluster, workload, cfg)
     stages = cfg.pp * cfg.virtual_stages
@@ -335,9 +372,13 @@ def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg:
         opt_time.append(_optimizer_time(dense, expert, cfg, workload, cluster, dev))
 
     t = times[worst]
+    k = cfg.activation_offload
+    offload = m * offload_exposed(k, model.num_layers, _layer_bytes(model, workload, cfg) if k else 0.0,
+                                  times[0].fwd, times[0].bwd,
+                                  cluster.profile.node.pcie_GBps * 1e9 / cluster.profile.node.gpus_per_host_link)
     time = StepTime(compute=m * (t.fwd + t.bwd), recompute=m * t.recompute, tp_comm=m * t.tp, pp_bubble=bubble,
                        pp_comm=m * t.pp, dp_comm=max(dp_exposed), ep_comm=m * t.ep, optimizer=max(opt_time),
-                       cp_comm=m * t.cp)
+                       cp_comm=m * t.cp, act_offload=offload)
     return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,
                 gpus_per_node=cluster.gpus_per_node, cfg=cfg, workload=workload, partition=parts, stages=stage_plans,
                 time=time,
@@ -418,13 +459,17 @@ def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: fl
     if cfg.pp == 1 and cfg.recompute != "full" and _ep_share(cfg, w, r) > 0:
         inflight = 2.0  # the next forward runs before this backward frees its activations
     acts = activation_bytes(stored, live, inflight)
+    decoders = [c for i, c in zip((i for a, e in ch for i in range(a, e)), blocks)
+                if isinstance(model.blocks[i], DecoderBlock)]
+    moved = cfg.activation_offload * sum(c.act[cfg.recompute] for c in decoders) * b / max(len(decoders), 1)
+    acts -= moved  # the offloaded layers' activations, in host memory instead
     groups = sum(1 for d in (cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.cp) if d > 1)
     pp_buffer = 2 * max(c.pp_bytes for c in blocks) * b if cfg.pp > 1 else 0.0
     buffers = buffer_bytes(cfg.framework, cfg.zero_stage, dense + expert, groups, pp_buffer)
     allocated = states.gpu + acts + buffers
     breakdown = mem.MemoryBreakdown(states.weights, states.grads, states.optimizer, acts, buffers,
                                     overhead_bytes(allocated),
-                                    mem.cpu_bytes_per_node(states.cpu, cluster.gpus_per_node))
+                                    mem.cpu_bytes_per_node(states.cpu + moved, cluster.gpus_per_node))
     kinds = Counter(model.blocks[i].kind for a, e in ch for i in range(a, e))
     decoders = sum(1 for a, e in ch for i in range(a, e) if isinstance(model.blocks[i], DecoderBlock))
     return StagePlan(r, list(ch), decoders, dict(kinds), breakdown, t, inflight)
@@ -485,8 +530,9 @@ def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workloa
     node = cluster.profile.node
     if cfg.framework == "megatron":
         return float(hybrid_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9,
-                                              node.pcie_GBps * 1e9))
-    return cpu_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9,
+                                              node.pcie_GBps * 1e9 / node.gpus_per_host_link))
+    return cpu_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9,
+                              node.pcie_GBps * 1e9 / node.gpus_per_host_link,
                                  cfg.offload == "optimizer+params", cfg.grad_accum)
 
 

@@ -28,7 +28,7 @@ def test_json_keys_and_values():
         assert d["memory"][key] > 0, key
     assert "cpu_bytes_per_node" not in d["memory"]
     assert set(d["time"]) == {"compute_s", "recompute_s", "tp_comm_s", "pp_bubble_s", "pp_comm_s", "dp_comm_s",
-                              "ep_comm_s", "cp_comm_s", "optimizer_s"}
+                              "ep_comm_s", "cp_comm_s", "optimizer_s", "act_offload_s"}
     assert d["dp"] == 4 and d["grad_accum"] == 16 and d["seq_len"] == 8192 and d["zero_stage"] == 1
     assert d["stage_blocks"] == [[0, 35]]
     assert d["fits"] is True and 0 < d["mfu"] < 1

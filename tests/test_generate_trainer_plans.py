@@ -27,7 +27,8 @@ def generate(out: Path, *args: str):
 
 def runnable(plan, is_moe: bool) -> bool:
     c = plan.cfg
-    return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe, c.cp) is None
+    return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe, c.cp, c.dp_replicate,
+                           c.activation_offload) is None
 
 
 def test_the_issues_command_picks_a_plan_the_trainer_runs(tmp_path: Path):

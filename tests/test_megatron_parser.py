@@ -47,6 +47,9 @@ CASES = {
     "deepseek-v2-lite-mtp-pp2-layout": ["--model", "deepseek-v2-lite", "--nodes", "2", "--pp", "2", "--ep", "8",
                                         "--mtp-layers", "1", "--stage-blocks", "0-12,12-31", "--global-batch", "64",
                                         "--seq-len", "4096", "--micro-batch", "1", "--zero", "1"],
+    # Transformer Engine's activation CPU offload of the first 24 of 32 layers
+    "llama-3-8b-activation-offload": ["--model", "llama-3-8b", "--nodes", "1", "--zero", "1", "--global-batch", "64",
+                                      "--seq-len", "8192", "--micro-batch", "1", "--activation-offload", "24"],
     # MoE parallel folding: EP 16 over TP 2 x DP 8, the experts off TP
     "qwen3-30b-a3b-tp2-etp1-ep16": ["--model", "qwen3-30b-a3b", "--nodes", "2", "--tp", "2", "--etp", "1",
                                     "--ep", "16", "--pp", "1", "--sequence-parallel"],
@@ -55,7 +58,7 @@ CASES = {
 # than by generate's search: what Megatron makes of the flags does not depend on the plan fitting
 # in memory, and this fully pinned layout is at the edge of 80 GiB (at commit ebe23ef: 96.2 GiB on
 # pipeline rank 0 with micro-batch 1 and selective recomputation, so generate refuses it).
-FROM_ESTIMATE = {"deepseek-v3-ep64-pp8-v4", "deepseek-v2-lite-mtp-pp2-layout"}
+FROM_ESTIMATE = {"deepseek-v3-ep64-pp8-v4", "deepseek-v2-lite-mtp-pp2-layout", "llama-3-8b-activation-offload"}
 # Flags a case is there to cover: the case fails if the plan no longer emits them.
 CONTROL_UNKNOWN, CONTROL_WORLD = "control: unknown flag", "control: world size + 1"
 MUST_EMIT = {
@@ -69,6 +72,7 @@ MUST_EMIT = {
     "qwen3-30b-a3b-tp2-etp1-ep16": ["--expert-tensor-parallel-size", "--expert-model-parallel-size",
                                     "--moe-grouped-gemm"],
     "deepseek-v2-lite-mtp-pp2-layout": ["--mtp-num-layers", "--pipeline-model-parallel-layout"],
+    "llama-3-8b-activation-offload": ["--cpu-offloading-num-layers"],
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from planner.cost.activation_offload import AUTO
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
@@ -65,7 +66,8 @@ def test_fast_path_ranks_first_what_exhaustive_search_ranks_first(name, nodes, g
         evaluated += len(space)
         for j, i in enumerate(res.rows):
             plan = oracle_estimate(model, cluster, workload, space.config(int(i)),
-                                   partition=case.p.splits.all[res.split_id[j]])
+                                   partition=case.p.splits.all[res.split_id[j]],
+                                   auto_offload=space.columns["aoff"][i] == AUTO)
             if plan.fits:
                 plans.append(plan)
     assert plans, "the case must have plans that fit"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from planner.cost.activation_offload import AUTO
 from planner.cost.estimate import estimate
 from planner.cost.parallel import Workload
 from planner.errors import UserError
@@ -39,7 +40,8 @@ def _twin_vs_estimate(name: str, nodes: int, gb: int, seq: int, images: int = 0,
     for j in first:
         cfg = space.config(int(rows[j]))
         split = case.p.splits.all[res.split_id[j]]
-        oracle = oracle_estimate(model, cluster, workload, cfg, partition=split)
+        oracle = oracle_estimate(model, cluster, workload, cfg, partition=split, auto_offload=c["aoff"][j] == AUTO)
+        cfg = oracle.cfg  # with the activation offload the search chose, if any
         assert res.step_time[j] == pytest.approx(oracle.step_time_s, rel=1e-9), cfg
         assert res.peak_bytes[j] == pytest.approx(oracle.memory.peak, rel=1e-9), cfg
         if cfg.offload != "none":

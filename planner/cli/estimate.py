@@ -58,6 +58,10 @@ from planner.errors import UserError
 @workload_options("Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
                   "least pp micro-batches].")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
+@click.option("--activation-offload", type=click.IntRange(min=0), default=0, show_default=True, metavar="LAYERS",
+              help="Decoder layers whose activations go to host memory in the forward and come back for the "
+                   "backward, the first LAYERS of the model's (Megatron-Core --cpu-offloading-num-layers through "
+                   "Transformer Engine; framework megatron, pp 1, recompute none).")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
 @click.option("--virtual-stages", type=int, default=1, show_default=True, help="Interleaved pipeline chunks per rank.")
 @click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]),
@@ -137,7 +141,8 @@ def render(plan) -> None:
                   + (f", cp {c.cp} ({c.cp_comm})" if c.cp > 1 else "") + f", ZeRO-{c.zero_stage}"
                   + (f" in {c.dp_replicate} replicated groups of {c.dp_shard}" if c.dp_replicate > 1 else "")
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
-                  + f", recompute {c.recompute}")
+                  + f", recompute {c.recompute}"
+                  + (f", activations of {c.activation_offload} layers offloaded" if c.activation_offload else ""))
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
                   f"x accumulation {c.grad_accum} x dp {c.dp}; {w.precision_name}, {w.optimizer}"
                   + (f", {w.mtp_layers} multi-token-prediction depth(s)" if w.mtp_layers else "") + f"; {verdict}")
@@ -178,7 +183,7 @@ def _render_memory(plan) -> None:
                           f"peak {peak}")
     console.print(f"GPU memory {human_bytes(cap)}"
                   + (f"; host memory per node for offload {human_bytes(plan.cpu_bytes_per_node)}"
-                     if plan.cfg.offload != "none" else ""))
+                     if plan.offloads else ""))
 
 
 def _render_time(plan) -> None:
@@ -205,7 +210,7 @@ def _render_time(plan) -> None:
 
 
 _PART_NAMES = {"tp_comm": "TP comm", "pp_bubble": "PP bubble", "pp_comm": "PP comm", "dp_comm": "DP comm",
-               "ep_comm": "EP comm", "cp_comm": "CP comm"}
+               "ep_comm": "EP comm", "cp_comm": "CP comm", "act_offload": "activation offload"}
 
 
 def _gib(n: float) -> str:

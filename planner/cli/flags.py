@@ -56,6 +56,8 @@ FLAGS: dict[str, str] = {
     "mtbf_hours": "--mtbf-hours",
     "precision_aware_optimizer": "--precision-aware-optimizer",
     "zero_pp": "--zeropp",
+    "activation_offload": "--activation-offload",
+    "no_ep_comm_overlap": "--no-ep-comm-overlap",
 }
 
 

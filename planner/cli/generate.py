@@ -44,7 +44,7 @@ _SEARCH_FLAGS = (
     "ep", "zero", "zero_pp",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm", "dp_replicate",
-    "etp",
+    "etp", "activation_offload",
 )
 
 
@@ -373,7 +373,7 @@ _SUGGEST_KEYS = (
     "ep", "zero", "zero_pp",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes",
-    "balancer", "objective", "cp", "cp_comm", "dp_replicate", "etp", "calibration",
+    "balancer", "objective", "cp", "cp_comm", "dp_replicate", "etp", "calibration", "activation_offload",
 )
 
 

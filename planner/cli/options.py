@@ -286,6 +286,12 @@ def constraint_options(command):
                                    help="Pin sequence parallelism on or off [default: try both]."))
     decorators.append(click.option("--allow-tp-across-nodes", is_flag=True,
                                    help="Let tensor parallelism span nodes (off by default: TP wants NVLink)."))
+    decorators.append(click.option(
+        "--activation-offload", type=click.Choice(["auto", "none"]), default=None,
+        help="auto: a plan that runs out of memory may offload the activations of as few decoder layers as make it "
+             "fit to host memory, where the runtime can (Megatron-Core --cpu-offloading-num-layers: framework "
+             "megatron, pp 1, recompute none), priced with its copies over the host link; none: never "
+             "[default: auto]."))
     for decorate in reversed(decorators):
         command = decorate(command)
     return command
@@ -316,4 +322,5 @@ def axes_from_options(opts: dict) -> dict:
         "framework": parse_choice_list("--framework", opts.get("framework"), FRAMEWORKS),
         "sequence_parallel": None if sp is None else bool(sp),
         "allow_tp_across_nodes": bool(opts.get("allow_tp_across_nodes")),
+        "activation_offload": opts.get("activation_offload") != "none",
     }

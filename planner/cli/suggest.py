@@ -7,7 +7,6 @@ imported inside the command so ``dsplan --help`` stays fast.
 
 from __future__ import annotations
 
-import math
 import shlex
 import sys
 from typing import Any
@@ -26,6 +25,7 @@ from planner.cli.options import (
     workload_options,
 )
 from planner.cli.output import json_option
+from planner.cli.suggest_rows import COLUMNS, legend, plan_lines, table_row
 
 
 @click.command("suggest")
@@ -61,6 +61,7 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
       8+sp           tensor parallelism 8 with sequence parallelism
       2x4 (pp)       2 pipeline stages x 4 interleaved virtual stages per rank
       opt            optimizer states offloaded to the CPU (opt+params: and the parameters)
+      act 38         the activations of 38 decoder layers offloaded to host memory
       meg-ds         megatron-deepspeed; deepspeed/meg-ds: the same prediction under both
       mb x acc       micro-batch x gradient-accumulation steps
       stage, greedy  a pipelined plan's slowest stage per micro-batch (optimal balancer) and
@@ -140,8 +141,6 @@ class _progress_bar:
         self._p.stop()
 
 
-_SHORT_FW = {"deepspeed": "deepspeed", "megatron-deepspeed": "meg-ds", "megatron": "megatron"}
-_SHORT_OFFLOAD = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+params"}
 
 
 def render(result, next_argv: list[str] | None = None) -> None:
@@ -156,12 +155,12 @@ def render(result, next_argv: list[str] | None = None) -> None:
     ties = uncertainty(result)["ties_with_best"]
     tied = set(ties or ())
     many = "," in str(result.inputs.get("precision", ""))  # several precisions searched: name each plan's
-    rows = [_row(rp, tied, many) for rp in result.plans]
+    rows = [table_row(rp, tied, many) for rp in result.plans]
     _render_table(console, rows)
     if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
         console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
                       "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
-    console.print(_legend(rows), markup=False)
+    console.print(legend(rows), markup=False)
     if ties is not None and len(result.plans) > 1:
         console.print(_ties_line(ties), markup=False)
     _render_best(result, console, human_bytes, human_time)
@@ -208,8 +207,8 @@ def _render_table(console, rows: list[tuple[str, ...]]) -> None:
     # Cells are plain one-line strings: each column is as wide as its widest cell. Saying so
     # spares rich measuring every cell twice (the fit test below, then printing), which took
     # seconds for --top 1000.
-    widths = [max(cell_len(text) for text in column) for column in zip(_COLUMNS, *rows)]
-    for col, width in zip(_COLUMNS, widths):
+    widths = [max(cell_len(text) for text in column) for column in zip(COLUMNS, *rows)]
+    for col, width in zip(COLUMNS, widths):
         left = col in ("#", "framework", "offload", "recompute")
         table.add_column(col, justify="left" if left else "right", no_wrap=True, width=width)
     for row in rows:
@@ -218,58 +217,8 @@ def _render_table(console, rows: list[tuple[str, ...]]) -> None:
         console.print(table)
     else:
         for row in rows:
-            for line in _plan_lines(dict(zip(_COLUMNS, row))):
+            for line in plan_lines(dict(zip(COLUMNS, row))):
                 console.print(line)
-
-
-# The cp column's mark for how the ranks exchange (none: the ring, Megatron's default).
-_CP_MARK = {"p2p": "", "a2a": "a", "a2a+p2p": "h"}
-
-
-def _legend(rows: list[tuple[str, ...]]) -> str:
-    """One line naming each abbreviation the table shows (only those that appear)."""
-    cells = [dict(zip(_COLUMNS, row)) for row in rows]
-
-    def first(column: str, mark: str) -> str | None:
-        return next((c[column] for c in cells if mark in c[column]), None)
-
-    parts = []
-    if first("#", "~"):
-        parts.append("~ = within the model's error of #1 (below)")
-    if sp := first("tp", "+sp"):
-        parts.append(f"{sp} = TP {sp.removesuffix('+sp')} with sequence parallelism")
-    if vs := first("pp", "x"):
-        stages, virtual = vs.split("x")
-        parts.append(f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages per rank")
-    if folded := first("ep", "f"):
-        parts.append(f"ep {folded} = EP {folded.removesuffix('f')} with the experts folded out of TP (etp 1: "
-                     "each rank holds whole experts)")
-    for comm, mark in _CP_MARK.items():
-        if cp := first("cp", mark or "\0"):
-            parts.append(f"cp {cp} = context parallel over {cp.removesuffix(mark)} ranks, {comm}")
-    if any(c["cp"] != "1" and c["cp"].isdigit() for c in cells):
-        parts.append("cp = context-parallel ranks, exchanging K/V in a ring (p2p)")
-    if hybrid := first("zero", "h"):
-        stage, groups = hybrid.split("h")
-        parts.append(f"zero {hybrid} = ZeRO-{stage} sharded within each of {groups} groups that replicate "
-                     "each other (hybrid sharding)")
-    if zpp := first("zero", "++"):
-        parts.append(f"zero {zpp} = ZeRO-3 with DeepSpeed's ZeRO++ (w qwz: int8 weight gathers, p hpz: "
-                     "node-local secondary weights, g qgz: int4 gradients)")
-    offloads = {c["offload"] for c in cells}
-    if "opt" in offloads:
-        parts.append("opt = optimizer states offloaded to the CPU")
-    if "opt+params" in offloads:
-        parts.append("opt+params = optimizer states and parameters offloaded to the CPU")
-    if first("framework", "meg-ds"):
-        parts.append("meg-ds = megatron-deepspeed")
-    if both := first("framework", "/"):
-        parts.append(f"{both} = the same prediction under each")
-    parts.append("mb x acc = micro-batch x gradient-accumulation steps")
-    if any(c["stage, greedy"] != "-" for c in cells):
-        parts.append("stage, greedy = the slowest pipeline stage per micro-batch (optimal balancer), "
-                     "+ how much slower the greedy balancer's would be")
-    return "legend: " + "; ".join(parts)
 
 
 def _ties_line(ties: list[int]) -> str:
@@ -292,68 +241,6 @@ def _id_ranges(ids: list[int]) -> str:
         else:
             runs.append([i])
     return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}-#{r[-1]}" for r in runs)
-
-
-_COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "cp", "zero", "offload", "mb x acc", "recompute", "peak / cap",
-            "step", "tokens/s", "MFU", "goodput", "stage, greedy")
-
-
-def _plan_lines(cell: dict[str, str]) -> tuple[str, str]:
-    """A table row as two lines of text, for terminals too narrow for the table."""
-    layout = (f"#{cell['#']} {cell['framework']}: dp {cell['dp']} x tp {cell['tp']} x pp {cell['pp']}"
-              + (f" (ep {cell['ep']})" if cell["ep"] != "1" else "")
-              + (f" x cp {cell['cp']}" if cell["cp"] != "1" else "") + f", ZeRO-{cell['zero']}"
-              + (f", offload {cell['offload']}" if cell["offload"] != "-" else "")
-              + f", mb x acc {cell['mb x acc']}, recompute {cell['recompute']}")
-    figures = (f"    peak {cell['peak / cap']}, step {cell['step']}, {cell['tokens/s']} tokens/s, MFU {cell['MFU']}, "
-               f"goodput {cell['goodput']}"
-               + ("" if cell["stage, greedy"] == "-" else f"; stage, greedy {cell['stage, greedy']}"))
-    return layout, figures
-
-
-_ZERO_PP_MARK = {"qwz": "w", "hpz": "p", "qgz": "g"}  # the zero column's ZeRO++ letters (h is hybrid sharding)
-
-
-def _row(rp, ties, precision: bool = False) -> tuple[str, ...]:
-    """One plan's cells, in _COLUMNS order; ``ties``: the ids within the model's error of #1
-    (marked "~", #1 itself aside); ``precision``: name the plan's precision beside its runtime."""
-    from planner.cli.output import human_count, human_time
-
-    p = rp.plan.to_json()
-    gib = 2**30
-    mem = p["memory"]
-    return (
-        f"{rp.id}{'~' if rp.id in ties and rp.id != 1 else ''}",
-        "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on))  # identical predictions
-        + (f" {p['precision']}" if precision else ""),
-        str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
-        f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}",
-        f"{p['ep']}{'f' if p['etp'] < p['tp'] else ''}",
-        f"{p['cp']}{_CP_MARK[p['cp_comm']] if p['cp'] > 1 else ''}",
-        f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}"
-        + ("++" + "".join(_ZERO_PP_MARK[k] for k in p["zero_pp"]) if p.get("zero_pp") else ""),
-        _SHORT_OFFLOAD[p["offload"]], f"{p['micro_batch']}x{p['grad_accum']}", p["recompute"],
-        f"{mem['peak_bytes'] / gib:.1f}/{mem['capacity_bytes'] / gib:.0f} GiB", human_time(p["step_time_s"]),
-        human_count(p["tokens_per_s"]), f"{p['mfu']:.1%}", _floor_percent(p.get("goodput", 1.0)),
-        _bottlenecks(rp.balancer_bottleneck_s))
-
-
-def _floor_percent(x: float) -> str:
-    """A share as a percentage rounded down, so 99.96% reads 99.9%, not 100.0%."""
-    return f"{math.floor(x * 1000) / 10:.1f}%"
-
-
-def _bottlenecks(b: dict) -> str:
-    """The slowest stage per micro-batch under the optimal balancer and how much slower the
-    greedy one's is ("1.26 s +2.1%"), so every pipelined row shows what greedy costs; "-"
-    without a pipeline."""
-    if b.get("optimal") is None or b.get("greedy") is None:
-        return "-"
-    from planner.cli.output import human_time
-
-    o, g = b["optimal"], b["greedy"]
-    star = "*" if "memory_constrained" in b else ""  # the plan uses a split balanced within memory
-    return f"{human_time(o)} +{(g / o - 1) * 100 if o > 0 else 0.0:.1f}%{star}"
 
 
 def _render_best(result, console, human_bytes, human_time) -> None:
@@ -384,7 +271,8 @@ def _render_best(result, console, human_bytes, human_time) -> None:
                           f"{human_time(s['microbatch_time']['total_s'])} per micro-batch, "
                           f"peak {human_bytes(s['memory']['peak_bytes'])}")
     t = p["time"]
-    parts = ", ".join(f"{k.replace('_', ' ')} {human_time(t[f'{k}_s'])}" for k in time_parts(best.plan.cfg))
+    parts = ", ".join(f"{k.replace('act_', 'activation ').replace('_', ' ')} {human_time(t[f'{k}_s'])}"
+                      for k in time_parts(best.plan.cfg))
     console.print(f"time per step {human_time(p['step_time_s'])}: {parts}")
     m = p["memory"]
     mparts = ", ".join(f"{k.removesuffix('_bytes')} {human_bytes(m[k])}" for k in

@@ -51,6 +51,10 @@ def trainer_pins(opts: dict[str, Any], is_moe: bool) -> list[str]:
         raise UserError("--ep-comm-overlap: the reference trainer (--entry builtin) runs DeepSpeed MoE, without "
                         f"Megatron-Core's expert all-to-all overlap; drop it, {_OTHER_ENTRY}")
     opts["ep_comm_overlap"] = False  # priced as the trainer runs its all-to-alls: exposed
+    if opts.get("activation_offload") == "auto":
+        raise UserError("--activation-offload auto: the reference trainer (--entry builtin) keeps its activations on "
+                        f"the GPU (the offload is Transformer Engine's, under Megatron-Core); drop it, {_OTHER_ENTRY}")
+    opts["activation_offload"] = "none"
     rep = parse_int_list("--dp-replicate", opts.get("dp_replicate"))
     if rep is not None:  # unpinned, the search is at 1 already
         if 1 not in rep:
@@ -93,7 +97,8 @@ def trainer_search(opts: dict[str, Any], is_moe: bool, need: int):
 
     def runs(ranked: Any) -> bool:
         c = ranked.plan.cfg
-        return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe, c.cp, c.dp_replicate) is None
+        return trainer_refusal(c.framework, c.tp, c.pp, c.virtual_stages, is_moe, c.cp, c.dp_replicate,
+                               c.activation_offload) is None
 
     top = need
     while True:
@@ -111,7 +116,7 @@ def trainer_search(opts: dict[str, Any], is_moe: bool, need: int):
     if not kept.plans:
         first = result.plans[0].plan.cfg
         refusal = trainer_refusal(first.framework, first.tp, first.pp, first.virtual_stages, is_moe, first.cp,
-                                  first.dp_replicate)
+                                  first.dp_replicate, first.activation_offload)
         raise UserError(f"--entry builtin: the reference trainer runs none of the {len(result.plans)} best plans "
                         f"that fit (the best: {cli_text(refusal or '')}); pin --tp 1, or --framework "
                         f"{TRAINER_TP_FRAMEWORK} --pp 1, {_OTHER_ENTRY}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.cost import activation_offload as aoff
 from planner.cost import memory as mem
 from planner.cost import step_time as st
 from planner.cost.candidates import shard_ranks
@@ -47,6 +48,8 @@ class Assembly:
     step_time: np.ndarray
     peak_bytes: np.ndarray  # the fullest rank's
     cpu_bytes: np.ndarray  # host bytes per node of the rank offloading the most (what must fit)
+    act_offload: np.ndarray  # decoder layers whose activations go to host memory (the search's choice where AUTO)
+    act_offload_s: np.ndarray  # seconds per step their copies leave exposed
 
 
 def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarray], pp: int) -> Assembly:
@@ -72,21 +75,31 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
     buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],
                                mem.process_groups(col)[:, None], r["ppbuf"])
     allocated = weights + grads + opt + acts + buffers
+    profile = ctx.cluster.profile
+    layer = r["dec_act"][:, 0] / np.maximum(r["dec_n"][:, 0], 1.0)  # one decoder layer's, on rank 0 (pp 1)
+    k = np.where(col["aoff"] == aoff.AUTO,
+                 aoff.layers_to_fit(mem.peak_bytes(allocated[:, 0]), profile.gpu.memory_bytes, layer, r["dec_n"][:, 0]),
+                 np.maximum(col["aoff"], 0))
+    if k.any():  # Megatron-Core offloads without a pipeline only: the candidate's one rank
+        moved = np.zeros_like(acts)
+        moved[:, 0] = k * layer
+        acts, cpu, allocated = acts - moved, cpu + moved, allocated - moved
     peak = mem.peak_bytes(allocated)
     cpu_node = mem.cpu_bytes_per_node(cpu, gpus_per_node)
 
     total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"] + r["cp"]
     worst, bubble = st.pipeline(total, col["pp"], vs)
     body = m[:, 0] * total[np.arange(len(total)), worst]
-    profile = ctx.cluster.profile
     dp_t = st.dp_exposed(col, r, *st.dp_collectives(ctx, col, r), profile.calibration.overlap,
                          profile.gpu.vendor == "cpu")
     opt_t = st.optimizer_seconds(ctx, col, r["dense"], r["expert"], m)
-    step = body + bubble + dp_t.max(axis=1) + opt_t.max(axis=1)
+    off_t = m[:, 0] * aoff.exposed_seconds(k, r["dec_n"][:, 0], layer, r["fwd"][:, 0], r["bwd"][:, 0],
+                                           profile.node.host_Bps)
+    step = body + bubble + dp_t.max(axis=1) + opt_t.max(axis=1) + off_t
     if len(st.depths(col["pp"], pp)) > 1:  # padded ranks: context and NCCL buffers only, never a candidate's peak
         peak = np.where(np.arange(pp)[None, :] < col["pp"][:, None], peak, -np.inf)
     return Assembly(weights, grads, opt, acts, buffers, mem.overhead_bytes(allocated), cpu_node, inflight, dp_t, opt_t,
-                    worst, bubble, step, peak.max(axis=1), cpu_node.max(axis=1))
+                    worst, bubble, step, peak.max(axis=1), cpu_node.max(axis=1), k, off_t)
 
 
 def _recipe_weights(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarray]) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Candidates as columns: the form every array formula of the cost model reads.
 
 A set of parallel configurations is a dict of equal-length int arrays, one per field of
-``COLUMNS`` (offload, recompute and framework as indices into the tuples of parallel.py).
+``COLUMNS`` (offload, recompute and framework as indices into the tuples of parallel.py; ``aoff``
+the layers whose activations are offloaded, or activation_offload.AUTO where the search decides).
 ``estimate`` prices one configuration as a set of one; the search prices thousands.
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 from planner.cost.parallel import CP_COMMS, FRAMEWORKS, OFFLOADS, RECOMPUTES, ParallelConfig, expert_replicas
 
 COLUMNS = ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework", "micro_batch", "grad_accum",
-           "cp", "cp_comm", "rep", "etp")
+           "cp", "cp_comm", "rep", "etp", "aoff")
 
 Columns = dict[str, np.ndarray]
 
@@ -23,7 +24,8 @@ def columns_of(configs: Iterable[ParallelConfig]) -> Columns:
     """The columns of ``configs``, in order."""
     rows = [(c.dp, c.tp, c.pp, c.ep, c.virtual_stages, c.zero_stage, OFFLOADS.index(c.offload),
              RECOMPUTES.index(c.recompute), int(c.sequence_parallel), FRAMEWORKS.index(c.framework), c.micro_batch,
-             c.grad_accum, c.cp, CP_COMMS.index(c.cp_comm), c.dp_replicate, c.expert_tp) for c in configs]
+             c.grad_accum, c.cp, CP_COMMS.index(c.cp_comm), c.dp_replicate, c.expert_tp, c.activation_offload)
+            for c in configs]
     table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
     return {name: table[:, k].copy() for k, name in enumerate(COLUMNS)}
 
@@ -37,6 +39,7 @@ def config_of(row: dict[str, int]) -> ParallelConfig:
         virtual_stages=row["vs"], framework=FRAMEWORKS[row["framework"]],  # type: ignore[arg-type]
         cp=row.get("cp", 1), cp_comm=CP_COMMS[row.get("cp_comm", 0)],  # type: ignore[arg-type]
         dp_replicate=row.get("rep", 1), etp=row.get("etp"),
+        activation_offload=max(row.get("aoff", 0), 0),  # the search's AUTO (-1) is resolved when assembled
     )
 
 

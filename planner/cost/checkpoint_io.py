@@ -88,7 +88,7 @@ def checkpoint_arrays(col: dict[str, np.ndarray], model: ModelSpec, workload: Wo
     busiest = (full - replicated) / nodes + replicated / writer_nodes
     persist = np.maximum(busiest / (st.write_GBps_per_node * 1e9), full / (st.aggregate_write_GBps * 1e9))
     # Async: each GPU copies its share to pinned host memory over its PCIe link, then writes on.
-    copy = (full / (nodes * gpn)) / (profile.node.pcie_GBps * 1e9)
+    copy = (full / (nodes * gpn)) / profile.node.host_Bps
     stall = np.where(saves_async(col["framework"], col["zero"]), np.minimum(copy, persist), persist)
     dp_replicas = col["dp"] * col["cp"]
     read_total = full + replicated * (dp_replicas - 1)

@@ -94,7 +94,7 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
                           offload: str = "none", micro_batch: int = 1, recompute: str = "none",
                           sequence_parallel: bool = False, virtual_stages: int = 1,
                           framework: str = "deepspeed", cp: int = 1, cp_comm: str = "p2p",
-                          dp_replicate: int = 1, etp: int | None = None) -> ParallelConfig:
+                          dp_replicate: int = 1, etp: int | None = None, activation_offload: int = 0) -> ParallelConfig:
     """The ParallelConfig of the given degrees on ``cluster``, defaults filled (module
     docstring): dp, the ZeRO stage, accumulation, and, when ``global_batch`` is None, the
     batch of ``default_global_batch`` for ``seq_len`` tokens per sample (read
@@ -104,6 +104,9 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("micro_batch", micro_batch),
                         ("virtual_stages", virtual_stages), ("dp_replicate", dp_replicate)):
         whole_number(name, value)
+    if isinstance(activation_offload, bool) or not isinstance(activation_offload, int) or activation_offload < 0:
+        raise UserError(f"{arg('activation_offload')}: a count of decoder layers (0 or more), got "
+                        f"{activation_offload!r}")
     if etp is not None and whole_number("etp", etp) not in (1, tp):
         raise UserError(f"{arg('etp')} {etp}: the experts' tensor parallelism is 1 (folded into expert parallelism) "
                         f"or the attention's {arg('tp')} {tp}; pick 1 or {tp}")
@@ -126,7 +129,7 @@ def build_parallel_config(cluster: "Cluster", *, global_batch: int | None = None
                               offload=offload, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
                               sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
                               framework=framework, cp=cp, cp_comm=cp_comm,  # type: ignore[arg-type]
-                              dp_replicate=dp_replicate, etp=etp)
+                              dp_replicate=dp_replicate, etp=etp, activation_offload=activation_offload)
     except ValidationError as err:
         raise UserError(rule_message("plan", err)) from None
 

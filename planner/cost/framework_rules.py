@@ -38,6 +38,7 @@ class RunFacts:
     window: bool = False  # sliding-window attention on some layer (gpt-oss)
     zero_pp: tuple[str, ...] = ()  # Workload.zero_pp: DeepSpeed ZeRO++ options
     mtp: bool = False  # trains a multi-token-prediction module (ModelSpec.mtp_layers)
+    ep_overlap: bool = False  # Workload.ep_comm_overlap: the expert all-to-alls overlapped where the runtime can
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +229,30 @@ RULES: tuple[Rule, ...] = (
     Rule(None, lambda c, x: x.mtp and c.framework != "megatron",
          lambda c, x: f"framework {c.framework} has no multi-token-prediction module (the model trains with "
                       f"one); use {arg('framework')} megatron, or {arg('mtp_layers')} 0 to plan the main model only"),
+    # Activation offload is Megatron-Core's --cpu-offloading-num-layers through Transformer Engine's
+    # offload context (activation_offload.py); its TransformerConfig refuses it under a pipeline and
+    # with recomputation, and for as many layers as the model has.
+    Rule(None, lambda c, x: (c.activation_offload > 0) & (c.framework != "megatron"),
+         lambda c, x: f"{arg('activation_offload')} is Megatron-Core's activation CPU offloading (Transformer "
+                      f"Engine's offload context); framework {c.framework} has none: use {arg('framework')} megatron "
+                      f"or {arg('activation_offload')} 0"),
+    Rule("megatron", lambda c, x: (c.activation_offload > 0) & (c.pp > 1),
+         lambda c, x: f"framework megatron offloads activations only without pipeline parallelism (Megatron-Core "
+                      f"refuses {arg('pp')} {c.pp} with CPU offloading); use {arg('pp')} 1 or "
+                      f"{arg('activation_offload')} 0"),
+    Rule("megatron", lambda c, x: (c.activation_offload > 0) & (c.recompute != "none"),
+         lambda c, x: f"framework megatron does not offload activations while recomputing them (Megatron-Core "
+                      f"refuses CPU offloading with {arg('recompute')} {c.recompute}); use {arg('recompute')} none or "
+                      f"{arg('activation_offload')} 0"),
+    Rule("megatron", lambda c, x: (c.activation_offload >= x.decoder_layers) & (c.activation_offload > 0),
+         lambda c, x: f"{arg('activation_offload')} {c.activation_offload}: Megatron-Core offloads fewer layers than "
+                      f"the model's {x.decoder_layers} decoder layers; use at most {x.decoder_layers - 1}"),
+    # Megatron-Core's combined 1F1B runs two micro-batches' layers interleaved, which TE's
+    # layer-ordered offload schedule does not follow: dsplan prices offload on the plain schedule.
+    Rule("megatron", lambda c, x: x.ep_overlap and (c.activation_offload > 0) & (c.ep > 1),
+         lambda c, x: f"{arg('activation_offload')} with the expert all-to-all overlap (two micro-batches "
+                      f"interleaved layer by layer) is not priced; use {arg('no_ep_comm_overlap')} or "
+                      f"{arg('activation_offload')} 0"),
     Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
          lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
 )
@@ -276,6 +301,7 @@ class ConfigColumns:
     cp_comm: np.ndarray | Coded | str = "p2p"
     dp_replicate: np.ndarray | int = 1
     etp: np.ndarray | int | None = None  # None: tp
+    activation_offload: np.ndarray | int = 0
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -285,14 +311,15 @@ class ConfigColumns:
 def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, is_vlm: bool, optimizer: str,
                     precision: str, mla: bool = False, positions: str = "rope", model: str = "",
                     precision_aware_optimizer: bool = False, expert_bias: bool = False,
-                    window: bool = False, zero_pp: tuple[str, ...] = (), mtp: bool = False) -> None:
+                    window: bool = False, zero_pp: tuple[str, ...] = (), mtp: bool = False,
+                    ep_overlap: bool = False) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
     ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
     work, recipe = split_precision(precision)
     facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
-                     precision_aware_optimizer, expert_bias, window, zero_pp, mtp)
+                     precision_aware_optimizer, expert_bias, window, zero_pp, mtp, ep_overlap)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -319,11 +346,12 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
 
 
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str,
-                        precision_aware_optimizer: bool = False, zero_pp: tuple[str, ...] = ()) -> None:
+                        precision_aware_optimizer: bool = False, zero_pp: tuple[str, ...] = (),
+                        ep_overlap: bool = False) -> None:
     """``check_framework`` with the facts of ``model`` its rules read (the one place that
     picks them; the search passes them hoisted, since it asks thousands of times)."""
     check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision,
-                    precision_aware_optimizer=precision_aware_optimizer, zero_pp=zero_pp)
+                    precision_aware_optimizer=precision_aware_optimizer, zero_pp=zero_pp, ep_overlap=ep_overlap)
 
 
 def model_facts(model: "ModelSpec") -> dict[str, Any]:

@@ -220,6 +220,9 @@ class ParallelConfig(BaseModel):
     # within a group and the groups replicate each other (Megatron's
     # --num-distributed-optimizer-instances, torchtitan's data_parallel_replicate_degree).
     dp_replicate: PositiveInt = 1
+    # Decoder layers whose activations go to host memory in the forward and come back for the
+    # backward (Megatron-Core --cpu-offloading-num-layers, TE's CPU offload; activation_offload.py).
+    activation_offload: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -63,6 +63,11 @@ class Plan:
         return (self.memory.peak <= self.capacity_bytes and self.cpu_bytes_per_node <= self.host_capacity_bytes
                 and not self.reason)
 
+    @property
+    def offloads(self) -> bool:
+        """Whether anything lives in host memory: optimizer states, parameters or activations."""
+        return self.cfg.offload != "none" or self.cfg.activation_offload > 0
+
     @functools.cached_property
     def cpu_bytes_per_node(self) -> float:
         """Host memory per node for offloaded states (0 without offload)."""
@@ -103,8 +108,8 @@ class Plan:
             return (f"pipeline rank {w.rank} needs {w.memory.peak / 2**30:.1f} GiB of "
                     f"{self.capacity_bytes / 2**30:.1f} GiB")
         if self.cpu_bytes_per_node > self.host_capacity_bytes:
-            return (f"offloaded states need {self.cpu_bytes_per_node / 2**40:.2f} TiB of host memory per node; "
-                    f"{self.host_capacity_bytes / 2**40:.2f} TiB is usable")
+            return (f"offloaded states and activations need {self.cpu_bytes_per_node / 2**40:.2f} TiB of host memory "
+                    f"per node; {self.host_capacity_bytes / 2**40:.2f} TiB is usable")
         return ""
 
     def to_json(self) -> dict[str, Any]:
@@ -116,6 +121,7 @@ class Plan:
             "etp": c.etp, "cp": c.cp, "cp_comm": c.cp_comm, "dp_replicate": c.dp_replicate,
             "zero_stage": c.zero_stage, "offload": c.offload, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
             "global_batch": w.global_batch, "seq_len": w.seq_len, "recompute": c.recompute,
+            "activation_offload": c.activation_offload,
             "sequence_parallel": c.sequence_parallel, "virtual_stages": c.virtual_stages, "precision": w.precision_name,
             "optimizer": w.optimizer, "images_per_sample": w.images_per_sample, "tiles_per_image": w.tiles_per_image,
             "flash_attention": w.flash_attention, "dropout": w.dropout, "tp_comm_overlap": w.tp_comm_overlap,
@@ -128,18 +134,19 @@ class Plan:
             "fits": self.fits,
             "reason": self.why_not(),
             # the fullest GPU's breakdown; host memory is the fullest node's (what must fit)
-            "memory": {**_memory_json(self.memory, self.capacity_bytes, c.offload != "none"),
-                       **({"cpu_bytes_per_node": self.cpu_bytes_per_node} if c.offload != "none" else {})},
+            "memory": {**_memory_json(self.memory, self.capacity_bytes, self.offloads),
+                       **({"cpu_bytes_per_node": self.cpu_bytes_per_node} if self.offloads else {})},
             "step_time_s": t.total,
             "time": {"compute_s": t.compute, "recompute_s": t.recompute, "tp_comm_s": t.tp_comm,
                      "pp_bubble_s": t.pp_bubble, "pp_comm_s": t.pp_comm, "dp_comm_s": t.dp_comm,
-                     "ep_comm_s": t.ep_comm, "cp_comm_s": t.cp_comm, "optimizer_s": t.optimizer},
+                     "ep_comm_s": t.ep_comm, "cp_comm_s": t.cp_comm, "optimizer_s": t.optimizer,
+                     "act_offload_s": t.act_offload},
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
             **({"checkpoint": self.checkpoint.to_json(t.total), "goodput": self.goodput,
                 "goodput_tokens_per_s": self.tokens_per_s * self.goodput} if self.checkpoint else {}),
-            "stages": [_stage_json(s, self.capacity_bytes, c.offload != "none") for s in self.stages],
+            "stages": [_stage_json(s, self.capacity_bytes, self.offloads) for s in self.stages],
         }
         if self.notes:
             data["notes"] = list(self.notes)

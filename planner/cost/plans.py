@@ -51,6 +51,8 @@ def build_plan(model: ModelSpec, ctx: CostContext, cfg: ParallelConfig, parts: S
     """The Plan of ``cfg`` split as ``parts``, from its [RANK_FIELDS x pp] rank table and row
     ``n`` of ``asm``."""
     pp, m = cfg.pp, cfg.grad_accum
+    if cfg.activation_offload != asm.act_offload[n]:  # the layers the search chose to offload
+        cfg = cfg.model_copy(update={"activation_offload": int(asm.act_offload[n])})
     # Per rank as plain floats: one conversion per array, not one numpy scalar per number.
     memory_rows = zip(*(a[n].tolist() for a in (asm.weights, asm.grads, asm.optimizer, asm.activations,
                                                 asm.buffers, asm.overhead, asm.cpu_per_node)))
@@ -65,7 +67,8 @@ def build_plan(model: ModelSpec, ctx: CostContext, cfg: ParallelConfig, parts: S
     w = stages[int(asm.worst[n])].microbatch
     time = StepTime(compute=m * (w.fwd + w.bwd), recompute=m * w.recompute, tp_comm=m * w.tp,
                     pp_bubble=float(asm.bubble[n]), pp_comm=m * w.pp, dp_comm=float(asm.dp[n].max()),
-                    ep_comm=m * w.ep, optimizer=float(asm.opt[n].max()), cp_comm=m * w.cp)
+                    ep_comm=m * w.ep, optimizer=float(asm.opt[n].max()), cp_comm=m * w.cp,
+                    act_offload=float(asm.act_offload_s[n]))
     cluster = ctx.cluster
     checkpoint = plan_checkpoint(columns_of([cfg]), time.total, model, ctx.workload, cluster.profile, cluster.nodes)
     return Plan(model=model.name, hardware=cluster.profile.name, nodes=cluster.nodes,

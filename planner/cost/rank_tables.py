@@ -51,9 +51,10 @@ Split = list[tuple[int, int]]
 # recompute, TP, EP and pipeline traffic; the stage's dense and expert parameters, its largest
 # block, stored and live activation bytes and pipeline buffers; the parameters of a tied
 # embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and
-# reduce-scatters; the quantized weights; last, the exposed context-parallel traffic.
+# reduce-scatters; the quantized weights; the exposed context-parallel traffic; last, the rank's
+# decoder layers and their stored bytes (what activation offload moves: activation_offload.py).
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
-               "tied", "z3_gather", "z3_gather_rest", "z3_reduce", "z3_host", "low", "cp")
+               "tied", "z3_gather", "z3_gather_rest", "z3_reduce", "z3_host", "low", "cp", "dec_n", "dec_act")
 ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
 # ZeRO-3's gathers of the step's first forward and of every other pass, its reduction and its
 # hooks' host time (zero3_fetch.block_seconds); zero unless the candidate runs ZeRO-3.
@@ -67,9 +68,10 @@ TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp", "cp")]  # Mi
 # "tp_ov" the TP seconds left exposed where the runtime overlaps them (the "tp" row of a spec
 # with ``overlap``), "te_*" what TE's attention saves of fwd, bwd and rc (a spec with ``te``),
 # "cp" the exposed context-parallel attention traffic, "ep_ov" the EP seconds left exposed where a
-# spec's ``ep_overlap`` merges micro-batches (``merged_share``).
+# spec's ``ep_overlap`` merges micro-batches (``merged_share``), "dec" 1 per decoder layer and
+# "dec_act" its stored bytes per sample.
 PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov", "te_f", "te_b", "te_rc",
-                 "cp", "ep_ov")
+                 "cp", "ep_ov", "dec", "dec_act")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -227,6 +229,7 @@ class RankTables:
     def __init__(self, model: ModelSpec, ctx: CostContext) -> None:
         self.ctx = ctx
         self.nblocks = len(model.blocks)
+        self.decoder = np.array([b.kind == "decoder" for b in model.blocks], dtype=float)  # DecoderBlock.kind
         self.tied = tied_embedding(model)
         self._prefix: dict[tuple, tuple[BlockTable, np.ndarray]] = {}
         self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
@@ -290,7 +293,7 @@ class RankTables:
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
                 s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi],
                 s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi], s.table.cp[mode, bi],
-                s.table.ep_ov[mode, bi])])
+                s.table.ep_ov[mode, bi], self.decoder, s.table.act[mode] * self.decoder)])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -316,6 +319,8 @@ class RankTables:
         out[ROW["stored"]] = sums[_CHUNK["act"]] * b
         out[ROW["low"]] = sums[_CHUNK["low"]]
         out[ROW["cp"]] = sums[_CHUNK["cp"]]
+        out[ROW["dec_n"]] = sums[_CHUNK["dec"]]
+        out[ROW["dec_act"]] = sums[_CHUNK["dec_act"]] * b
         out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]], sums[_CHUNK["tp"]])
         rank = np.arange(ch.width) - np.repeat(ch.rank_start[:-1], ch.pps)
         share = np.where(ch.rank["ep_overlap"] > 0, merged_share(rank, ch.rank["pp"], ch.rank["vs"], ch.rank["m"]), 0)

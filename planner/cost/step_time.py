@@ -69,11 +69,12 @@ class StepTime:
     ep_comm: float
     optimizer: float
     cp_comm: float = 0.0
+    act_offload: float = 0.0  # activation copies to and from host memory left exposed (activation_offload.py)
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.pp_bubble + self.pp_comm + self.dp_comm
-                + self.ep_comm + self.optimizer + self.cp_comm)
+                + self.ep_comm + self.optimizer + self.cp_comm + self.act_offload)
 
 
 # -- the pipeline ----------------------------------------------------------------------------
@@ -276,7 +277,7 @@ def optimizer_seconds(ctx: CostContext, col: dict[str, np.ndarray], dense: np.nd
     out = eff.hbm_time(local * step_bytes, ctx.dev)
     # Each host term only where some row offloads that way (most spaces have no parameter offload).
     node = ctx.cluster.profile.node
-    host = (ctx.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.pcie_GBps * 1e9)
+    host = (ctx.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.host_Bps)
     off = col["offload"][:, None]
     optimizer = off == OFFLOADS.index("optimizer")
     if optimizer.any():

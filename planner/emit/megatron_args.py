@@ -305,6 +305,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
     elif plan.recompute == "full":
         args += [_a("--recompute-granularity", "full"), _a("--recompute-method", "uniform"),
                  _a("--recompute-num-layers", 1)]
+    if plan.activation_offload:  # TE's CPU offload of the first layers' activations (activation_offload.py)
+        args.append(_a("--cpu-offloading-num-layers", plan.activation_offload))
     if plan.framework != "megatron-deepspeed":  # Megatron-DeepSpeed hands ZeRO to DeepSpeed (--zero-stage below)
         args += _sharding_args(plan)
     args.append(_a("--log-interval", settings.steps_per_print))

@@ -60,6 +60,7 @@ class PlanFile(BaseModel):
     global_batch: PositiveInt
     seq_len: PositiveInt
     recompute: Recompute = "none"
+    activation_offload: int = Field(0, ge=0)  # decoder layers offloaded to host memory (ParallelConfig)
     sequence_parallel: bool = False
     virtual_stages: PositiveInt = 1
     precision: PrecisionName = "bf16"  # a working precision or a TE recipe (planner/cost/precision.py)
@@ -112,6 +113,7 @@ class PlanFile(BaseModel):
             micro_batch=self.micro_batch, grad_accum=self.grad_accum, recompute=self.recompute,
             sequence_parallel=self.sequence_parallel, virtual_stages=self.virtual_stages, framework=self.framework,
             cp=self.cp, cp_comm=self.cp_comm, dp_replicate=self.dp_replicate, etp=self.etp,
+            activation_offload=self.activation_offload,
         )
 
     def workload(self) -> Workload:

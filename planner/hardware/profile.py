@@ -105,6 +105,9 @@ class Node(_Strict):
     nics: NIC
     pcie_gen: Literal[3, 4, 5, 6] = 4
     pcie_GBps: Rate  # host <-> one GPU, per direction (offload traffic)
+    # GPUs behind one uplink to the CPU (a PCIe switch's x16 port; DGX A100: four switches for eight
+    # GPUs), which share it when they copy to or from host memory at once.
+    gpus_per_host_link: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
     host_memory_GiB: Memory
     cpu_cores: int = Field(128, gt=0, le=limits.MAX_CPU_CORES)
     cpu_adam_GBps: Rate = 20.0  # DeepSpeedCPUAdam parameter throughput per node (bytes of fp32 params/s)
@@ -113,6 +116,12 @@ class Node(_Strict):
     # 1: the NVLink domain is the node. Collectives inside a domain are priced on NVLink, host
     # facts (memory, CPU, offload link) stay per node.
     nvlink_domain_nodes: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
+
+    @property
+    def host_Bps(self) -> float:
+        """Bytes per second each GPU moves to or from host memory while every GPU of the node does
+        (offloaded states and activations, checkpoint copies): its link, or its share of an uplink."""
+        return self.pcie_GBps * 1e9 / self.gpus_per_host_link
 
 
 # The fabrics NCCL reaches over verbs (InfiniBand, RoCE): RDMA devices for k8s-job.yaml, NICs to

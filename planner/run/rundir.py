@@ -156,9 +156,12 @@ TRAINER_TP_FRAMEWORK = "deepspeed"
 
 
 def trainer_refusal(framework: str, tp: int, pp: int, virtual_stages: int, is_moe: bool, cp: int = 1,
-                    dp_replicate: int = 1) -> str | None:
+                    dp_replicate: int = 1, activation_offload: int = 0) -> str | None:
     """Why the reference trainer cannot run a plan of this layout (a sentence naming plan.json's
     fields), or None when it can."""
+    if activation_offload:
+        return (f"plan.json: activation_offload={activation_offload}; the reference trainer keeps its activations "
+                f"on the GPU (the offload is Transformer Engine's, under Megatron-Core); {_megatron_hint(framework)}")
     if dp_replicate != 1:
         return (f"plan.json: dp_replicate={dp_replicate}; the reference trainer shards over every DP rank "
                 f"(DeepSpeed's ZeRO), not in replicated groups; {_megatron_hint(framework)}")
@@ -185,7 +188,7 @@ def check_reference_trainer(plan: PlanFile, ds_config: dict[str, Any], is_moe: b
     ``dsplan run`` before it starts any rank.
     """
     refusal = trainer_refusal(plan.framework, plan.tp, plan.pp, plan.virtual_stages, is_moe, plan.cp,
-                              plan.dp_replicate)
+                              plan.dp_replicate, plan.activation_offload)
     if refusal is not None:
         raise UserError(refusal)
     if runs_ep_overlap(plan.framework, plan.ep, plan.pp, plan.virtual_stages, plan.recompute, plan.ep_comm_overlap):

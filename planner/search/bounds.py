@@ -12,6 +12,7 @@ import numpy as np
 
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
+from planner.cost.activation_offload import AUTO
 from planner.cost.block_times import BlockTable, stacked, table_rows
 from planner.cost.candidates import dp_ranks, expert_ranks, expert_shard_ranks, shard_ranks, take
 from planner.cost.collectives import collective_times_numbered
@@ -50,6 +51,7 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
     pp, vs = c["pp"].astype(float), c["vs"].astype(float)
     m = c["grad_accum"].astype(float)
     dense, expert, stored = sums.params[ks.inverse], sums.expert[ks.inverse], sums.act[ks.inverse]
+    stored = stored - _offloadable(c["aoff"], sums.dec_act[ks.inverse], p.model.num_layers)
     time_lb = (np.maximum(S / pp, sums.spread[ks.inverse]) * (m - 1.0 / vs) + S / vs
                + optimizer_bound(p.ctx, c, dense, expert))
     per_dense, per_expert = _state_bytes(p.ctx, c)  # model-state bytes per dense / expert parameter
@@ -69,16 +71,24 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
     return time_lb, mem_lb, dense, expert
 
 
+def _offloadable(aoff: np.ndarray, decoder_act: np.ndarray, layers: int) -> np.ndarray:
+    """Stored bytes activation offload may take off the GPU: the layers a plan names, or where the
+    search decides (activation_offload.AUTO) all but one of the ``layers`` decoder layers."""
+    share = np.where(aoff == AUTO, layers - 1, np.maximum(aoff, 0)) / layers
+    return share * decoder_act
+
+
 class _KeySums(NamedTuple):
     """Per key: the sum of its blocks' seconds per micro-batch, ``spread_bound`` of its pipeline
-    units, its parameters per TP rank (dense, expert) and stored activation bytes; and the
-    block tables of the (tp, sp, ep) groups with each key's table."""
+    units, its parameters per TP rank (dense, expert), stored activation bytes and those of its
+    decoder layers; and the block tables of the (tp, sp, ep) groups with each key's table."""
 
     block_sum: np.ndarray
     spread: np.ndarray
     params: np.ndarray
     expert: np.ndarray
     act: np.ndarray
+    dec_act: np.ndarray
     tables: list[BlockTable]
     run_of: np.ndarray
 
@@ -87,7 +97,8 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
     """``_KeySums`` of every key. Tables built in one pass share their micro-batch sizes: they
     are stacked, so each quantity is computed over [table, mode, micro-batch, ...] at once."""
     k = ks.keys
-    out = _KeySums(*(np.zeros(len(k)) for _ in range(5)), [], np.zeros(0))
+    out = _KeySums(*(np.zeros(len(k)) for _ in range(6)), [], np.zeros(0))
+    decoder = np.array([b.kind == "decoder" for b in p.model.blocks], dtype=float)  # DecoderBlock.kind
     # Keys are sorted by a code whose leading digits are (tp, sp, ep): each group is one run.
     new = np.ones(len(k), dtype=bool)
     np.any(k[1:, :3] != k[:-1, :3], axis=1, out=new[1:])
@@ -133,7 +144,9 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
         out.spread[sel] = by_depth[np.searchsorted(depths, pp), at[row]]
         out.params[sel] = np.array([t.params.sum() for t in ts])[lr]
         out.expert[sel] = np.array([t.expert.sum() for t in ts])[lr]
-        out.act[sel] = stacked(ts, "act").sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
+        act = stacked(ts, "act")
+        out.act[sel] = act.sum(axis=2)[lr, mode] * k[sel, 3]  # stored bytes
+        out.dec_act[sel] = (act @ decoder)[lr, mode] * k[sel, 3]
     return out._replace(tables=tables, run_of=run_of)
 
 

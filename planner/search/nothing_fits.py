@@ -23,7 +23,8 @@ def describe(p: dict) -> str:
     rep = f"-hsdp{p['dp_replicate']}" if p.get("dp_replicate", 1) > 1 else ""
     rep += f"-zeropp-{'-'.join(p['zero_pp'])}" if p.get("zero_pp") else ""
     return (f"{p['framework']} dp{p['dp']} tp{p['tp']}{sp} pp{p['pp']}{vs}{extra} zero{p['zero_stage']}{rep}{off} "
-            f"mb{p['micro_batch']}x{p['grad_accum']} recompute-{p['recompute']}")
+            f"mb{p['micro_batch']}x{p['grad_accum']} recompute-{p['recompute']}"
+            + (f" act-offload{p['activation_offload']}" if p.get("activation_offload") else ""))
 
 
 def relaxations(nodes: int, workload: Workload, cons: Constraints) -> list[tuple[str, int, Constraints]]:

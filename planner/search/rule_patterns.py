@@ -4,6 +4,7 @@ every (pattern, setting) row at once, and the refusals tallied for the no-plan m
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -47,7 +48,9 @@ def rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
 class Verdicts:
     """The framework rules' answers per pattern (``pattern_verdicts``)."""
 
-    ok_rows: np.ndarray  # [5, rows]: each pattern's runnable settings in turn, in settings order
+    # [6, rows]: each pattern's runnable settings in turn, in settings order, and last whether the
+    # runtime may offload activations in that setting (asked only when the search may: else 0)
+    ok_rows: np.ndarray
     allowed: list[tuple[int, int, int]]  # per pattern: (its first row in ok_rows, ok count, valid count)
     # Per pattern, per broken rule (by rule): the settings it refuses (how many, the first).
     reasons: list[dict[int, tuple[int, tuple[int, int, int, int, int]]]]
@@ -55,10 +58,11 @@ class Verdicts:
 
 def pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
                       rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p", rep: int = 1,
-                      etp: int | None = None) -> Verdicts:
+                      etp: int | None = None, activation_offload: bool = False) -> Verdicts:
     """Per pattern (given by a representative degree combination and its accumulation flag):
     the settings its framework runs, how many settings are structurally valid for it, and per
-    broken rule the settings it refuses (how many, the first).
+    broken rule the settings it refuses (how many, the first); with ``activation_offload``, which
+    of the runnable ones still run with activations offloaded (the same rules, asked again).
 
     One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
     facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1. The
@@ -78,6 +82,9 @@ def pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int,
     broken = np.where(valid, rule(cols), -1)
     ok = valid & (broken < 0)
     ok_at = np.flatnonzero(ok)  # row i * k + j: pattern i, setting j
+    offloads = np.zeros(len(ok_at), dtype=np.int64)
+    if activation_offload and ok_at.size:
+        offloads = (rule(dataclasses.replace(cols, activation_offload=1))[ok_at] < 0).astype(np.int64)
     ok_counts = np.bincount(ok_at // k, minlength=n).tolist()
     valid_counts = valid.reshape(n, k).sum(axis=1).tolist()
     starts = np.concatenate(([0], np.cumsum(ok_counts))).tolist()
@@ -93,19 +100,20 @@ def pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int,
     reasons: list[dict[int, tuple[int, tuple[int, int, int, int, int]]]] = [{} for _ in range(n)]
     for code in np.flatnonzero(counts).tolist():  # ascending: by pattern, then by rule
         reasons[code // rules][code % rules] = (int(counts[code]), settings[first[code]])
-    return Verdicts(np.ascontiguousarray(st.T)[:, ok_at % k], allowed, reasons)
+    return Verdicts(np.vstack((np.ascontiguousarray(st.T)[:, ok_at % k], offloads)), allowed, reasons)
 
 
 def refusals_of(reasons_per_pattern: list, weights: list[int], firsts: list[tuple[Degrees, int]], global_batch: int,
               tail: tuple[int, int, int], etp: int | None = None) -> dict[int, tuple[int, tuple[int, ...]]]:
     """Candidates each framework reason refused, with the first refused candidate as an example
-    (its columns; ``tail``: the space's cp, cp_comm code and rep, then the experts' TP)."""
+    (its columns; ``tail``: the space's cp, cp_comm code and rep, then the experts' TP and no
+    activation offload)."""
     refusals: dict[int, tuple[int, tuple[int, ...]]] = {}
     for reasons, weight, (deg, b) in zip(reasons_per_pattern, weights, firsts):
         for reason, (count, setting) in reasons.items():
             seen, example = refusals.get(reason, (0, ()))
             if not example:  # patterns are met in block order: the first example stands
                 example = (deg.dp, deg.tp, deg.pp, deg.ep, deg.vs, *setting, b, global_batch // (deg.dp * b), *tail,
-                           expert_tp_of(etp, deg.tp))
+                           expert_tp_of(etp, deg.tp), 0)
             refusals[reason] = (seen + count * weight, example)
     return refusals

@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from planner.cost.activation_offload import AUTO
 from planner.cost.candidates import COLUMNS, config_of
 from planner.cost.parallel import (
     CP_COMMS,
@@ -71,6 +72,9 @@ class Constraints:
     # The experts' TP: 1 (folded into EP) and/or None (the attention's tp), each searched on its own
     # [default: both, for a mixture-of-experts model] (suggest.expert_tp_choices).
     etp: tuple[int | None, ...] | None = None
+    # Whether a candidate that runs out of memory may offload the activations of as few decoder
+    # layers as make it fit, where the runtime can (activation_offload.py) [default: yes].
+    activation_offload: bool = True
 
 
 @dataclass(frozen=True)
@@ -254,8 +258,8 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
                 reps.append((deg, flag))
                 pattern_first.append((deg, mbs[0]))
             blocks.append((deg, mbs, pattern_id))
-    verdicts = (pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep, etp) if reps
-                else Verdicts(np.zeros((5, 0), dtype=np.int64), [], []))
+    verdicts = (pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep, etp, cons.activation_offload)
+                if reps else Verdicts(np.zeros((6, 0), dtype=np.int64), [], []))
     pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
     # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
     # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
@@ -305,4 +309,4 @@ def _layout(blocks: list[tuple[Degrees, int, int, list[int]]], ok_rows: np.ndarr
     head = np.repeat(heads, sizes, axis=1)
     setting = np.take(ok_rows, np.repeat(row_setting, row_m), axis=1)
     return {**dict(zip(COLUMNS[:5], head)), **dict(zip(COLUMNS[5:10], setting)),
-            **dict(zip(COLUMNS[10:12], np.take(batch, at, axis=1)))}
+            **dict(zip(COLUMNS[10:12], np.take(batch, at, axis=1))), "aoff": np.where(setting[5] > 0, AUTO, 0)}
