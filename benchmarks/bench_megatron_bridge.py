@@ -9,7 +9,7 @@ docs/performance-summary.md, 25.11). For each row this runs ``suggest`` with the
 system, global batch, sequence, precision and layout pinned (tp, pp, cp, vp, ep, micro-batch,
 Megatron-Core with its distributed optimizer, or Megatron-FSDP (zero 3) where the row shards
 over its whole DP group), letting dsplan choose what the table does not say (recomputation,
-sequence parallelism), and compares the best plan's tokens/s per GPU with the published one.
+sequence parallelism, activation offload), and compares the best plan's tokens/s per GPU with the published one.
 A row dsplan cannot express yet is listed with the reason. Plan quality: the same search with
 only GPUs, batch, sequence and precision fixed, and where NVIDIA's layout ranks in it.
 """
@@ -94,7 +94,8 @@ def pinned(row: dict) -> dict:
     published = float(row["tokens_per_s_per_gpu"])
     return {"predicted": predicted, "ratio": predicted / published, "seconds": seconds,
             "chosen": f"recompute {plan.cfg.recompute}{', sp' if plan.cfg.sequence_parallel else ''}"
-                      + (f", cp {plan.cfg.cp_comm}" if plan.cfg.cp > 1 else "")}
+                      + (f", cp {plan.cfg.cp_comm}" if plan.cfg.cp > 1 else "")
+                      + (f", {plan.cfg.activation_offload} layers offloaded" if plan.cfg.activation_offload else "")}
 
 
 def free(row: dict) -> dict:
@@ -108,7 +109,8 @@ def free(row: dict) -> dict:
     best = out.plans[0].plan
     c = best.cfg
     return {"rank": rank, "best": f"{c.framework} tp{c.tp} pp{c.pp}x{c.virtual_stages} ep{c.ep} cp{c.cp} "
-                                  f"mb{c.micro_batch} z{c.zero_stage}",
+                                  f"mb{c.micro_batch} z{c.zero_stage}"
+                                  + (f" act{c.activation_offload}" if c.activation_offload else ""),
             "best_tokens": best.tokens_per_s / gpus, "seconds": seconds}
 
 
