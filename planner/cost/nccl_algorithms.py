@@ -176,7 +176,7 @@ def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
         spb = 1.0 / (cluster.intra_bw * NVLS_EFFICIENCY)
         lat = 2 * links.intra_lat
         if m > 1:  # NVLS inside each node, a tree between nodes over each GPU's rail
-            spb = max(spb, 2 * (m - 1) / m / r / (links.inter_bw / r * NET_EFFICIENCY))
+            spb = max(spb, _nvls_tree_rail_bytes(m) / r / (links.inter_bw / r * NET_EFFICIENCY))
             lat += 2 * math.ceil(math.log2(m)) * _step(SIMPLE, links.net_lat)
         name = "nvls" if m == 1 else "nvls_tree"
         out.append(Candidate(name, "Simple", lat, spb, 0.0, NVLS_FILL, NVLS_FILL_CAP_BYTES))
@@ -189,6 +189,14 @@ def _ring_latency(n: int, m: int, intra_step: float, net_step: float) -> float:
     and m - 1 network hops (NCCL tuning.cc: (nsteps - nInterSteps) x intraLat + nInterSteps x
     interLat; an all-reduce makes two passes)."""
     return (n - m) * intra_step + (m - 1) * net_step if m > 1 else (n - 1) * intra_step
+
+
+def _nvls_tree_rail_bytes(m: int) -> float:
+    """Bytes each GPU's NIC sends per byte of its rail's share in NVLS-tree's inter-node tree:
+    an inner node of a double binary tree forwards its share up and down again (2), the one
+    link between two nodes carries it once (NCCL tuning.cc doubles NVLSTree's bwInter for
+    nNodes <= 2 only)."""
+    return 1.0 if m <= 2 else 2.0
 
 
 def _pat_latency(n: int, m: int, net_step: float) -> float:
