@@ -67,6 +67,15 @@ FP8_GATHER_REASON = ("FSDP float8 all-gather (enable_fsdp_float8_all_gather; dsp
                      "FSDP2 weights in bf16)")
 
 
+REASON_TAGS = {SAC_REASON: "per-op SAC", ASYNC_REASON: "async TP", ROWWISE_REASON: "rowwise",
+               FP8_GATHER_REASON: "FSDP fp8 gather"}
+COMPILED = "the run used torch.compile; priced as eager kernels (the cost model does not distinguish them)"
+FP8_TP = "the run all-gathers TP activations in float8 (torchao's Float8 TP styles); priced in bf16"
+CP_ALLGATHER = "the run all-gathers CP's K/V (the default rotater); priced as dsplan's ring"
+LONG_CONTEXT = "the sequence is above the preset's context; raised to it, as torchtitan's train.py does"
+CAVEAT_TAGS = {COMPILED: "compile", FP8_TP: "fp8 TP", CP_ALLGATHER: "CP all-gather", LONG_CONTEXT: "context"}
+
+
 def rows(path: Path = REFERENCE) -> list[dict[str, str]]:
     """The published rows, as the CSV spells them."""
     with path.open(newline="") as f:
@@ -97,13 +106,13 @@ def caveats(row: dict[str, str]) -> list[str]:
     """What an expressible row's price leaves out without being refused for it."""
     out = []
     if row["torch_compile"] == "on":
-        out.append("torch.compile priced as eager")
+        out.append(COMPILED)
     if row["float8_recipe"] == "tensorwise" and row["tp"] != "1":
-        out.append("TP all-gathers in float8 in the run, priced in bf16")
+        out.append(FP8_TP)
     if row["cp_rotate_method"] == "allgather":
-        out.append("CP K/V all-gathered in the run, priced as dsplan's ring")
+        out.append(CP_ALLGATHER)
     if int(row["seq_len"]) > api.load_model(MODELS[row["model"]]).max_seq_len:
-        out.append("context raised to the sequence, as torchtitan does")
+        out.append(LONG_CONTEXT)
     return out
 
 
@@ -181,24 +190,40 @@ def mean_line(name: str, group: list[dict[str, Any]]) -> str:
             f"(within 10%: {sum(err <= 0.10 for err in errors)})")
 
 
-def print_table(table: list[dict[str, Any]], data: list[dict[str, str]]) -> None:
-    """The expressible rows, then the others with their reasons and stand-ins, then the means."""
-    print(f"{'row':<52} {'layout':<26} {'published':>9} {'predicted':>9} {'error':>7} {'fits':>4} "
+def _legend(tags: dict[str, str]) -> None:
+    """Each short tag the table used, with its sentence."""
+    for tag, text in tags.items():
+        print(f"  {tag}: {text}")
+
+
+def print_priced(table: list[dict[str, Any]], data: list[dict[str, str]]) -> None:
+    """The expressible rows: published against predicted, with each row's caveats as tags."""
+    print(f"{'row':<52} {'layout':<19} {'published':>9} {'predicted':>9} {'error':>7} {'fits':>4} "
           f"{'GiB':>5} {'pub GiB':>7}  caveats")
     for e, row in zip(table, data):
         if not e["not_expressible"]:
             pub = f"{e['published_GiB']:.1f}" if e["published_GiB"] else "-"
-            print(f"{e['row']:<52} {layout(row):<26} {e['published']:>9.1f} {e['predicted']:>9.1f} "
-                  f"{e['error']:>+7.1%} {'yes' if e['fits'] else 'no':>4} {e['peak_GiB']:>5.1f} {pub:>7}  "
-                  f"{'; '.join(e['caveats'])}")
-    print("\nnot expressible (stand-ins: predicted tok/s/GPU / published; in no mean):")
+            tags = ", ".join(CAVEAT_TAGS[c] for c in e["caveats"])
+            print(f"{e['row']:<52} {layout(row):<19} {e['published']:>9.1f} {e['predicted']:>9.1f} "
+                  f"{e['error']:>+7.1%} {'yes' if e['fits'] else 'no':>4} {e['peak_GiB']:>5.1f} {pub:>7}  {tags}")
+    _legend({tag: text for text, tag in CAVEAT_TAGS.items()})
+
+
+def print_refused(table: list[dict[str, Any]]) -> None:
+    """The rows dsplan cannot express, with what they lack and their stand-ins (in no mean)."""
+    print("\nnot expressible; stand-ins: predicted tok/s/GPU (/ published), in no mean")
+    print(f"{'row':<52} {'published':>9}  {'missing':<30} stand-ins")
     for e in table:
         if e["not_expressible"]:
-            stand = ", ".join(f"{k} {v['predicted']:.0f} ({v['ratio']:.2f}{'' if v['fits'] else ', does not fit'})"
-                              for k, v in e["stand_ins"].items()) or "none"
-            print(f"  {e['row']}: published {e['published']:g}; stand-ins: {stand}")
-            for why in e["not_expressible"]:
-                print(f"      - {why}")
+            stand = "; ".join(f"{k} {v['predicted']:.0f} ({v['ratio']:.2f}{'' if v['fits'] else ', does not fit'})"
+                              for k, v in e["stand_ins"].items()) or "-"
+            missing = ", ".join(REASON_TAGS[r] for r in e["not_expressible"])
+            print(f"{e['row']:<52} {e['published']:>9g}  {missing:<30} {stand}")
+    _legend({tag: text for text, tag in REASON_TAGS.items()})
+
+
+def print_means(table: list[dict[str, Any]]) -> None:
+    """Mean |error| over the expressible rows, all of them and split by torch.compile."""
     priced = [e for e in table if not e["not_expressible"]]
     print(f"\nexpressible: {len(priced)} of {len(table)} rows")
     print(mean_line("all expressible rows", priced))
@@ -215,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(table, indent=2))
     else:
-        print_table(table, data)
+        print_priced(table, data)
+        print_refused(table)
+        print_means(table)
     return 0
 
 
