@@ -18,6 +18,7 @@ from planner.resources import hardware_profiles_dir
 EXPECTED = {
     "dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200", "h800", "a100-pcie", "l40s-pcie", "mi250x", "mi300x",
     "dgx-b200", "dgx-b300", "gb200-nvl72", "gb300-nvl72", "cpu-local", "aws-p5", "aws-p5en", "aws-p6-b200",
+    "h100-grand-teton",
 }
 # NVL72 systems: a node is one compute tray of 4 GPUs whose host link is NVLink-C2C (tests/test_nvl72.py).
 NVL72 = {"gb200-nvl72", "gb300-nvl72"}
@@ -174,7 +175,8 @@ def test_pcie_host_links_match_reference(reference_dir: Path):
     ("profile", "accelerator"),
     [("dgx-a100-80g", "NVIDIA A100 SXM"), ("a100-pcie", "NVIDIA A100 PCIe"), ("dgx-h100", "NVIDIA H100 SXM"),
      ("hgx-h200", "NVIDIA H100 SXM"), ("dgx-b200", "NVIDIA B200 SXM"), ("dgx-b300", "NVIDIA B200 SXM"),
-     ("aws-p5", "NVIDIA H100 SXM"), ("aws-p5en", "NVIDIA H100 SXM"), ("aws-p6-b200", "NVIDIA B200 SXM")],
+     ("aws-p5", "NVIDIA H100 SXM"), ("aws-p5en", "NVIDIA H100 SXM"), ("aws-p6-b200", "NVIDIA B200 SXM"),
+     ("h100-grand-teton", "NVIDIA H100 SXM")],
 )
 def test_matmul_efficiency_is_measured_mamf(reference_dir: Path, profile: str, accelerator: str):
     (row,) = [r for r in _rows(reference_dir, "mamf_max_achievable_matmul_measured.csv")
