@@ -95,6 +95,11 @@ def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str, attn_dev: e
     attention core (scores, softmax, dropout, values)."""
     if mode == "full" and c.checkpointed:
         return forward_time(c, b, dev, attn_dev)
+    if mode == "op" and c.checkpointed:  # torchtitan's per-op SAC: all but SDPA and the kept matmuls
+        if not c.extra.get("op_sac"):
+            return forward_time(c, b, dev, attn_dev)
+        kept = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.sac_saved)
+        return forward_time(c, b, dev, attn_dev) - attention_time(c.attn, b, attn_dev or dev) - kept
     if mode == "selective" and c.attn is not None:
         return attention_time(c.attn, b, attn_dev or dev) + float(eff.hbm_time(c.extra.get("score_hbm", 0.0) * b, dev))
     return 0.0
@@ -104,8 +109,11 @@ def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str, overlap_tp: int 
             dev: eff.Device | None = None) -> float:
     """The block's TP seconds; ``overlap_tp`` (the TP degree, 0: none): overlapped with the
     block's GEMMs, forward, twice backward, again when recomputed, one of tp chunks exposed."""
-    again = recompute == "full" and c.checkpointed
-    ops = c.tp_fwd + c.tp_bwd + (c.tp_fwd if again else ())
+    again = recompute in ("full", "op") and c.checkpointed
+    rerun = c.tp_fwd
+    if recompute == "op" and c.extra.get("op_sac"):  # the reduce-scatters' outputs are kept
+        rerun = tuple(op for op in c.tp_fwd if op[0] == "allgather")
+    ops = c.tp_fwd + c.tp_bwd + (rerun if again else ())
     t = sum(comms.tp(op, n * b) for op, n in ops)
     if overlap_tp and t > 0:
         assert dev is not None
@@ -125,14 +133,15 @@ def cp_time(c: LayerCost, b: int, comms: Comms, recompute: str, attn_dev: eff.De
     a2a = comms.cp_a2a(c.extra["cp_qkv"] * b) + comms.cp_a2a(c.extra["cp_o"] * b)
     f = a2a + ((n - 1) * max(0.0, comms.cp_ring(c.extra["cp_kv"] * b) - fa / n) if n > 1 else 0.0)
     bw = a2a + ((n - 1) * max(0.0, comms.cp_ring(2 * c.extra["cp_kv"] * b) - ba / n) if n > 1 else 0.0)
-    again = (recompute == "full" and c.checkpointed) or recompute == "selective"
+    again = ((recompute == "full" and c.checkpointed) or recompute == "selective"
+             or (recompute == "op" and c.checkpointed and not c.extra.get("op_sac")))
     return f + bw + (f if again else 0.0)
 
 
 def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
     if not c.ep_a2a_count:
         return 0.0
-    passes = 2 + (1 if (recompute == "full" and c.checkpointed) else 0)
+    passes = 2 + (1 if (recompute in ("full", "op") and c.checkpointed) else 0)
     return passes * c.ep_a2a_count * comms.ep("alltoall", c.ep_a2a * b)
 
 
@@ -454,7 +463,8 @@ def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: fl
                               dp=cfg.dp_ranks, edp=_edp(cfg), precision=w.precision, moments=w.optimizer_moments,
                               live_layer_params=largest)
     stored = sum(c.act[cfg.recompute] for c in blocks) * b
-    live = max((c.act_live for c in blocks if c.checkpointed), default=0.0) * b if cfg.recompute == "full" else 0.0
+    live = (max((c.act_live for c in blocks if c.checkpointed), default=0.0) * b
+            if cfg.recompute in ("full", "op") else 0.0)
     inflight = inflight_microbatches(r, cfg.pp, cfg.virtual_stages, cfg.grad_accum)
     if cfg.pp == 1 and cfg.recompute != "full" and _ep_share(cfg, w, r) > 0:
         inflight = 2.0  # the next forward runs before this backward frees its activations

@@ -38,6 +38,8 @@ PLANS = [
                  "--global-batch", "64"]),
     ("moe-ep", ["--model", "deepseek-v2-lite", "--zero", "3", "--ep", "8", "--global-batch", "64",
                 "--recompute", "full"]),
+    ("per-op-sac", ["--model", "llama-3.1-8b", "--zero", "3", "--tp", "2", "--sequence-parallel", "--global-batch",
+                    "64", "--recompute", "op"]),
 ]
 
 
@@ -102,7 +104,14 @@ def test_torchtitan_parses_the_job_config_with_the_plans_degrees(run_dirs, name)
         assert t.global_batch_size // (t.local_batch_size * plan["dp"]) == plan["grad_accum"]
     assert t.mixed_precision_param == "bfloat16" and t.mixed_precision_reduce == "float32"
     assert t.enable_cpu_offload == (plan["offload"] == "optimizer+params")
-    assert job.activation_checkpoint.mode == plan["recompute"]
+    ac = job.activation_checkpoint
+    if plan["recompute"] == "op":  # torchtitan's per-op selective AC
+        assert (ac.mode, ac.selective_ac_option) == ("selective", "op")
+    else:
+        assert ac.mode == plan["recompute"]
+    # compiled, as priced (fused elementwise kernels); TP without async TP, as priced
+    assert job.compile.enable and set(job.compile.components) == {"model", "loss"}
+    assert not p.enable_async_tensor_parallel
     converters = {"fp8-tensorwise": ["quantize.linear.float8"], "mxfp8": ["quantize.linear.mx"]}
     assert job.model.converters == converters.get(plan["precision"], [])
     if plan["precision"] == "fp8-tensorwise":
@@ -128,7 +137,10 @@ REFUSED = [
     (["--zero", "1"], "no ZeRO-1", {"zero_stage": 1}),
     (["--zero", "2"], "no ZeRO-2", {"zero_stage": 2}),
     (["--zero", "3", "--offload", "optimizer"], "CPUOffloadPolicy", {"offload": "optimizer"}),
-    (["--zero", "3", "--recompute", "selective"], "--recompute full or none", {"recompute": "selective"}),
+    (["--zero", "3", "--recompute", "selective"], "--recompute op (its per-op policy), full or none",
+     {"recompute": "selective"}),
+    (["--model", "deepseek-v2-lite", "--zero", "3", "--ep", "8", "--recompute", "op"],
+     "priced for the dense Llama 3 flavors", {"model": "deepseek-v2-lite", "ep": 8, "recompute": "op"}),
     (["--zero", "3", "--tp", "2"], "add --sequence-parallel", _TP2),
     (["--zero", "3", "--cp", "2", "--cp-comm", "a2a"], "--cp-comm p2p",
      {"cp": 2, "dp": 4, "grad_accum": 16, "cp_comm": "a2a"}),

@@ -57,7 +57,10 @@ from planner.errors import UserError
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Samples per micro-batch per GPU.")
 @workload_options("Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
                   "least pp micro-batches].")
-@click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True)
+@click.option("--recompute", type=click.Choice(["none", "selective", "full", "op"]), default="none", show_default=True,
+              help="Activation recomputation: selective is Megatron's (the attention core), full every transformer "
+                   "layer, op torchtitan's per-op selective checkpointing (keeps every other matmul's output and "
+                   "the attention's).")
 @click.option("--activation-offload", type=click.IntRange(min=0), default=0, show_default=True, metavar="LAYERS",
               help="Decoder layers whose activations go to host memory in the forward and come back for the "
                    "backward, the first LAYERS of the model's (Megatron-Core --cpu-offloading-num-layers through "

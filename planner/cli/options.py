@@ -123,7 +123,8 @@ _CONSTRAINT_FLAGS = (
     ("--offload", "none, optimizer, optimizer+params (one or a comma list). optimizer: DeepSpeed ZeRO-Offload or "
      "Megatron-Core's optimizer CPU offload (bf16, Adam); optimizer+params: ZeRO-3 only."),
     ("--micro-batch", f"Micro-batch size: {_LIST_HELP}."),
-    ("--recompute", "none, selective, full (one or a comma list)."),
+    ("--recompute", "none, selective (Megatron's attention core), full, op (torchtitan's per-op selective "
+     "checkpointing): one or a comma list."),
     ("--virtual-stages", "Interleaved pipeline chunks per rank (one or a comma list) [default: 1-8]."),
     ("--framework", "deepspeed, megatron-deepspeed, megatron, torchtitan (one or a comma list) [default: the first "
      "three; torchtitan, PyTorch FSDP2 + TP + PP + CP, is searched only when named]."),

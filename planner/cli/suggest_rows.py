@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-_SHORT_FW = {"deepspeed": "deepspeed", "megatron-deepspeed": "meg-ds", "megatron": "megatron"}
+_SHORT_FW = {"deepspeed": "deepspeed", "megatron-deepspeed": "meg-ds", "megatron": "megatron",
+             "torchtitan": "torchtitan"}
 _SHORT_OFFLOAD = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+params"}
 
 COLUMNS = ("#", "framework", "dp", "tp", "pp", "ep", "cp", "zero", "offload", "mb x acc", "recompute", "peak / cap",
@@ -123,6 +124,8 @@ def legend(rows: list[tuple[str, ...]]) -> str:
         parts.append("meg-ds = megatron-deepspeed")
     if both := first("framework", "/"):
         parts.append(f"{both} = the same prediction under each")
+    if any(c["recompute"] == "op" for c in cells):
+        parts.append("recompute op = torchtitan's per-op selective activation checkpointing")
     parts.append("mb x acc = micro-batch x gradient-accumulation steps")
     if any(c["stage, greedy"] != "-" for c in cells):
         parts.append("stage, greedy = the slowest pipeline stage per micro-batch (optimal balancer), "

@@ -11,7 +11,9 @@ planner/cost/efficiency.py's kernels and the collective model at every micro-bat
   core's backward, twice the HBM traffic;
 - recompute: under full recomputation the checkpointed block's forward again; under
   selective recomputation (Korthikanti et al. 2022 Sec 4.1) the attention core (scores,
-  softmax, dropout, values);
+  softmax, dropout, values); under torchtitan's per-op SAC ("op") the block's forward but its
+  attention core and the GEMMs whose outputs it keeps (transformer_layers.op_sac), its TP
+  all-gathers again (the reduce-scatters' outputs are kept);
 - TP collectives forward and backward (again for a recomputed forward), EP all-to-alls
   (2 per pass, 3 when recomputed), exposed as they are and as a runtime that overlaps them
   leaves them (``overlapped_tp``, ``overlapped_ep``); a plan's ``Paid`` picks one.
@@ -110,9 +112,10 @@ def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> tuple
     return out, back
 
 
-def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> np.ndarray:
-    """[b, block] seconds of every block's GEMMs at each micro-batch size."""
-    rows = [(j, g.tokens, g.n, g.k, g.batch, g.low) for j, c in enumerate(costs) for g in c.gemms]
+def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device, which: str = "gemms") -> np.ndarray:
+    """[b, block] seconds of every block's GEMMs (``which``: another tuple of a block's GEMMs) at
+    each micro-batch size."""
+    rows = [(j, g.tokens, g.n, g.k, g.batch, g.low) for j, c in enumerate(costs) for g in getattr(c, which)]
     out = np.zeros((len(bs), len(costs)))
     if not rows:
         return out
@@ -192,10 +195,11 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
 
     ckpt = per_block([c.checkpointed for c in costs]) > 0
     has_attn = per_block([c.attn is not None for c in costs]) > 0
-    fwd, bwd, rc, gemm, te, attn = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt, has_attn)
+    op_sac = per_block([c.extra.get("op_sac", 0.0) for c in costs]) > 0  # op_sac prices the block's own ops
+    fwd, bwd, rc, gemm, te, attn = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt, has_attn, op_sac)
     if measured is not None:
         fwd, bwd, rc, gemm, te, attn = as_measured(measured, fwd, bwd, rc, gemm, te, attn)
-    tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]))
+    tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]), op_sac)
     cp_t = np.zeros_like(tp)
     if cp is not None:
         for g, cp_groups_g in enumerate(cp):
@@ -205,6 +209,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
             cp_t[g] = f + b  # the recomputed forward (full or selective: the attention runs again) adds f
             cp_t[g, RECOMPUTES.index("full")] += np.where(ckpt[g], f, 0.0)
             cp_t[g, RECOMPUTES.index("selective")] += np.where(has_attn[g], f, 0.0)
+            cp_t[g, RECOMPUTES.index("op")] += np.where(ckpt[g] & ~op_sac[g], f, 0.0)  # per-op SAC keeps SDPA's
     sizes = np.array([tp_shape.size for _, tp_shape, _ in groups], dtype=float)
     fields = {
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t,
@@ -226,9 +231,9 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
 
 
 def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarray, dev: eff.Device,
-                   ckpt: np.ndarray, has_attn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                                     dict[str, np.ndarray],
-                                                                     tuple[np.ndarray, np.ndarray]]:
+                   ckpt: np.ndarray, has_attn: np.ndarray,
+                   op_sac: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray],
+                                                tuple[np.ndarray, np.ndarray]]:
     """Forward and backward seconds ([group, b, block]), recompute seconds ([group, mode, b,
     block]), forward GEMM seconds ([group, b, block]) of the blocks ``costs`` (groups x blocks,
     flat), what TE's attention saves of each (``te_f``, ``te_b``, ``te_rc``), and the attention
@@ -247,6 +252,7 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
         return a.reshape(len(bs), n_groups, n_blocks).transpose(1, 0, 2)
 
     gemm = _gemms(uniq, bs, dev)
+    kept = _gemms(uniq, bs, dev, "sac_saved")  # what per-op SAC does not run again
     hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in uniq])[None, :] * bs[:, None], dev)
     attn_f, attn_b = _attention(uniq, bs, dev)
     fwd = spread(gemm + attn_f + hbm_t)
@@ -255,6 +261,8 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
     rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
     rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0)
+    rc[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], fwd - spread(attn_f + kept),
+                                             rc[:, RECOMPUTES.index("full")])
     save_f, save_b = np.zeros_like(attn_f), np.zeros_like(attn_b)
     if dev.flash is not None:  # FlashAttention-2 levels off below the GPU's MAMF here (Hopper); TE's does not
         te_f, te_b = _attention(uniq, bs, replace(dev, flash=None))
@@ -262,25 +270,28 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     te_rc = np.zeros_like(rc)
     te_rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], spread(save_f), 0.0)
     te_rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(save_f), 0.0)
+    te_rc[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], 0.0, te_rc[:, RECOMPUTES.index("full")])
     return (fwd, bwd, rc, spread(gemm), {"te_f": spread(save_f), "te_b": spread(save_b), "te_rc": te_rc},
             (spread(attn_f - save_f), spread(attn_b - save_b)))
 
 
 def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,
-                      ckpt: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                      ckpt: np.ndarray, count: np.ndarray, op_sac: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """TP and EP seconds per [group, mode, b, block]: the TP collectives forward and backward,
-    again forward for a block recomputed in full; ``count`` all-to-alls per pass, 2 passes, 3
-    when recomputed."""
+    again forward for a block recomputed in full (under per-op SAC its all-gathers only);
+    ``count`` all-to-alls per pass, 2 passes, 3 when recomputed."""
     jobs = []
     for group, tp_shape, ep_shape in groups:
         jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
+                 (tp_shape, [[op for op in c.tp_fwd if op[0] == "allgather"] for c in group]),
                  (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
     comms = _comm(cluster, jobs, bs)
-    base_tp, again_tp, a2a = (comms[k::3] for k in range(3))  # [group, b, block]
+    base_tp, again_tp, gathers, a2a = (comms[k::4] for k in range(4))  # [group, b, block]
     # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
     again = np.zeros((len(groups), len(RECOMPUTES), 1, ckpt.shape[1]), dtype=bool)
-    again[:, RECOMPUTES.index("full"), 0] = ckpt
+    again[:, RECOMPUTES.index("full"), 0] = again[:, RECOMPUTES.index("op"), 0] = ckpt
     tp = base_tp[:, None] + np.where(again, again_tp[:, None], 0.0)
+    tp[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], base_tp + gathers, tp[:, RECOMPUTES.index("op")])
     ep = (2.0 + again) * count[:, None, None, :] * a2a[:, None]
     return tp, ep
 

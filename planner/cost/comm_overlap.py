@@ -20,6 +20,7 @@ def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: n
     tp chunks is always exposed."""
     passes = np.full((tp.shape[0], tp.shape[1], 1, tp.shape[3]), 3.0)
     passes[:, RECOMPUTES.index("full"), 0] += ckpt
+    passes[:, RECOMPUTES.index("op"), 0] += ckpt  # per-op SAC runs the forward's GEMMs again, most of them
     chunk = tp / tp_size[:, None, None, None]
     return np.where(tp > 0, np.maximum(tp - passes * gemm[:, None], chunk), 0.0)
 
@@ -33,4 +34,5 @@ def overlapped_ep(ep: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarra
     Megatron refuses it under full recomputation (transformer_config.py): that mode keeps all."""
     out = np.maximum(ep - (fwd + bwd)[:, None], 0.0)
     out[:, RECOMPUTES.index("full")] = ep[:, RECOMPUTES.index("full")]
+    out[:, RECOMPUTES.index("op")] = ep[:, RECOMPUTES.index("op")]  # torchtitan's: no combined 1F1B
     return out

@@ -151,6 +151,12 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: "framework deepspeed has no Megatron-style sequence parallelism; drop "
                       f"{arg('sequence_parallel')} or use {arg('framework')} megatron"),
     _interleave_rule("deepspeed"),
+    # "op" is torchtitan's per-op selective activation checkpointing (torch.utils.checkpoint's
+    # selective policies); the other runtimes checkpoint whole layers or Megatron's attention core.
+    Rule(None, lambda c, x: (c.recompute == "op") & (c.framework != "torchtitan"),
+         lambda c, x: f"{arg('recompute')} op is torchtitan's per-op selective activation checkpointing; framework "
+                      f"{c.framework} has none: use {arg('recompute')} full or none"
+                      + (" (or selective, Megatron's attention-core recompute)" if c.framework == "megatron" else "")),
     Rule("deepspeed", lambda c, x: c.recompute == "selective",
          lambda c, x: f"framework deepspeed checkpoints whole layers only; use {arg('recompute')} full/none or "
                       f"{arg('framework')} megatron for selective recompute"),

@@ -149,7 +149,10 @@ TRAITS = {
     "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
                        ep_comm_overlap=True, zero3_live_blocks=2),
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
-    # one computes (two live); a stage sends (s/t, b, h); attention is SDPA, not TE; no async TP.
+    # one computes (two live); a stage sends (s/t, b, h); attention is SDPA, not TE. No TP overlap:
+    # torchtitan's async TP (inductor's micro-pipelined TP over symmetric memory) measured 1.04-1.16x
+    # over plain TP (torchtitan benchmarks/asyncTP_llama3_h100_2025-06), where pricing it as TE's
+    # userbuffers overlap (comm_overlap.overlapped_tp) gives 1.24-1.37x: not priced, not emitted.
     "torchtitan": Traits("torchtitan", True, "sequence_parallel", True, False, zero3_live_blocks=2,
                          hsdp_allreduce_every_microbatch=True, fsdp_pp_keeps_stage_gathered=True),
 }

@@ -16,7 +16,10 @@ from planner.cost.precision import Recipe
 
 ACT = 2  # bytes of a bf16/fp16 activation
 MASK = 1  # bytes of a dropout mask element (Korthikanti: "sbh" for a mask of s*b*h)
-RECOMPUTE_MODES = ("none", "selective", "full")
+# Megatron's selective recompute (the attention core), full recomputation of each transformer
+# layer, and torchtitan's per-op selective activation checkpointing ("op": transformer_layers.py
+# op_sac). Appended, never reordered: block tables and search columns index it.
+RECOMPUTE_MODES = ("none", "selective", "full", "op")
 _NO_EXTRA: Mapping[str, float] = MappingProxyType({})
 
 
@@ -96,6 +99,9 @@ class LayerCost(NamedTuple):
     ep_a2a_count: int  # all-to-alls forward (dispatch + combine); backward repeats them
     checkpointed: bool  # full recompute applies (transformer layers only, as in Megatron)
     extra: Mapping[str, float] = _NO_EXTRA
+    # The GEMMs whose outputs torchtitan's per-op SAC keeps (recompute mode "op"): the rest of the
+    # block's forward runs again in its backward, its attention core and TP reduce-scatters aside.
+    sac_saved: tuple[Gemm, ...] = ()
 
     @property
     def low_params(self) -> float:

@@ -32,7 +32,7 @@ from planner.errors import UserError, arg, describe_validation_error
 from planner.model.spec import ModelSpec
 
 FORMAT = "dsplan-layer-profile/1"
-_SELECTIVE, _FULL = RECOMPUTE_MODES.index("selective"), RECOMPUTE_MODES.index("full")  # block-table rows
+_SELECTIVE, _FULL, _OP = (RECOMPUTE_MODES.index(m) for m in ("selective", "full", "op"))  # block-table rows
 
 
 class _Frozen(BaseModel):
@@ -210,13 +210,15 @@ def time_ratios(profile: LayerProfile, index: list[int], fwd: np.ndarray, bwd: n
 def as_measured(ratios: np.ndarray, fwd, bwd, rc, gemm, te, attn):
     """The compute arrays scaled to the layer profile's level: forward parts (the GEMMs, the
     attention core, what TE saves of it, the selective recompute) by the forward ratio, backward
-    parts by the backward's, full recomputation by its own."""
+    parts by the backward's, full recomputation by its own, per-op SAC's partial forward by the forward's."""
     f, b, r = ratios
     rc = rc.copy()
     rc[:, _FULL] *= r
     rc[:, _SELECTIVE] *= f
+    rc[:, _OP] *= f  # per-op SAC reruns part of the forward
     te_rc = te["te_rc"].copy()
     te_rc[:, _FULL] *= r
     te_rc[:, _SELECTIVE] *= f
+    te_rc[:, _OP] *= f
     return (fwd * f, bwd * b, rc, gemm * f, {"te_f": te["te_f"] * f, "te_b": te["te_b"] * b, "te_rc": te_rc},
             (attn[0] * f, attn[1] * b))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+from planner.cost.layer_cost import RECOMPUTE_MODES
 from planner.cost.measured_blocks import LayerProfile
 from planner.cost.precision import RECIPE_NAMES
 from planner.errors import UserError, arg
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 Framework = Literal["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full", "op"]
 Precision = Literal["bf16", "fp16", "fp32"]
 RecipeName = Literal["fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 PrecisionName = Literal["bf16", "fp16", "fp32", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
@@ -63,7 +64,7 @@ FRAMEWORKS: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron", "t
 # default search is not a third slower for a runtime most users pin when they want it.
 SEARCHED_BY_DEFAULT: tuple[str, ...] = ("deepspeed", "megatron-deepspeed", "megatron")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
-RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTES: tuple[str, ...] = RECOMPUTE_MODES
 CP_COMMS: tuple[str, ...] = ("p2p", "a2a", "a2a+p2p")
 
 

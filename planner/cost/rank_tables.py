@@ -158,8 +158,9 @@ class _Chunks:
         stride = nblocks + 1  # a table's blocks and one padding block (an end index stays in bounds)
         counts, pps, prefix, base = np.array([(len(s.parts), s.pp, prefixes[id(s.table), s.mode, s.b][0],
                                                tables[id(s.table)][0] * stride) for s in specs]).T
-        values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, RECOMPUTES[s.mode] == "full", s.pp,
-                            tied_size / s.tp, s.overlap, s.te, s.ep_overlap, s.vs, s.m) for s in specs], dtype=float).T
+        layer_again = [RECOMPUTES[s.mode] in ("full", "op") for s in specs]  # a recomputed layer is live
+        values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, again, s.pp, tied_size / s.tp, s.overlap,
+                            s.te, s.ep_overlap, s.vs, s.m) for s, again in zip(specs, layer_again)], dtype=float).T
         self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
         self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
         self.counts, self.pps = counts, pps
@@ -328,7 +329,7 @@ class RankTables:
         te = ch.rank["te"] > 0
         for row, saved in (("fwd", "te_f"), ("bwd", "te_b"), ("rc", "te_rc")):  # what TE's attention saves
             out[ROW[row]] -= np.where(te, sums[_CHUNK[saved]], 0.0)
-        out[ROW["live"]] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # under full recompute
+        out[ROW["live"]] = np.where(ch.rank["full"] > 0, live * b, 0.0)  # a layer recomputed: full or per-op SAC
         out[ROW["ppbuf"]] = np.where(ch.rank["pp"] > 1, 2.0 * buf * b, 0.0)  # pipeline receive buffers
         if self.tied is not None:
             self._tied_rows(out, ch)

@@ -110,8 +110,14 @@ RULES: tuple[tuple[Callable[[Any, Any], Any], Callable[[Any, Any], str]], ...] =
     # activation_checkpoint.mode selective is per-op or every-n-layers SAC, not Megatron's
     # recomputation of the attention core, so dsplan prices no torchtitan "selective".
     (lambda c, x: c.recompute == "selective",
-     lambda c, x: f"{_FW}'s selective activation checkpointing (per-op or every-n-layer SAC) is not "
-                  f"Megatron's selective recompute, which dsplan prices; use {arg('recompute')} full or none"),
+     lambda c, x: f"{_FW}'s selective activation checkpointing is per-op (or every-n-layer) SAC, not "
+                  f"Megatron's selective recompute; use {arg('recompute')} op (its per-op policy), full or none"),
+    # Per-op SAC is priced for dense GQA / MHA blocks (transformer_layers.op_sac): which of a
+    # deepseek_v3 block's matmuls it keeps (MLA's projections, the router, grouped experts that
+    # are no aten.mm) is not.
+    (lambda c, x: (x.is_moe or x.mla) and c.recompute == "op",
+     lambda c, x: f"{_FW}'s per-op SAC ({arg('recompute')} op) is priced for the dense Llama 3 flavors; use "
+                  f"{arg('recompute')} full or none for this model"),
     (lambda c, x: (c.tp > 1) & (c.sequence_parallel == False),  # noqa: E712 (elementwise on columns)
      lambda c, x: f"{_FW}'s tensor-parallel plan always shards norms and residuals over the sequence "
                   f"(SequenceParallel); add {arg('sequence_parallel')}"),

@@ -161,7 +161,29 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
                               a2a, a2a_count, ctx, m_tp)
     cp = _cp_bytes(b, s, ctx)
-    return cost._replace(extra={**cost.extra, **cp}) if cp else cost
+    cost = cost._replace(extra={**cost.extra, **cp}) if cp else cost
+    return op_sac(cost, b, s, ctx) if b.attention.kind != "mla" and isinstance(b.mlp, DenseMLP) else cost
+
+
+def op_sac(cost: LayerCost, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCost:
+    """``cost`` with torchtitan's per-op selective activation checkpointing ("op"; 0.2.2
+    torchtitan/distributed/activation_checkpoint.py with llama3's _op_sac_save_list): in each
+    transformer block it keeps the outputs of the block's aten.mm calls counted 1, 3, 5, ... in
+    forward order (llama3's wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2), the SDPA outputs
+    (with the fp32 log-sum-exp) and the TP reduce-scatters', and recomputes everything else,
+    the block's input kept by the checkpoint. torchao's Float8Linear multiplies with
+    _scaled_mm, which the policy neither counts nor keeps: under a float8 recipe every linear
+    runs again. Dense GQA / MHA layers only (the Llama 3 flavors)."""
+    a, h, t = b.attention, b.hidden, ctx.tp
+    qw, kvw = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    ffn = b.mlp.ffn
+    mms = [Gemm(s, int(qw / t), h), Gemm(s, int(kvw / t), h), Gemm(s, int(kvw / t), h), Gemm(s, h, int(qw / t))]
+    mms += [Gemm(s, int(ffn / t), h)] * (2 if b.mlp.gated else 1) + [Gemm(s, h, int(ffn / t))]
+    saved = () if ctx.recipe is not None else tuple(mms[0::2])
+    reduce_scatters = 2 if (t > 1 and ctx.sp) else 0
+    per_token = (ctx.repl(ACT * h) + ACT * qw / t + 4.0 * a.heads / t + reduce_scatters * ACT * h / t
+                 + sum(ACT * g.n for g in saved))
+    return cost._replace(act={**cost.act, "op": per_token * s}, sac_saved=saved, extra={**cost.extra, "op_sac": 1.0})
 
 
 def _rope_width(b: DecoderBlock) -> float:
@@ -202,7 +224,10 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     stored_none = ctx.repl(repl) + shard / t + scores
     stored_sel = stored_none - (scores if not core.flash else 0.0)
     checkpoint = ctx.repl(ACT * h)  # full recompute keeps the layer input only
-    act = {"none": stored_none * tokens, "selective": stored_sel * tokens, "full": checkpoint * tokens}
+    # Per-op SAC keeps less than "none" and more than "full"; until op_sac prices a layer's own
+    # ops it is the full recompute's (torchtitan's rules refuse it where op_sac does not apply).
+    act = {"none": stored_none * tokens, "selective": stored_sel * tokens, "full": checkpoint * tokens,
+           "op": checkpoint * tokens}
     # Memory-bound traffic per token, forward: 2 norms (read 2h, write 2h), 2 residual adds
     # (read 4h, write 2h, + mask 1h with dropout), the MLP activation, and without
     # FlashAttention the softmax (+ dropout) over a*s scores per token.

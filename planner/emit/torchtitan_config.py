@@ -84,7 +84,12 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
                      "mixed_precision_param": _PRECISION[work], "mixed_precision_reduce": "float32",
                      "enable_cpu_offload": plan.offload == "optimizer+params"},
         "parallelism": parallelism,
-        "activation_checkpoint": {"mode": plan.recompute},  # none or full (selective is refused)
+        # Each transformer block and the loss compiled (inductor): fused elementwise kernels, as the
+        # cost model prices them (eager PyTorch runs each norm, RoPE and SwiGLU op as its own kernel).
+        "compile": {"enable": True, "components": ["model", "loss"]},
+        # none, full, or "op": torchtitan's per-op selective AC (selective is Megatron's: refused)
+        "activation_checkpoint": ({"mode": "selective", "selective_ac_option": "op"} if plan.recompute == "op"
+                                  else {"mode": plan.recompute}),
         # DCP saves every interval, in the background as priced (checkpoint_io.saves_async), the
         # newest two kept; a restart loads the newest from the same folder.
         "checkpoint": {"enable": bool(settings.checkpoint_every), "folder": "checkpoint",

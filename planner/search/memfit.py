@@ -76,7 +76,7 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
                                    2.0 * float(table.pp_bytes.max()) * b))
     if zero == 3:
         fixed += 4.0 * float((table.params + table.expert).max())
-    if RECOMPUTES[mode] == "full":
+    if RECOMPUTES[mode] in ("full", "op"):
         fixed += float(table.act_live.max()) * b
     base = np.full(pp, grow * fixed + mem.CUDA_CONTEXT_BYTES)
     tied = p.ranks.tied

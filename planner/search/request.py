@@ -131,7 +131,8 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
     if not pinned:
         why.append(f"no {arg('dp')}/{arg('tp')}/{arg('pp')} combination multiplies to the {world} GPUs")
     if not allowed_settings(cons):
-        why.append(f"{arg('offload')} optimizer needs ZeRO 1-3 and {arg('offload')} optimizer+params ZeRO-3")
+        why.append(f"{arg('offload')} optimizer needs ZeRO 1-3 and {arg('offload')} optimizer+params ZeRO-3; "
+                   f"{arg('recompute')} op is {arg('framework')} torchtitan's")
     bad, refused = space.rejected["indivisible"], space.rejected["framework"]
     if pinned and bad:
         text = f"{bad:,} degree combination{' breaks' if bad == 1 else 's break'} a divisibility rule"

@@ -196,7 +196,9 @@ def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
     """(zero, offload, recompute, sp, framework) index tuples allowed by the constraints.
 
     Combinations ParallelConfig itself forbids (offload without ZeRO, parameter offload
-    without ZeRO-3) are not candidates at all, so they are neither evaluated nor counted.
+    without ZeRO-3) are not candidates at all, so they are neither evaluated nor counted; nor is
+    torchtitan's per-op selective checkpointing (recompute "op") under another runtime, which
+    has no such mode (not a layout it refuses, a name it does not have).
     """
     zeros = _allowed((0, 1, 2, 3), cons.zero)
     offloads = [OFFLOADS.index(o) for o in _allowed(OFFLOADS, cons.offload)]
@@ -208,7 +210,9 @@ def allowed_settings(cons: Constraints) -> list[tuple[int, int, int, int, int]]:
     # The rule reads zero and offload only: checked per pair, not per setting.
     pairs = [(z, o) for z in zeros for o in offloads
              if not ((OFFLOADS[o] == "optimizer" and z == 0) or (OFFLOADS[o] == "optimizer+params" and z != 3))]
-    return [(z, o, r, sp, fw) for (z, o), r, sp, fw in itertools.product(pairs, recomputes, sps, frameworks)]
+    op, titan = RECOMPUTES.index("op"), FRAMEWORKS.index("torchtitan")
+    return [(z, o, r, sp, fw) for (z, o), r, sp, fw in itertools.product(pairs, recomputes, sps, frameworks)
+            if r != op or fw == titan]
 
 
 def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, list[int]]]:
