@@ -6,7 +6,7 @@ The cost model prices a pipeline as m x T_w + (S - T_w) / v (planner/cost/step_t
 ``pipeline``: T_w the slowest rank's micro-batch over all its chunks, S the sum over ranks, m
 micro-batches per step, v virtual stages). That is exact for equal ranks
 (tests/test_interleaved_schedule.py); with unequal chunks it is an approximation. This script
-takes the best pipelined plan ``dsplan suggest`` finds for a set of cases, prices each of its
+takes the best pipelined plan ``dsplan suggest`` finds for a set of cases (pp of 2 to 64), prices each of its
 chunks from the search's block tables (forward; backward with recomputation; TP and EP
 traffic split evenly between the two), and compares the model's compute-plus-bubble time with
 the makespan of Megatron's own op order over those chunks (planner/cost/schedule_replay.py,
@@ -15,6 +15,7 @@ sends free). Positive: the model is slower (pessimistic) than the replay.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from planner.cost.block_times import BlockTables
@@ -27,6 +28,7 @@ from planner.model.catalog import load_model
 from planner.search.space import Constraints
 from planner.search.suggest import suggest
 
+PIPELINES = (2, 4, 8, 16, 32, 64)  # the pipeline depths a case without a pp pin searches
 # (model, nodes, global batch or None for the default, constraints)
 CASES = [
     ("vl2", 8, None, Constraints(pp=(4,))),
@@ -49,6 +51,10 @@ def main() -> int:
           f"{'model/replay':>13}")
     errors = []
     for name, nodes, gb, cons in CASES:
+        # The best plan with a pipeline: FSDP and activation-offload plans, which win some of
+        # these cases outright, run without one.
+        cons = cons or Constraints()
+        cons = dataclasses.replace(cons, pp=cons.pp or PIPELINES, activation_offload=False)
         res = suggest(name, nodes=nodes, global_batch=gb, top=1, constraints=cons)
         plan = res.plans[0].plan
         c = plan.cfg
