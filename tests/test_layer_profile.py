@@ -63,6 +63,24 @@ def test_at_the_profiles_own_point_the_prediction_is_the_measurement(profiled):
     assert plan.to_json()["layer_profile"]["device"] == prof.device
 
 
+def test_at_the_profiles_own_point_the_activations_are_the_measured_ones(profiled):
+    """Each block keeps what the profile saw kept for backward (saved tensors, fp32 here) at its
+    micro-batch; another micro-batch scales it by the analytic shape, every block by its own level."""
+    prof = load_layer_profile(profiled / "p.json")
+    cluster = api.load_cluster(str(profiled / "box.yaml"), gpus_per_node=1)
+    spec = api.load_model("gpt3-125m")
+    by_sig = {b.signature: b for b in prof.blocks}
+    measured = sum(by_sig[block_signature(b)].activation_bytes for b in spec.blocks)
+    knobs = dict(global_batch=4, seq_len=128, precision="fp32", layer_profile=str(profiled / "p.json"))
+    plan = api.estimate("gpt3-125m", cluster, micro_batch=2, **knobs)
+    # (the final norm's few saved fp32 statistics, which the analytic count has at none, stay none)
+    assert plan.memory.activations == pytest.approx(measured, rel=1e-4)
+    plain = api.estimate("gpt3-125m", cluster, micro_batch=2, **{**knobs, "layer_profile": None})
+    assert plain.memory.activations != pytest.approx(measured, rel=0.05)  # the analytic count differs
+    double = api.estimate("gpt3-125m", cluster, micro_batch=4, **knobs)
+    assert double.memory.activations == pytest.approx(2 * plan.memory.activations, rel=1e-9)  # linear in b
+
+
 def test_other_micro_batches_scale_each_blocks_measurement_by_its_analytic_shape(profiled):
     from planner.cost import efficiency as eff
     from planner.cost.block_times import BlockTables

@@ -33,7 +33,7 @@ from planner.cost.collectives import collective_times_keyed
 from planner.cost.comm_overlap import overlapped_ep, overlapped_tp
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.layers import LayerCost, layer_costs
-from planner.cost.measured_blocks import LayerProfile, as_measured, measured_for, time_ratios
+from planner.cost.measured_blocks import LayerProfile, as_measured, measured_act, measured_for, measured_ratios
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.cost.run_model import RunModel
@@ -182,8 +182,8 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     (shape, collective). ``runs``: how many consecutive blocks of the tables each priced block
     stands for (runs of identical blocks are priced once, then widened here: ``_widen``).
     ``cp``: per group, the context-parallel groups its attention talks over (none: cp 1).
-    ``measured``: [forward, backward, recompute] x block ratios of measured to analytic seconds
-    (measured_blocks.time_ratios), which scale every group's compute."""
+    ``measured``: [forward, backward, recompute, activations] x block ratios of measured to
+    analytic (measured_blocks.measured_ratios), which scale every group's compute and stored bytes."""
     bs = np.asarray(micro_batches, dtype=float)
     n_groups, n_blocks = len(groups), len(groups[0][0])
     if any(len(group) != n_blocks for group, _, _ in groups):
@@ -224,6 +224,8 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         "act_live": per_block([c.act_live if c.checkpointed else 0.0 for c in costs]),
         "pp_bytes": per_block([c.pp_bytes for c in costs]),
     }
+    if measured is not None:  # the stored bytes at the layer profile's level
+        fields["act"], fields["act_live"] = measured_act(measured, fields["act"], fields["act_live"])
     if runs is not None:
         fields = {k: _widen(v, runs) for k, v in fields.items()}
     return [BlockTable(tuple(micro_batches), **{k: v[g] for k, v in fields.items()}, batch=(fields, g))
@@ -338,7 +340,7 @@ class BlockTables:
         self.measured = self._measured_ratios(profile) if profile is not None else None
 
     def _measured_ratios(self, profile: LayerProfile) -> np.ndarray:
-        """measured_blocks.time_ratios of the run model's blocks: the profiled spec priced at the
+        """measured_blocks.measured_ratios of the run model's blocks: the profiled spec priced at the
         profile's micro-batch, sequence and dtype, unsharded, on this cluster's device."""
         index = measured_for(profile, self.runs.short, self.cluster.profile.name)
         at = self.runs.workload.model_copy(update={"seq_len": profile.seq_len, "precision": profile.dtype,
@@ -346,7 +348,8 @@ class BlockTables:
         one = strided_shape(self.cluster, 1, 1, "tp")
         t = block_tables([(layer_costs(profile.profiled_spec, at), one, one)], (profile.micro_batch,),
                          eff.device(self.cluster.profile, profile.dtype), self.cluster)[0]
-        return time_ratios(profile, index, t.fwd[0], t.bwd[0], t.rc[RECOMPUTES.index("full"), 0])
+        return measured_ratios(profile, index, t.fwd[0], t.bwd[0], t.rc[RECOMPUTES.index("full"), 0],
+                               t.act[RECOMPUTES.index("none")])
 
     def table(self, tp: int, sp: int, ep: int, micro: tuple[int, ...]) -> BlockTable:
         """The table of (tp, sp, ep) covering the micro-batch sizes ``micro``."""

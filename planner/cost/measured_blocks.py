@@ -15,6 +15,8 @@ parallelism differ from the profile's, the analytic model carries the measuremen
 ``LayerProfile.differences`` says so); at the profile's own point the measured seconds are
 the prediction exactly. A profile measured on a scaled model (``--scale``, when the full
 blocks do not fit the device) transfers the same way: its ratios come from the scaled blocks.
+Activations alike: each block's stored bytes, under every recompute mode, are its analytic bytes
+times measured over analytic at the profile's point (recompute none).
 """
 
 from __future__ import annotations
@@ -187,31 +189,41 @@ def load_layer_profile(path: str | Path, source: str | None = None) -> LayerProf
         raise UserError(f"{describe_validation_error(where, err)}; write it again with `dsplan profile`") from None
 
 
-def time_ratios(profile: LayerProfile, index: list[int], fwd: np.ndarray, bwd: np.ndarray,
-                rc: np.ndarray) -> np.ndarray:
-    """[forward, backward, recompute] x block: measured over analytic seconds at the profile's
-    point, for each block of a model (``index``: measured_for's answer); ``fwd``, ``bwd`` and
-    ``rc`` (full recomputation) are the analytic seconds of the profiled spec's blocks there.
-    A block the analytic model prices at nothing keeps ratio 1; one measured without a
-    recompute (not checkpointed) recomputes at its forward's ratio."""
+def measured_ratios(profile: LayerProfile, index: list[int], fwd: np.ndarray, bwd: np.ndarray,
+                    rc: np.ndarray, act: np.ndarray) -> np.ndarray:
+    """[forward, backward, recompute, activations] x block: measured over analytic at the
+    profile's point, for each block of a model (``index``: measured_for's answer); ``fwd``,
+    ``bwd`` and ``rc`` (full recomputation) are the analytic seconds of the profiled spec's
+    blocks there, ``act`` their stored bytes per sample without recomputation. A block the
+    analytic model prices at nothing keeps ratio 1; one measured without a recompute (not
+    checkpointed) recomputes at its forward's ratio. The activation ratio carries what the
+    profile saw kept for backward (its dtype's bytes, its implementation's tensors) over to
+    every recompute mode of the block."""
     def ratio(measured: float, analytic: float) -> float:
         return measured / analytic if analytic > 0 else 1.0
 
-    out = np.ones((3, len(index)))
+    out = np.ones((4, len(index)))
     for i, k in enumerate(index):
         m = profile.blocks[k]
         j = m.profiled_index
         out[0, i] = ratio(m.forward_s, float(fwd[j]))
         out[1, i] = ratio(m.backward_s, float(bwd[j]))
         out[2, i] = ratio(m.recompute_s, float(rc[j])) if m.recompute_s is not None else out[0, i]
+        out[3, i] = ratio(m.activation_bytes, float(act[j]) * profile.micro_batch)
     return out
+
+
+def measured_act(ratios: np.ndarray, act: np.ndarray, act_live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stored bytes ([group, mode, block]) and a recomputed block's live bytes ([group, block]) at
+    the profile's level (``ratios``' activation row)."""
+    return act * ratios[3], act_live * ratios[3]
 
 
 def as_measured(ratios: np.ndarray, fwd, bwd, rc, gemm, te, attn):
     """The compute arrays scaled to the layer profile's level: forward parts (the GEMMs, the
     attention core, what TE saves of it, the selective recompute) by the forward ratio, backward
     parts by the backward's, full recomputation by its own, per-op SAC's partial forward by the forward's."""
-    f, b, r = ratios
+    f, b, r = ratios[:3]
     rc = rc.copy()
     rc[:, _FULL] *= r
     rc[:, _SELECTIVE] *= f
