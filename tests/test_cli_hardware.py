@@ -14,8 +14,8 @@ from planner.hardware.load import list_profiles, load_profile
 from planner.resources import hardware_profiles_dir
 
 
-def _run(*args: str):
-    return CliRunner().invoke(main, list(args))
+def _run(*args: str, columns: int = 160):
+    return CliRunner(env={"COLUMNS": str(columns)}).invoke(main, list(args))
 
 
 def test_list_json_has_every_profile_with_stable_keys():
@@ -49,6 +49,14 @@ def test_list_table_shows_each_profile_and_its_numbers():
     assert "dgx-a100-80g *" in result.output
     assert "8x H200-SXM-141GB" in result.output and "4800" in result.output
     assert "NVSwitch 450" in result.output and "8x400G" in result.output
+
+
+def test_list_table_keeps_every_name_whole_on_an_80_column_terminal():
+    narrow = _run("hardware", columns=80)
+    assert narrow.exit_code == 0, narrow.output
+    assert max(len(line) for line in narrow.output.splitlines()) <= 80
+    names = {line.split()[0] for line in narrow.output.splitlines()[2:] if line[:1].strip()}
+    assert set(list_profiles()) <= names
 
 
 def test_show_json_is_model_dump_plus_derived():

@@ -110,11 +110,16 @@ def hardware(ctx: click.Context, as_json: bool) -> None:
                 "NVL72: one NVLink domain of 72 GPUs over several nodes",
         box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold underline",
     )
+    widest_name = max(len(p.name) for p in profiles) + 2
     for column, justify in (
         ("name", "left"), ("GPUs", "left"), ("GiB", "right"), ("bf16 TF", "right"),
         ("HBM", "right"), ("intra-node", "left"), ("NICs", "left"), ("fabric", "left"),
     ):
-        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        # Names and numbers never shrink; on a narrow terminal the descriptive columns wrap.
+        fixed = column == "name" or justify == "right"
+        table.add_column(column, justify=justify, no_wrap=fixed,  # type: ignore[arg-type]
+                         overflow="ellipsis" if fixed else "fold",
+                         min_width=widest_name if column == "name" else (7 if fixed else None))
     for p in profiles:
         row = summary(p)
         table.add_row(

@@ -34,9 +34,8 @@ def __getattr__(name: str) -> Any:
     """``console`` / ``err_console``: rich consoles, built (and rich imported) when first asked for."""
     if name not in _CONSOLES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import sys
 
-    from rich.console import Console
+    from rich.console import Console, ConsoleDimensions
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:
@@ -45,9 +44,16 @@ def __getattr__(name: str) -> Any:
             self.quiet = True
             raise  # the BrokenPipeError being handled
 
+        @property
+        def size(self) -> ConsoleDimensions:
+            """The width rule applied at each print, not once at import: the stream and COLUMNS
+            of the command running now (a test runner swaps both between commands)."""
+            measured = Console.size.fget(self)  # type: ignore[attr-defined]
+            width = output_width(self.file)
+            return measured if width is None else ConsoleDimensions(width, measured.height)
+
     options = dict(_CONSOLES[name])
-    stream = sys.stderr if options.get("stderr") else sys.stdout
-    value = _Console(highlight=False, width=output_width(stream), **options)
+    value = _Console(highlight=False, **options)
     globals()[name] = value
     return value
 
