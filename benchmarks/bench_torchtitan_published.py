@@ -24,8 +24,7 @@ read the other way). The interleaved schedule's default is 2 stages per rank
 split dsplan's even partition gives.
 
 A row dsplan cannot express is printed with every reason. For those rows the benchmark also
-prices the nearest layout dsplan can express (async TP as plain TP, FP8 all-gathers as bf16),
-which bounds the row only as far as the
+prices the nearest layout dsplan can express (async TP as plain TP), which bounds the row only as far as the
 model is right, and counts in no mean. torch.compile is not a reason: the cost model does not
 distinguish compiled from eager kernels, so compiled rows are priced as eager and their mean is
 printed apart from the rows without it. An expressible row's caveats name what else its price
@@ -61,11 +60,9 @@ GPUS_PER_NODE = 8  # every host in the three files has 8 GPUs
 ASYNC_REASON = ("async TP (inductor's micro-pipelined TP over symmetric memory: measured 1.04-1.16x over plain TP "
                 "here, which dsplan's TE-userbuffers overlap model would put at 1.24-1.37x; not priced)")
 ROWWISE_REASON = "float8 rowwise scaling (dsplan's torchtitan recipes are fp8-tensorwise and mxfp8)"
-FP8_GATHER_REASON = ("FSDP float8 all-gather (enable_fsdp_float8_all_gather; dsplan gathers torchtitan's "
-                     "FSDP2 weights in bf16)")
 
 
-REASON_TAGS = {ASYNC_REASON: "async TP", ROWWISE_REASON: "rowwise", FP8_GATHER_REASON: "FSDP fp8 gather"}
+REASON_TAGS = {ASYNC_REASON: "async TP", ROWWISE_REASON: "rowwise"}
 # The rows' activation checkpointing as dsplan's --recompute: torchtitan's per-op selective AC is "op".
 RECOMPUTE = {"full": "full", "none": "none", "selective_op": "op"}
 COMPILED = "the run used torch.compile; priced as eager kernels (the cost model does not distinguish them)"
@@ -94,8 +91,6 @@ def reasons(row: dict[str, str]) -> list[str]:
         out.append(ASYNC_REASON)
     if row["float8_recipe"] == "rowwise":
         out.append(ROWWISE_REASON)
-    if row["fsdp_float8_all_gather"] == "on":
-        out.append(FP8_GATHER_REASON)
     return out
 
 
@@ -122,7 +117,8 @@ def knobs(row: dict[str, str], recompute: str | None = None) -> dict[str, Any]:
     return {"framework": "torchtitan", "zero": 3, "dp": int(row["fsdp"]), "tp": tp, "pp": pp, "cp": int(row["cp"]),
             "virtual_stages": int(row["pp_stages_per_rank"] or 1), "micro_batch": micro,
             "recompute": recompute or RECOMPUTE[row["activation_checkpointing"]], "sequence_parallel": tp > 1,
-            "precision": precision, "global_batch": int(row["global_batch_size"]), "seq_len": int(row["seq_len"])}
+            "precision": precision, "global_batch": int(row["global_batch_size"]), "seq_len": int(row["seq_len"]),
+            "fp8_param_gather": row["fsdp_float8_all_gather"] == "on"}  # FSDP2's float8 all-gather, as the row ran
 
 
 def model(row: dict[str, str]) -> ModelSpec:
@@ -144,15 +140,13 @@ def price(row: dict[str, str], recompute: str | None = None) -> dict[str, Any]:
 
 
 def stand_ins(row: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """The nearest expressible layout of a refused row, by name: async TP priced as plain TP and
-    FP8 all-gathers as bf16 ones (dsplan prices torchtitan so already, so they need no knob). None
-    for rowwise scaling: tensorwise is no bound on it (the async-TP tables have rowwise slower than tensorwise and
+    """The nearest expressible layout of a refused row, by name: async TP priced as plain TP (dsplan
+    prices torchtitan's TP so in any case, so it needs no knob). None for rowwise scaling:
+    tensorwise is no bound on it (the async-TP tables have rowwise slower than tensorwise and
     near bf16)."""
     if row["float8_recipe"] == "rowwise":
         return {}
-    fixed = [name for name, on in (("plain TP", row["async_tp"] == "on"),
-                                   ("bf16 gathers", row["fsdp_float8_all_gather"] == "on")) if on]
-    return {", ".join(fixed): price(row)}
+    return {"plain TP": price(row)} if row["async_tp"] == "on" else {}
 
 
 def compare(row: dict[str, str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -115,7 +116,10 @@ def test_torchtitan_parses_the_job_config_with_the_plans_degrees(run_dirs, name)
     converters = {"fp8-tensorwise": ["quantize.linear.float8"], "mxfp8": ["quantize.linear.mx"]}
     assert job.model.converters == converters.get(plan["precision"], [])
     if plan["precision"] == "fp8-tensorwise":
-        assert job.quantize.linear.float8.recipe_name == "tensorwise"
+        f8 = job.quantize.linear.float8
+        assert f8.recipe_name == "tensorwise"
+        # FSDP2 gathers float8 weights as priced (fp8_param_gather, on by default under FSDP2)
+        assert f8.enable_fsdp_float8_all_gather == f8.precompute_float8_dynamic_scale_for_fsdp == fsdp
 
 
 def test_the_entry_runs_torchtitans_trainer_and_passes_shellcheck(run_dirs):
@@ -208,3 +212,34 @@ def test_the_default_search_leaves_torchtitan_out():
     assert result.exit_code == 0, result.output
     plans = json.loads(result.stdout)["plans"]
     assert plans and {p["framework"] for p in plans} == {"torchtitan"}
+
+
+def test_fsdp2_float8_all_gather_moves_a_byte_per_float8_weight():
+    """torchao's enable_fsdp_float8_all_gather casts the fp32 shard to float8 before the gather:
+    the linear weights cross the DP group at 1 byte (the embedding and LM head stay bf16), and a
+    gathered unit is held in float8, not bf16; the fp32 shards are the same either way."""
+    from planner import api
+    from planner.cost import zero3_fetch
+    from planner.cost.context import CostContext
+
+    cluster = api.load_cluster("hgx-h200", nodes=4)
+    knobs = dict(framework="torchtitan", zero=3, micro_batch=2, global_batch=64, seq_len=8192, recompute="op",
+                 precision="fp8-tensorwise")
+    on, off = (api.estimate("llama-3.1-8b", cluster, fp8_param_gather=g, **knobs) for g in (True, False))
+    assert on.memory.optimizer == off.memory.optimizer and on.memory.grads == off.memory.grads
+    assert off.memory.weights - on.memory.weights > 1e9  # two live units no longer in bf16
+    ctx = CostContext.of(cluster, on.workload)
+    layout = ctx.layout(1, 1, 32, 1)
+    block = np.array([218.1e6])  # a Llama 3.1 8B layer's weights, all float8 linears but its norms
+    low = np.array([218.1e6 - 2 * 4096])
+    gather = {g: zero3_fetch.block_seconds(
+        CostContext.of(cluster, on.workload.model_copy(update={"fp8_param_gather": g})), layout, 32, 1,
+        FRAMEWORKS.index("torchtitan"), block, np.zeros(1), low, np.ones(1), np.ones(1))["first"][0] for g in (1, 0)}
+    from planner.cost.collectives import collective_time_array
+
+    def allgather(nbytes: float) -> float:
+        return float(collective_time_array(cluster, "allgather", layout.dp, np.array([nbytes]))[0])
+
+    assert gather[0] == pytest.approx(allgather(2 * block[0]), rel=1e-9)
+    assert gather[1] == pytest.approx(allgather(2 * block[0] - low[0]), rel=1e-9)
+    assert gather[1] < 0.7 * gather[0]  # half the bytes, the same latency

@@ -31,6 +31,8 @@ ERRORS = {
     "2025-06 async TP 70B: float8 tensorwise, vanilla TP": 0.0322,
     "2025-06 async TP 8B: bf16, vanilla TP": 0.3090,
     "2025-06 async TP 8B: float8 tensorwise, vanilla TP": 0.0819,
+    "2025-06 Trainy H200 8B: NUM_NODES 4": -0.0056,
+    "2025-06 Trainy H200 8B: NUM_NODES 8": 0.0122,
 }
 TOLERANCE = 0.005  # half a point
 
@@ -83,9 +85,9 @@ def test_the_expressible_rows_are_the_known_ones_two_of_them_eager(table):
 
 
 def test_every_refused_row_says_why(bench, table):
-    reasons = {bench.ASYNC_REASON, bench.ROWWISE_REASON, bench.FP8_GATHER_REASON}
+    reasons = {bench.ASYNC_REASON, bench.ROWWISE_REASON}
     refused = [e for e in table if e["not_expressible"]]
-    assert len(refused) == 17
+    assert len(refused) == 15
     assert all(set(e["not_expressible"]) <= reasons for e in refused)
     assert sum(bench.ASYNC_REASON in e["not_expressible"] for e in refused) == 13
 

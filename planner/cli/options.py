@@ -162,6 +162,14 @@ MTP_HELP = ("Multi-token-prediction depths trained beside the model (DeepSeek-V3
             "0 plans the main model only [default: the model's own, 1 for deepseek-v3].")
 
 
+FP8_GATHER_HELP = (
+    "Under an FP8 recipe that allows it (tensorwise, delayed, mxfp8), keep the weights only in FP8 and "
+    "all-gather them so (Megatron-Core --fp8-param-gather with the distributed optimizer, as NVIDIA's "
+    "Megatron-Bridge recipes do; torchtitan's FSDP2 under tensorwise float8: enable_fsdp_float8_all_gather) "
+    "[default: on]."
+)
+
+
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
@@ -203,10 +211,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                           "Hopper-native); off: FlashAttention-2's level, as the other runtimes [default: on]."),
         click.option("--ep-comm-overlap/--no-ep-comm-overlap", default=None, help=EP_OVERLAP_HELP),
         click.option("--moe-imbalance", type=float, default=None, metavar="F", help=MOE_IMBALANCE_HELP),
-        click.option("--fp8-param-gather/--no-fp8-param-gather", default=None,
-                     help="Under an FP8 recipe that allows it (tensorwise, delayed, mxfp8), keep the weights only in "
-                          "FP8 and all-gather them so (Megatron-Core --fp8-param-gather with the distributed "
-                          "optimizer, as NVIDIA's Megatron-Bridge recipes do) [default: on]."),
+        click.option("--fp8-param-gather/--no-fp8-param-gather", default=None, help=FP8_GATHER_HELP),
         click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None, help=PAO_HELP),
         click.option("--zeropp", "zero_pp", default=None, metavar="LIST", help=ZEROPP_HELP),
         click.option("--dropout/--no-dropout", default=None,

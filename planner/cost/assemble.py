@@ -25,6 +25,7 @@ from planner.cost.precision import RECIPES
 from planner.cost.zero3_fetch import secondary_bytes
 
 _EP_OVERLAP = np.array([traits(f).ep_comm_overlap for f in FRAMEWORKS])
+_MEGATRON = FRAMEWORKS.index("megatron")
 _MODULE_FETCH = np.array([traits(f).zero3_module_fetch for f in FRAMEWORKS])
 
 
@@ -106,16 +107,18 @@ def _recipe_weights(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, n
     """Bytes a TE recipe adds to each rank's weights ([candidate x rank]). A rank holding its
     whole stage caches both quantized layouts of every GEMM weight across the step's
     micro-batches; Megatron-FSDP (ZeRO-3) quantizes each gathered unit and frees the copies with
-    it (--keep-fp8-transpose-cache off), so only its live blocks' exist. Under FP8 parameter
-    gather the FP8 copies are the weights: no 16-bit copy (whole stage), or a 1-byte shard and
-    FP8 gathered units instead of 16-bit ones (FSDP)."""
+    it (--keep-fp8-transpose-cache off), so only its live blocks' exist (torchao under FSDP2
+    alike). Under FP8 parameter gather the FP8 copies are the weights: no 16-bit copy (whole
+    stage), or FP8 gathered units instead of 16-bit ones (FSDP), and on Megatron-FSDP a 1-byte
+    shard for the 16-bit one (torchtitan keeps its fp32 shard and casts it for the gather)."""
     w = ctx.workload
     cache = RECIPES[w.recipe].weight_cache_bytes
     fp8 = st.fp8_param_gather(ctx, col)
     live = mem.live_blocks(col)[:, None] * r["largest"]
     whole = cache * r["low"] - np.where(fp8, w.bytes_per_param * r["low"], 0.0)
     shard = shard_ranks(col)[:, None].astype(float)
-    sharded = cache * live - np.where(fp8, (w.bytes_per_param - 1) * r["low"] / shard + w.bytes_per_param * live, 0.0)
+    fp8_shard = np.where((col["framework"] == _MEGATRON)[:, None], (w.bytes_per_param - 1) * r["low"] / shard, 0.0)
+    sharded = cache * live - np.where(fp8, fp8_shard + w.bytes_per_param * live, 0.0)
     return np.where((col["zero"] == 3)[:, None], sharded, whole)
 
 

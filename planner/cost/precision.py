@@ -92,12 +92,18 @@ RECIPES: dict[str, Recipe] = {
 
 
 def gathers_fp8_params(recipe: str | None, wanted: bool, framework: str, zero: int, offload: str = "none") -> bool:
-    """Whether the recipe's GEMM weights are kept only in FP8 and all-gathered so
-    (``--fp8-param-gather``): Megatron-Core with the distributed optimizer (``zero`` 1) or
-    Megatron-FSDP (``zero`` 3; arguments.py allows both), under a recipe that allows it; with
-    optimizer CPU offload only under delayed scaling (arguments.py asserts it)."""
-    return (recipe is not None and wanted and RECIPES[recipe].param_gather and framework == "megatron"
-            and zero in (1, 3) and (offload == "none" or recipe == "fp8-delayed"))
+    """Whether the recipe's GEMM weights are all-gathered in FP8: Megatron-Core's
+    ``--fp8-param-gather`` (kept only in FP8) with the distributed optimizer (``zero`` 1) or
+    Megatron-FSDP (``zero`` 3; arguments.py allows both), under a recipe that allows it, with
+    optimizer CPU offload only under delayed scaling (arguments.py asserts it); or torchtitan's
+    FSDP2 under torchao's tensorwise float8 (``enable_fsdp_float8_all_gather``: the fp32 shard
+    cast to float8 before the gather, torchao float8/fsdp_utils.py; rowwise and MX have none)."""
+    if recipe is None or not wanted:
+        return False
+    if framework == "torchtitan":
+        return recipe == "fp8-tensorwise" and zero == 3 and offload == "none"
+    return (RECIPES[recipe].param_gather and framework == "megatron" and zero in (1, 3)
+            and (offload == "none" or recipe == "fp8-delayed"))
 
 
 def split_precision(name: str) -> tuple[str, str | None]:

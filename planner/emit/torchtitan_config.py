@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # 3.10: the render is not read back
     tomllib = None  # type: ignore[assignment]
 
 from planner.cost import torchtitan as tt
+from planner.cost.precision import gathers_fp8_params
 from planner.emit.ds_config import TrainSettings
 from planner.emit.plan_file import PlanFile
 from planner.emit.resilience import collective_timeout_s
@@ -98,9 +99,12 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
         "comm": {"init_timeout_seconds": 600, "train_timeout_seconds": collective_timeout_s(plan)},
     }
     if recipe == "fp8-tensorwise":
-        # bf16 all-gathers and the LM head in bf16, as priced (step_time.fp8_param_gather is Megatron's).
-        job["quantize"] = {"linear": {"float8": {"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": False,
-                                                 "precompute_float8_dynamic_scale_for_fsdp": False,
+        # FSDP2 all-gathers in float8 where the plan was priced so (precision.gathers_fp8_params), with
+        # the scales of every weight computed in one pass after the optimizer step; the LM head in bf16.
+        fp8_gather = gathers_fp8_params(recipe, plan.fp8_param_gather, plan.framework, plan.zero_stage, plan.offload)
+        job["quantize"] = {"linear": {"float8": {"recipe_name": "tensorwise",
+                                                 "enable_fsdp_float8_all_gather": fp8_gather,
+                                                 "precompute_float8_dynamic_scale_for_fsdp": fp8_gather,
                                                  "filter_fqns": ["output"]}}}
     elif recipe == "mxfp8":
         job["quantize"] = {"linear": {"mx": {"recipe_name": "mxfp8_cublas", "filter_fqns": ["output"]}}}
