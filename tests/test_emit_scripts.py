@@ -63,6 +63,9 @@ MEGATRON_LM_FLAGS = {
     "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
     "--norm-epsilon", "--rotary-percent", "--use-rope-scaling", "--rope-scaling-factor", "--mrope-section",
     "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
+    # YaRN on standard attention and the gated quick GELU (gpt-oss; argument_utils.py).
+    "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
+    "--no-yarn-correction-range-round-to-int", "--quick-geglu",
     # Transformer Engine recipes (megatron/core/transformer/transformer_config.py fp8 / fp8_recipe /
     # fp4 / fp4_recipe, turned into flags by megatron/training/argument_utils.py).
     "--fp8-format", "--fp8-recipe", "--fp4-format", "--fp4-recipe",

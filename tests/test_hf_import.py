@@ -286,10 +286,10 @@ def test_qwen3_moe_without_the_shared_expert_key_defaults_nothing():
 
 def test_gpt_oss_without_layer_types_slides_on_even_layers():
     raw = json.loads((Path(__file__).parents[1] / "planner/model/presets/gpt-oss-120b.json").read_text())["config"]
-    raw = {k: v for k, v in raw.items() if k not in ("layer_types", "sliding_window", "attention_bias")}
+    raw = {k: v for k, v in raw.items() if k not in ("layer_types", "sliding_window", "attention_bias", "swiglu_limit")}
     spec = spec_from_hf_config(raw, "x", "x.json")
     assert spec.blocks == load_model("gpt-oss-120b").blocks  # GptOssConfig's defaults
-    assert {"layer_types", "sliding_window"} <= set(spec.defaulted)
+    assert {"layer_types", "sliding_window", "swiglu_limit"} <= set(spec.defaulted)
 
 
 def test_layer_types_windows_any_family():

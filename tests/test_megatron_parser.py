@@ -73,6 +73,9 @@ MUST_EMIT = {
                                     "--moe-grouped-gemm"],
     "deepseek-v2-lite-mtp-pp2-layout": ["--mtp-num-layers", "--pipeline-model-parallel-layout"],
     "llama-3-8b-activation-offload": ["--cpu-offloading-num-layers"],
+    # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
+    "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
+                                "--no-yarn-correction-range-round-to-int", "--softmax-type", "--window-size"],
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.emit.megatron_args import megatron_lm_args
+from planner.emit.megatron_args import megatron_lm_args, megatron_notes
 from planner.errors import UserError
 from planner.model.catalog import load_model
 from planner.model.hf_import import spec_from_hf_config
@@ -76,6 +76,28 @@ def test_qwen3_and_gpt_oss_attention_flags():
     assert "--qk-layernorm" not in _flags("mixtral-8x7b")
 
 
+def test_gpt_oss_flags_restate_its_yarn_and_its_gated_quick_gelu():
+    """gpt-oss config.json: rope_scaling yarn, factor 32 from 4096, beta_fast 32, beta_slow 1,
+    truncate false; swiglu_limit 7 (GptOssExperts: gate * sigmoid(1.702 gate) on clamped halves)."""
+    f = _flags("gpt-oss-120b", nodes=2)
+    assert _after(f, "--position-embedding-type") == "yarn" and _after(f, "--rotary-base") == "150000"
+    assert float(_after(f, "--rotary-scaling-factor")) == 32.0
+    assert _after(f, "--yarn-original-max-position-embeddings") == "4096"
+    assert (float(_after(f, "--yarn-beta-fast")), float(_after(f, "--yarn-beta-slow"))) == (32.0, 1.0)
+    assert "--no-yarn-correction-range-round-to-int" in f
+    assert "--quick-geglu" in f and "--swiglu" not in f
+    plan, model = make_plan("gpt-oss-120b", 2, framework="megatron", ep=8, grad_accum=4)
+    (note,) = [n for n in megatron_notes(model, plan) if "quick-geglu" in n]
+    assert "glu_linear_offset=1.0" in note and "activation_func_clamp_value=7" in note
+    assert _router("gpt-oss-120b")[0].glu_limit == 7.0 and _router("mixtral-8x7b")[0].glu_limit is None
+    # Mixtral's plain SwiGLU and unscaled RoPE, DeepSeek-V3's MLA YaRN keep their flags
+    mixtral = _flags("mixtral-8x7b")
+    assert "--swiglu" in mixtral and _after(mixtral, "--position-embedding-type") == "rope"
+    v3 = _flags("deepseek-v3", nodes=64, pp=8, virtual_stages=1, recompute="full")
+    assert _after(v3, "--position-embedding-type") == "rope" and "--yarn-beta-fast" not in v3
+    assert float(_after(v3, "--rotary-scaling-factor")) == 40.0
+
+
 def _v3_like(**router) -> dict:
     return {"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
             "moe_intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
@@ -126,3 +148,26 @@ def api_suggest_tp(name: str):
 
     return api.suggest(name, api.load_cluster("dgx-h100", 8), global_batch=256, seq_len=4096, framework="megatron",
                        top=5).plans
+
+
+def test_the_reference_trainer_runs_gpt_oss_clamped_glu():
+    """transformers' GptOssExperts: gate clamped above at 7, up clamped to [-7, 7],
+    out = down((up + 1) * gate * sigmoid(1.702 gate)); the scaled model keeps the limit."""
+    import torch
+
+    from planner.run.model_layers import FeedForward
+    from planner.run.model_scale import TINY, scale_spec
+
+    torch.manual_seed(0)
+    ff = FeedForward(8, 16, "swiglu", bias=True, limit=7.0)
+    x = torch.randn(64, 8) * 8
+    gate, up = ff.gate_proj(x), ff.up_proj(x)
+    assert (gate > 7).any() and (up < -7).any() and (up > 7).any()  # both clamps bite
+    g = torch.minimum(gate, torch.tensor(7.0))
+    want = ff.down_proj((torch.clamp(up, -7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g))
+    torch.testing.assert_close(ff(x), want, rtol=1e-5, atol=1e-5)
+    swiglu = FeedForward(8, 16, "swiglu", bias=True)
+    swiglu.load_state_dict(ff.state_dict())
+    assert not torch.allclose(swiglu(x), ff(x))
+    scaled = scale_spec(load_model("gpt-oss-120b"), TINY).spec
+    assert {b.mlp.glu_limit for b in scaled.decoder_blocks} == {7.0}

@@ -68,9 +68,7 @@ def _model_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
                      [_a("--group-query-attention"), _a("--num-query-groups", attn.kv_heads)])
     if not mds:
         args += _attention_variant_args(model)
-    act = (dense or moe).act if (dense or moe) else "swiglu"
-    if act == "swiglu":
-        args.append(_a("--swiglu"))
+    args += _glu_args(model, mds)[0]
     args += _norm_args(model, first, mds, bigscience)
     args += _position_args(model, mds)[0]
     head = next((b for b in model.blocks if isinstance(b, LMHeadBlock)), None)
@@ -199,9 +197,36 @@ def _position_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
             if isinstance(scaling.get(key), (int, float)):
                 args.append(_a(flag, float(scaling[key])))
         notes += _fixed_differs(scaling, MEGATRON_YARN_FIXED, "MLA's YaRN")
+    elif stype == "yarn" and isinstance(factor, (int, float)):
+        args[0] = _a("--position-embedding-type", "yarn")
+        yarn, yarn_notes = _yarn_args(scaling, float(factor))
+        args += yarn
+        notes += yarn_notes
     else:
         notes.append(f"rope_scaling ({stype}, factor {factor}) has no Megatron-LM flag for this attention: positions "
                      "run unscaled")
+    return args, notes
+
+
+def _yarn_args(scaling: dict, factor: float) -> tuple[list[Arg], list[str]]:
+    """YaRN on standard attention (gpt-oss): Megatron-Core's --position-embedding-type yarn reads
+    the factor, the original context, beta fast/slow and the rounding of the correction range
+    (megatron/training/argument_utils.py, _apply_yarn_config_from_args). Hugging Face's defaults
+    (modeling_rope_utils, _compute_yarn_parameters): beta_fast 32, beta_slow 1, truncate true, and
+    an attention factor of 0.1 ln(factor) + 1, which Megatron's mscale 1 / mscale_all_dim 0 give too."""
+    args = [_a("--rotary-scaling-factor", factor)]
+    original = scaling.get("original_max_position_embeddings")
+    if isinstance(original, int):
+        args.append(_a("--yarn-original-max-position-embeddings", original))
+    args += [_a("--yarn-beta-fast", float(scaling.get("beta_fast", 32))),
+             _a("--yarn-beta-slow", float(scaling.get("beta_slow", 1)))]
+    if scaling.get("truncate") is False:
+        args.append(_a("--no-yarn-correction-range-round-to-int"))
+    for key, flag in (("mscale", "--mscale"), ("mscale_all_dim", "--mscale-all-dim")):
+        if isinstance(scaling.get(key), (int, float)):
+            args.append(_a(flag, float(scaling[key])))
+    notes = ([f"YaRN's attention_factor {scaling['attention_factor']} has no Megatron-LM flag: it runs at "
+              "0.1 ln(factor) + 1"] if isinstance(scaling.get("attention_factor"), (int, float)) else [])
     return args, notes
 
 
@@ -210,9 +235,35 @@ def _fixed_differs(scaling: dict, fixed: dict, what: str) -> list[str]:
             if isinstance(scaling.get(k), (int, float)) and float(scaling[k]) != float(v)]
 
 
+# gpt-oss's GLU beside Megatron-Core's quick GEGLU (x * sigmoid(1.702 x) on the gate): the +1 on the
+# linear half and the clamp are TransformerConfig.glu_linear_offset and activation_func_clamp_value,
+# which Megatron-Bridge's GPTOSSProvider sets (1.0, 7.0) and megatron-core 0.19.2's parser has no flag for.
+GPT_OSS_GLU_NOTE = ("{name}'s experts compute (clamp(up, -L, L) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=L), "
+                    "L = {limit:g}; --quick-geglu gives g * sigmoid(1.702 g) * up, and the +1 and the clamp "
+                    "(TransformerConfig glu_linear_offset=1.0, activation_func_clamp_value={limit:g}) have no "
+                    "Megatron-LM flag: set them in the model provider, as Megatron-Bridge's GPTOSSProvider does")
+
+
+def _glu_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
+    """The MLP's activation: SwiGLU, or gpt-oss's clamped GLU as Megatron-Core's quick GEGLU
+    (megatron/training/argument_utils.py: --quick-geglu is a gated quick_gelu), and what no flag says."""
+    dense = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, DenseMLP)), None)
+    moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
+    mlp = dense or moe
+    if mlp is not None and mlp.act != "swiglu":
+        return [], []
+    limit = moe.glu_limit if moe is not None else None
+    if limit is None:
+        return [_a("--swiglu")], []
+    if mds:
+        return [_a("--swiglu")], [f"{model.name}'s clamped GLU has no Megatron-DeepSpeed flag: the experts run SwiGLU"]
+    return [_a("--quick-geglu")], [GPT_OSS_GLU_NOTE.format(name=model.name, limit=limit)]
+
+
 def megatron_notes(model: ModelSpec, plan: PlanFile) -> list[str]:
     """What megatron_args.sh cannot express for this model, said in its comments."""
-    return _position_args(model, plan.framework == "megatron-deepspeed")[1]
+    mds = plan.framework == "megatron-deepspeed"
+    return _position_args(model, mds)[1] + _glu_args(model, mds)[1]
 
 
 def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

@@ -80,6 +80,7 @@ class Family:
     moe_biases: bool = False  # gpt-oss: the router and every expert projection carry biases
     sliding_window: int | None = None  # without layer_types: this window on even layers (gpt-oss)
     shared_expert: bool = True  # a Qwen-MoE layout reads shared_expert_intermediate_size
+    glu_limit: float | None = None  # the clamped GLU's limit when swiglu_limit is left out (GptOssConfig: 7.0)
 
 
 _DEEPSEEK = dict(deepseek=True)
@@ -92,9 +93,10 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("Qwen2-VL", qkv_bias=True, vision="qwen2_vl", rope_theta=1e6),
     "qwen3": Family("Qwen3", qk_norm=True),
     "qwen3_moe": Family("Qwen3-MoE", qk_norm=True, shared_expert=False),
-    # GptOssConfig: attention biases, sinks, biased router and experts, 128-token windows on even layers.
+    # GptOssConfig: attention biases, sinks, biased router and experts, 128-token windows on even
+    # layers, experts' GLU clamped at 7.
     "gpt_oss": Family("gpt-oss", rope_theta=150000.0, norm_eps=1e-5, attention_bias=True, sinks=True,
-                      moe_biases=True, sliding_window=128),
+                      moe_biases=True, sliding_window=128, glu_limit=7.0),
     "deepseek_v2": Family("DeepSeek-V2", **_DEEPSEEK),
     "deepseek_v3": Family("DeepSeek-V3", **_DEEPSEEK),
     "deepseek_vl_v2": Family("DeepSeek-VL2", vision="deepseek_vl2", **_DEEPSEEK),
@@ -354,8 +356,10 @@ def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> l
         return [moe_block if (i >= first_dense and i % freq == 0) else dense_block for i in range(layers)]
     if lm.config.get("num_local_experts"):  # Mixtral: every layer, expert width = intermediate_size
         routed = lm.get_int("num_local_experts")
+        clamped = act == "swiglu" and (lm.find(("swiglu_limit",)) or family.glu_limit)
+        limit = lm.get_float("swiglu_limit", family.glu_limit) if clamped else None
         block = moe(MoEMLP(routed_experts=routed, top_k=_top_k(lm, routed, 2), expert_ffn=lm.get_int(K.FFN), act=act,
-                           router_bias=family.moe_biases, expert_bias=family.moe_biases,
+                           router_bias=family.moe_biases, expert_bias=family.moe_biases, glu_limit=limit,
                            router=router_from_config(lm, family.name)))
         return [block] * layers
     if lm.config.get("num_experts"):  # Qwen-MoE

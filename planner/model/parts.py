@@ -153,6 +153,9 @@ class MoEMLP(Frozen):
     router_bias: bool = False
     # gpt-oss (GptOssExperts gate_up_proj_bias, down_proj_bias): each expert's projections carry biases.
     expert_bias: bool = False
+    # gpt-oss (config swiglu_limit): its experts' GLU is (clamp(up) + 1) * g * sigmoid(1.702 g) with
+    # g = clamp(gate), both at this limit; SwiGLU's weights and FLOPs, another function. None: SwiGLU.
+    glu_limit: float | None = Field(None, gt=0)
     router: Router = Router()
 
     @model_validator(mode="after")

@@ -133,11 +133,11 @@ class LatentAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (gate/up/down) or a plain two-matrix MLP (up/down)."""
+    """SwiGLU (gate/up/down), gpt-oss's clamped GLU (``limit``), or a plain two-matrix MLP (up/down)."""
 
-    def __init__(self, hidden: int, ffn: int, act: str, bias: bool = False):
+    def __init__(self, hidden: int, ffn: int, act: str, bias: bool = False, limit: float | None = None):
         super().__init__()
-        self.gated, self.act = act == "swiglu", ACTIVATIONS[act]
+        self.gated, self.act, self.limit = act == "swiglu", ACTIVATIONS[act], limit
         if self.gated:
             self.gate_proj = nn.Linear(hidden, ffn, bias=bias)
         self.up_proj = nn.Linear(hidden, ffn, bias=bias)
@@ -145,7 +145,13 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
-        return self.down_proj(self.act(self.gate_proj(x)) * up if self.gated else self.act(up))
+        if not self.gated:
+            return self.down_proj(self.act(up))
+        if self.limit is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * up)
+        # gpt-oss (transformers GptOssExperts): both halves clamped, a quick GELU on the gate, 1 added to up.
+        glu = ACTIVATIONS["quick_gelu"](self.gate_proj(x).clamp(max=self.limit))
+        return self.down_proj((up.clamp(-self.limit, self.limit) + 1) * glu)
 
 
 class MoEFeedForward(nn.Module):
@@ -159,7 +165,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        self.experts = MoE(hidden_size=hidden, expert=FeedForward(hidden, mlp.expert_ffn, mlp.act, mlp.expert_bias),
+        expert = FeedForward(hidden, mlp.expert_ffn, mlp.act, mlp.expert_bias, mlp.glu_limit)
+        self.experts = MoE(hidden_size=hidden, expert=expert,
                            num_experts=mlp.routed_experts, ep_size=ep_size, k=mlp.top_k,
                            capacity_factor=capacity, eval_capacity_factor=capacity, min_capacity=4)
         self.shared_experts = FeedForward(hidden, mlp.shared_ffn, mlp.act) if mlp.shared_ffn else None

@@ -141,6 +141,7 @@ def _scale_decoder(b: DecoderBlock, w: _Widths, scale: Scale, tp: int, ep: int) 
             shared_ffn=_ffn(mlp.shared_ffn, w.ratio, tp) if mlp.shared_ffn else 0,
             gate_bias=mlp.gate_bias,
             act=mlp.act,
+            glu_limit=mlp.glu_limit,
         )
     else:
         new_mlp = DenseMLP(ffn=_ffn(mlp.ffn, w.ratio, tp), act=mlp.act, bias=mlp.bias)
