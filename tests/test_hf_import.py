@@ -113,12 +113,13 @@ def test_qwen2_moe_shared_expert():
     spec = load("qwen2_moe.json")
     h, v, layers = 2048, 151936, 24
     attn = h * 3 * h + 3 * h + h * h  # q/k/v with biases, o_proj without
-    moe = h * 60 + 60 * 3 * h * 1408 + 3 * h * 5632  # router, experts, one shared expert
+    moe = h * 60 + 60 * 3 * h * 1408 + 3 * h * 5632 + h  # router, experts, one shared expert and its gate
     expected = 2 * v * h + layers * (attn + moe + 2 * h) + h
     assert spec.total_params() == expected
     assert abs(expected - 14.3e9) / 14.3e9 < 0.01  # Qwen1.5-MoE-A2.7B: 14.3B
     mlp = spec.decoder_blocks[0].mlp
     assert (mlp.routed_experts, mlp.top_k, mlp.shared_experts, mlp.shared_ffn) == (60, 4, 1, 5632)
+    assert mlp.shared_gate
     raw = config("qwen2_moe.json")
     raw.update(decoder_sparse_step=2, mlp_only_layers=[1])
     pattern = [d.is_moe for d in spec_from_hf_config(raw, "x", "x.json").decoder_blocks[:4]]

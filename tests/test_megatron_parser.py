@@ -50,6 +50,9 @@ CASES = {
     # Transformer Engine's activation CPU offload of the first 24 of 32 layers
     "llama-3-8b-activation-offload": ["--model", "llama-3-8b", "--nodes", "1", "--zero", "1", "--global-batch", "64",
                                       "--seq-len", "8192", "--micro-batch", "1", "--activation-offload", "24"],
+    # Qwen2-MoE's gated shared expert, from its Hugging Face config
+    "qwen2-moe-ep4": ["--model", str(Path(__file__).parent / "data" / "hf_configs" / "qwen2_moe.json"), "--nodes", "1",
+                      "--ep", "4", "--pp", "1"],
     # MoE parallel folding: EP 16 over TP 2 x DP 8, the experts off TP
     "qwen3-30b-a3b-tp2-etp1-ep16": ["--model", "qwen3-30b-a3b", "--nodes", "2", "--tp", "2", "--etp", "1",
                                     "--ep", "16", "--pp", "1", "--sequence-parallel"],
@@ -73,8 +76,10 @@ MUST_EMIT = {
                                     "--moe-grouped-gemm"],
     "deepseek-v2-lite-mtp-pp2-layout": ["--mtp-num-layers", "--pipeline-model-parallel-layout"],
     "llama-3-8b-activation-offload": ["--cpu-offloading-num-layers"],
+    "qwen2-moe-ep4": ["--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate"],
     # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
-    "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
+    "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
+                                "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
                                 "--no-yarn-correction-range-round-to-int", "--softmax-type", "--window-size"],
 }
 

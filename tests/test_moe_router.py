@@ -86,9 +86,9 @@ def test_gpt_oss_flags_restate_its_yarn_and_its_gated_quick_gelu():
     assert (float(_after(f, "--yarn-beta-fast")), float(_after(f, "--yarn-beta-slow"))) == (32.0, 1.0)
     assert "--no-yarn-correction-range-round-to-int" in f
     assert "--quick-geglu" in f and "--swiglu" not in f
+    assert (float(_after(f, "--glu-linear-offset")), float(_after(f, "--activation-func-clamp-value"))) == (1.0, 7.0)
     plan, model = make_plan("gpt-oss-120b", 2, framework="megatron", ep=8, grad_accum=4)
-    (note,) = [n for n in megatron_notes(model, plan) if "quick-geglu" in n]
-    assert "glu_linear_offset=1.0" in note and "activation_func_clamp_value=7" in note
+    assert megatron_notes(model, plan) == []  # nothing of it left unsaid
     assert _router("gpt-oss-120b")[0].glu_limit == 7.0 and _router("mixtral-8x7b")[0].glu_limit is None
     # Mixtral's plain SwiGLU and unscaled RoPE, DeepSeek-V3's MLA YaRN keep their flags
     mixtral = _flags("mixtral-8x7b")
@@ -171,3 +171,27 @@ def test_the_reference_trainer_runs_gpt_oss_clamped_glu():
     assert not torch.allclose(swiglu(x), ff(x))
     scaled = scale_spec(load_model("gpt-oss-120b"), TINY).spec
     assert {b.mlp.glu_limit for b in scaled.decoder_blocks} == {7.0}
+
+
+def test_qwen2_moe_gates_its_shared_expert_in_megatron_and_the_trainer():
+    """Qwen2MoeSparseMoeBlock: shared_expert(x) * sigmoid(shared_expert_gate(x)), a 1-wide gate."""
+    import torch
+
+    from planner.run.model_layers import MoEFeedForward
+
+    spec = spec_from_hf_config({"model_type": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64,
+                                "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+                                "num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 96,
+                                "vocab_size": 512, "max_position_embeddings": 4096}, "tiny", "config.json")
+    mlp = spec.decoder_blocks[0].mlp
+    assert mlp.shared_gate and mlp.gate_params(64) == 64 * 4 + 64
+    plan, _ = make_plan("mixtral-8x7b", 1, framework="megatron", ep=4, grad_accum=4)
+    flags = [a.flag for a in megatron_lm_args(spec, plan)]
+    assert "--moe-shared-expert-gate" in flags
+    assert "--moe-shared-expert-gate" not in _flags("deepseek-v2-lite")  # DeepSeek's shared experts are ungated
+    layer = MoEFeedForward(64, mlp, 1)
+    assert layer.shared_expert_gate is not None and layer.shared_expert_gate.weight.shape == (1, 64)
+    x = torch.randn(2, 3, 64)
+    routed, _, _ = layer.experts(x)
+    want = routed + torch.sigmoid(layer.shared_expert_gate(x)) * layer.shared_experts(x)
+    torch.testing.assert_close(layer(x)[0], want)

@@ -235,18 +235,12 @@ def _fixed_differs(scaling: dict, fixed: dict, what: str) -> list[str]:
             if isinstance(scaling.get(k), (int, float)) and float(scaling[k]) != float(v)]
 
 
-# gpt-oss's GLU beside Megatron-Core's quick GEGLU (x * sigmoid(1.702 x) on the gate): the +1 on the
-# linear half and the clamp are TransformerConfig.glu_linear_offset and activation_func_clamp_value,
-# which Megatron-Bridge's GPTOSSProvider sets (1.0, 7.0) and megatron-core 0.19.2's parser has no flag for.
-GPT_OSS_GLU_NOTE = ("{name}'s experts compute (clamp(up, -L, L) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=L), "
-                    "L = {limit:g}; --quick-geglu gives g * sigmoid(1.702 g) * up, and the +1 and the clamp "
-                    "(TransformerConfig glu_linear_offset=1.0, activation_func_clamp_value={limit:g}) have no "
-                    "Megatron-LM flag: set them in the model provider, as Megatron-Bridge's GPTOSSProvider does")
-
-
 def _glu_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
-    """The MLP's activation: SwiGLU, or gpt-oss's clamped GLU as Megatron-Core's quick GEGLU
-    (megatron/training/argument_utils.py: --quick-geglu is a gated quick_gelu), and what no flag says."""
+    """The MLP's activation: SwiGLU, or gpt-oss's clamped GLU, (clamp(up, -L, L) + 1) *
+    g * sigmoid(1.702 g) with g = clamp(gate, max=L): Megatron-Core's gated quick GELU
+    (--quick-geglu, megatron/training/argument_utils.py) with TransformerConfig's
+    glu_linear_offset and activation_func_clamp_value, which its parser exposes as flags, as
+    Megatron-Bridge's GPTOSSProvider sets them. And what no flag says."""
     dense = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, DenseMLP)), None)
     moe = next((b.mlp for b in model.decoder_blocks if isinstance(b.mlp, MoEMLP)), None)
     mlp = dense or moe
@@ -257,7 +251,7 @@ def _glu_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
         return [_a("--swiglu")], []
     if mds:
         return [_a("--swiglu")], [f"{model.name}'s clamped GLU has no Megatron-DeepSpeed flag: the experts run SwiGLU"]
-    return [_a("--quick-geglu")], [GPT_OSS_GLU_NOTE.format(name=model.name, limit=limit)]
+    return [_a("--quick-geglu"), _a("--glu-linear-offset", 1.0), _a("--activation-func-clamp-value", limit)], []
 
 
 def megatron_notes(model: ModelSpec, plan: PlanFile) -> list[str]:

@@ -32,6 +32,8 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     ]
     if moe.shared_ffn:
         args.append(_a("--moe-shared-expert-intermediate-size", moe.shared_ffn))
+    if moe.shared_gate:  # TransformerConfig.moe_shared_expert_gate, a flag of its parser
+        args.append(_a("--moe-shared-expert-gate"))
     if runs_ep_overlap(plan.framework, plan.ep, plan.pp, plan.virtual_stages, plan.recompute, plan.ep_comm_overlap):
         args += [_a("--overlap-moe-expert-parallel-comm"), _a("--delay-wgrad-compute")]  # as priced (paid.py)
     return args

@@ -372,8 +372,9 @@ def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> l
             expert_ffn=lm.get_int("moe_intermediate_size"),
             shared_experts=1 if shared else 0,
             shared_ffn=shared,
+            shared_gate=bool(shared),
             act=act, router=router_from_config(lm, family.name),
-        )  # the shared expert's 1-wide sigmoid gate (hidden params per layer) is left out
+        )
         step = lm.get_int("decoder_sparse_step", 1)
         dense_only = set(lm.int_list("mlp_only_layers"))
         is_moe = [i not in dense_only and (i + 1) % step == 0 for i in range(layers)]

@@ -153,6 +153,9 @@ class MoEMLP(Frozen):
     router_bias: bool = False
     # gpt-oss (GptOssExperts gate_up_proj_bias, down_proj_bias): each expert's projections carry biases.
     expert_bias: bool = False
+    # Qwen2-MoE (Qwen2MoeSparseMoeBlock.shared_expert_gate): the shared experts' output scaled by
+    # sigmoid(x . w), a hidden-wide vector per layer, replicated like the router.
+    shared_gate: bool = False
     # gpt-oss (config swiglu_limit): its experts' GLU is (clamp(up) + 1) * g * sigmoid(1.702 g) with
     # g = clamp(gate), both at this limit; SwiGLU's weights and FLOPs, another function. None: SwiGLU.
     glu_limit: float | None = Field(None, gt=0)
@@ -171,7 +174,7 @@ class MoEMLP(Frozen):
 
     def gate_params(self, hidden: int) -> int:
         biases = int(self.gate_bias) + int(self.router_bias)  # one entry per expert each
-        return (hidden + biases) * self.routed_experts
+        return (hidden + biases) * self.routed_experts + (hidden if self.shared_gate else 0)
 
     def shared_params(self, hidden: int) -> int:
         per = 3 if self.act == "swiglu" else 2

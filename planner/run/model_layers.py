@@ -170,11 +170,16 @@ class MoEFeedForward(nn.Module):
                            num_experts=mlp.routed_experts, ep_size=ep_size, k=mlp.top_k,
                            capacity_factor=capacity, eval_capacity_factor=capacity, min_capacity=4)
         self.shared_experts = FeedForward(hidden, mlp.shared_ffn, mlp.act) if mlp.shared_ffn else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if mlp.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed, l_aux, _ = self.experts(x)
-        out = routed + self.shared_experts(x) if self.shared_experts is not None else routed
-        return out, l_aux
+        if self.shared_experts is None:
+            return routed, l_aux
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared, l_aux
 
 
 class _Recomputable(nn.Module):
