@@ -93,8 +93,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("Qwen2-VL", qkv_bias=True, vision="qwen2_vl", rope_theta=1e6),
     "qwen3": Family("Qwen3", qk_norm=True),
     "qwen3_moe": Family("Qwen3-MoE", qk_norm=True, shared_expert=False),
-    # GptOssConfig: attention biases, sinks, biased router and experts, 128-token windows on even
-    # layers, experts' GLU clamped at 7.
+    # GptOssConfig: attention biases, sinks, biased router and experts, 128-token windows on even layers.
     "gpt_oss": Family("gpt-oss", rope_theta=150000.0, norm_eps=1e-5, attention_bias=True, sinks=True,
                       moe_biases=True, sliding_window=128, glu_limit=7.0),
     "deepseek_v2": Family("DeepSeek-V2", **_DEEPSEEK),
@@ -371,8 +370,7 @@ def _mlp_layers(lm: ConfigReader, family: Family, hidden: int, layers: int) -> l
             top_k=_top_k(lm, routed),
             expert_ffn=lm.get_int("moe_intermediate_size"),
             shared_experts=1 if shared else 0,
-            shared_ffn=shared,
-            shared_gate=bool(shared),
+            shared_ffn=shared, shared_gate=bool(shared),
             act=act, router=router_from_config(lm, family.name),
         )
         step = lm.get_int("decoder_sparse_step", 1)
