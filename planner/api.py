@@ -336,6 +336,7 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     tp_comm_overlap=wl.tp_comm_overlap, te_attention=wl.te_attention,
                     fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
                     ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
-                    layer_profile=wl.layer_profile, dropout=wl.dropout, mtp_layers=wl.mtp_layers, constraints=cons,
+                    moe_dispatcher=wl.moe_dispatcher, layer_profile=wl.layer_profile, dropout=wl.dropout,
+                    mtp_layers=wl.mtp_layers, constraints=cons,
                     balancer=balancer,
                     objective=objective, top=top, zero_pp=zero_pp, progress=progress)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
 WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
                  "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
-                 "zero_pp", "mtp_layers")
+                 "zero_pp", "mtp_layers", "moe_dispatcher")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
@@ -28,7 +28,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   precision_aware_optimizer: bool = False, ep_comm_overlap: bool = True,
                   moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
                   layer_profile: "str | LayerProfile | None" = None, zero_pp: "str | tuple" = (),
-                  mtp_layers: int | None = None) -> "Workload":
+                  mtp_layers: int | None = None, moe_dispatcher: str = "alltoall") -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), the model's default images and tiles per
@@ -66,6 +66,10 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                                    or not 0 <= mtp_layers <= MAX_MTP_LAYERS):
         raise UserError(f"{arg('mtp_layers')}: need a whole number of multi-token-prediction depths from 0 (the main "
                         f"model only) to {MAX_MTP_LAYERS}, got {limits.shown(mtp_layers)}")
+    from planner.cost.moe_dispatch import DISPATCHERS
+    if moe_dispatcher not in DISPATCHERS:
+        raise UserError(f"{arg('moe_dispatcher')}: {limits.shown(moe_dispatcher)} is not a token dispatcher dsplan "
+                        f"prices; use {' or '.join(DISPATCHERS)}")
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
@@ -73,7 +77,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours,
                         layer_profile=as_layer_profile(layer_profile), zero_pp=parse_zero_pp(zero_pp),
-                        mtp_layers=mtp_layers).resolved(spec)
+                        mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher).resolved(spec)
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
 

@@ -66,7 +66,7 @@ MEGATRON_LM_FLAGS = {
     # YaRN on standard attention and the gated quick GELU (gpt-oss; argument_utils.py).
     "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
     "--no-yarn-correction-range-round-to-int", "--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
-    "--moe-shared-expert-gate",
+    "--moe-shared-expert-gate", "--moe-flex-dispatcher-backend",
     # Transformer Engine recipes (megatron/core/transformer/transformer_config.py fp8 / fp8_recipe /
     # fp4 / fp4_recipe, turned into flags by megatron/training/argument_utils.py).
     "--fp8-format", "--fp8-recipe", "--fp4-format", "--fp4-recipe",

@@ -50,6 +50,9 @@ CASES = {
     # Transformer Engine's activation CPU offload of the first 24 of 32 layers
     "llama-3-8b-activation-offload": ["--model", "llama-3-8b", "--nodes", "1", "--zero", "1", "--global-batch", "64",
                                       "--seq-len", "8192", "--micro-batch", "1", "--activation-offload", "24"],
+    # DeepEP behind Megatron-Core's flex token dispatcher (H100: the deepep backend)
+    "mixtral-8x7b-ep8-flex": ["--model", "mixtral-8x7b", "--nodes", "2", "--ep", "8", "--pp", "1",
+                              "--moe-dispatcher", "flex"],
     # Qwen2-MoE's gated shared expert, from its Hugging Face config
     "qwen2-moe-ep4": ["--model", str(Path(__file__).parent / "data" / "hf_configs" / "qwen2_moe.json"), "--nodes", "1",
                       "--ep", "4", "--pp", "1"],
@@ -77,6 +80,7 @@ MUST_EMIT = {
     "deepseek-v2-lite-mtp-pp2-layout": ["--mtp-num-layers", "--pipeline-model-parallel-layout"],
     "llama-3-8b-activation-offload": ["--cpu-offloading-num-layers"],
     "qwen2-moe-ep4": ["--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate"],
+    "mixtral-8x7b-ep8-flex": ["--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend"],
     # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
     "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
                                 "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",

@@ -58,6 +58,7 @@ FLAGS: dict[str, str] = {
     "zero_pp": "--zeropp",
     "activation_offload": "--activation-offload",
     "no_ep_comm_overlap": "--no-ep-comm-overlap",
+    "moe_dispatcher": "--moe-dispatcher",
 }
 
 

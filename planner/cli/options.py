@@ -173,15 +173,15 @@ FP8_GATHER_HELP = (
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
-    --precision, --optimizer, --flash-attention/--no-flash-attention, --tp-comm-overlap/--no-tp-comm-overlap,
-    --te-attention/--no-te-attention, --ep-comm-overlap/--no-ep-comm-overlap, --moe-imbalance, --fp8-param-gather,
-    --precision-aware-optimizer/--no-precision-aware-optimizer, --zeropp, --dropout/--no-dropout, --mtbf-hours
-    and --mtp-layers.
+    --precision, --optimizer, --flash-attention, --tp-comm-overlap, --te-attention, --ep-comm-overlap,
+    --moe-imbalance, --moe-dispatcher, --fp8-param-gather, --precision-aware-optimizer, --zeropp,
+    --dropout, --mtbf-hours and --mtp-layers (the booleans with their --no- forms).
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
     import click
 
+    from planner.cost.moe_dispatch import DISPATCHER_HELP, DISPATCHERS
     from planner.cost.precision import PRECISION_HELP, PRECISIONS
 
     decorators = [
@@ -211,6 +211,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                           "Hopper-native); off: FlashAttention-2's level, as the other runtimes [default: on]."),
         click.option("--ep-comm-overlap/--no-ep-comm-overlap", default=None, help=EP_OVERLAP_HELP),
         click.option("--moe-imbalance", type=float, default=None, metavar="F", help=MOE_IMBALANCE_HELP),
+        click.option("--moe-dispatcher", type=click.Choice(DISPATCHERS), default=None, help=DISPATCHER_HELP),
         click.option("--fp8-param-gather/--no-fp8-param-gather", default=None, help=FP8_GATHER_HELP),
         click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None, help=PAO_HELP),
         click.option("--zeropp", "zero_pp", default=None, metavar="LIST", help=ZEROPP_HELP),

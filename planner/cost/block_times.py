@@ -34,6 +34,7 @@ from planner.cost.comm_overlap import overlapped_ep, overlapped_tp
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.measured_blocks import LayerProfile, as_measured, measured_act, measured_for, measured_ratios
+from planner.cost.moe_dispatch import flex_jobs
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.cost.run_model import RunModel
@@ -282,13 +283,16 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
     """TP and EP seconds per [group, mode, b, block]: the TP collectives forward and backward,
     again forward for a block recomputed in full (under per-op SAC its all-gathers only);
     ``count`` all-to-alls per pass, 2 passes, 3 when recomputed."""
-    jobs = []
+    jobs, flex = [], []
     for group, tp_shape, ep_shape in groups:
+        legs = flex_jobs(group, ep_shape)
+        flex.append([bool(ops) for ops in legs[0][1]])  # the blocks whose dispatch runs in two legs
         jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
                  (tp_shape, [[op for op in c.tp_fwd if op[0] == "allgather"] for c in group]),
-                 (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group])]
+                 (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group]), *legs]
     comms = _comm(cluster, jobs, bs)
-    base_tp, again_tp, gathers, a2a = (comms[k::4] for k in range(4))  # [group, b, block]
+    base_tp, again_tp, gathers, a2a, rail, node = (comms[k::6] for k in range(6))  # [group, b, block]
+    a2a = np.where(np.array(flex)[:, None, :], np.maximum(rail, node), a2a)  # the two legs run pipelined
     # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
     again = np.zeros((len(groups), len(RECOMPUTES), 1, ckpt.shape[1]), dtype=bool)
     again[:, RECOMPUTES.index("full"), 0] = again[:, RECOMPUTES.index("op"), 0] = ckpt

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from planner.cost import frameworks as fw
 from planner.cost.efficiency import Device, device
 from planner.cost.layout import Layout, layout
+from planner.cost.moe_dispatch import check_dispatcher
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.hardware.cluster import Cluster
 
@@ -20,6 +21,7 @@ class CostContext:
 
     @classmethod
     def of(cls, cluster: Cluster, workload: Workload) -> "CostContext":
+        check_dispatcher(workload.moe_dispatcher, cluster.profile)
         return cls(cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
 
     def layout(self, tp: int, ep: int, dp: int, pp: int, rep: int = 1, etp: int | None = None) -> Layout:

@@ -39,6 +39,7 @@ class RunFacts:
     zero_pp: tuple[str, ...] = ()  # Workload.zero_pp: DeepSpeed ZeRO++ options
     mtp: bool = False  # trains a multi-token-prediction module (ModelSpec.mtp_layers)
     ep_overlap: bool = False  # Workload.ep_comm_overlap: the expert all-to-alls overlapped where the runtime can
+    dispatcher: str = "alltoall"  # Workload.moe_dispatcher (planner/cost/moe_dispatch.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +260,17 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"{arg('activation_offload')} with the expert all-to-all overlap (two micro-batches "
                       f"interleaved layer by layer) is not priced; use {arg('no_ep_comm_overlap')} or "
                       f"{arg('activation_offload')} 0"),
+    # The flex dispatcher is Megatron-Core's (--moe-token-dispatcher-type flex over DeepEP or
+    # HybridEP, moe_dispatch.py); its DeepEP path asserts "DeepEP dispatcher requires TPxEP > 1"
+    # (token_dispatcher.py, MoEFlexTokenDispatcher: the experts' TP x EP).
+    Rule(None, lambda c, x: x.is_moe and x.dispatcher == "flex" and c.framework != "megatron",
+         lambda c, x: f"{arg('moe_dispatcher')} flex is Megatron-Core's (DeepEP / HybridEP behind "
+                      f"--moe-token-dispatcher-type flex); framework {c.framework} runs its own all-to-all: use "
+                      f"{arg('framework')} megatron or {arg('moe_dispatcher')} alltoall"),
+    Rule("megatron", lambda c, x: x.is_moe and x.dispatcher == "flex" and (c.ep * c.etp < 2),
+         lambda c, x: f"{arg('moe_dispatcher')} flex dispatches between expert-parallel or expert-TP ranks, and this "
+                      f"plan has one ({arg('ep')} {c.ep}, {arg('etp')} {c.etp}); use {arg('ep')} 2 or more, or "
+                      f"{arg('moe_dispatcher')} alltoall"),
     Rule(None, lambda c, x: not x.is_moe and c.ep > 1,
          lambda c, x: f"{arg('ep')} {c.ep} needs a mixture-of-experts model; this model is dense (use {arg('ep')} 1)"),
 )
@@ -318,14 +330,14 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
                     precision: str, mla: bool = False, positions: str = "rope", model: str = "",
                     precision_aware_optimizer: bool = False, expert_bias: bool = False,
                     window: bool = False, zero_pp: tuple[str, ...] = (), mtp: bool = False,
-                    ep_overlap: bool = False) -> None:
+                    ep_overlap: bool = False, dispatcher: str = "alltoall") -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
     ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
     work, recipe = split_precision(precision)
     facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
-                     precision_aware_optimizer, expert_bias, window, zero_pp, mtp, ep_overlap)
+                     precision_aware_optimizer, expert_bias, window, zero_pp, mtp, ep_overlap, dispatcher)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -353,11 +365,12 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
 
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str,
                         precision_aware_optimizer: bool = False, zero_pp: tuple[str, ...] = (),
-                        ep_overlap: bool = False) -> None:
+                        ep_overlap: bool = False, dispatcher: str = "alltoall") -> None:
     """``check_framework`` with the facts of ``model`` its rules read (the one place that
     picks them; the search passes them hoisted, since it asks thousands of times)."""
     check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision,
-                    precision_aware_optimizer=precision_aware_optimizer, zero_pp=zero_pp, ep_overlap=ep_overlap)
+                    precision_aware_optimizer=precision_aware_optimizer, zero_pp=zero_pp, ep_overlap=ep_overlap,
+                    dispatcher=dispatcher)
 
 
 def model_facts(model: "ModelSpec") -> dict[str, Any]:

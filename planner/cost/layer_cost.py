@@ -138,6 +138,7 @@ class LayerContext:
     cp: int = 1  # context parallel: the block sees seq_len / cp tokens of each sample
     imbalance: float = 1.0  # Workload.moe_imbalance: the busiest EP rank's token copies over the mean
     etp: int | None = None  # the routed experts' TP degree, 1 or tp (None: tp)
+    flex: bool = False  # Workload.moe_dispatcher flex: the MoE layers say their routing (moe_dispatch.py)
 
     @property
     def expert_tp(self) -> int:

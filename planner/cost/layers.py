@@ -68,7 +68,8 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     in those layers only. ``etp``: the routed experts' TP degree (None: tp)."""
     etp = tp if etp is None else etp
     ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
-                       RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance, etp)
+                       RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance, etp,
+                       workload.moe_dispatcher == "flex")
     s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []

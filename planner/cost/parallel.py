@@ -113,6 +113,9 @@ class Workload(BaseModel):
     # under an auxiliary loss runs above it. The step waits for the busiest rank at every
     # all-to-all, so its grouped GEMMs, permutes and received bytes scale by it.
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)
+    # Megatron-Core's token dispatcher (planner/cost/moe_dispatch.py): the NCCL all-to-all of every
+    # top-k copy, or flex (DeepEP / HybridEP), which sends one copy per destination node across nodes.
+    moe_dispatcher: Literal["alltoall", "flex"] = "alltoall"
     # Weights kept and all-gathered in the recipe's FP8 format where the runtime can (Megatron-Core's
     # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
     # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.

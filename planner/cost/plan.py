@@ -128,7 +128,7 @@ class Plan:
             "te_attention": w.te_attention, "fp8_param_gather": w.fp8_param_gather,
             "precision_aware_optimizer": w.precision_aware_optimizer, "ep_comm_overlap": w.ep_comm_overlap,
             "moe_imbalance": w.moe_imbalance, "mtbf_hours": w.mtbf_hours, "zero_pp": list(w.zero_pp),
-            "mtp_layers": w.mtp_layers,
+            "mtp_layers": w.mtp_layers, "moe_dispatcher": w.moe_dispatcher,
             "layer_profile": w.layer_profile.summary() if w.layer_profile else None,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,

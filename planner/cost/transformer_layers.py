@@ -128,6 +128,14 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2, pair
 
 
+def flex_routing(mlp: MoEMLP) -> dict[str, float]:
+    """What the flex dispatcher's pricing reads of a layer's router (block_times, moe_dispatch.py):
+    experts, top-k, and the expert groups of group-limited routing with those picked per token."""
+    r = mlp.router
+    return {"flex_experts": mlp.routed_experts, "flex_topk": mlp.top_k, "flex_groups": r.groups,
+            "flex_group_topk": r.group_topk if r.groups > 1 else 0}
+
+
 def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx: LayerContext | None = None):
     """A (gated) MLP of ``width`` over ``batch`` x ``tokens``: GEMMs, stored bytes and memory
     traffic per sample (totals, not per token). ``ctx`` with a recipe: a decoder layer's MLP,
@@ -162,6 +170,8 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
                               a2a, a2a_count, ctx, m_tp)
     cp = _cp_bytes(b, s, ctx)
     cost = cost._replace(extra={**cost.extra, **cp}) if cp else cost
+    if ctx.flex and isinstance(b.mlp, MoEMLP) and a2a:
+        cost = cost._replace(extra={**cost.extra, **flex_routing(b.mlp)})
     return op_sac(cost, b, s, ctx) if b.attention.kind != "mla" and isinstance(b.mlp, DenseMLP) else cost
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from planner.cost.memory import group_to_set
 from planner.cost.precision import RECIPES, gathers_fp8_params
+from planner.emit.container import DEFAULT_IMAGE
 from planner.emit.ds_config import TrainSettings
 from planner.emit.megatron_flag import Arg, _a
 from planner.emit.megatron_moe import moe_args
@@ -141,7 +142,10 @@ def _glu_args(model: ModelSpec, mds: bool) -> tuple[list[Arg], list[str]]:
 def megatron_notes(model: ModelSpec, plan: PlanFile) -> list[str]:
     """What megatron_args.sh cannot express for this model, said in its comments."""
     mds = plan.framework == "megatron-deepspeed"
-    return position_args(model, mds)[1] + _glu_args(model, mds)[1]
+    flex = ([f"--moe-token-dispatcher-type flex imports DeepEP (deep_ep; HybridEP is in its hybrid-ep branch), which "
+             f"{DEFAULT_IMAGE} does not ship: build it into the image (github.com/deepseek-ai/DeepEP, with "
+             "NVSHMEM) or use an image that has it"] if model.is_moe and plan.moe_dispatcher == "flex" else [])
+    return position_args(model, mds)[1] + _glu_args(model, mds)[1] + flex
 
 
 def _pipeline_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:

@@ -3,6 +3,7 @@ and the all-to-all overlap the plan was priced with (planner/cost/paid.py)."""
 
 from __future__ import annotations
 
+from planner.cost.moe_dispatch import flex_backend
 from planner.cost.paid import runs_ep_overlap
 from planner.emit.ds_config import moe_layer_indices
 from planner.emit.megatron_flag import Arg, _a
@@ -24,7 +25,7 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         # Megatron's default is the attention's TP; a folded plan (etp 1) says so explicitly.
         _a("--expert-tensor-parallel-size", plan.etp or plan.tp),
         _a("--moe-layer-freq", pattern),
-        _a("--moe-token-dispatcher-type", "alltoall"),
+        *dispatcher_args(plan),
         # The local experts as one grouped GEMM, as dsplan prices them (layer_cost.Gemm.batch);
         # Megatron-Core's default is a loop of per-expert GEMMs (SequentialMLP).
         _a("--moe-grouped-gemm"),
@@ -37,6 +38,17 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
     if runs_ep_overlap(plan.framework, plan.ep, plan.pp, plan.virtual_stages, plan.recompute, plan.ep_comm_overlap):
         args += [_a("--overlap-moe-expert-parallel-comm"), _a("--delay-wgrad-compute")]  # as priced (paid.py)
     return args
+
+
+def dispatcher_args(plan: PlanFile) -> list[Arg]:
+    """The token dispatcher the plan was priced with (cost/moe_dispatch.py): flex over DeepEP on
+    Hopper, HybridEP on Blackwell (TransformerConfig.moe_flex_dispatcher_backend)."""
+    if plan.moe_dispatcher != "flex":
+        return [_a("--moe-token-dispatcher-type", "alltoall")]
+    from planner.hardware.load import load_profile
+
+    return [_a("--moe-token-dispatcher-type", "flex"),
+            _a("--moe-flex-dispatcher-backend", flex_backend(load_profile(plan.hardware)))]
 
 
 def router_args(moe: MoEMLP) -> list[Arg]:

@@ -23,7 +23,7 @@ from planner import __version__
 from planner.cost.framework_rules import check_framework_for
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import check_against_model
-from planner.emit.container import runtime_pins
+from planner.emit.container import DEFAULT_IMAGE, runtime_pins
 from planner.emit.ds_config import TrainSettings, build_ds_config, build_moe_config
 from planner.emit.hosts import Host
 from planner.emit.megatron_args import megatron_deepspeed_args, megatron_lm_args, megatron_notes
@@ -42,7 +42,6 @@ from planner.run.exporter import COMM_SHARE, STEP_TIME
 from planner.run.preflight_spec import PREFLIGHT_FILE
 
 BUILTIN_ENTRY = "builtin"
-DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
 # The RDMA resource k8s-job.yaml asks for on an InfiniBand or RoCE fabric: the NVIDIA Network
 # Operator's RDMA shared device plugin, as its NicClusterPolicy example names it
 # (rdmaSharedDevicePlugin, resourceName "rdma_shared_device_a", prefix "rdma"). One unit gives the
@@ -269,7 +268,7 @@ def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
                         routed_experts=model.routed_experts, blocks=len(model.blocks))
     check_framework_for(cfg, model, optimizer=plan.optimizer, precision=plan.precision,
                         precision_aware_optimizer=plan.precision_aware_optimizer, zero_pp=plan.zero_pp,
-                        ep_overlap=plan.ep_comm_overlap)
+                        ep_overlap=plan.ep_comm_overlap, dispatcher=plan.moe_dispatcher)
     if plan.stage_blocks is not None:
         first, last = plan.stage_blocks[0][0], plan.stage_blocks[-1][1]
         if (first, last) != (0, len(model.blocks)):

@@ -50,7 +50,8 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     gb = workload.global_batch
     run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
                          recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer,
-                         zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap)
+                         zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
+                         dispatcher=workload.moe_dispatcher)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
@@ -149,7 +150,8 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
                 check_framework_for(most[1], model, optimizer=workload.optimizer,
                                     precision=workload.precision_name,
                                     precision_aware_optimizer=workload.precision_aware_optimizer,
-                                    zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap)
+                                    zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
+                                    dispatcher=workload.moe_dispatcher)
             except UserError as err:
                 text += f" ({marked(err)})"
         why.append(text)
