@@ -17,6 +17,7 @@ priced as the all-to-all. Not priced: the SMs the flex kernels take (DeepEP 20-2
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,7 @@ def distinct_nodes(nodes: int, experts: int, top_k: int, groups: int = 1, group_
     return nodes * hit
 
 
+@functools.cache
 def _single() -> GroupShape:
     """A job with nothing to price (block_times._comm skips groups of one)."""
     from planner.hardware.placement import GroupShape
@@ -100,8 +102,8 @@ def flex_jobs(group: list[LayerCost], ep_shape: GroupShape) -> list[tuple[GroupS
     """The two legs of ``group``'s flex dispatches as block_times prices collectives: over the
     network one copy per distinct destination node of each token, inside the node every top-k
     copy; nothing to price where a layer runs the all-to-all or the EP group stays on one node."""
-    legs = flex_legs(ep_shape)
-    if legs is None or not any("flex_topk" in c.extra for c in group):
+    legs = flex_legs(ep_shape) if any("flex_topk" in c.extra for c in group) else None
+    if legs is None:
         return [(_single(), [[] for _ in group]), (_single(), [[] for _ in group])]
 
     def net_bytes(c: LayerCost) -> float:
