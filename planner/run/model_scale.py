@@ -142,7 +142,7 @@ def _scale_decoder(b: DecoderBlock, w: _Widths, scale: Scale, tp: int, ep: int) 
             gate_bias=mlp.gate_bias,
             act=mlp.act,
             glu_limit=mlp.glu_limit,
-            shared_gate=mlp.shared_gate and bool(mlp.shared_ffn),
+            shared_gate=mlp.shared_gate,
         )
     else:
         new_mlp = DenseMLP(ffn=_ffn(mlp.ffn, w.ratio, tp), act=mlp.act, bias=mlp.bias)
