@@ -198,9 +198,11 @@ def test_autotp_shards_attention_and_mlp(tmp_path):
     assert_trained(run_dir)
     full = scale_spec(spec, TINY, tp=2).spec
     sharded = sum(b.attention.params(b.hidden) + b.mlp.params(b.hidden) for b in full.decoder_blocks)
+    head = full.blocks[-1]
+    sharded += head.vocab * head.hidden  # the untied LM head, split by vocabulary
     infos = [read_info(run_dir, r) for r in (0, 1)]
     assert all(i["dp_rank"] == 0 and i["tp_size"] == 2 for i in infos)  # one TP group, same batches
-    # each rank holds half of every decoder block's projections, the rest replicated
+    # each rank holds half of every decoder block's projections and of the LM head, the rest replicated
     assert infos[0]["params_on_rank"] == full.total_params() - sharded // 2
 
 

@@ -137,6 +137,10 @@ class ReferenceForCausalLM(nn.Module):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
+        # the vocabulary projection split by vocabulary, its logits gathered whole for the loss
+        # (transformers' LlamaForCausalLM._tp_plan: "lm_head": "colwise_rep"); without it the head
+        # runs unsharded on every TP rank, which DeepSpeed does not do to a Hugging Face model
+        "layers.*.lm_head": "colwise_gather_output",
     }
 
     def __init__(self, spec: ModelSpec, *, ep_size: int = 1, tiles: int = 0, recompute: str = "none",

@@ -1,0 +1,61 @@
+"""The reference trainer's model under DeepSpeed AutoTP (2 CPU ranks, gloo): the vocabulary
+projection is split by vocabulary like the decoder's column-parallel layers (transformers'
+``lm_head: colwise_rep``), not left whole on every TP rank, and the loss is the unsharded
+model's to float rounding. Real DeepSpeed, real processes; nothing recorded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from planner.model.load import load_model
+from planner.run.model_scale import parse_scale, scale_spec
+from planner.run.profile_device import free_port
+
+pytest.importorskip("deepspeed")
+
+
+def _spec():
+    return scale_spec(load_model("gpt3-125m"), parse_scale("0.125")).spec
+
+
+def _worker(rank: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+
+    from planner.run.model_builder import ReferenceForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    spec = _spec()
+    torch.manual_seed(7)
+    whole = ReferenceForCausalLM(spec)
+    torch.manual_seed(7)
+    sharded = ReferenceForCausalLM(spec)
+    tokens = torch.randint(0, spec.vocab, (2, 32), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(tokens, -1, dims=1)
+    with torch.no_grad():
+        expected = whole(tokens, labels).item()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "tensor_parallel": {"autotp_size": 2},
+           "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=sharded, model_parameters=list(sharded.parameters()), config=cfg)
+    with torch.no_grad():
+        got = engine(tokens, labels).item()
+    head = engine.module.model.layers[-1].lm_head
+    out.append((rank, expected, got, tuple(head.weight.shape), type(head).__name__))
+
+
+def test_autotp_splits_the_lm_head_by_vocabulary_and_keeps_the_loss():
+    spec = _spec()
+    with mp.Manager() as manager:
+        out = manager.list()
+        mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
+        rows = sorted(out)
+    for _, expected, got, shape, kind in rows:
+        assert got == pytest.approx(expected, rel=1e-5)
+        assert shape == (spec.vocab // 2, spec.hidden), kind  # half the vocabulary on each rank
