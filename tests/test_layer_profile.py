@@ -47,8 +47,27 @@ def test_every_distinct_block_is_measured_once_with_its_costs(profiled):
     assert 4 * 2 * 128 * 768 * 4 < decoder.activation_bytes < 40 * 2 * 128 * 768 * 4
     assert prof.matmul_flops_per_s() > 1e9
     assert prof.memory_bandwidth_GBps > 0.5
-    assert {c.op for c in prof.collectives} == {"allreduce", "allgather"}
+    assert {c.op for c in prof.collectives} == {"allreduce", "allgather", "reducescatter"}
+    # the two ranks copied at once (they share the host's memory), into mapped and into new memory
+    assert prof.rank_copy_GBps > 0.5 and prof.alloc_copy_GBps > 0.1
     assert prof.hardware == "box" and prof.dtype == "fp32" and prof.micro_batch == 2 and prof.seq_len == 128
+
+
+def test_the_hardware_profile_carries_the_measured_rates(profiled):
+    """--hardware-out: each rank's copy rate with both copying (the HBM a CPU rank gets), the rate
+    into new memory, and gloo's all-gather / reduce-scatter as shares of its all-reduce's bus
+    bandwidth, each fitted from the collectives the profile measured."""
+    from planner.run.profile_device import fit_link
+
+    prof = load_layer_profile(profiled / "p.json")
+    box = api.load_hardware(str(profiled / "box.yaml"))
+    assert box.gpu.vendor == "cpu"
+    assert box.gpu.hbm_GBps == pytest.approx(prof.rank_copy_GBps, rel=1e-3)
+    assert box.gpu.alloc_copy_GBps == pytest.approx(prof.alloc_copy_GBps, rel=1e-3)
+    points = list(prof.collectives)
+    for op in ("allgather", "reducescatter"):
+        want = min(4.0, fit_link(points, op)[1] / fit_link(points, "allreduce")[1])
+        assert box.node.intra.op_share[op] == pytest.approx(want, rel=1e-3)
 
 
 def test_at_the_profiles_own_point_the_prediction_is_the_measurement(profiled):

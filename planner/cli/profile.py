@@ -37,7 +37,9 @@ HARDWARE_HELP = ("The hardware profile the measurements stand for (what `--profi
               help="Timed runs; the median is kept.")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Where to write profile.json.")
 @click.option("--hardware-out", type=click.Path(dir_okay=False), default=None,
-              help="--device cpu: also write this machine as a hardware profile YAML (then plan with --hardware FILE).")
+              help="--device cpu: also write this machine as a hardware profile YAML: GEMM peaks, the ranks' "
+                   "copy rates (into mapped and into new memory), gloo's link and its all-gather / reduce-scatter "
+                   "shares (then plan with --hardware FILE).")
 @click.option("--force", is_flag=True, help="Overwrite --out and --hardware-out if they exist.")
 @json_option
 def profile_command(as_json: bool, out: str, hardware_out: str | None, force: bool, **opts: Any) -> None:

@@ -67,7 +67,7 @@ class GemmPoint(_Frozen):
 
 
 class CollectivePoint(_Frozen):
-    op: Literal["allreduce", "allgather"]
+    op: Literal["allreduce", "allgather", "reducescatter"]
     ranks: int = Field(ge=2)
     nbytes: float = Field(gt=0)  # nccl-tests convention: the whole buffer
     seconds: float = Field(gt=0)
@@ -88,6 +88,10 @@ class LayerProfile(_Frozen):
     blocks: tuple[BlockMeasurement, ...]
     gemm: tuple[GemmPoint, ...] = ()
     memory_bandwidth_GBps: float | None = Field(None, gt=0)
+    # CPU ranks, every rank copying at once (they share the host's memory): into mapped memory,
+    # and into memory allocated for the copy (first-touch page faults)
+    rank_copy_GBps: float | None = Field(None, gt=0)
+    alloc_copy_GBps: float | None = Field(None, gt=0)
     collectives: tuple[CollectivePoint, ...] = ()
     warmup: int = Field(ge=0)
     repetitions: int = Field(gt=0)

@@ -180,7 +180,8 @@ def candidates(cluster: Cluster, op: str, shape: GroupShape, nvls: bool) -> tupl
             lat += 2 * math.ceil(math.log2(m)) * _step(SIMPLE, links.net_lat)
         name = "nvls" if m == 1 else "nvls_tree"
         out.append(Candidate(name, "Simple", lat, spb, 0.0, NVLS_FILL, NVLS_FILL_CAP_BYTES))
-    rate = cluster.profile.calibration.network  # dsplan calibrate's network factor (1.0: none)
+    # dsplan calibrate's network factor (1.0: none), and a measured library's own rate for the op
+    rate = cluster.profile.calibration.network * cluster.profile.node.intra.op_share.get(op, 1.0)
     return tuple(out) if rate == 1.0 else tuple(c._replace(spb=c.spb / rate) for c in out)
 
 

@@ -44,6 +44,10 @@ class GPU(_Strict):
     memory_GiB: Memory
     peak_TFLOPs: dict[Literal["bf16", "fp16", "fp8", "fp4", "tf32", "fp32"], Rate]  # dense, no sparsity
     hbm_GBps: Rate
+    # A copy into memory allocated for it (read + write bytes): a GPU's caching allocator hands back
+    # memory already mapped, so None (= hbm_GBps); a CPU process's large allocation is fresh pages
+    # that the copy faults in as it first touches them (dsplan profile measures it, cpu-local).
+    alloc_copy_GBps: Rate | None = None
     # Largest fraction of peak a well-shaped bf16 GEMM reaches (MAMF; reference/
     # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
     matmul_efficiency: float = Field(0.8, gt=0, le=1)
@@ -80,6 +84,11 @@ class IntraNode(_Strict):
     links_per_gpu: PerNode | None = None  # mesh fabrics: point-to-point links from each GPU
     nvls: bool = False  # NVLink SHARP in-switch reduction (H100/H200 NVSwitch gen 3)
     gpus_per_pcie_switch: PerNode | None = None  # pcie: GPUs sharing one PCIe switch
+    # Measured bus bandwidth of an op as a share of the all-reduce's, where the collective library is
+    # not NCCL (gloo on a cpu-local profile runs its all-gather and reduce-scatter well below its
+    # all-reduce): written by dsplan profile; empty means NCCL, whose algorithms price each op.
+    op_share: dict[Literal["reducescatter", "allgather"], Annotated[float, Field(gt=0, le=4)]] = Field(
+        default_factory=dict)
 
 
 class NIC(_Strict):

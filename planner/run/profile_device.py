@@ -4,9 +4,11 @@
   dtype; the best rate is the device's achievable matmul rate (what MAMF is on a GPU:
   reference/mamf_max_achievable_matmul_measured.csv).
 - Memory bandwidth: a copy of a buffer far larger than the caches, read plus write bytes.
-- Collectives: all-reduce and all-gather over ``ranks`` local processes (gloo on CPU, NCCL on
-  GPUs) at sizes from 4 KiB to 64 MiB, nccl-tests' byte convention; from these ``fit_link``
-  reads a latency and a bus bandwidth.
+- Collectives: all-reduce, all-gather and reduce-scatter over ``ranks`` local processes (gloo on
+  CPU, NCCL on GPUs) at sizes from 4 KiB to 256 MiB (a model's gradient buckets run to hundreds
+  of MiB, where gloo's rate differs from the small sizes'), nccl-tests' byte convention, the
+  tensor forms ZeRO calls (all_gather_into_tensor, reduce_scatter_tensor); from these
+  ``fit_link`` reads a latency and a bus bandwidth per op.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from planner.run.profile_blocks import median_seconds
 CPU_GEMM_SIZES = (256, 512, 1024, 2048)
 GPU_GEMM_SIZES = (1024, 2048, 4096, 8192)
 COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
-COLLECTIVE_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
+COLLECTIVE_SIZES = tuple(4096 * 4**i for i in range(9))  # 4 KiB .. 256 MiB
 
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -66,6 +68,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _timed(fn: Callable[[], object], repetitions: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of ``fn`` after two warm-up calls, every rank starting together."""
+    times = []
+    for i in range(2 + repetitions):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _copy_rows(repetitions: int) -> list[tuple[str, int, float]]:
+    """CPU ranks share the host's memory: each rank's copy rate with every rank copying at once,
+    into mapped memory (``copy``) and into memory allocated for it (``alloc_copy``: fresh pages,
+    faulted in on first touch, as a runtime's per-step flat buffers are)."""
+    src = torch.ones(COPY_BYTES["cpu"] // 4)
+    dst = torch.empty_like(src)
+    return [("copy", src.nbytes, _timed(lambda: dst.copy_(src), repetitions)),
+            ("alloc_copy", src.nbytes, _timed(lambda: torch.empty_like(src).copy_(src), repetitions))]
+
+
 def _collective_worker(rank: int, world: int, port: int, backend: str, repetitions: int, result: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -73,32 +98,27 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, repetitio
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    rows = []
+    rows = _copy_rows(repetitions) if backend == "gloo" else []
     for nbytes in COLLECTIVE_SIZES:
         buf = torch.ones(nbytes // 4, device=device)
-        parts = [torch.empty(nbytes // 4 // world, device=device) for _ in range(world)]
+        part = torch.ones(nbytes // 4 // world, device=device)
         ops: dict[str, Callable[[], object]] = {
             "allreduce": lambda: dist.all_reduce(buf),
-            "allgather": lambda: dist.all_gather(parts, parts[rank]),
+            "allgather": lambda: dist.all_gather_into_tensor(buf, part),
+            "reducescatter": lambda: dist.reduce_scatter_tensor(part, buf),
         }
+        sync = (lambda: torch.cuda.synchronize(device)) if backend == "nccl" else (lambda: None)
         for op, fn in ops.items():
-            times = []
-            for i in range(2 + repetitions):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                if backend == "nccl":
-                    torch.cuda.synchronize(device)
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-            rows.append((op, nbytes, statistics.median(times)))
+            rows.append((op, nbytes, _timed(fn, repetitions, sync)))
     if rank == 0:
         result.extend(rows)
     dist.destroy_process_group()
 
 
-def local_collectives(ranks: int, device_type: str, repetitions: int) -> list[CollectivePoint]:
-    """All-reduce and all-gather times over ``ranks`` processes on this machine."""
+def local_collectives(ranks: int, device_type: str,
+                      repetitions: int) -> tuple[list[CollectivePoint], dict[str, float]]:
+    """All-reduce, all-gather and reduce-scatter times over ``ranks`` processes on this machine,
+    and on CPU ranks each rank's copy rates (GB/s, read plus write) with all of them copying."""
     import torch.multiprocessing as mp
 
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -106,7 +126,9 @@ def local_collectives(ranks: int, device_type: str, repetitions: int) -> list[Co
         result = manager.list()
         mp.spawn(_collective_worker, args=(ranks, free_port(), backend, repetitions, result), nprocs=ranks, join=True)
         rows = list(result)
-    return [CollectivePoint(op=op, ranks=ranks, nbytes=float(n), seconds=t) for op, n, t in rows]
+    copies = {op: 2.0 * n / t / 1e9 for op, n, t in rows if op in ("copy", "alloc_copy")}
+    points = [CollectivePoint(op=op, ranks=ranks, nbytes=float(n), seconds=t) for op, n, t in rows if op not in copies]
+    return points, copies
 
 
 def fit_link(points: list[CollectivePoint], op: str = "allreduce") -> tuple[float, float]:

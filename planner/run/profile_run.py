@@ -91,16 +91,18 @@ def run_profile(req: ProfileRequest, progress: Callable[[str], None] = lambda _:
     progress("memory bandwidth")
     bandwidth = pdev.memory_bandwidth(device, req.warmup, req.repetitions)
     ranks = req.ranks if req.ranks is not None else (torch.cuda.device_count() if device.type == "cuda" else 2)
-    collectives = []
+    collectives: list = []
+    copies: dict[str, float] = {}
     if ranks > 1:
         progress(f"collectives over {ranks} ranks")
-        collectives = pdev.local_collectives(ranks, device.type, req.repetitions)
+        collectives, copies = pdev.local_collectives(ranks, device.type, req.repetitions)
     import deepspeed
 
     return LayerProfile(
         model=req.model.name, hardware=hardware, device=device_label(device), dtype=precision,
         micro_batch=req.micro_batch, seq_len=req.seq_len, scale=req.scale, profiled_spec=scaled.spec,
         blocks=tuple(blocks), gemm=tuple(gemm), memory_bandwidth_GBps=bandwidth, collectives=tuple(collectives),
+        rank_copy_GBps=copies.get("copy"), alloc_copy_GBps=copies.get("alloc_copy"),
         warmup=req.warmup, repetitions=req.repetitions,
         versions={"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version()},
     )
