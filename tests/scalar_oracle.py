@@ -377,7 +377,8 @@ def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelC
             # which waits for rank 0's last backward: no cool-down left to hide this rank's reduction.
             tied_bytes = _grad_comm_bytes(cfg, workload, traits) * tied_ranks[r]
             tied, cooldown = tied_allreduce_time(comms.pp, tied_bytes), 0.0
-        dp_exposed.append(tied + _dp_time(dense, expert, cfg, workload, traits, comms, times[r], cooldown, blocks))
+        dp_exposed.append(tied + _dp_time(dense, expert, cfg, workload, traits, comms, times[r], cooldown, blocks,
+                                          dev))
         opt_time.append(_optimizer_time(dense, expert, cfg, workload, cluster, dev))
 
     t = times[worst]
@@ -493,14 +494,26 @@ def _grad_comm_bytes(cfg: ParallelConfig, w: Workload, traits: fw.Traits) -> int
     return 4 if traits.fp32_grad_buffer and w.precision == "bf16" and not fsdp else 2
 
 
+def _flat_copies(grad_bytes: float, dp: int, zero: int, dev: Device) -> float:
+    """DeepSpeed's copies around one ZeRO 0-2 reduction: into a new flat tensor and back (all of
+    it under ZeRO-0, the owned 1/dp under ZeRO-1/2), under ZeRO-2 also into the bucket and the
+    owned share into the partition buffer; read plus write, and first touch of the new buffers."""
+    copied = {0: 2.0, 1: 1.0 + 1.0 / dp, 2: 2.0 + 2.0 / dp}[zero] * grad_bytes
+    fresh = (2.0 + 1.0 / dp if zero == 2 else 1.0) * grad_bytes
+    return 2.0 * copied / dev.hbm_effective + fresh * dev.first_touch_s_per_byte
+
+
 def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, traits: fw.Traits, comms: Comms,
-             t: MicroBatchTime, cooldown: float, blocks: list[LayerCost]) -> float:
+             t: MicroBatchTime, cooldown: float, blocks: list[LayerCost], dev: Device) -> float:
     """Exposed data-parallel time of one pipeline rank (see step_time.dp_exposed)."""
     dp = cfg.dp_ranks  # context-parallel ranks reduce gradients with the data-parallel ones
-    if dp == 1 and cfg.ep == 1:
-        return 0.0
     gb = _grad_comm_bytes(cfg, w, traits)
+    copies = _flat_copies(gb * (dense + expert), dp, cfg.zero_stage, dev) \
+        if traits.flat_copies and cfg.zero_stage <= 2 else 0.0
+    if dp == 1 and cfg.ep == 1:
+        return copies  # DeepSpeed flattens for a group of one too
     edp = _edp(cfg)
+    wb = w.bytes_per_param
 
     def on(op: str, nbytes_dense: float, nbytes_expert: float) -> float:
         out = comms.dp(op, nbytes_dense) if dp > 1 else 0.0
@@ -510,14 +523,19 @@ def _dp_time(dense: float, expert: float, cfg: ParallelConfig, w: Workload, trai
         # DeepSpeed ZeRO-3 gathers each layer's weights before it runs (forward, and again in
         # backward) and reduce-scatters its gradients after: one collective per block, so the
         # per-call latency counts once per layer, not once per stage.
-        gather = sum(on("allgather", 2 * c.params_rank, 2 * c.expert_params_rank) for c in blocks)
+        gather = sum(on("allgather", wb * c.params_rank, wb * c.expert_params_rank) for c in blocks)
         reduce = sum(on("reducescatter", gb * c.params_rank, gb * c.expert_params_rank) for c in blocks)
+        if traits.flat_copies:  # gathered into new storage; the reduce-scatter's input flattened
+            every = sum(c.params_rank + c.expert_params_rank for c in blocks)
+            gather += wb * every * dev.first_touch_s_per_byte
+            reduce += gb * every * (2.0 / dev.hbm_effective + dev.first_touch_s_per_byte)
         return zero3_exposed(gather, reduce, t.fwd, t.bwd + t.recompute, cfg.grad_accum)
     if cfg.zero_stage >= 1:
         reduce = on("allreduce" if traits.zero_grad_allreduce else "reducescatter", gb * dense, gb * expert)
-        gather = on("allgather", 2 * dense, 2 * expert)
+        gather = on("allgather", wb * dense, wb * expert)
     else:
         reduce, gather = on("allreduce", gb * dense, gb * expert), 0.0
+    reduce += copies
     first_fwd = t.fwd if cfg.framework == "megatron" else 0.0
     overlap = fw.grad_reduce_overlaps(traits, cfg.pp, cfg.zero_stage)
     exposed = dp_exposed(reduce, gather, overlap, t.bwd + t.recompute, first_fwd, cooldown)
@@ -536,7 +554,10 @@ def _optimizer_time(dense: float, expert: float, cfg: ParallelConfig, w: Workloa
     sharded = cfg.zero_stage >= 1
     local = dense / (cfg.dp_ranks if sharded else 1) + expert / (max(_edp(cfg), 1) if sharded else 1)
     if cfg.offload == "none":
-        return gpu_optimizer_time(local, dev, sgd=w.optimizer == "sgd")
+        # DeepSpeed's step flattens the rank's gradient partition into a new fp32 tensor first
+        flat = local * 4.0 * (2.0 / dev.hbm_effective + dev.first_touch_s_per_byte) \
+            if fw.traits(cfg.framework).flat_copies and sharded else 0.0
+        return gpu_optimizer_time(local, dev, sgd=w.optimizer == "sgd") + flat
     node = cluster.profile.node
     if cfg.framework == "megatron":
         return float(hybrid_optimizer_time(local, cluster.gpus_per_node, node.cpu_adam_GBps * 1e9,

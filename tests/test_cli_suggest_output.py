@@ -155,13 +155,16 @@ def test_the_totals_line_has_thousands_separators() -> None:
     assert f"{data['rejected']['out_of_memory']:,} out of memory" in text
 
 
-# (flags, the breakdown rows that apply)
+# (flags, the breakdown rows that apply). DeepSpeed (the default runtime) flattens its gradients
+# for the reduction even with a DP group of one (runtime_copies.py): "DP comm" applies there too.
 LAYOUTS = [
     (("--model", "llama-3.1-8b", "--tp", "1", "--pp", "1", "--dp", "8"), {"compute", "DP comm", "optimizer"}),
     (("--model", "llama-3.1-8b", "--tp", "8", "--pp", "1", "--dp", "1", "--recompute", "full"),
-     {"compute", "recompute", "TP comm", "optimizer"}),
+     {"compute", "recompute", "TP comm", "DP comm", "optimizer"}),
+    (("--model", "llama-3.1-8b", "--tp", "8", "--pp", "1", "--dp", "1", "--recompute", "full",
+      "--framework", "megatron"), {"compute", "recompute", "TP comm", "optimizer"}),
     (("--model", "llama-3.1-8b", "--tp", "1", "--pp", "8", "--dp", "1"),
-     {"compute", "PP bubble", "PP comm", "optimizer"}),
+     {"compute", "PP bubble", "PP comm", "DP comm", "optimizer"}),
     (("--model", "mixtral-8x7b", "--nodes", "4", "--tp", "2", "--pp", "2", "--ep", "8", "--recompute", "selective",
       "--framework", "megatron", "--sequence-parallel"),
      {"compute", "recompute", "TP comm", "PP bubble", "PP comm", "DP comm", "EP comm", "optimizer"}),

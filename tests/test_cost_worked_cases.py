@@ -40,6 +40,14 @@ from planner.search.space import Constraints
 from tests.scalar_oracle import build_comms
 from tests.search_cases import candidate, case_of
 
+
+def ds_copies(cluster: Cluster, grad_bytes: float, dp: int, zero: int) -> float:
+    """DeepSpeed's copies around one gradient reduction on a GPU (runtime_copies.py), as HBM
+    traffic, read plus write: ZeRO-0 into a flat tensor and all back (2 x g); ZeRO-1 into it and
+    the owned 1/dp back; ZeRO-2 also into the bucket and the owned share into the partition."""
+    copied = {0: 2.0, 1: 1.0 + 1.0 / dp, 2: 2.0 + 2.0 / dp}[zero] * grad_bytes
+    return 2.0 * copied / eff.device(cluster.profile).hbm_effective
+
 PROFILE = "dgx-a100-80g"
 
 
@@ -211,7 +219,10 @@ def test_deepspeed_pipeline_reduces_after_the_drain_with_all_reduces() -> None:
       once each way, as one point-to-point transfer of them over the pp hop does; and rank 1
       waits for rank 0's last backward for it, so no cool-down is left to hide its reduction.
 
-        exposed_r = tied + AR(2 P_r) + AG(2 P_r)      dp_comm = max over ranks
+    - its ZeRO-1 copies the buckets into a new flat tensor and its 1/dp share back
+      (``ds_copies``: 2 x 1.125 x 2 P_r bytes of HBM traffic), which the reduction waits for.
+
+        exposed_r = tied + AR(2 P_r) + copies(2 P_r) + AG(2 P_r)      dp_comm = max over ranks
 
     with P_0 = 841,989,120 and P_1 = 1,938,222,080 as in the Megatron case above (the partition
     is fixed, so both ranks hold one copy of the embedding)."""
@@ -219,7 +230,7 @@ def test_deepspeed_pipeline_reduces_after_the_drain_with_all_reduces() -> None:
     plan, dense = _gpt27_pp2(cluster, zero_stage=1, framework="deepspeed")
     comms = build_comms(cluster, plan.cfg)
     tied = comms.pp(2 * GPT27_EMBED)
-    exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s
+    exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s + ds_copies(cluster, 2 * d, 8, 1)
                + collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
     b0, b1 = (s.microbatch.bwd + s.microbatch.recompute for s in plan.stages)
     assert exposed[1] - tied > b0 * 0.05  # a cool-down would have hidden some of rank 1's reduction
@@ -228,7 +239,7 @@ def test_deepspeed_pipeline_reduces_after_the_drain_with_all_reduces() -> None:
     # The search's evaluation on its own partition, per rank.
     plan, parts, ranks, detail = _searched("gpt3-2.7b", 2, plan.workload, plan.cfg)
     dense = [_gpt27_dense(c) for c in parts]
-    exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s
+    exposed = [tied + collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s + ds_copies(cluster, 2 * d, 8, 1)
                + collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
     assert detail["dp"][0] == pytest.approx(exposed, rel=1e-9)
     assert plan.time.dp_comm == pytest.approx(max(exposed), rel=1e-9)
@@ -240,14 +251,17 @@ def test_deepspeed_pipeline_untied_rank_keeps_only_the_cool_down() -> None:
     backward, while rank 0 still runs its own: rank 1 hides b_0 (the cool-down) and nothing of
     b_1; rank 0 hides nothing.
 
-        exposed_0 = AR(2 P_0) + AG(2 P_0)      exposed_1 = max(0, AR(2 P_1) - b_0) + AG(2 P_1)"""
+        exposed_0 = AR(2 P_0) + C_0 + AG(2 P_0)      exposed_1 = max(0, AR(2 P_1) + C_1 - b_0) + AG(2 P_1)
+
+    (C_r: ZeRO-1's copies around the reduction, ``ds_copies``.)"""
     model, cluster = load_model("llama-3-8b"), _cluster(2)
     w = Workload(global_batch=32, seq_len=1024)
     cfg = ParallelConfig(dp=8, pp=2, zero_stage=1, framework="deepspeed", micro_batch=1, grad_accum=4)
     plan, parts, ranks, detail = _searched("llama-3-8b", 2, w, cfg)
     dense = [sum(b.params() for b in model.blocks[a:e]) for a, e in parts]
     assert list(ranks["dense"]) == dense and list(ranks["tied"]) == [0.0, 0.0]
-    ar = [collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s for d in dense]
+    ar = [collective_time_for_size(cluster, "allreduce", 8, 2 * d).time_s + ds_copies(cluster, 2 * d, 8, 1)
+          for d in dense]
     ag = [collective_time_for_size(cluster, "allgather", 8, 2 * d).time_s for d in dense]
     b0 = plan.stages[0].microbatch.bwd + plan.stages[0].microbatch.recompute
     exposed = [ar[0] + ag[0], max(0.0, ar[1] - b0) + ag[1]]
@@ -320,12 +334,14 @@ def test_gpu_adam_streams_34_bytes_per_local_parameter() -> None:
       write the bf16 working copy of the weight                                    2
       gradient-norm / overflow pass over the fp32 gradient (read)                  4
                                                                             total 34
-    t = 15,653,280 * 34 B / (2039 GB/s * 0.85), the profile's HBM bandwidth times the
+    DeepSpeed first flattens the rank's gradient partition into a new fp32 tensor (read and
+    write 4 + 4 per parameter; runtime_copies.py), 42 in all.
+    t = 15,653,280 * 42 B / (2039 GB/s * 0.85), the profile's HBM bandwidth times the
     model's one HBM calibration factor (efficiency.HBM_EFFICIENCY)."""
     adam_bytes = (4 + 4 + 4 + 4) + (4 + 4 + 4) + 2 + 4
     local = 125_226_240 / 8
     hbm = load_profile(PROFILE).gpu.hbm_GBps * 1e9 * eff.HBM_EFFICIENCY
-    expected = local * adam_bytes / hbm
+    expected = local * (adam_bytes + 4 + 4) / hbm
     w = Workload(global_batch=64, seq_len=2048)
     cfg = ParallelConfig(dp=8, zero_stage=1, micro_batch=1, grad_accum=8)
     plan, _, _, detail = _searched("gpt3-125m", 1, w, cfg)
@@ -410,7 +426,8 @@ def test_deepspeed_zero2_reduces_every_micro_batch_and_zero1_once() -> None:
     gpt3-2.7b on 2 nodes, dp 16, m = 4 micro-batches, no pipeline, P parameters per GPU (its
     16-bit weights are 2 P bytes, the model's whole count):
 
-        AR  = all-reduce of 2 P bytes over the 16 ranks (use_multi_rank_bucket_allreduce)
+        AR  = all-reduce of 2 P bytes over the 16 ranks (use_multi_rank_bucket_allreduce), and
+              DeepSpeed's copies around it (``ds_copies``)
         AG  = all-gather of the updated 16-bit weights, 2 P bytes, after the step (not hidden)
         b   = one micro-batch's backward
         ZeRO-1: dp_comm = max(0, AR - b) + AG
@@ -423,7 +440,7 @@ def test_deepspeed_zero2_reduces_every_micro_batch_and_zero1_once() -> None:
         plans[zero] = plan = estimate(model, cluster, w, cfg)
         p = plan.stages[0].memory.weights / 2
         assert p == pytest.approx(model.total_params(), rel=1e-3)
-        ar = collective_time_for_size(cluster, "allreduce", 16, 2 * p).time_s
+        ar = collective_time_for_size(cluster, "allreduce", 16, 2 * p).time_s + ds_copies(cluster, 2 * p, 16, zero)
         ag = collective_time_for_size(cluster, "allgather", 16, 2 * p).time_s
         b = plan.stages[0].microbatch.bwd + plan.stages[0].microbatch.recompute
         assert ar > b  # the case: each reduction outlasts its backward

@@ -88,12 +88,17 @@ TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_bubble", "pp_com
 def time_parts(cfg: Any) -> list[str]:
     """The TIME_PARTS that apply to a plan of layout ``cfg`` (a ParallelConfig): recompute
     with recomputation, TP communication with tp > 1, the bubble and the sends with pp > 1, DP
-    communication with dp x cp > 1, the expert all-to-all with ep > 1, context-parallel
-    communication with cp > 1, the activation copies to host memory when offloading them. Decided
-    by the layout, not by the value, so a part that applies but is hidden behind compute still shows as 0."""
+    communication with dp x cp > 1 (and on DeepSpeed's ZeRO 0-2 whatever dp: its engine flattens
+    the gradients for a reduction over a group of one too), the expert all-to-all with ep > 1,
+    context-parallel communication with cp > 1, the activation copies to host memory when
+    offloading them. Decided by the layout, not by the value, so a part that applies but is hidden
+    behind compute still shows as 0."""
+    from planner.cost.frameworks import traits
+
+    flattens = traits(cfg.framework).flat_copies and cfg.zero_stage <= 2
     applies = {"recompute": cfg.recompute != "none", "tp_comm": cfg.tp > 1, "pp_bubble": cfg.pp > 1,
-               "pp_comm": cfg.pp > 1, "dp_comm": cfg.dp * cfg.cp > 1, "ep_comm": cfg.ep > 1, "cp_comm": cfg.cp > 1,
-               "act_offload": cfg.activation_offload > 0}
+               "pp_comm": cfg.pp > 1, "dp_comm": cfg.dp * cfg.cp > 1 or flattens, "ep_comm": cfg.ep > 1,
+               "cp_comm": cfg.cp > 1, "act_offload": cfg.activation_offload > 0}
     return [part for part in TIME_PARTS if applies.get(part, True)]
 
 

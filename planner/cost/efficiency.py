@@ -83,6 +83,7 @@ class Device:
     low_bytes: float = 2.0  # bytes per element of that format's operands
     gemm_sustained: float = GEMM_SUSTAINED  # x the profile's calibration.gemm
     hbm_efficiency: float = HBM_EFFICIENCY  # x the profile's calibration.hbm
+    alloc_copy: float | None = None  # bytes/s of a copy into new memory (GPU.alloc_copy_GBps); None: hbm
 
     @property
     def flash_ceiling(self) -> float:
@@ -98,6 +99,14 @@ class Device:
     def hbm_effective(self) -> float:
         return self.hbm * self.hbm_efficiency
 
+    @property
+    def first_touch_s_per_byte(self) -> float:
+        """What a buffer allocated anew costs per byte beyond a copy into mapped memory: the page
+        faults of its first touch (0 on a GPU, whose caching allocator reuses mapped memory)."""
+        if self.alloc_copy is None:
+            return 0.0
+        return max(0.0, 2.0 / (self.alloc_copy * self.hbm_efficiency) - 2.0 / self.hbm_effective)
+
 
 def device(profile: HardwareProfile, dtype: str = "bf16", recipe: str | None = None) -> Device:
     """The GPU in the working ``dtype``; with a TE ``recipe``, ``low`` is the GPU in the
@@ -112,7 +121,8 @@ def device(profile: HardwareProfile, dtype: str = "bf16", recipe: str | None = N
         mamf = gpu.matmul_efficiency_low.get(r.gemm_format, gpu.matmul_efficiency)  # type: ignore[call-overload]
         low = Device(gpu.peak_flops(r.gemm_format), mamf, gpu.hbm_GBps * 1e9, sms, **rates)
     return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms, gpu.flash_attention_efficiency,
-                  low, RECIPES[recipe].element_bytes if recipe else 2.0, **rates)
+                  low, RECIPES[recipe].element_bytes if recipe else 2.0, **rates,
+                  alloc_copy=gpu.alloc_copy_GBps * 1e9 if gpu.alloc_copy_GBps else None)
 
 
 def tile_efficiency(m, n, sms: int):

@@ -117,6 +117,9 @@ class Traits:
     # forward beside another's backward, layer by layer, each one's dispatch and combine on a
     # second stream (comm_overlap.overlapped_ep). DeepSpeed MoE has no such schedule.
     ep_comm_overlap: bool = False
+    # DeepSpeed copies gradients into new flat tensors and back around each reduction, and gathers
+    # ZeRO-3 weights into new storage (cost/runtime_copies.py).
+    flat_copies: bool = False
     # Blocks a ZeRO-3 / FSDP rank holds gathered whole: DeepSpeed's estimator counts the largest
     # layer once (estimate_zero3_model_states_mem_needs); Megatron-FSDP all-gathers the next FSDP
     # unit while one computes and reduce-scatters the last one's gradients while the next
@@ -142,10 +145,10 @@ class Traits:
 TRAITS = {
     "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True,
                         zero2_reduces_every_microbatch=True, zero0_reduces_after_backward=True,
-                        zero3_module_fetch=True),
+                        zero3_module_fetch=True, flat_copies=True),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True,
-                                 zero0_reduces_after_backward=True, zero3_module_fetch=True),
+                                 zero0_reduces_after_backward=True, zero3_module_fetch=True, flat_copies=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
                        ep_comm_overlap=True, zero3_live_blocks=2),
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while

@@ -37,6 +37,7 @@ from planner.cost.collectives import collective_times_numbered
 from planner.cost.context import CostContext
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS
 from planner.cost.precision import gathers_fp8_params
+from planner.cost.runtime_copies import flat_copy_seconds, grad_reduction_copies
 from planner.cost.zero3_fetch import keeps_stage_gathered
 from planner.hardware.placement import GroupShape
 
@@ -121,6 +122,7 @@ _PIPE_ENGINE = np.array([t.pipe_engine for t in _TRAITS])
 _OVERLAPS = np.array([[[fw.grad_reduce_overlaps(t, pp, zero) for t in _TRAITS] for zero in (1, 0)]
                       for pp in (1, 2)])  # [deep, no ZeRO, framework]
 _EVERY_MICROBATCH = np.array([t.zero2_reduces_every_microbatch for t in _TRAITS])
+_FLAT_COPIES = np.array([t.flat_copies for t in _TRAITS])
 _HSDP_EVERY_MICROBATCH = np.array([t.hsdp_allreduce_every_microbatch for t in _TRAITS])
 MEGATRON = FRAMEWORKS.index("megatron")
 
@@ -193,17 +195,24 @@ def dp_collectives(ctx: CostContext, col: dict[str, np.ndarray],
         np.where(engine & (r["tied"] > 0).any(axis=1), layout_of * 3 * ops + 2, -1),  # ReduceTiedGrads, whatever dp
         np.where(hybrid, layout_of * 3 * ops + 3 * 1 + 2, -1),  # the shards' all-reduce over the outer group
     ))
-    # The FP8 parameters' all-gather moves 1 byte each (a dense model's: which of an MoE's are
-    # expert weights the rank table does not say, so there it is priced at 2).
-    gathered = 2 * dense - np.where(fp8_param_gather(ctx, col) & (expert == 0), r["low"], 0.0)
-    sizes = np.stack((gbytes * dense, gbytes * expert, gathered, 2 * expert, gbytes * r["tied"], shard))
+    # The updated weights are gathered in the working precision (fp32 runs gather fp32: DeepSpeed's
+    # "bit16" groups are then the fp32 parameters); the FP8 parameters' all-gather moves 1 byte
+    # each (a dense model's: which of an MoE's are expert weights the rank table does not say).
+    wbytes = ctx.workload.bytes_per_param
+    gathered = wbytes * dense - np.where(fp8_param_gather(ctx, col) & (expert == 0), (wbytes - 1) * r["low"], 0.0)
+    sizes = np.stack((gbytes * dense, gbytes * expert, gathered, wbytes * expert, gbytes * r["tied"], shard))
     t_red, e_red, t_gat, e_gat, tied, outer = collective_times_numbered(ctx.cluster, key_of, which[..., None], sizes)
     single = (dp == 1) & (col["ep"] == 1)  # nothing to reduce or gather
     reduce = np.where((~single & (red_op >= 0))[:, None],
                       np.where(has_edp[:, None], t_red + np.where(gbytes * expert > 0, e_red, 0.0), t_red), 0.0)
     reduce = reduce + np.where(hybrid[:, None], outer, 0.0)
+    flat = _FLAT_COPIES[fwi] & (red_op >= 0)
+    if flat.any():  # DeepSpeed's copies into flat buffers and back around each reduction, made
+        # with a DP group of one too (engine.py allreduce_gradients flattens whatever the group)
+        copies = grad_reduction_copies(ctx.dev, gbytes * (dense + expert), dp[:, None], zero[:, None])
+        reduce = reduce + np.where(flat[:, None], copies, 0.0)
     gather = np.where((~single & z12)[:, None],
-                      np.where(has_edp[:, None], t_gat + np.where(2 * expert > 0, e_gat, 0.0), t_gat), 0.0)
+                      np.where(has_edp[:, None], t_gat + np.where(expert > 0, e_gat, 0.0), t_gat), 0.0)
     return reduce, gather, tied
 
 
@@ -215,6 +224,8 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
     hook time counts here too, where it outlasts the device's work (``host_is_device``: a CPU
     profile, where nothing runs beside it)."""
     zero, fwi = col["zero"], col["framework"]
+    if host_is_device:  # a CPU rank's cores run its collectives too (gloo, blocking calls): nothing hides
+        overlap_share = 0.0
     m = col["grad_accum"][:, None].astype(float)
     vs = col["vs"][:, None].astype(float)
     deep = col["pp"] > 1
@@ -253,7 +264,7 @@ def dp_exposed(col: dict[str, np.ndarray], r: dict[str, np.ndarray], reduce: np.
         device = 0.0 if host_is_device else (r["fwd"] + r["bwd"] + r["rc"])[z3]
         out[z3] += m[z3] * np.maximum(0.0, r["z3_host"][z3] - device)
     alone = (dp == 1) & (col["ep"] == 1)
-    out[alone] = tied[alone]
+    out[alone] = tied[alone] + reduce[alone]  # nobody to talk to: only the runtime's own copies
     return out
 
 
@@ -275,6 +286,9 @@ def optimizer_seconds(ctx: CostContext, col: dict[str, np.ndarray], dense: np.nd
     w = ctx.workload
     step_bytes = eff.SGD_STEP_BYTES if w.optimizer == "sgd" else eff.adam_step_bytes(**w.state_dtypes)
     out = eff.hbm_time(local * step_bytes, ctx.dev)
+    flat = (_FLAT_COPIES[col["framework"]] & (col["zero"] >= 1))[:, None]
+    if flat.any():  # DeepSpeed's step flattens the rank's gradient partition into a new fp32 tensor
+        out = out + np.where(flat, flat_copy_seconds(ctx.dev, 4.0 * local), 0.0)
     # Each host term only where some row offloads that way (most spaces have no parameter offload).
     node = ctx.cluster.profile.node
     host = (ctx.cluster.gpus_per_node, node.cpu_adam_GBps * 1e9, node.host_Bps)

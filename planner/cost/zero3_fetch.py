@@ -28,6 +28,7 @@ from planner.cost.layer_cost import LayerCost
 from planner.cost.layout import Layout
 from planner.cost.parallel import FRAMEWORKS
 from planner.cost.precision import gathers_fp8_params
+from planner.cost.runtime_copies import flat_copy_seconds, fresh_buffer_seconds
 from planner.hardware.cluster import Cluster
 from planner.hardware.placement import GroupShape, strided_shape
 
@@ -100,21 +101,28 @@ def block_seconds(ctx: CostContext, layout: Layout, dp: int, edp: int, framework
             t = t + np.where(e > 0, seconds_over_calls(cluster, op, layout.edp, e, calls[1]), 0.0)
         return t
 
-    # FP8 parameter gather moves its GEMM weights at 1 byte (an MoE block's at 2: the table does
-    # not say which of its low-precision weights are experts', as step_time.dp_collectives).
+    # Weights are gathered in the working precision (fp32 runs gather fp32); FP8 parameter gather
+    # moves its GEMM weights at 1 byte (an MoE block's at 2: the table does not say which of its
+    # low-precision weights are experts', as step_time.dp_collectives).
     fp8 = gathers_fp8_params(w.recipe, w.fp8_param_gather, name, 3)
+    wbytes = w.bytes_per_param
     if "qwz" in zpp:
         first = on("allgather", QWZ_BYTES * params, QWZ_BYTES * expert, fetches)
         first = first + eff.hbm_time(QUANT_HBM_BYTES * (params + expert), ctx.dev)
     else:
-        first = on("allgather", 2 * params - (np.where(expert == 0, low, 0.0) if fp8 else 0.0), 2 * expert, fetches)
+        first = on("allgather", wbytes * params - (np.where(expert == 0, (wbytes - 1) * low, 0.0) if fp8 else 0.0),
+                   wbytes * expert, fetches)
     rest = first
     if "hpz" in zpp:  # DeepSpeed's secondary tensor is in the weights' dtype (partition_parameters.py)
         group = strided_shape(cluster, 1, node_ranks(cluster.gpus_per_node, dp))
-        rest = seconds_over_calls(cluster, "allgather", group, 2 * (params + expert), fetches[0])
+        rest = seconds_over_calls(cluster, "allgather", group, wbytes * (params + expert), fetches[0])
     reduce = on("reducescatter", gbytes * params, gbytes * expert, grads)
     if "qgz" in zpp:
         reduce = np.where(tensors > 0, qgz_seconds(ctx, dp, params + expert, tensors), reduce)
+    if fw.traits(name).flat_copies:  # DeepSpeed gathers into new storage and flattens what it reduces
+        touched = fresh_buffer_seconds(ctx.dev, wbytes * (params + expert))
+        first, rest = first + touched, rest + touched
+        reduce = reduce + flat_copy_seconds(ctx.dev, gbytes * (params + expert))
     host = tensors * fw.ZERO3_HOST_S_PER_MODULE if module else np.zeros_like(params)
     return {"first": first, "rest": rest, "reduce": reduce, "host": host}
 
