@@ -1,10 +1,12 @@
-"""Predicted against measured on this machine's CPUs: plans priced on ``--hardware cpu-local``
-with a fresh ``dsplan profile``, then run for real with ``dsplan run --local``.
+"""Predicted against measured on this machine's CPUs: plans priced on a cpu-local hardware
+profile and layer profile that a fresh ``dsplan profile`` wrote, then run for real with
+``dsplan run --local``.
 
 Every number is measured each time the script runs (nothing recorded): per model, one
-``dsplan profile --device cpu``; per layout, ``dsplan estimate --profile`` on 2 ranks, ``dsplan
-generate``, ``dsplan run --local`` (DeepSpeed on the CPU accelerator, gloo, the real model at the
-planned sequence and fp32). The table is each layout's predicted step, its measured step (the
+``dsplan profile --device cpu --hardware-out`` (the blocks, and this machine as a hardware
+profile); per layout, ``dsplan estimate --profile`` on 2 ranks of that hardware profile,
+``dsplan generate``, ``dsplan run --local`` (DeepSpeed on the CPU accelerator, gloo, the real
+model at the planned sequence and fp32). The table is each layout's predicted step, its measured step (the
 median after the first step, report.json) and the relative error; with ``--calibrate-on``, the
 runs named there are fitted by ``dsplan calibrate`` and the others priced again with the fit.
 
@@ -12,7 +14,7 @@ Layouts (2 ranks): dp (ZeRO-0), zero2, zero3 (micro-batch 1, global batch 2), pp
 stages, 4 micro-batches), tp2 (DeepSpeed AutoTP).
 
 Usage: python benchmarks/bench_cpu_predicted_vs_measured.py [--models gpt3-125m] [--seq-len 128]
-           [--layouts dp,zero2,zero3,pp2,tp2] [--steps 5] [--calibrate-on dp,pp2] [--work DIR] [--json]
+           [--layouts dp,zero2,zero3,pp2,tp2] [--steps 5] [--calibrate-on dp,zero3] [--work DIR] [--json]
 """
 
 from __future__ import annotations
@@ -43,10 +45,17 @@ def dsplan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def profile(model: str, seq_len: int, work: Path) -> Path:
+    """``dsplan profile`` of ``model``'s blocks, and this machine's hardware profile from the same
+    measurements (GEMM rate, memory copies and gloo collectives over 2 ranks) beside it."""
     out = work / f"{model}.profile.json"
-    dsplan("profile", "--model", model, "--device", "cpu", "--seq-len", str(seq_len), "--out", str(out), "--force",
-           cwd=work)
+    dsplan("profile", "--model", model, "--device", "cpu", "--seq-len", str(seq_len), "--out", str(out),
+           "--hardware-out", str(hardware_of(out)), "--force", cwd=work)
     return out
+
+
+def hardware_of(prof: Path) -> Path:
+    """The hardware profile ``profile`` wrote beside ``prof``."""
+    return prof.with_name(prof.name.replace(".profile.json", ".cpu-local.yaml"))
 
 
 def plan_and_run(model: str, layout: str, seq_len: int, steps: int, prof: Path, work: Path,
@@ -54,13 +63,14 @@ def plan_and_run(model: str, layout: str, seq_len: int, steps: int, prof: Path, 
     """One layout: its plan on cpu-local with the profile, the run, and report.json's numbers."""
     name = f"{model}-{layout}"
     extra = ["--calibration", str(calibration)] if calibration else []
-    est = dsplan("estimate", "--model", model, "--hardware", "cpu-local", "--gpus-per-node", "2",
+    est = dsplan("estimate", "--model", model, "--hardware", str(hardware_of(prof)), "--gpus-per-node", "2",
                  "--seq-len", str(seq_len), "--micro-batch", "1", "--precision", "fp32", "--profile", str(prof),
                  *LAYOUTS[layout], *extra, "--allow-oom", "--json", cwd=work)
     plan_path = work / f"{name}.plan.json"
     plan_path.write_text(est.stdout)
     run_dir = work / name
-    dsplan("generate", "--plan", str(plan_path), "--out", str(run_dir), "--steps", str(steps),
+    dsplan("generate", "--plan", str(plan_path), "--hardware", str(hardware_of(prof)), "--out", str(run_dir),
+           "--steps", str(steps),
            "--checkpoint-every", "0", "--force", cwd=work)
     dsplan("run", str(run_dir), "--local", "--steps", str(steps), cwd=work)
     report = json.loads((run_dir / "report.json").read_text())
@@ -80,9 +90,10 @@ def recalibrated(rows: list[dict[str, Any]], fit_on: list[str], work: Path) -> d
     out = {}
     for r in rows:
         plan = json.loads(Path(r["report"]).parent.joinpath("plan.json").read_text())
-        est = dsplan("estimate", "--model", r["model"], "--hardware", "cpu-local", "--gpus-per-node", "2",
+        prof = work / f"{r['model']}.profile.json"
+        est = dsplan("estimate", "--model", r["model"], "--hardware", str(hardware_of(prof)), "--gpus-per-node", "2",
                      "--seq-len", str(r["seq_len"]), "--micro-batch", "1", "--precision", "fp32",
-                     "--profile", str(work / f"{r['model']}.profile.json"), *LAYOUTS[r["layout"]],
+                     "--profile", str(prof), *LAYOUTS[r["layout"]],
                      "--calibration", str(cal), "--allow-oom", "--json", cwd=work)
         out[f"{r['model']}-{r['layout']}"] = json.loads(est.stdout)["step_time_s"] / r["measured_s"] - 1.0
         assert plan["model"] == r["model"]
@@ -95,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--calibrate-on", default="", help="layouts whose runs dsplan calibrate fits (e.g. dp,pp2)")
+    ap.add_argument("--calibrate-on", default="", help="layouts whose runs dsplan calibrate fits (e.g. dp,zero3)")
     ap.add_argument("--work", default=None, help="directory for profiles, plans and run directories")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

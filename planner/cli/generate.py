@@ -197,7 +197,7 @@ def _calibrated(opts: dict[str, Any], plan, model, profile):
     data = plan.to_json()
     if opts["plan_path"] is not None:
         priced = cli_data(price(plan, model, profile).to_json())
-        data = {**data, **priced, "model": plan.model, "hardware": plan.hardware}
+        data = {**data, **priced, "model": plan.model, "hardware": plan.hardware}  # the file, where --hardware gave one
     data["calibration"] = {**profile.calibration.model_dump(), "file": str(opts["calibration"])}
     return profile, plan_from_dict(data, f"--plan {opts['plan_path']}")
 
@@ -294,6 +294,16 @@ def _hosts(opts: dict[str, Any], plan):
     return chosen
 
 
+def _with_hardware_file(plan, hardware: str | None):
+    """``plan`` naming the hardware profile file ``--hardware`` gave (resolved), so that the run
+    directory's plan.json leads `dsplan run` and `dsplan calibrate` to the same file."""
+    from planner.limits import path_kind
+
+    if hardware is None or path_kind(Path(hardware).expanduser()) != "file":
+        return plan
+    return plan.model_copy(update={"hardware": str(Path(hardware).expanduser().resolve())})
+
+
 def _choose_plan(opts: dict[str, Any]):
     """The plan (validated PlanFile) and the ModelSpec it trains."""
     from planner.emit.plan_file import load_plan_file, plan_from_dict
@@ -323,7 +333,7 @@ def _choose_plan(opts: dict[str, Any]):
         if gpus is not None and gpus != plan.gpus_per_node:
             raise UserError(f"--plan {opts['plan_path']}: the plan is for {plan.gpus_per_node} GPUs per node, not "
                             f"--gpus-per-node {gpus}")
-        return plan, model
+        return _with_hardware_file(plan, opts["hardware"]), model
     if opts["model"] is None:
         raise UserError("--model: required unless --plan is given (e.g. --model vl2, or --plan plan.json)")
     if opts["rank"] is None:
