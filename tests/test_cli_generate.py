@@ -72,6 +72,30 @@ def test_generate_from_a_plan_file_writes_the_run_directory(tmp_path: Path):
     assert set(manifest["files"]) == set(report["files"])
 
 
+def test_a_hardware_profile_file_is_named_in_the_run_directorys_plan(tmp_path: Path, monkeypatch):
+    """estimate --hardware FILE records the profile's name; generate --hardware FILE records the
+    file itself, so that `dsplan run` and `dsplan calibrate` price the run with it again."""
+    import yaml as pyyaml
+
+    from planner.hardware.load import load_profile
+
+    yaml = tmp_path / "profiles" / "my-node.yaml"
+    yaml.parent.mkdir()
+    yaml.write_text(pyyaml.safe_dump({**load_profile("dgx-a100-80g").model_dump(mode="json"), "name": "my-node"}))
+    est = invoke("estimate", "--model", "gpt3-125m", "--hardware", str(yaml), "--tp", "1", "--pp", "1", "--json")
+    assert est.exit_code == 0, est.output
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(est.stdout)
+    assert json.loads(est.stdout)["hardware"] == "my-node"  # a name no loader can find by itself
+    out = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)  # a relative path is recorded resolved
+    made = invoke("generate", "--plan", "plan.json", "--hardware", "profiles/my-node.yaml", "--out", str(out))
+    assert made.exit_code == 0, made.output
+    recorded = json.loads((out / "plan.json").read_text())["hardware"]
+    assert recorded == str(yaml.resolve())
+    assert load_profile(recorded).name == "my-node"
+
+
 def test_generate_without_a_plan_takes_the_searchs_plan_for_the_pinned_degrees(tmp_path: Path):
     out = tmp_path / "run"
     result = invoke("generate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--pp", "1", "--zero", "1",
