@@ -313,7 +313,7 @@ def _layer_bytes(model: ModelSpec, workload: Workload, cfg: ParallelConfig) -> f
     """One decoder layer's stored activations per micro-batch, the mean over the model's."""
     model = workload.trained(model)
     costs = layer_costs(model, workload.resolved(model), cfg.tp, cfg.sequence_parallel, cfg.ep, cp=cfg.cp,
-                        etp=cfg.etp)
+                        etp=cfg.etp, vocab_parallel=fw.traits(cfg.framework).vocab_parallel)
     decoders = [c for c, b in zip(costs, model.blocks) if isinstance(b, DecoderBlock)]
     return sum(c.act[cfg.recompute] for c in decoders) * cfg.micro_batch / len(decoders)
 
@@ -337,7 +337,8 @@ def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelC
     stages = cfg.pp * cfg.virtual_stages
     parts = (default_partition(model, stages) if partition is None
              else check_partition(partition, len(model.blocks), stages))
-    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep, cp=cfg.cp, etp=cfg.etp)
+    costs = layer_costs(model, workload, cfg.tp, cfg.sequence_parallel, cfg.ep, cp=cfg.cp, etp=cfg.etp,
+                        vocab_parallel=fw.traits(cfg.framework).vocab_parallel)
     dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
     comms = build_comms(cluster, cfg)
     traits = fw.traits(cfg.framework)

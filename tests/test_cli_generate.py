@@ -99,15 +99,15 @@ def test_a_hardware_profile_file_is_named_in_the_run_directorys_plan(tmp_path: P
 def test_generate_without_a_plan_takes_the_searchs_plan_for_the_pinned_degrees(tmp_path: Path):
     out = tmp_path / "run"
     result = invoke("generate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--pp", "1", "--zero", "1",
-                    "--micro-batch", "2", "--global-batch", "64", "--framework", "deepspeed", "--recompute", "none",
+                    "--micro-batch", "1", "--global-batch", "64", "--framework", "deepspeed", "--recompute", "none",
                     "--offload", "none", "--out", str(out), "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())
-    assert (plan["dp"], plan["tp"], plan["pp"], plan["grad_accum"]) == (8, 2, 1, 4)
+    assert (plan["dp"], plan["tp"], plan["pp"], plan["grad_accum"]) == (8, 2, 1, 8)
     assert json.loads((out / "ds_config.json").read_text())["tensor_parallel"] == {"autotp_size": 2}
     # and its predictions are estimate's for the same plan
     est = invoke("estimate", "--model", "llama-3.1-8b", "--nodes", "2", "--tp", "2", "--zero", "1",
-                 "--micro-batch", "2", "--global-batch", "64", "--framework", "deepspeed", "--json")
+                 "--micro-batch", "1", "--global-batch", "64", "--framework", "deepspeed", "--json")
     assert est.exit_code == 0, est.output
     est = json.loads(est.output)
     assert plan["step_time_s"] == pytest.approx(est["step_time_s"], rel=1e-9)

@@ -332,7 +332,8 @@ def table_rows(tables: list[BlockTable], name: str) -> tuple[np.ndarray, np.ndar
 class BlockTables:
     """The block tables of one (model, cluster, workload, context-parallel split, expert-TP
     choice ``etp``: None for the attention's tp, 1 for experts folded out of it), one per (tp,
-    sp, ep) group, each covering every micro-batch size asked for so far (the kernels are
+    TP style, ep) group (the style: frameworks.TP_STYLES, sequence parallelism or AutoTP's
+    whole vocabulary; ``sp`` in the keys below), each covering every micro-batch size asked for so far (the kernels are
     elementwise in the size, so a wider table holds the same numbers for the sizes a group uses)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, workload: Workload, dev: eff.Device, cp: int = 1,
@@ -379,7 +380,7 @@ class BlockTables:
         """``block_tables`` of the run model's layer costs per (tp, sp, ep): the TP group is the
         innermost tp ranks, the CP and the EP group the next cp and ep after the expert-TP ranks
         (cost/layout.py), whatever dp and pp are."""
-        groups = [(self.runs.layer_costs(tp, bool(sp), ep), strided_shape(self.cluster, 1, tp, "tp"),
+        groups = [(self.runs.layer_costs(tp, sp, ep), strided_shape(self.cluster, 1, tp, "tp"),
                    strided_shape(self.cluster, self.runs.expert_tp(tp), ep, "ep")) for tp, sp, ep in keys]
         cp = [cp_groups(self.cluster, tp, self.cp, self.cp_comm) for tp, _, _ in keys] if self.cp > 1 else None
         return block_tables(groups, mbs, self.dev, self.cluster, runs=self.runs.runs, cp=cp, measured=self.measured)

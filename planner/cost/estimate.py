@@ -8,6 +8,7 @@ memory and step time (assemble.py), and the Plan (plans.py).
 
 from __future__ import annotations
 
+from planner.cost import frameworks as fw
 from planner.cost import pipeline_sends as ps
 from planner.cost.assemble import assemble
 from planner.cost.block_times import BlockTables
@@ -45,7 +46,8 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     ctx = CostContext.of(cluster, workload)
     tables = BlockTables(model, cluster, workload, ctx.dev, cfg.cp, cfg.cp_comm, cfg.expert_tp)
     sp = int(cfg.sequence_parallel)
-    table = tables.table(cfg.tp, sp, cfg.ep, (cfg.micro_batch,))
+    table = tables.table(cfg.tp, fw.tp_style(cfg.framework, cfg.tp, cfg.sequence_parallel), cfg.ep,
+                         (cfg.micro_batch,))
     spec = RankSpec.build(table, parts, mode=RECOMPUTES.index(cfg.recompute), b=cfg.micro_batch, pp=cfg.pp,
                           vs=cfg.virtual_stages, tp=cfg.tp, sp=bool(sp), ep=cfg.ep, dp=cfg.dp_ranks,
                           framework=FRAMEWORKS.index(cfg.framework),

@@ -117,6 +117,12 @@ class Traits:
     # forward beside another's backward, layer by layer, each one's dispatch and combine on a
     # second stream (comm_overlap.overlapped_ep). DeepSpeed MoE has no such schedule.
     ep_comm_overlap: bool = False
+    # Megatron's vocabulary-parallel embedding and cross-entropy under TP (Megatron-LM, Megatron-
+    # DeepSpeed's mpu, torchtitan's RowwiseParallel embedding and loss_parallel). False: DeepSpeed
+    # AutoTP as it treats a Hugging Face model, the token embedding whole on every TP rank and the
+    # LM head split by vocabulary with its logits all-gathered for a replicated loss (transformers'
+    # lm_head "colwise_rep"; engine.py _autotp_partition, module_inject/layers.py LinearLayer).
+    vocab_parallel: bool = True
     # DeepSpeed copies gradients into new flat tensors and back around each reduction, and gathers
     # ZeRO-3 weights into new storage (cost/runtime_copies.py).
     flat_copies: bool = False
@@ -145,7 +151,7 @@ class Traits:
 TRAITS = {
     "deepspeed": Traits("deepspeed", False, "full", True, True, pipe_engine=True, zero_grad_allreduce=True,
                         zero2_reduces_every_microbatch=True, zero0_reduces_after_backward=True,
-                        zero3_module_fetch=True, flat_copies=True),
+                        zero3_module_fetch=True, flat_copies=True, vocab_parallel=False),
     "megatron-deepspeed": Traits("megatron-deepspeed", False, "partitioned", True, True, pipe_engine=True,
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True,
                                  zero0_reduces_after_backward=True, zero3_module_fetch=True, flat_copies=True),
@@ -190,3 +196,15 @@ def grad_reduce_overlaps(t: Traits, pp: int, zero: int = 1) -> bool:
     in its engine without ZeRO (Traits.zero0_reduces_after_backward)."""
     return (t.overlap_grad_reduce and not (t.pipe_engine and pp > 1)
             and not (t.zero0_reduces_after_backward and zero == 0))
+
+
+# How a TP layout's blocks are priced, the block tables' second key: TP (0), TP with sequence
+# parallelism (1), or DeepSpeed AutoTP's whole vocabulary (2: Traits.vocab_parallel false).
+TP_STYLES = ("tp", "tp+sp", "autotp")
+
+
+def tp_style(framework: str, tp: int, sp: bool) -> int:
+    """The TP_STYLES index of a layout: AutoTP's only where its vocabulary handling differs (tp > 1)."""
+    if tp > 1 and not traits(framework).vocab_parallel:
+        return 2
+    return int(sp)

@@ -139,6 +139,7 @@ class LayerContext:
     imbalance: float = 1.0  # Workload.moe_imbalance: the busiest EP rank's token copies over the mean
     etp: int | None = None  # the routed experts' TP degree, 1 or tp (None: tp)
     flex: bool = False  # Workload.moe_dispatcher flex: the MoE layers say their routing (moe_dispatch.py)
+    vocab_parallel: bool = True  # False: AutoTP's whole vocabulary (frameworks.Traits.vocab_parallel)
 
     @property
     def expert_tp(self) -> int:

@@ -56,8 +56,8 @@ def vision_tiles(model: ModelSpec, workload: Workload) -> int:
 
 
 def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = False, ep: int = 1,
-                memo: dict[tuple[int, int, bool, int, int, int], LayerCost] | None = None, cp: int = 1,
-                etp: int | None = None) -> list[LayerCost]:
+                memo: dict[tuple[int, int, bool, int, int, int, bool], LayerCost] | None = None, cp: int = 1,
+                etp: int | None = None, vocab_parallel: bool = True) -> list[LayerCost]:
     """The cost profile of every block, in ModelSpec order; under context parallelism ``cp``
     each block sees seq_len / cp tokens of a sample (Megatron-Core splits the whole sequence,
     embedding and loss included) and attention reads the whole context (AttnCore.context).
@@ -65,11 +65,12 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     ``memo``: a dict the caller keeps across calls for one (model, workload), holding each
     block's cost by (index, tp, sp, ep, cp, etp), with ep and etp 1 but for a mixture-of-experts
     layer (the only block that reads them): a search prices dozens of (tp, sp, ep), which differ
-    in those layers only. ``etp``: the routed experts' TP degree (None: tp)."""
+    in those layers only. ``etp``: the routed experts' TP degree (None: tp). ``vocab_parallel``
+    False: DeepSpeed AutoTP's embedding and LM head (frameworks.Traits.vocab_parallel)."""
     etp = tp if etp is None else etp
     ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
                        RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance, etp,
-                       workload.moe_dispatcher == "flex")
+                       workload.moe_dispatcher == "flex", vocab_parallel)
     s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []
@@ -82,7 +83,7 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
             continue
         layer = b.layer if b.kind == "mtp" else b
         moe = layer.kind == "decoder" and layer.mlp.kind == "moe"
-        key = (i, tp, sp, ep if moe else 1, cp, etp if moe else 1)
+        key = (i, tp, sp, ep if moe else 1, cp, etp if moe else 1, vocab_parallel)
         cost = memo.get(key)
         if cost is None:  # priced directly: hashing a layer for ``seen`` costs about as much
             cost = memo[key] = _block_cost(model, i, b, s, tiles, ctx, None)
@@ -148,14 +149,16 @@ def _in_vision_tower(model: ModelSpec, index: int) -> bool:
 
 def _embedding(i: int, b: EmbeddingBlock, s: int, ctx: LayerContext) -> LayerCost:
     """Vocab-parallel lookup: each TP rank owns vocab/t rows; partial outputs are all-reduced
-    (reduce-scattered under SP). Korthikanti Sec 4.3: only the dropout mask is kept."""
+    (reduce-scattered under SP). Korthikanti Sec 4.3: only the dropout mask is kept. Under
+    AutoTP's whole vocabulary every rank holds the table and looks up alone: nothing to reduce."""
     h, t = b.hidden, ctx.tp
+    split = t if ctx.vocab_parallel else 1
     rp = b.learned_positions * h + (norm_params(h, b.norm) if b.norm else 0)
     act = ctx.repl(MASK * h if ctx.dropout else 0) * s + (ctx.repl(ACT * h) * s if b.norm else 0)
     traffic = ctx.repl(3 * ACT * h) * s  # gather rows, add positions, write
-    fwd = ((("reducescatter" if ctx.sp else "allreduce"), s * h * ACT),) if t > 1 else ()
-    bwd = (("allgather", s * h * ACT),) if (t > 1 and ctx.sp) else ()
-    return LayerCost(i, "embedding", b.params(), rp + b.vocab * h / t, 0.0, s, h, (), None, traffic,
+    fwd = ((("reducescatter" if ctx.sp else "allreduce"), s * h * ACT),) if split > 1 else ()
+    bwd = (("allgather", s * h * ACT),) if (split > 1 and ctx.sp) else ()
+    return LayerCost(i, "embedding", b.params(), rp + b.vocab * h / split, 0.0, s, h, (), None, traffic,
                      same_in_every_mode(act), act, fwd, bwd, 0.0, 0, False)
 
 
@@ -186,14 +189,19 @@ def _norm(i: int, b: NormBlock, tokens: int, ctx: LayerContext) -> LayerCost:
 def _lm_head(i: int, b: LMHeadBlock, s: int, ctx: LayerContext) -> LayerCost:
     """Column-parallel output layer + vocab-parallel cross-entropy. Keeps its input (2sbh,
     /t with SP) and the fp32 logits/softmax 4sbv/t (Korthikanti Sec 4.3) until backward; a
-    tied head holds no weights of its own but still does the GEMM."""
+    tied head holds no weights of its own but still does the GEMM. Under AutoTP's whole
+    vocabulary the rank's logits are all-gathered and every rank runs the whole cross-entropy
+    (4sbv kept, the loss's traffic over all v)."""
     h, v, t = b.hidden, b.vocab, ctx.tp
-    act = (ctx.repl(ACT * h) + 4.0 * v / t) * s
+    loss_v = v / t if ctx.vocab_parallel else v  # the logits each rank's cross-entropy covers
+    act = (ctx.repl(ACT * h) + 4.0 * loss_v) * s
     # Vocab-parallel cross-entropy in fp32 over the logits (Megatron): write the 16-bit logits
     # (2), upcast (read 2, write 4), max and sum-exp reductions (read 4 + 4), softmax written
     # for backward (4), gradient read and 16-bit write in backward (4 + 2): ~30 bytes per logit.
-    traffic = s * (v / t) * 30.0 / 3.0  # counted as forward traffic; backward doubles it
+    traffic = s * loss_v * 30.0 / 3.0  # counted as forward traffic; backward doubles it
     fwd = (("allgather", s * h * ACT),) if (t > 1 and ctx.sp) else ()
+    if t > 1 and not ctx.vocab_parallel:
+        fwd = (("allgather", s * v * ACT),)  # the logits, gathered whole (the buffer: all v)
     bwd = ((("reducescatter" if ctx.sp else "allreduce"), s * h * ACT),) if t > 1 else ()
     return LayerCost(i, "lm_head", b.params(), b.params() / t, 0.0, s, h, (Gemm(s, int(v / t), h),), None,
                      traffic, same_in_every_mode(act), act, fwd, bwd, 0.0, 0, False)

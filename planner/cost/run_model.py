@@ -32,8 +32,10 @@ class RunModel:
         self._memo: dict = {}
         self._flops: float | None = None
 
-    def layer_costs(self, tp: int, sp: bool, ep: int) -> list[LayerCost]:
-        return layer_costs(self.short, self.workload, tp, sp, ep, self._memo, self.cp, self.expert_tp(tp))
+    def layer_costs(self, tp: int, style: int, ep: int) -> list[LayerCost]:
+        """The blocks under ``tp`` of TP style ``style`` (frameworks.TP_STYLES) and ``ep``."""
+        return layer_costs(self.short, self.workload, tp, style == 1, ep, self._memo, self.cp, self.expert_tp(tp),
+                           vocab_parallel=style != 2)
 
     def expert_tp(self, tp: int) -> int:
         """The routed experts' TP degree beside ``tp``: ``etp`` (1) when folded, else tp."""

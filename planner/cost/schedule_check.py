@@ -18,6 +18,7 @@ import numpy as np
 
 from planner.cost.block_times import BlockTables
 from planner.cost.efficiency import device
+from planner.cost.frameworks import tp_style
 from planner.cost.memory import microbatch_group
 from planner.cost.parallel import RECOMPUTES, ParallelConfig, Workload
 from planner.cost.schedule_replay import replay
@@ -37,7 +38,7 @@ def chunk_times(tables: BlockTables, cfg: ParallelConfig,
     """Per rank and chunk on it (model chunk k runs on rank k mod pp as its chunk k // pp), one
     micro-batch's forward and backward seconds from the block tables: backward with
     recomputation, TP, EP and CP traffic split evenly between the two."""
-    table = tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
+    table = tables.table(cfg.tp, tp_style(cfg.framework, cfg.tp, cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
     bi, mode = table.b_index(cfg.micro_batch), RECOMPUTES.index(cfg.recompute)
     comm = (table.tp[mode, bi] + table.ep[mode, bi] + table.cp[mode, bi]) / 2
     f_block, b_block = table.fwd[bi] + comm, table.bwd[bi] + table.rc[mode, bi] + comm

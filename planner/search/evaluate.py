@@ -63,12 +63,12 @@ class Pricing:
     def paid(self, key: Key) -> Paid:
         """How ``key``'s runtime pays its blocks (TP overlapped, TE's attention): its rank tables
         and its split both use it."""
-        return paid(self.ctx, FRAMEWORKS[key.framework], bool(key.sp), key.tp, key.ep, key.dp * self.cp, key.pp,
+        return paid(self.ctx, FRAMEWORKS[key.framework], key.sp == 1, key.tp, key.ep, key.dp * self.cp, key.pp,
                     key.vs)
 
     def spec(self, table: BlockTable, parts: Split, key: Key, zero3: bool) -> RankSpec:
         return RankSpec.build(table, parts, mode=key.recompute, b=key.micro_batch, pp=key.pp, vs=key.vs, tp=key.tp,
-                              sp=bool(key.sp), ep=key.ep, dp=key.dp * self.cp, framework=key.framework,
+                              sp=key.sp == 1, ep=key.ep, dp=key.dp * self.cp, framework=key.framework,
                               layout=self.ctx.layout(key.tp, key.ep, key.dp * self.cp, key.pp, self.rep,
                                                      self.tables.runs.expert_tp(key.tp)),
                               zero3=zero3, paid=self.paid(key), rep=self.rep,

@@ -14,11 +14,16 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner.cost import frameworks as fw
+from planner.cost.parallel import FRAMEWORKS
 from planner.search.space import Space
+
+_VOCAB_PARALLEL = np.array([fw.traits(f).vocab_parallel for f in FRAMEWORKS])
 
 
 class Key(NamedTuple):
-    """What one key's candidates share (recompute and framework as index codes)."""
+    """What one key's candidates share (recompute and framework as index codes; ``sp`` the TP
+    style, frameworks.TP_STYLES: 1 sequence parallel, 2 AutoTP's whole vocabulary)."""
 
     tp: int
     sp: int
@@ -76,7 +81,8 @@ def group_by_key(space: Space) -> KeyedSpace:
     """Group the candidates of ``space`` by key: one stable sort of a mixed-radix code per
     candidate (what np.unique does inside), whose order is also the candidates sorted by key."""
     c = space.columns
-    cols = [c[k] for k in ("tp", "sp", "ep", "micro_batch", "recompute", "pp", "vs", "dp", "framework")]
+    style = np.where((c["tp"] > 1) & ~_VOCAB_PARALLEL[c["framework"]], 2, c["sp"])
+    cols = [c["tp"], style, *(c[k] for k in ("ep", "micro_batch", "recompute", "pp", "vs", "dp", "framework"))]
     n = len(space)
     if not n:
         return KeyedSpace(space, np.zeros((0, len(cols)), dtype=np.int64), np.zeros(0, dtype=np.intp), {},
