@@ -50,6 +50,8 @@ class Comms:
     # The same send between stages on one node (placement.pipeline_hops), where the pp group
     # spans nodes but not every hop does; None: every hop is priced by ``pp``.
     pp_near: Callable[[float], float] | None = None
+    # The experts' TP x EP group (the allgather dispatcher's); None: the EP group's own.
+    tp_ep: CommFn | None = None
     # Context parallelism: the ring's p2p and its size, the all-to-all's (context_parallel.py).
     cp_ring: Callable[[float], float] = lambda nbytes: 0.0
     cp_ring_size: int = 1
@@ -142,6 +144,9 @@ def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
     if not c.ep_a2a_count:
         return 0.0
     passes = 2 + (1 if (recompute in ("full", "op") and c.checkpointed) else 0)
+    if "ep_gather" in c.extra:  # the allgather dispatcher: gather and reduce-scatter over the experts' TP x EP
+        group = comms.tp_ep or comms.ep
+        return passes * (group("allgather", c.ep_a2a * b) + group("reducescatter", c.ep_a2a * b))
     return passes * c.ep_a2a_count * comms.ep("alltoall", c.ep_a2a * b)
 
 
@@ -590,8 +595,9 @@ def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int, cp: int 
     full = Placement(cluster, dims={"tp": etp, "ep": ep, "dp": tp * dp // (etp * ep), "pp": pp},
                      order=("tp", "ep", "dp", "pp"))
     dense = Placement(cluster, dims={"tp": tp, "dp": dp, "pp": pp}, order=("tp", "dp", "pp"))
+    tp_ep = Placement(cluster, dims={"te": etp * ep, "dp": tp * dp // (etp * ep), "pp": pp}, order=("te", "dp", "pp"))
     shapes = {"tp": dense.group("tp"), "ep": full.group("ep"), "edp": full.group("dp"), "dp": dense.group("dp"),
-              "pp": full.group("pp")}
+              "pp": full.group("pp"), "tp_ep": tp_ep.group("te")}
     # hops inside a node of a pp group that spans nodes (placement.pipeline_hops)
     near = pipeline_hops(cluster, full.stride("pp"), pp)[1] if shapes["pp"].crosses_nodes else None
     if near is not None:
@@ -623,7 +629,7 @@ def _comms_cached(cluster: Cluster, tp: int, ep: int, dp: int, pp: int, cp: int 
     near_fn = fn("pp_near") if near is not None else None
     ring_fn = fn("cp_ring") if ring > 1 else None
     a2a_fn = fn("cp_a2a") if a2a > 1 else None
-    return Comms(tp=fn("tp"), ep=fn("ep"), dp=fn("dp"), edp=fn("edp"),
+    return Comms(tp=fn("tp"), ep=fn("ep"), dp=fn("dp"), edp=fn("edp"), tp_ep=fn("tp_ep"),
                     pp=lambda nbytes: pp_fn("p2p", nbytes),
                     pp_near=None if near_fn is None else (lambda nbytes: near_fn("p2p", nbytes)),
                     cp_ring=(lambda nbytes: 0.0) if ring_fn is None else (lambda nbytes: ring_fn("p2p", nbytes)),

@@ -53,6 +53,9 @@ CASES = {
     # DeepEP behind Megatron-Core's flex token dispatcher (H100: the deepep backend)
     "mixtral-8x7b-ep8-flex": ["--model", "mixtral-8x7b", "--nodes", "2", "--ep", "8", "--pp", "1",
                               "--moe-dispatcher", "flex"],
+    # the allgather dispatcher over the experts' TP x EP group (Megatron refuses the overlap with it)
+    "deepseek-v2-lite-ep2-allgather": ["--model", "deepseek-v2-lite", "--nodes", "1", "--ep", "2", "--pp", "1",
+                                       "--moe-dispatcher", "allgather"],
     # Qwen2-MoE's gated shared expert, from its Hugging Face config
     "qwen2-moe-ep4": ["--model", str(Path(__file__).parent / "data" / "hf_configs" / "qwen2_moe.json"), "--nodes", "1",
                       "--ep", "4", "--pp", "1"],
@@ -81,6 +84,7 @@ MUST_EMIT = {
     "llama-3-8b-activation-offload": ["--cpu-offloading-num-layers"],
     "qwen2-moe-ep4": ["--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate"],
     "mixtral-8x7b-ep8-flex": ["--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend"],
+    "deepseek-v2-lite-ep2-allgather": ["--moe-token-dispatcher-type"],
     # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
     "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
                                 "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
@@ -158,3 +162,10 @@ def test_the_check_refuses_an_unknown_flag_and_a_world_that_does_not_divide(mega
     unknown, world = megatron_results[CONTROL_UNKNOWN], megatron_results[CONTROL_WORLD]
     assert not unknown["ok"] and "unrecognized arguments: --no-such-flag" in unknown["message"], unknown["message"]
     assert not world["ok"] and "is not divisible by total_model_size" in world["message"], world["message"]
+
+
+def test_the_allgather_dispatcher_is_emitted_without_the_overlap_megatron_refuses_with_it(megatron_results):
+    argv = megatron_results["deepseek-v2-lite-ep2-allgather"]["argv"]
+    at = argv.index("--moe-token-dispatcher-type")
+    assert argv[at + 1] == "allgather"
+    assert "--overlap-moe-expert-parallel-comm" not in argv  # transformer_config.py: alltoall/flex only

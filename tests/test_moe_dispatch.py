@@ -117,9 +117,9 @@ def test_a_flex_plan_no_runtime_or_gpu_can_run_is_one_error(args, says):
 
 def test_an_unknown_dispatcher_is_refused():
     r = _run("estimate", "--model", "mixtral-8x7b", "--moe-dispatcher", "deepep")
-    assert r.exit_code == 2 and "'deepep' is not one of 'alltoall', 'flex'" in r.output
-    with pytest.raises(UserError, match="moe_dispatcher.*allgather.*alltoall or flex"):
-        api.make_workload("mixtral-8x7b", moe_dispatcher="allgather")
+    assert r.exit_code == 2 and "'deepep' is not one of 'alltoall', 'allgather', 'flex'" in r.output
+    with pytest.raises(UserError, match="moe_dispatcher.*deepep.*alltoall or allgather or flex"):
+        api.make_workload("mixtral-8x7b", moe_dispatcher="deepep")
 
 
 @pytest.mark.parametrize(("hardware", "backend"), [("dgx-h100", "deepep"), ("dgx-b200", "hybridep"),
@@ -148,3 +148,68 @@ def test_suggest_and_generate_carry_the_dispatcher_into_the_plan(tmp_path):
     again = _run("generate", "--plan", str(out / "plan.json"), "--moe-dispatcher", "alltoall", "--out",
                  str(tmp_path / "again"))
     assert again.exit_code == 2 and "--moe-dispatcher" in again.output
+
+
+# -- the allgather dispatcher -------------------------------------------------------------------
+
+
+def _moe_layer(model: str, dispatcher: str, ep: int, tp: int = 1, sp: bool = False, etp: int | None = None):
+    w = Workload(global_batch=8, seq_len=4096, moe_dispatcher=dispatcher)
+    spec = load_model(model)
+    costs = layer_costs(spec, w, tp=tp, sp=sp, ep=ep, etp=etp)
+    return next(c for c, b in zip(costs, spec.blocks) if b.kind == "decoder" and b.mlp.kind == "moe")
+
+
+def test_allgather_gathers_the_groups_tokens_whatever_the_routing():
+    """Megatron-Core's MoEAllGatherTokenDispatcher: every token of the experts' TP x EP group to
+    every rank of it (a gathered buffer of G x tokens held x h x 2 bytes), then one reduce-scatter
+    of the same back; the all-to-all moves each rank's k copies instead."""
+    s, h = 4096, load_model("deepseek-v2-lite").hidden
+    gather = _moe_layer("deepseek-v2-lite", "allgather", ep=4)
+    a2a = _moe_layer("deepseek-v2-lite", "alltoall", ep=4)
+    assert gather.extra.get("ep_gather") == 1.0 and "ep_gather" not in a2a.extra
+    assert (gather.ep_a2a, gather.ep_a2a_count) == (4 * s * h * 2, 1)
+    assert (a2a.ep_a2a, a2a.ep_a2a_count) == (6 * s * h * 2, 2)  # top-6 copies, dispatch and combine
+    assert gather.gemms == a2a.gemms  # the local experts see the same copies
+    # under TP 2 with sequence parallelism and the experts on TP too (expert TP 2): the group is
+    # 2 x 4 ranks holding half the tokens each, and the experts' own TP pair is gone
+    folded = _moe_layer("deepseek-v2-lite", "allgather", ep=4, tp=2, sp=True, etp=2)
+    assert folded.ep_a2a == 8 * (s / 2) * h * 2
+    plain = _moe_layer("deepseek-v2-lite", "alltoall", ep=4, tp=2, sp=True, etp=2)
+    assert len(folded.tp_fwd) < len(plain.tp_fwd)
+
+
+def test_allgather_pays_where_the_group_is_small_beside_top_k():
+    """Exposed EP time, the overlap off for both: DeepSeek-V2-Lite (top-6) on EP 2 moves 2 tokens'
+    worth per token with allgather against 6 copies with the all-to-all; Mixtral (top-2) on EP 8
+    the other way round. The step prices exactly the gather and reduce-scatter over the group."""
+    from planner.cost.collectives import collective_seconds
+    from planner.hardware.placement import contiguous_shape
+
+    node = api.load_cluster("dgx-h100")
+
+    def ep_time(model: str, ep: int, dispatcher: str) -> float:
+        return api.estimate(model, node, tp=1, pp=1, ep=ep, framework="megatron", micro_batch=1, global_batch=16,
+                            seq_len=4096, moe_dispatcher=dispatcher, ep_comm_overlap=False).time.ep_comm
+
+    assert ep_time("deepseek-v2-lite", 2, "allgather") < 0.7 * ep_time("deepseek-v2-lite", 2, "alltoall")
+    assert ep_time("mixtral-8x7b", 8, "allgather") > 2 * ep_time("mixtral-8x7b", 8, "alltoall")
+    spec = load_model("mixtral-8x7b")
+    nbytes = 8 * 4096 * spec.hidden * 2
+    group = contiguous_shape(node, 8)
+    one = sum(collective_seconds(node, op, group, nbytes) for op in ("allgather", "reducescatter"))
+    micro = 16 // 8  # micro-batches per rank
+    assert ep_time("mixtral-8x7b", 8, "allgather") == pytest.approx(micro * 2 * spec.num_layers * one, rel=1e-9)
+
+
+def test_allgather_runs_without_the_expert_overlap():
+    """Megatron-Core overlaps the expert exchange with alltoall and flex only."""
+    assert Workload(global_batch=8, seq_len=4096, moe_dispatcher="allgather").ep_comm_overlap is False
+    assert Workload(global_batch=8, seq_len=4096, moe_dispatcher="alltoall").ep_comm_overlap is True
+
+
+def test_allgather_on_a_runtime_without_it_is_one_clear_error():
+    r = CliRunner().invoke(main, ["estimate", "--model", "mixtral-8x7b", "--ep", "8", "--framework", "deepspeed",
+                                  "--moe-dispatcher", "allgather"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "allgather is Megatron-Core's" in r.output and "--framework megatron" in r.output

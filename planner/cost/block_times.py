@@ -34,7 +34,7 @@ from planner.cost.comm_overlap import overlapped_ep, overlapped_tp
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.measured_blocks import LayerProfile, as_measured, measured_act, measured_for, measured_ratios
-from planner.cost.moe_dispatch import flex_jobs
+from planner.cost.moe_dispatch import flex_jobs, tp_ep_shape
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.cost.run_model import RunModel
@@ -287,12 +287,16 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
     for group, tp_shape, ep_shape in groups:
         legs = flex_jobs(group, ep_shape)
         flex.append([bool(ops) for ops in legs[0][1]])  # the blocks whose dispatch runs in two legs
+        gather = ["ep_gather" in c.extra for c in group]  # the allgather dispatcher, over the experts' TP x EP
+        a2a_ops = [[("alltoall", c.ep_a2a)] if c.ep_a2a_count and not g else [] for c, g in zip(group, gather)]
+        gather_ops = [[("allgather", c.ep_a2a), ("reducescatter", c.ep_a2a)] if g else []
+                      for c, g in zip(group, gather)]
         jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
                  (tp_shape, [[op for op in c.tp_fwd if op[0] == "allgather"] for c in group]),
-                 (ep_shape, [[("alltoall", c.ep_a2a)] if c.ep_a2a_count else [] for c in group]), *legs]
+                 (ep_shape, a2a_ops), *legs, (tp_ep_shape(cluster, ep_shape) if any(gather) else ep_shape, gather_ops)]
     comms = _comm(cluster, jobs, bs)
-    base_tp, again_tp, gathers, a2a, rail, node = (comms[k::6] for k in range(6))  # [group, b, block]
-    a2a = np.where(np.array(flex)[:, None, :], np.maximum(rail, node), a2a)  # the two legs run pipelined
+    base_tp, again_tp, gathers, a2a, rail, node, gathered = (comms[k::7] for k in range(7))  # [group, b, block]
+    a2a = np.where(np.array(flex)[:, None, :], np.maximum(rail, node), a2a) + gathered  # flex: the legs pipelined
     # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
     again = np.zeros((len(groups), len(RECOMPUTES), 1, ckpt.shape[1]), dtype=bool)
     again[:, RECOMPUTES.index("full"), 0] = again[:, RECOMPUTES.index("op"), 0] = ckpt

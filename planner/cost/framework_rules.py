@@ -263,9 +263,9 @@ RULES: tuple[Rule, ...] = (
     # The flex dispatcher is Megatron-Core's (--moe-token-dispatcher-type flex over DeepEP or
     # HybridEP, moe_dispatch.py); its DeepEP path asserts "DeepEP dispatcher requires TPxEP > 1"
     # (token_dispatcher.py, MoEFlexTokenDispatcher: the experts' TP x EP).
-    Rule(None, lambda c, x: x.is_moe and x.dispatcher == "flex" and c.framework != "megatron",
-         lambda c, x: f"{arg('moe_dispatcher')} flex is Megatron-Core's (DeepEP / HybridEP behind "
-                      f"--moe-token-dispatcher-type flex); framework {c.framework} runs its own all-to-all: use "
+    Rule(None, lambda c, x: x.is_moe and x.dispatcher != "alltoall" and c.framework != "megatron",
+         lambda c, x: f"{arg('moe_dispatcher')} {x.dispatcher} is Megatron-Core's (--moe-token-dispatcher-type "
+                      f"{x.dispatcher}); framework {c.framework} runs its own all-to-all: use "
                       f"{arg('framework')} megatron or {arg('moe_dispatcher')} alltoall"),
     Rule("megatron", lambda c, x: x.is_moe and x.dispatcher == "flex" and (c.ep * c.etp < 2),
          lambda c, x: f"{arg('moe_dispatcher')} flex dispatches between expert-parallel or expert-TP ranks, and this "

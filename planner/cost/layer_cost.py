@@ -96,7 +96,8 @@ class LayerCost(NamedTuple):
     tp_fwd: tuple[tuple[str, float], ...]  # (collective, bytes) over the TP group, forward
     tp_bwd: tuple[tuple[str, float], ...]
     ep_a2a: float  # bytes one GPU sends per all-to-all (dispatch; combine is the same)
-    ep_a2a_count: int  # all-to-alls forward (dispatch + combine); backward repeats them
+    ep_a2a_count: int  # all-to-alls forward (dispatch + combine); backward repeats them. The
+    # allgather dispatcher: extra["ep_gather"] bytes all-gathered and reduce-scattered instead
     checkpointed: bool  # full recompute applies (transformer layers only, as in Megatron)
     extra: Mapping[str, float] = _NO_EXTRA
     # The GEMMs whose outputs torchtitan's per-op SAC keeps (recompute mode "op"): the rest of the
@@ -139,6 +140,7 @@ class LayerContext:
     imbalance: float = 1.0  # Workload.moe_imbalance: the busiest EP rank's token copies over the mean
     etp: int | None = None  # the routed experts' TP degree, 1 or tp (None: tp)
     flex: bool = False  # Workload.moe_dispatcher flex: the MoE layers say their routing (moe_dispatch.py)
+    allgather: bool = False  # Workload.moe_dispatcher allgather (moe_dispatch.py)
     vocab_parallel: bool = True  # False: AutoTP's whole vocabulary (frameworks.Traits.vocab_parallel)
 
     @property

@@ -70,7 +70,8 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     etp = tp if etp is None else etp
     ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
                        RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance, etp,
-                       workload.moe_dispatcher == "flex", vocab_parallel)
+                       workload.moe_dispatcher == "flex", allgather=workload.moe_dispatcher == "allgather",
+                       vocab_parallel=vocab_parallel)
     s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []

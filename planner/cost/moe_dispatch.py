@@ -1,7 +1,12 @@
 """Megatron-Core's MoE token dispatchers, and what the flex one moves between nodes.
 
 ``alltoall`` (--moe-token-dispatcher-type alltoall) sends each token's top-k copies to the
-ranks holding its experts in one NCCL all-to-all over the EP group. ``flex`` hands dispatch and
+ranks holding its experts in one NCCL all-to-all over the EP group. ``allgather`` all-gathers
+every rank's tokens (and their routing) over the experts' TP x EP group, each rank permutes out
+the copies its local experts take, and a reduce-scatter over the same group brings the outputs
+back (token_dispatcher.py, MoEAllGatherTokenDispatcher): G times a token's bytes on the wire for
+a group of G against k for the all-to-all, whatever the routing, so it pays where the group is
+small beside top-k; Megatron-Core does not overlap it with compute. ``flex`` hands dispatch and
 combine to DeepEP (Hopper) or HybridEP (Blackwell, and the only backend for a multi-node NVLink
 domain: TransformerConfig.moe_flex_dispatcher_backend). Across nodes both send a token once to
 each node that holds one of its experts, over RDMA to the GPU of the same local rank, and forward
@@ -25,11 +30,13 @@ from planner.errors import UserError, arg
 
 if TYPE_CHECKING:  # the CLI reads DISPATCHERS before numpy may load (planner/cli/__init__.py)
     from planner.cost.layer_cost import LayerCost
+    from planner.hardware.cluster import Cluster
     from planner.hardware.placement import GroupShape
     from planner.hardware.profile import HardwareProfile
 
-DISPATCHERS = ("alltoall", "flex")
-DISPATCHER_HELP = ("MoE token dispatcher (framework megatron): alltoall (NCCL all-to-all of every top-k copy) "
+DISPATCHERS = ("alltoall", "allgather", "flex")
+DISPATCHER_HELP = ("MoE token dispatcher (framework megatron): alltoall (NCCL all-to-all of every top-k copy), "
+                   "allgather (every token to the experts' TP x EP group, reduce-scattered back; no overlap) "
                    "or flex (DeepEP on Hopper, HybridEP on Blackwell: one copy per destination node over the "
                    "network, forwarded over NVLink inside it) [default: alltoall].")
 
@@ -76,6 +83,14 @@ def distinct_nodes(nodes: int, experts: int, top_k: int, groups: int = 1, group_
     hit = sum(math.comb(held, j) * math.comb(groups - held, group_topk - j) / math.comb(groups, group_topk)
               * (1 - math.comb(pool - j * g, k) / math.comb(pool, k)) for j in range(1, min(held, group_topk) + 1))
     return nodes * hit
+
+
+def tp_ep_shape(cluster: Cluster, ep_shape: GroupShape) -> GroupShape:
+    """The experts' TP x EP group the allgather dispatcher spans: the expert-TP ranks innermost,
+    the EP group ``ep_shape`` strided over them (cost/layout.py), so et x ep consecutive ranks."""
+    from planner.hardware.placement import strided_shape
+
+    return strided_shape(cluster, 1, ep_shape.stride * ep_shape.size, "ep")
 
 
 @functools.cache

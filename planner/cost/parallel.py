@@ -114,8 +114,9 @@ class Workload(BaseModel):
     # all-to-all, so its grouped GEMMs, permutes and received bytes scale by it.
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)
     # Megatron-Core's token dispatcher (planner/cost/moe_dispatch.py): the NCCL all-to-all of every
-    # top-k copy, or flex (DeepEP / HybridEP), which sends one copy per destination node across nodes.
-    moe_dispatcher: Literal["alltoall", "flex"] = "alltoall"
+    # top-k copy, allgather (every token to every rank of the experts' TP x EP group, a reduce-
+    # scatter back), or flex (DeepEP / HybridEP), which sends one copy per destination node.
+    moe_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     # Weights kept and all-gathered in the recipe's FP8 format where the runtime can (Megatron-Core's
     # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
     # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.
@@ -148,6 +149,15 @@ class Workload(BaseModel):
         """``precision`` may name a recipe: it trains in bf16 with that recipe."""
         if isinstance(data, dict) and data.get("precision") in RECIPE_NAMES:
             data = {**data, "recipe": data["precision"], "precision": "bf16"}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _allgather_runs_no_overlap(cls, data):
+        """Megatron-Core overlaps the expert exchange with alltoall and flex only (transformer_config.py:
+        "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher")."""
+        if isinstance(data, dict) and data.get("moe_dispatcher") == "allgather":
+            data = {**data, "ep_comm_overlap": False}
         return data
 
     @field_validator("zero_pp", mode="after")

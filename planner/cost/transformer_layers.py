@@ -125,6 +125,16 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     # routed copies' gather and reduce-scatter over expert TP (the TP group itself when et = tp).
     if ctx.sp:
         pair = ((pair if mlp.shared_ffn else ()) + (ctx.tp_pair(gathered * h * ACT) if et > 1 else ()))
+    if ctx.allgather and et * ctx.ep > 1:
+        # The allgather dispatcher: every token of the experts' TP x EP group (et x ep ranks holding
+        # ``held`` of the tokens each) gathered whole to each rank, its local experts' copies
+        # permuted out of it, the outputs reduce-scattered back; it replaces the expert-TP pair.
+        # The gathered tokens are read by the permute and written by the unpermute.
+        group = tokens * held * et * ctx.ep
+        traffic += 2 * ACT * h * group / tokens
+        shared = ctx.tp_pair(tokens * h * ACT) if mlp.shared_ffn else ()
+        return (gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic,
+                group * h * ACT, 1, shared)
     return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2, pair
 
 
@@ -172,6 +182,8 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
     cost = cost._replace(extra={**cost.extra, **cp}) if cp else cost
     if ctx.flex and isinstance(b.mlp, MoEMLP) and a2a:
         cost = cost._replace(extra={**cost.extra, **flex_routing(b.mlp)})
+    if ctx.allgather and isinstance(b.mlp, MoEMLP) and a2a:
+        cost = cost._replace(extra={**cost.extra, "ep_gather": 1.0})  # ep_a2a gathered, then reduce-scattered
     return op_sac(cost, b, s, ctx) if b.attention.kind != "mla" and isinstance(b.mlp, DenseMLP) else cost
 
 

@@ -41,10 +41,10 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
 
 
 def dispatcher_args(plan: PlanFile) -> list[Arg]:
-    """The token dispatcher the plan was priced with (cost/moe_dispatch.py): flex over DeepEP on
-    Hopper, HybridEP on Blackwell (TransformerConfig.moe_flex_dispatcher_backend)."""
+    """The token dispatcher the plan was priced with (cost/moe_dispatch.py): alltoall, allgather,
+    or flex over DeepEP on Hopper, HybridEP on Blackwell (TransformerConfig.moe_flex_dispatcher_backend)."""
     if plan.moe_dispatcher != "flex":
-        return [_a("--moe-token-dispatcher-type", "alltoall")]
+        return [_a("--moe-token-dispatcher-type", plan.moe_dispatcher)]
     from planner.hardware.load import load_profile
 
     return [_a("--moe-token-dispatcher-type", "flex"),

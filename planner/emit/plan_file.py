@@ -71,7 +71,7 @@ class PlanFile(BaseModel):
     zero_pp: tuple[ZeroPP, ...] = ()  # DeepSpeed ZeRO++ options on ZeRO-3 (Workload)
     ep_comm_overlap: bool = True  # expert all-to-alls overlapped with another micro-batch where the runtime can
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)  # busiest EP rank's tokens / mean (Workload)
-    moe_dispatcher: Literal["alltoall", "flex"] = "alltoall"  # Megatron-Core's token dispatcher (Workload)
+    moe_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"  # Megatron-Core's token dispatcher (Workload)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
     mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)  # MTP depths trained (Workload; None: the model's)
     optimizer: Optimizer = "adamw"
