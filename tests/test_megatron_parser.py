@@ -83,7 +83,8 @@ MUST_EMIT = {
     "deepseek-v2-lite-mtp-pp2-layout": ["--mtp-num-layers", "--pipeline-model-parallel-layout"],
     "llama-3-8b-activation-offload": ["--cpu-offloading-num-layers"],
     "qwen2-moe-ep4": ["--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate"],
-    "mixtral-8x7b-ep8-flex": ["--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend"],
+    "mixtral-8x7b-ep8-flex": ["--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend",
+                              "--moe-flex-dispatcher-num-sms"],
     "deepseek-v2-lite-ep2-allgather": ["--moe-token-dispatcher-type"],
     # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
     "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",

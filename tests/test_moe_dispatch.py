@@ -14,7 +14,7 @@ from planner import api
 from planner.cli import main
 from planner.cost.collectives import collective_time
 from planner.cost.layers import layer_costs
-from planner.cost.moe_dispatch import distinct_nodes, flex_jobs, flex_legs
+from planner.cost.moe_dispatch import FLEX_SMS, distinct_nodes, flex_jobs, flex_legs
 from planner.cost.parallel import Workload
 from planner.emit.megatron_args import megatron_lm_args, megatron_notes
 from planner.errors import UserError
@@ -130,6 +130,7 @@ def test_flex_is_emitted_with_the_gpus_backend(hardware, backend):
     flags = [x for a in megatron_lm_args(model, plan) for x in (a.flag, a.value) if x is not None]
     assert flags[flags.index("--moe-token-dispatcher-type") + 1] == "flex"
     assert flags[flags.index("--moe-flex-dispatcher-backend") + 1] == backend
+    assert flags[flags.index("--moe-flex-dispatcher-num-sms") + 1] == str(FLEX_SMS[backend])  # as priced
     assert any("DeepEP" in n for n in megatron_notes(model, plan))
     plain, _ = make_plan("mixtral-8x7b", 2, framework="megatron", ep=8, grad_accum=4, hardware=hardware,
                          gpus_per_node=4 if "nvl72" in hardware else 8)
@@ -213,3 +214,21 @@ def test_allgather_on_a_runtime_without_it_is_one_clear_error():
                                   "--moe-dispatcher", "allgather"])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert "allgather is Megatron-Core's" in r.output and "--framework megatron" in r.output
+
+
+# -- the SMs the flex kernels hold ----------------------------------------------------------------
+
+
+def test_overlapped_flex_dispatch_takes_its_sms_from_the_compute_beside_it():
+    """A layer pair under the combined 1F1B takes max(compute + share x all-to-alls, all-to-alls),
+    the share being the SMs the dispatch kernels hold (DeepEP's 20 of an H100's 132)."""
+    from planner.cost.comm_overlap import overlapped_ep
+
+    ep = np.full((1, 5, 1, 2), 4.0)  # [group, mode, b, block]: 4 ms of all-to-alls
+    fwd, bwd = np.full((1, 1, 2), 3.0), np.full((1, 1, 2), 6.0)  # 9 ms of compute hides all of it
+    share = np.array([[FLEX_SMS["deepep"] / 132, 0.0]])
+    out = overlapped_ep(ep, fwd, bwd, share)
+    assert out[0, 0, 0, 0] == pytest.approx(4.0 * 20 / 132)  # the compute slowed while they run
+    assert out[0, 0, 0, 1] == 0.0  # NCCL's all-to-all: no reserved SMs priced
+    short = overlapped_ep(ep, fwd / 4, bwd / 4, share)  # 2.25 ms of compute: the all-to-alls bound
+    assert short[0, 0, 0, 0] == pytest.approx(4.0 - 2.25)

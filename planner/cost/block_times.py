@@ -34,7 +34,7 @@ from planner.cost.comm_overlap import overlapped_ep, overlapped_tp
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.measured_blocks import LayerProfile, as_measured, measured_act, measured_for, measured_ratios
-from planner.cost.moe_dispatch import flex_jobs, tp_ep_shape
+from planner.cost.moe_dispatch import FLEX_SMS, flex_backend, flex_jobs, tp_ep_shape
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.cost.run_model import RunModel
@@ -212,10 +212,10 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
             cp_t[g, RECOMPUTES.index("selective")] += np.where(has_attn[g], f, 0.0)
             cp_t[g, RECOMPUTES.index("op")] += np.where(ckpt[g] & ~op_sac[g], f, 0.0)  # per-op SAC keeps SDPA's
     sizes = np.array([tp_shape.size for _, tp_shape, _ in groups], dtype=float)
+    share = _flex_sm_share(per_block(["flex_topk" in c.extra for c in costs]) > 0, cluster, dev)
     fields = {
-        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t,
-        "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes), "ep_ov": overlapped_ep(ep, fwd - te["te_f"], bwd - te["te_b"]),
-        **te,
+        "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes),
+        "ep_ov": overlapped_ep(ep, fwd - te["te_f"], bwd - te["te_b"], share), **te,
         "params": per_block([c.params_rank for c in costs]),
         "expert": per_block([c.expert_params_rank for c in costs]),
         "low": per_block([c.low_params for c in costs]),
@@ -276,6 +276,14 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     te_rc[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], 0.0, te_rc[:, RECOMPUTES.index("full")])
     return (fwd, bwd, rc, spread(gemm), {"te_f": spread(save_f), "te_b": spread(save_b), "te_rc": te_rc},
             (spread(attn_f - save_f), spread(attn_b - save_b)))
+
+
+def _flex_sm_share(flex: np.ndarray, cluster: Cluster, dev: eff.Device) -> np.ndarray:
+    """[group, block] share of the GPU's SMs the flex dispatcher's kernels hold (moe_dispatch.FLEX_SMS)
+    in the blocks that dispatch with it (``flex``), 0 elsewhere."""
+    if not flex.any():
+        return np.zeros(flex.shape)
+    return np.where(flex, min(1.0, FLEX_SMS[flex_backend(cluster.profile)] / dev.sms), 0.0)
 
 
 def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,

@@ -25,14 +25,18 @@ def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: n
     return np.where(tp > 0, np.maximum(tp - passes * gemm[:, None], chunk), 0.0)
 
 
-def overlapped_ep(ep: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+def overlapped_ep(ep: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, sm_share: np.ndarray | float = 0.0) -> np.ndarray:
     """[group, mode, b, block] EP seconds left exposed when Megatron-Core's combined 1F1B runs the
     forward of one micro-batch beside the backward of another, layer by layer, each one's
     all-to-alls on a second stream under the other's compute (frameworks.Traits.ep_comm_overlap,
     ``--overlap-moe-expert-parallel-comm``): a layer pair takes max(compute, all-to-alls), so
     what passes the block's forward and backward seconds (attention as TE runs it) stays exposed.
+    Dispatch kernels that hold ``sm_share`` of the GPU's SMs while they run ([group, block]: the
+    flex dispatcher's, moe_dispatch.FLEX_SMS) slow the compute beside them by that share of the
+    all-to-alls' seconds: a pair takes max(compute + share x all-to-alls, all-to-alls).
     Megatron refuses it under full recomputation (transformer_config.py): that mode keeps all."""
-    out = np.maximum(ep - (fwd + bwd)[:, None], 0.0)
+    share = np.broadcast_to(np.asarray(sm_share, dtype=float), ep.shape[:1] + ep.shape[3:])[:, None, None, :]
+    out = np.maximum(ep - (fwd + bwd)[:, None], share * ep)
     out[:, RECOMPUTES.index("full")] = ep[:, RECOMPUTES.index("full")]
     out[:, RECOMPUTES.index("op")] = ep[:, RECOMPUTES.index("op")]  # torchtitan's: no combined 1F1B
     return out

@@ -17,7 +17,8 @@ at once: the NICs are shared) carrying the distinct destination nodes' copies, a
 inside the node carrying all k copies. DeepEP's published H800 figures reach the NIC's line rate
 on that RDMA leg (43-58 GB/s at EP 16-64 on 50 GB/s CX7: deepseek-ai/DeepEP docs/legacy.md), so
 the network efficiency is the one collectives.py uses. Inside one node (or NVLink domain) flex is
-priced as the all-to-all. Not priced: the SMs the flex kernels take (DeepEP 20-24 on Hopper).
+priced as the all-to-all. The SMs the flex kernels hold while they run (FLEX_SMS) are taken
+from the compute they overlap (comm_overlap.overlapped_ep).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ DISPATCHER_HELP = ("MoE token dispatcher (framework megatron): alltoall (NCCL al
                    "allgather (every token to the experts' TP x EP group, reduce-scattered back; no overlap) "
                    "or flex (DeepEP on Hopper, HybridEP on Blackwell: one copy per destination node over the "
                    "network, forwarded over NVLink inside it) [default: alltoall].")
+
+
+# SMs the flex kernels hold (Megatron-Core's --moe-flex-dispatcher-num-sms, which dsplan writes):
+# DeepEP's default of 20 (TransformerConfig.moe_deepep_num_sms, "historical default 20"), and the
+# 32 NVIDIA's Megatron-Bridge performance recipes give HybridEP (scripts/performance/utils/
+# overrides.py: moe_hybridep_num_sms = 32).
+FLEX_SMS = {"deepep": 20, "hybridep": 32}
 
 
 def flex_backend(profile: HardwareProfile) -> str:

@@ -3,7 +3,7 @@ and the all-to-all overlap the plan was priced with (planner/cost/paid.py)."""
 
 from __future__ import annotations
 
-from planner.cost.moe_dispatch import flex_backend
+from planner.cost.moe_dispatch import FLEX_SMS, flex_backend
 from planner.cost.paid import runs_ep_overlap
 from planner.emit.ds_config import moe_layer_indices
 from planner.emit.megatron_flag import Arg, _a
@@ -47,8 +47,9 @@ def dispatcher_args(plan: PlanFile) -> list[Arg]:
         return [_a("--moe-token-dispatcher-type", plan.moe_dispatcher)]
     from planner.hardware.load import load_profile
 
-    return [_a("--moe-token-dispatcher-type", "flex"),
-            _a("--moe-flex-dispatcher-backend", flex_backend(load_profile(plan.hardware)))]
+    backend = flex_backend(load_profile(plan.hardware))
+    return [_a("--moe-token-dispatcher-type", "flex"), _a("--moe-flex-dispatcher-backend", backend),
+            _a("--moe-flex-dispatcher-num-sms", FLEX_SMS[backend])]  # the SMs it was priced with
 
 
 def router_args(moe: MoEMLP) -> list[Arg]:
