@@ -337,6 +337,6 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
                     fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
                     ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
                     moe_dispatcher=wl.moe_dispatcher, layer_profile=wl.layer_profile, dropout=wl.dropout,
-                    mtp_layers=wl.mtp_layers, constraints=cons,
+                    mtp_layers=wl.mtp_layers, moe_capacity_factor=wl.moe_capacity_factor, constraints=cons,
                     balancer=balancer,
                     objective=objective, top=top, zero_pp=zero_pp, progress=progress)

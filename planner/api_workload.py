@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
 WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
                  "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
-                 "zero_pp", "mtp_layers", "moe_dispatcher")
+                 "zero_pp", "mtp_layers", "moe_dispatcher", "moe_capacity_factor")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
@@ -28,7 +28,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   precision_aware_optimizer: bool = False, ep_comm_overlap: bool = True,
                   moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
                   layer_profile: "str | LayerProfile | None" = None, zero_pp: "str | tuple" = (),
-                  mtp_layers: int | None = None, moe_dispatcher: str = "alltoall") -> "Workload":
+                  mtp_layers: int | None = None, moe_dispatcher: str = "alltoall",
+                  moe_capacity_factor: float | None = None) -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), the model's default images and tiles per
@@ -41,7 +42,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     from pydantic import ValidationError
 
     from planner.cost.degrees import default_global_batch, rule_message
-    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS, MAX_MTP_LAYERS, Workload, parse_zero_pp
+    from planner.cost.parallel import Workload, parse_zero_pp
     from planner.model.load import load_model
     from planner.model.spec import ModelSpec
     from planner.model.vision_inputs import vision_inputs
@@ -53,23 +54,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     limits.tokens_per_step(limits.count("global_batch", global_batch), seq)
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     from planner.cost.measured_blocks import as_layer_profile
-    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not (
-            1 <= moe_imbalance <= MAX_MOE_IMBALANCE):
-        raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to {MAX_MOE_IMBALANCE:g} (the busiest "
-                        f"expert-parallel rank's tokens over the mean; 1 = balanced), "
-                        f"got {limits.shown(moe_imbalance)}")
-    if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float))
-                                   or not 0 < mtbf_hours <= MAX_MTBF_HOURS):
-        raise UserError(f"{arg('mtbf_hours')}: need hours above 0 and at most {MAX_MTBF_HOURS:g} (the job's mean "
-                        f"time between failures), got {limits.shown(mtbf_hours)}")
-    if mtp_layers is not None and (isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int)
-                                   or not 0 <= mtp_layers <= MAX_MTP_LAYERS):
-        raise UserError(f"{arg('mtp_layers')}: need a whole number of multi-token-prediction depths from 0 (the main "
-                        f"model only) to {MAX_MTP_LAYERS}, got {limits.shown(mtp_layers)}")
-    from planner.cost.moe_dispatch import DISPATCHERS
-    if moe_dispatcher not in DISPATCHERS:
-        raise UserError(f"{arg('moe_dispatcher')}: {limits.shown(moe_dispatcher)} is not a token dispatcher dsplan "
-                        f"prices; use {' or '.join(DISPATCHERS)}")
+    _check_knobs(moe_imbalance, mtbf_hours, mtp_layers, moe_dispatcher, moe_capacity_factor)
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
@@ -77,9 +62,45 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours,
                         layer_profile=as_layer_profile(layer_profile), zero_pp=parse_zero_pp(zero_pp),
-                        mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher).resolved(spec)
+                        mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher,
+                        moe_capacity_factor=moe_capacity_factor).resolved(spec)
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_knobs(moe_imbalance: float, mtbf_hours: float | None, mtp_layers: int | None, moe_dispatcher: str,
+                 moe_capacity_factor: float | None) -> None:
+    """One clear message for a workload knob out of its range (make_workload's)."""
+    from planner.cost.moe_dispatch import DISPATCHERS
+    from planner.cost.parallel import MAX_MOE_IMBALANCE, MAX_MTBF_HOURS, MAX_MTP_LAYERS
+
+    if not _number(moe_imbalance) or not 1 <= moe_imbalance <= MAX_MOE_IMBALANCE:
+        raise UserError(f"{arg('moe_imbalance')}: need a number from 1 to {MAX_MOE_IMBALANCE:g} (the busiest "
+                        f"expert-parallel rank's tokens over the mean; 1 = balanced), "
+                        f"got {limits.shown(moe_imbalance)}")
+    if mtbf_hours is not None and (not _number(mtbf_hours) or not 0 < mtbf_hours <= MAX_MTBF_HOURS):
+        raise UserError(f"{arg('mtbf_hours')}: need hours above 0 and at most {MAX_MTBF_HOURS:g} (the job's mean "
+                        f"time between failures), got {limits.shown(mtbf_hours)}")
+    if mtp_layers is not None and (isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int)
+                                   or not 0 <= mtp_layers <= MAX_MTP_LAYERS):
+        raise UserError(f"{arg('mtp_layers')}: need a whole number of multi-token-prediction depths from 0 (the main "
+                        f"model only) to {MAX_MTP_LAYERS}, got {limits.shown(mtp_layers)}")
+    if moe_dispatcher not in DISPATCHERS:
+        raise UserError(f"{arg('moe_dispatcher')}: {limits.shown(moe_dispatcher)} is not a token dispatcher dsplan "
+                        f"prices; use {' or '.join(DISPATCHERS)}")
+    if moe_capacity_factor is not None and (not _number(moe_capacity_factor)
+                                            or not 0 < moe_capacity_factor <= MAX_MOE_IMBALANCE):
+        raise UserError(f"{arg('moe_capacity_factor')}: need a number above 0 and at most {MAX_MOE_IMBALANCE:g} "
+                        f"(each expert's token capacity over the mean; leave it out for dropless routing), "
+                        f"got {limits.shown(moe_capacity_factor)}")
+    if moe_capacity_factor is not None and moe_dispatcher == "flex":  # transformer_config.py refuses the padding
+        raise UserError(f"{arg('moe_capacity_factor')} with {arg('moe_dispatcher')} flex: DeepEP does not pad to "
+                        f"capacity; use {arg('moe_dispatcher')} alltoall or allgather, or drop "
+                        f"{arg('moe_capacity_factor')}")
 
 
 def seq_len_of(spec: "ModelSpec", seq_len: int | None) -> int:

@@ -56,6 +56,9 @@ CASES = {
     # the allgather dispatcher over the experts' TP x EP group (Megatron refuses the overlap with it)
     "deepseek-v2-lite-ep2-allgather": ["--model", "deepseek-v2-lite", "--nodes", "1", "--ep", "2", "--pp", "1",
                                        "--moe-dispatcher", "allgather"],
+    # capacity-factor token dropping, padded to capacity
+    "mixtral-8x7b-ep8-capacity": ["--model", "mixtral-8x7b", "--nodes", "2", "--ep", "8", "--pp", "1",
+                                  "--moe-capacity-factor", "1.25"],
     # Qwen2-MoE's gated shared expert, from its Hugging Face config
     "qwen2-moe-ep4": ["--model", str(Path(__file__).parent / "data" / "hf_configs" / "qwen2_moe.json"), "--nodes", "1",
                       "--ep", "4", "--pp", "1"],
@@ -86,6 +89,7 @@ MUST_EMIT = {
     "mixtral-8x7b-ep8-flex": ["--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend",
                               "--moe-flex-dispatcher-num-sms"],
     "deepseek-v2-lite-ep2-allgather": ["--moe-token-dispatcher-type"],
+    "mixtral-8x7b-ep8-capacity": ["--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity"],
     # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
     "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
                                 "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",

@@ -232,3 +232,49 @@ def test_overlapped_flex_dispatch_takes_its_sms_from_the_compute_beside_it():
     assert out[0, 0, 0, 1] == 0.0  # NCCL's all-to-all: no reserved SMs priced
     short = overlapped_ep(ep, fwd / 4, bwd / 4, share)  # 2.25 ms of compute: the all-to-alls bound
     assert short[0, 0, 0, 0] == pytest.approx(4.0 - 2.25)
+
+
+# -- capacity-factor token dropping ------------------------------------------------------------------
+
+
+def test_a_capacity_factor_prices_every_expert_at_it_whatever_the_routing():
+    """Padded to capacity, each expert takes exactly F x its mean tokens: the grouped GEMMs and the
+    all-to-all bytes follow F, not the routing's imbalance (and not 1.0 on one EP rank either)."""
+    def moe(imbalance: float, capacity: float | None, ep: int = 8):
+        w = Workload(global_batch=8, seq_len=4096, moe_imbalance=imbalance, moe_capacity_factor=capacity)
+        spec = load_model("mixtral-8x7b")
+        costs = layer_costs(spec, w, tp=1, ep=ep)
+        return next(c for c, b in zip(costs, spec.blocks) if b.kind == "decoder" and b.mlp.kind == "moe")
+
+    dropless, capped, padded = moe(1.5, None), moe(1.5, 1.25), moe(1.0, 1.25)
+    assert capped.ep_a2a == pytest.approx(dropless.ep_a2a * 1.25 / 1.5)
+    assert capped.ep_a2a == padded.ep_a2a and capped.gemms == padded.gemms  # the routing no longer matters
+    # on one EP rank too: every expert padded to 1.25 x its mean tokens (dropless there: 1.0)
+    one, one_dropless = moe(1.0, 1.25, ep=1), moe(1.0, None, ep=1)
+    grouped = [next(g for g in c.gemms if g.batch > 1) for c in (one, one_dropless)]  # the local experts' GEMM
+    assert grouped[0].tokens == pytest.approx(1.25 * grouped[1].tokens)
+
+
+def test_a_capacity_factor_is_written_for_megatron_and_deepspeed():
+    plan, model = make_plan("mixtral-8x7b", 2, framework="megatron", ep=8, grad_accum=4, moe_capacity_factor=1.25)
+    flags = [x for a in megatron_lm_args(model, plan) for x in (a.flag, a.value) if x is not None]
+    assert flags[flags.index("--moe-expert-capacity-factor") + 1] == "1.25"
+    assert "--moe-pad-expert-input-to-capacity" in flags
+    plain, _ = make_plan("mixtral-8x7b", 2, framework="megatron", ep=8, grad_accum=4)
+    assert "--moe-expert-capacity-factor" not in [a.flag for a in megatron_lm_args(model, plain)]
+    from planner.emit.ds_config import build_moe_config
+
+    ds, _ = make_plan("mixtral-8x7b", 2, framework="deepspeed", ep=8, grad_accum=4, moe_capacity_factor=1.25)
+    assert build_moe_config(ds, model)["deepspeed_moe"]["capacity_factor"] == 1.25
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--moe-capacity-factor", "0"], ["--moe-capacity-factor", "above 0", "dropless"]),
+    (["--moe-capacity-factor", "1.2", "--moe-dispatcher", "flex", "--framework", "megatron"],
+     ["--moe-capacity-factor with --moe-dispatcher flex", "alltoall or allgather"]),
+])
+def test_a_capacity_factor_the_plan_cannot_take_is_one_clear_error(flags, words):
+    r = _run("estimate", "--model", "mixtral-8x7b", "--nodes", "2", "--ep", "8", *flags)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    for w in words:
+        assert w in r.output, r.output

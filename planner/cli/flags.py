@@ -59,6 +59,7 @@ FLAGS: dict[str, str] = {
     "activation_offload": "--activation-offload",
     "no_ep_comm_overlap": "--no-ep-comm-overlap",
     "moe_dispatcher": "--moe-dispatcher",
+    "moe_capacity_factor": "--moe-capacity-factor",
 }
 
 

@@ -140,6 +140,12 @@ MOE_IMBALANCE_HELP = ("MoE routing imbalance: tokens the busiest expert-parallel
                       "balance of NVIDIA's published MoE benchmarks].")
 
 
+MOE_CAPACITY_HELP = ("Capacity-factor token dropping (Megatron-Core's --moe-expert-capacity-factor F with "
+                     "--moe-pad-expert-input-to-capacity; DeepSpeed MoE's capacity_factor): every expert takes exactly "
+                     "F x its mean tokens, dropped above and padded below [default: dropless, priced at "
+                     "--moe-imbalance].")
+
+
 MTBF_HELP = ("The job's mean time between failures, in hours; sets the checkpoint interval (Young/Daly) and the "
              "goodput [default: from the hardware profile's per-GPU and per-node failure rates, scaled by the "
              "job's size].")
@@ -174,7 +180,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention, --tp-comm-overlap, --te-attention, --ep-comm-overlap,
-    --moe-imbalance, --moe-dispatcher, --fp8-param-gather, --precision-aware-optimizer, --zeropp,
+    --moe-imbalance, --moe-dispatcher, --moe-capacity-factor, --fp8-param-gather, --precision-aware-optimizer, --zeropp,
     --dropout, --mtbf-hours and --mtp-layers (the booleans with their --no- forms).
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
@@ -212,6 +218,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--ep-comm-overlap/--no-ep-comm-overlap", default=None, help=EP_OVERLAP_HELP),
         click.option("--moe-imbalance", type=float, default=None, metavar="F", help=MOE_IMBALANCE_HELP),
         click.option("--moe-dispatcher", type=click.Choice(DISPATCHERS), default=None, help=DISPATCHER_HELP),
+        click.option("--moe-capacity-factor", type=float, default=None, metavar="F", help=MOE_CAPACITY_HELP),
         click.option("--fp8-param-gather/--no-fp8-param-gather", default=None, help=FP8_GATHER_HELP),
         click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None, help=PAO_HELP),
         click.option("--zeropp", "zero_pp", default=None, metavar="LIST", help=ZEROPP_HELP),

@@ -141,6 +141,7 @@ class LayerContext:
     etp: int | None = None  # the routed experts' TP degree, 1 or tp (None: tp)
     flex: bool = False  # Workload.moe_dispatcher flex: the MoE layers say their routing (moe_dispatch.py)
     allgather: bool = False  # Workload.moe_dispatcher allgather (moe_dispatch.py)
+    capacity: float = 0.0  # Workload.moe_capacity_factor: every expert padded to it (0: dropless)
     vocab_parallel: bool = True  # False: AutoTP's whole vocabulary (frameworks.Traits.vocab_parallel)
 
     @property

@@ -117,6 +117,11 @@ class Workload(BaseModel):
     # top-k copy, allgather (every token to every rank of the experts' TP x EP group, a reduce-
     # scatter back), or flex (DeepEP / HybridEP), which sends one copy per destination node.
     moe_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    # Megatron-Core's capacity-factor token dropping with padding (--moe-expert-capacity-factor F
+    # --moe-pad-expert-input-to-capacity): every expert takes exactly F x its mean tokens, dropped
+    # above and padded below, so the exchange and the expert GEMMs run at F whatever the routing.
+    # None: dropless (Megatron's default), priced at moe_imbalance.
+    moe_capacity_factor: float | None = Field(None, gt=0, le=MAX_MOE_IMBALANCE)
     # Weights kept and all-gathered in the recipe's FP8 format where the runtime can (Megatron-Core's
     # --fp8-param-gather with the distributed optimizer, under a recipe with Recipe.param_gather),
     # as NVIDIA's Megatron-Bridge recipes run; False keeps the bf16 weights beside the FP8 copies.
@@ -158,6 +163,11 @@ class Workload(BaseModel):
         "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher")."""
         if isinstance(data, dict) and data.get("moe_dispatcher") == "allgather":
             data = {**data, "ep_comm_overlap": False}
+        if isinstance(data, dict) and data.get("moe_dispatcher") == "flex" and data.get("moe_capacity_factor"):
+            # Megatron-Core: "Flex token dispatcher with deepep backend does not support
+            # moe_pad_expert_input_to_capacity" (transformer_config.py); HybridEP's padding is not priced
+            raise ValueError("moe_capacity_factor with moe_dispatcher flex: DeepEP does not pad to capacity; "
+                             "use the alltoall or allgather dispatcher, or no capacity factor")
         return data
 
     @field_validator("zero_pp", mode="after")

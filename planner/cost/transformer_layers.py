@@ -109,8 +109,9 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     # expert-TP group of ``et`` ranks gathers what its ranks received: the grouped GEMMs of the
     # e / ep local experts see tokens x top_k x et / tp copies with 1/et of each expert's width.
     # Under tp > 1 without SP (DeepSpeed) et is tp and every TP rank holds every token. The
-    # busiest EP rank receives ``imbalance`` x the mean copies, and every rank waits for it.
-    local, copies = e // ctx.ep, k * (ctx.imbalance if ctx.ep > 1 else 1.0)
+    # busiest EP rank receives ``imbalance`` x the mean copies, and every rank waits for it;
+    # with a capacity factor every expert is dropped or padded to exactly that many.
+    local, copies = e // ctx.ep, k * (ctx.capacity or (ctx.imbalance if ctx.ep > 1 else 1.0))
     held = 1 / t if ctx.sp else 1.0  # share of the tokens a rank holds and dispatches
     gathered = tokens * copies * et / t
     g, stored, tr = _ffn(mlp.expert_ffn, gated, gathered / local, h, et, local, ctx)

@@ -218,8 +218,8 @@ def build_moe_config(plan: PlanFile, model: ModelSpec) -> dict[str, Any] | None:
             # gating sends fixed buffers of capacity x the mean copies, which is what dsplan priced,
             # and the reference trainer runs the same factor. min_capacity keeps tiny micro-batches
             # from dropping everything.
-            "capacity_factor": plan.moe_imbalance,
-            "eval_capacity_factor": plan.moe_imbalance,
+            "capacity_factor": plan.moe_capacity_factor or plan.moe_imbalance,
+            "eval_capacity_factor": plan.moe_capacity_factor or plan.moe_imbalance,
             "min_capacity": 4,
             "drop_tokens": True,
             # DeepSpeed's Residual-MoE: a dense MLP beside the experts, the shared experts here.

@@ -26,6 +26,7 @@ def moe_args(model: ModelSpec, plan: PlanFile) -> list[Arg]:
         _a("--expert-tensor-parallel-size", plan.etp or plan.tp),
         _a("--moe-layer-freq", pattern),
         *dispatcher_args(plan),
+        *capacity_args(plan),
         # The local experts as one grouped GEMM, as dsplan prices them (layer_cost.Gemm.batch);
         # Megatron-Core's default is a loop of per-expert GEMMs (SequentialMLP).
         _a("--moe-grouped-gemm"),
@@ -50,6 +51,14 @@ def dispatcher_args(plan: PlanFile) -> list[Arg]:
     backend = flex_backend(load_profile(plan.hardware))
     return [_a("--moe-token-dispatcher-type", "flex"), _a("--moe-flex-dispatcher-backend", backend),
             _a("--moe-flex-dispatcher-num-sms", FLEX_SMS[backend])]  # the SMs it was priced with
+
+
+def capacity_args(plan: PlanFile) -> list[Arg]:
+    """Capacity-factor dropping as priced (Workload.moe_capacity_factor): every expert dropped or
+    padded to the factor; none for dropless routing, Megatron-Core's default."""
+    if plan.moe_capacity_factor is None:
+        return []
+    return [_a("--moe-expert-capacity-factor", plan.moe_capacity_factor), _a("--moe-pad-expert-input-to-capacity")]
 
 
 def router_args(moe: MoEMLP) -> list[Arg]:

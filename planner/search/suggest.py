@@ -206,11 +206,11 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
             te_attention: bool = True, fp8_param_gather: bool = True, precision_aware_optimizer: bool = False,
             ep_comm_overlap: bool = True, moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
             moe_dispatcher: str = "alltoall", layer_profile: LayerProfile | None = None, mtp_layers: int | None = None,
-            constraints: Constraints | None = None, balancer: str = "optimal", objective: str = "throughput",
-            top: int = 5, progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
-            rep: int = 1, zero_pp: tuple[str, ...] = (), etp: tuple[int | None, bool] = (None, True)) -> SuggestResult:
-    """The search for one precision, context-parallel split ``cp``, count of hybrid-sharding
-    groups ``rep`` and expert-TP choice ``etp`` (expert_tp.expert_tp_choices) (``suggest``)."""
+            moe_capacity_factor: float | None = None, constraints: Constraints | None = None, balancer: str = "optimal",
+            objective: str = "throughput", top: int = 5, progress: Callable[[float], None] | None = None,
+            cp: tuple[int, str] = (1, "p2p"), rep: int = 1, zero_pp: tuple[str, ...] = (),
+            etp: tuple[int | None, bool] = (None, True)) -> SuggestResult:
+    """``suggest`` for one precision, context-parallel split ``cp``, sharding groups ``rep`` and expert-TP ``etp``."""
     started, cpu_started = time.perf_counter(), time.process_time()
     whole_number("nodes", nodes), whole_number("top", top)
     if balancer not in BALANCERS:
@@ -239,7 +239,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
                         fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout,  # type: ignore[arg-type]
                         mtbf_hours=mtbf_hours, layer_profile=layer_profile, zero_pp=zero_pp,  # type: ignore[arg-type]
-                        mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher)  # type: ignore[arg-type]
+                        mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher, moe_capacity_factor=moe_capacity_factor)
     model, workload = workload.trained(model), workload.resolved(model)
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, **_workload_inputs(workload), "precision": precision,
@@ -259,8 +259,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
 
 _WORKLOAD_INPUTS = ("global_batch", "seq_len", "tokens_per_step", "optimizer", "dropout", "mtbf_hours",
                     "tp_comm_overlap", "te_attention", "fp8_param_gather", "precision_aware_optimizer", "mtp_layers",
-                    "ep_comm_overlap", "moe_imbalance", "moe_dispatcher", "flash_attention", "images_per_sample",
-                    "tiles_per_image")
+                    "ep_comm_overlap", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "flash_attention",
+                    "images_per_sample", "tiles_per_image")
 
 
 def _workload_inputs(w: Workload) -> dict[str, Any]:
