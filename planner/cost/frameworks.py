@@ -203,8 +203,13 @@ def grad_reduce_overlaps(t: Traits, pp: int, zero: int = 1) -> bool:
 TP_STYLES = ("tp", "tp+sp", "autotp")
 
 
+def tp_styles(whole_vocab, tp, sp):
+    """The TP_STYLES index of layouts, scalars or numpy arrays alike (``whole_vocab``: the runtime's
+    Traits.vocab_parallel is false; ``sp`` 0 or 1): AutoTP's only where its vocabulary differs (tp > 1)."""
+    autotp = (tp > 1) & whole_vocab
+    return sp + autotp * (2 - sp)
+
+
 def tp_style(framework: str, tp: int, sp: bool) -> int:
-    """The TP_STYLES index of a layout: AutoTP's only where its vocabulary handling differs (tp > 1)."""
-    if tp > 1 and not traits(framework).vocab_parallel:
-        return 2
-    return int(sp)
+    """``tp_styles`` of one layout of ``framework``."""
+    return int(tp_styles(not traits(framework).vocab_parallel, tp, int(sp)))

@@ -18,7 +18,7 @@ from planner.cost import frameworks as fw
 from planner.cost.parallel import FRAMEWORKS
 from planner.search.space import Space
 
-_VOCAB_PARALLEL = np.array([fw.traits(f).vocab_parallel for f in FRAMEWORKS])
+_WHOLE_VOCAB = np.array([not fw.traits(f).vocab_parallel for f in FRAMEWORKS])
 
 
 class Key(NamedTuple):
@@ -81,7 +81,7 @@ def group_by_key(space: Space) -> KeyedSpace:
     """Group the candidates of ``space`` by key: one stable sort of a mixed-radix code per
     candidate (what np.unique does inside), whose order is also the candidates sorted by key."""
     c = space.columns
-    style = np.where((c["tp"] > 1) & ~_VOCAB_PARALLEL[c["framework"]], 2, c["sp"])
+    style = fw.tp_styles(_WHOLE_VOCAB[c["framework"]], c["tp"], c["sp"])
     cols = [c["tp"], style, *(c[k] for k in ("ep", "micro_batch", "recompute", "pp", "vs", "dp", "framework"))]
     n = len(space)
     if not n:
