@@ -330,13 +330,7 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
     check_workload(wl)
     many = tuple(precisions) if isinstance(precisions, (tuple, list)) and len(precisions) > 1 else None
-    return _suggest(spec, cluster.profile, cluster.nodes, global_batch=wl.global_batch, seq_len=wl.seq_len,
-                    images_per_sample=wl.images_per_sample, tiles_per_image=wl.tiles_per_image,
-                    precision=many or wl.precision_name, optimizer=wl.optimizer, flash_attention=wl.flash_attention,
-                    tp_comm_overlap=wl.tp_comm_overlap, te_attention=wl.te_attention,
-                    fp8_param_gather=wl.fp8_param_gather, precision_aware_optimizer=wl.precision_aware_optimizer,
-                    ep_comm_overlap=wl.ep_comm_overlap, moe_imbalance=wl.moe_imbalance, mtbf_hours=wl.mtbf_hours,
-                    moe_dispatcher=wl.moe_dispatcher, layer_profile=wl.layer_profile, dropout=wl.dropout,
-                    mtp_layers=wl.mtp_layers, moe_capacity_factor=wl.moe_capacity_factor, constraints=cons,
-                    balancer=balancer,
-                    objective=objective, top=top, zero_pp=zero_pp, progress=progress)
+    knobs = {k: getattr(wl, k) for k in WORKLOAD_KEYS if k not in ("precision", "zero_pp")}
+    return _suggest(spec, cluster.profile, cluster.nodes, precision=many or wl.precision_name, **knobs,
+                    constraints=cons, balancer=balancer, objective=objective, top=top, zero_pp=zero_pp,
+                    progress=progress)

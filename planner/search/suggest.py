@@ -18,7 +18,6 @@ import numpy as np
 
 from planner.cost.candidates import take
 from planner.cost.degrees import default_global_batch
-from planner.cost.measured_blocks import LayerProfile
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload, zero_pp_variants
 from planner.cost.plan import Plan
@@ -200,17 +199,14 @@ def _merge(results: list[SuggestResult], names: tuple[str, ...], left_out: list[
 
 
 def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-80g", nodes: int = 1, *,
-            gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
-            images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
-            optimizer: str = "adamw", flash_attention: bool = True, dropout: bool = False, tp_comm_overlap: bool = True,
-            te_attention: bool = True, fp8_param_gather: bool = True, precision_aware_optimizer: bool = False,
-            ep_comm_overlap: bool = True, moe_imbalance: float = 1.0, mtbf_hours: float | None = None,
-            moe_dispatcher: str = "alltoall", layer_profile: LayerProfile | None = None, mtp_layers: int | None = None,
-            moe_capacity_factor: float | None = None, constraints: Constraints | None = None, balancer: str = "optimal",
-            objective: str = "throughput", top: int = 5, progress: Callable[[float], None] | None = None,
-            cp: tuple[int, str] = (1, "p2p"), rep: int = 1, zero_pp: tuple[str, ...] = (),
-            etp: tuple[int | None, bool] = (None, True)) -> SuggestResult:
-    """``suggest`` for one precision, context-parallel split ``cp``, sharding groups ``rep`` and expert-TP ``etp``."""
+                 gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
+                 images_per_sample: int | None = None, tiles_per_image: int | None = None, precision: str = "bf16",
+                 constraints: Constraints | None = None, balancer: str = "optimal", objective: str = "throughput",
+                 top: int = 5, progress: Callable[[float], None] | None = None, cp: tuple[int, str] = (1, "p2p"),
+                 rep: int = 1, zero_pp: tuple[str, ...] = (), etp: tuple[int | None, bool] = (None, True),
+                 **knobs: Any) -> SuggestResult:
+    """``suggest`` for one precision, context-parallel split ``cp``, sharding groups ``rep`` and expert-TP
+    ``etp``; ``knobs``: the Workload's other fields (optimizer, flash_attention, ..., moe_dispatcher)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     whole_number("nodes", nodes), whole_number("top", top)
     if balancer not in BALANCERS:
@@ -234,12 +230,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
     whole_number("global_batch", gb)
     images, tiles = vision_inputs(model, images_per_sample, tiles_per_image, seq)
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
-                        precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                        tp_comm_overlap=tp_comm_overlap, te_attention=te_attention,
-                        fp8_param_gather=fp8_param_gather, precision_aware_optimizer=precision_aware_optimizer,
-                        ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, dropout=dropout,  # type: ignore[arg-type]
-                        mtbf_hours=mtbf_hours, layer_profile=layer_profile, zero_pp=zero_pp,  # type: ignore[arg-type]
-                        mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher, moe_capacity_factor=moe_capacity_factor)
+                        precision=precision, zero_pp=zero_pp, **knobs)  # type: ignore[arg-type]
     model, workload = workload.trained(model), workload.resolved(model)
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, **_workload_inputs(workload), "precision": precision,
