@@ -35,6 +35,11 @@ MODELS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B
           "Qwen3-235B-A22B": "qwen3-235b-a22b"}
 # Megatron-Bridge's precision names: FP8-CS is current (per-tensor) scaling, FP8-MX is MXFP8.
 PRECISIONS = {"BF16": "bf16", "FP8-CS": "fp8-tensorwise", "FP8-MX": "mxfp8", "FP8-DS": "fp8-delayed"}
+# What NVIDIA's recipes recompute when they recompute selectively (Megatron-Bridge
+# scripts/performance/configs/*/workload_base_configs.py, commit e59a573, Nov 2025: DeepSeek-V3
+# recompute_modules=["mla_up_proj"] on B200 / GB200 (H100 adds "mlp"), GPT-OSS-120B
+# ["layernorm", "moe_act"]); dsplan's selective recompute runs these modules for the model.
+RECOMPUTE_MODULES = {"DeepSeekV3": "mla_up_proj", "GPT-OSS-120B": "layernorm,moe_act"}
 FREE_TOP = 400  # how deep the unpinned list goes when looking for NVIDIA's layout
 
 
@@ -74,7 +79,7 @@ def _search(row: dict, pins: dict, top: int):
     t0 = time.perf_counter()
     out = api.suggest(MODELS[row["model"]], cluster, global_batch=int(row["global_batch"]),
                       seq_len=int(row["seq_len"]), precision=PRECISIONS[row["precision"]], top=top,
-                      mtp_layers=mtp_layers(row), **pins)
+                      mtp_layers=mtp_layers(row), recompute_modules=RECOMPUTE_MODULES.get(row["model"]), **pins)
     return out, time.perf_counter() - t0, gpus
 
 

@@ -102,8 +102,13 @@ def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str, attn_dev: e
             return forward_time(c, b, dev, attn_dev)
         kept = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.sac_saved)
         return forward_time(c, b, dev, attn_dev) - attention_time(c.attn, b, attn_dev or dev) - kept
-    if mode == "selective" and c.attn is not None:
-        return attention_time(c.attn, b, attn_dev or dev) + float(eff.hbm_time(c.extra.get("score_hbm", 0.0) * b, dev))
+    if mode == "selective":  # the attention core if its modules name it, and the other modules' reruns
+        t = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.rerun.gemms)
+        t += float(eff.hbm_time(c.rerun.traffic * b, dev))
+        if c.attn is not None and c.extra.get("sel_attn", 1.0):
+            score = float(eff.hbm_time(c.extra.get("score_hbm", 0.0) * b, dev))
+            t += attention_time(c.attn, b, attn_dev or dev) + score
+        return t
     return 0.0
 
 
@@ -115,7 +120,7 @@ def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str, overlap_tp: int 
     rerun = c.tp_fwd
     if recompute == "op" and c.extra.get("op_sac"):  # the reduce-scatters' outputs are kept
         rerun = tuple(op for op in c.tp_fwd if op[0] == "allgather")
-    ops = c.tp_fwd + c.tp_bwd + (rerun if again else ())
+    ops = c.tp_fwd + c.tp_bwd + (rerun if again else ()) + (c.rerun.tp if recompute == "selective" else ())
     t = sum(comms.tp(op, n * b) for op, n in ops)
     if overlap_tp and t > 0:
         assert dev is not None
@@ -135,7 +140,7 @@ def cp_time(c: LayerCost, b: int, comms: Comms, recompute: str, attn_dev: eff.De
     a2a = comms.cp_a2a(c.extra["cp_qkv"] * b) + comms.cp_a2a(c.extra["cp_o"] * b)
     f = a2a + ((n - 1) * max(0.0, comms.cp_ring(c.extra["cp_kv"] * b) - fa / n) if n > 1 else 0.0)
     bw = a2a + ((n - 1) * max(0.0, comms.cp_ring(2 * c.extra["cp_kv"] * b) - ba / n) if n > 1 else 0.0)
-    again = ((recompute == "full" and c.checkpointed) or recompute == "selective"
+    again = ((recompute == "full" and c.checkpointed) or (recompute == "selective" and c.extra.get("sel_attn", 1.0))
              or (recompute == "op" and c.checkpointed and not c.extra.get("op_sac")))
     return f + bw + (f if again else 0.0)
 

@@ -59,6 +59,10 @@ CASES = {
     # capacity-factor token dropping, padded to capacity
     "mixtral-8x7b-ep8-capacity": ["--model", "mixtral-8x7b", "--nodes", "2", "--ep", "8", "--pp", "1",
                                   "--moe-capacity-factor", "1.25"],
+    # every recompute module Megatron-Core's selective recompute takes that dsplan prices
+    "deepseek-v2-lite-recompute-modules": ["--model", "deepseek-v2-lite", "--nodes", "1", "--ep", "8", "--pp", "1",
+                                           "--recompute", "selective", "--recompute-modules",
+                                           "core_attn,layernorm,mla_up_proj,moe_act,mlp,shared_experts"],
     # Qwen2-MoE's gated shared expert, from its Hugging Face config
     "qwen2-moe-ep4": ["--model", str(Path(__file__).parent / "data" / "hf_configs" / "qwen2_moe.json"), "--nodes", "1",
                       "--ep", "4", "--pp", "1"],
@@ -90,6 +94,7 @@ MUST_EMIT = {
                               "--moe-flex-dispatcher-num-sms"],
     "deepseek-v2-lite-ep2-allgather": ["--moe-token-dispatcher-type"],
     "mixtral-8x7b-ep8-capacity": ["--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity"],
+    "deepseek-v2-lite-recompute-modules": ["--recompute-granularity", "--recompute-modules"],
     # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
     "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
                                 "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
@@ -174,3 +179,11 @@ def test_the_allgather_dispatcher_is_emitted_without_the_overlap_megatron_refuse
     at = argv.index("--moe-token-dispatcher-type")
     assert argv[at + 1] == "allgather"
     assert "--overlap-moe-expert-parallel-comm" not in argv  # transformer_config.py: alltoall/flex only
+
+
+def test_the_recompute_modules_reach_megatron_one_argument_each(megatron_results):
+    argv = megatron_results["deepseek-v2-lite-recompute-modules"]["argv"]
+    at = argv.index("--recompute-modules")
+    assert argv[at - 2:at] == ["--recompute-granularity", "selective"]
+    assert argv[at + 1:at + 7] == ["core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "shared_experts"]
+    assert argv[at + 7].startswith("--")

@@ -60,6 +60,7 @@ FLAGS: dict[str, str] = {
     "no_ep_comm_overlap": "--no-ep-comm-overlap",
     "moe_dispatcher": "--moe-dispatcher",
     "moe_capacity_factor": "--moe-capacity-factor",
+    "recompute_modules": "--recompute-modules",
 }
 
 

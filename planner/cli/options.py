@@ -146,6 +146,13 @@ MOE_CAPACITY_HELP = ("Capacity-factor token dropping (Megatron-Core's --moe-expe
                      "--moe-imbalance].")
 
 
+RECOMPUTE_MODULES_HELP = ("What Megatron's selective recompute (--recompute selective) runs again, a comma list of "
+                          "core_attn, layernorm, mla_up_proj, moe_act, mlp, shared_experts (Megatron-Core's "
+                          "--recompute-modules; NVIDIA's DeepSeek-V3 recipes use mla_up_proj, GPT-OSS "
+                          "layernorm,moe_act) "
+                          "[default: core_attn].")
+
+
 MTBF_HELP = ("The job's mean time between failures, in hours; sets the checkpoint interval (Young/Daly) and the "
              "goodput [default: from the hardware profile's per-GPU and per-node failure rates, scaled by the "
              "job's size].")
@@ -179,9 +186,9 @@ FP8_GATHER_HELP = (
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
-    --precision, --optimizer, --flash-attention, --tp-comm-overlap, --te-attention, --ep-comm-overlap,
-    --moe-imbalance, --moe-dispatcher, --moe-capacity-factor, --fp8-param-gather, --precision-aware-optimizer, --zeropp,
-    --dropout, --mtbf-hours and --mtp-layers (the booleans with their --no- forms).
+    --precision, --optimizer, --flash-attention, --tp-comm-overlap, --te-attention, --ep-comm-overlap, --moe-imbalance,
+    --moe-dispatcher, --moe-capacity-factor, --recompute-modules, --fp8-param-gather, --precision-aware-optimizer,
+    --zeropp, --dropout, --mtbf-hours and --mtp-layers (the booleans with their --no- forms).
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -219,6 +226,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--moe-imbalance", type=float, default=None, metavar="F", help=MOE_IMBALANCE_HELP),
         click.option("--moe-dispatcher", type=click.Choice(DISPATCHERS), default=None, help=DISPATCHER_HELP),
         click.option("--moe-capacity-factor", type=float, default=None, metavar="F", help=MOE_CAPACITY_HELP),
+        click.option("--recompute-modules", default=None, metavar="LIST", help=RECOMPUTE_MODULES_HELP),
         click.option("--fp8-param-gather/--no-fp8-param-gather", default=None, help=FP8_GATHER_HELP),
         click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None, help=PAO_HELP),
         click.option("--zeropp", "zero_pp", default=None, metavar="LIST", help=ZEROPP_HELP),

@@ -34,7 +34,7 @@ from planner.cost.comm_overlap import overlapped_ep, overlapped_tp
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.measured_blocks import LayerProfile, as_measured, measured_act, measured_for, measured_ratios
-from planner.cost.moe_dispatch import FLEX_SMS, flex_backend, flex_jobs, tp_ep_shape
+from planner.cost.moe_dispatch import flex_jobs, flex_sm_share, tp_ep_shape
 from planner.cost.paid import Paid
 from planner.cost.parallel import RECOMPUTES, Workload
 from planner.cost.run_model import RunModel
@@ -116,7 +116,8 @@ def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> tuple
 def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device, which: str = "gemms") -> np.ndarray:
     """[b, block] seconds of every block's GEMMs (``which``: another tuple of a block's GEMMs) at
     each micro-batch size."""
-    rows = [(j, g.tokens, g.n, g.k, g.batch, g.low) for j, c in enumerate(costs) for g in getattr(c, which)]
+    rows = [(j, g.tokens, g.n, g.k, g.batch, g.low) for j, c in enumerate(costs)
+            for g in (c.rerun.gemms if which == "rerun_gemms" else getattr(c, which))]
     out = np.zeros((len(bs), len(costs)))
     if not rows:
         return out
@@ -195,7 +196,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
         return np.array(values, dtype=float).reshape(n_groups, n_blocks)
 
     ckpt = per_block([c.checkpointed for c in costs]) > 0
-    has_attn = per_block([c.attn is not None for c in costs]) > 0
+    has_attn = per_block([c.attn is not None and c.extra.get("sel_attn", 1.0) > 0 for c in costs]) > 0  # core_attn
     op_sac = per_block([c.extra.get("op_sac", 0.0) for c in costs]) > 0  # op_sac prices the block's own ops
     fwd, bwd, rc, gemm, te, attn = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt, has_attn, op_sac)
     if measured is not None:
@@ -212,7 +213,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
             cp_t[g, RECOMPUTES.index("selective")] += np.where(has_attn[g], f, 0.0)
             cp_t[g, RECOMPUTES.index("op")] += np.where(ckpt[g] & ~op_sac[g], f, 0.0)  # per-op SAC keeps SDPA's
     sizes = np.array([tp_shape.size for _, tp_shape, _ in groups], dtype=float)
-    share = _flex_sm_share(per_block(["flex_topk" in c.extra for c in costs]) > 0, cluster, dev)
+    share = flex_sm_share(per_block(["flex_topk" in c.extra for c in costs]) > 0, cluster, dev.sms)
     fields = {
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes),
         "ep_ov": overlapped_ep(ep, fwd - te["te_f"], bwd - te["te_b"], share), **te,
@@ -263,7 +264,11 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     score = spread(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in uniq])[None, :] * bs[:, None], dev))
     rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
     rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
-    rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0)
+    # Megatron's selective recompute: the attention core where its modules name it, and what the
+    # other chosen modules run again (LayerCost.rerun: their GEMMs and memory-bound work).
+    again = spread(_gemms(uniq, bs, dev, "rerun_gemms")
+                   + eff.hbm_time(np.array([c.rerun.traffic for c in uniq])[None, :] * bs[:, None], dev))
+    rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0) + again
     rc[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], fwd - spread(attn_f + kept),
                                              rc[:, RECOMPUTES.index("full")])
     save_f, save_b = np.zeros_like(attn_f), np.zeros_like(attn_b)
@@ -278,19 +283,12 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
             (spread(attn_f - save_f), spread(attn_b - save_b)))
 
 
-def _flex_sm_share(flex: np.ndarray, cluster: Cluster, dev: eff.Device) -> np.ndarray:
-    """[group, block] share of the GPU's SMs the flex dispatcher's kernels hold (moe_dispatch.FLEX_SMS)
-    in the blocks that dispatch with it (``flex``), 0 elsewhere."""
-    if not flex.any():
-        return np.zeros(flex.shape)
-    return np.where(flex, min(1.0, FLEX_SMS[flex_backend(cluster.profile)] / dev.sms), 0.0)
-
-
 def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,
                       ckpt: np.ndarray, count: np.ndarray, op_sac: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """TP and EP seconds per [group, mode, b, block]: the TP collectives forward and backward,
-    again forward for a block recomputed in full (under per-op SAC its all-gathers only);
-    ``count`` all-to-alls per pass, 2 passes, 3 when recomputed."""
+    again forward for a block recomputed in full (under per-op SAC its all-gathers only; under
+    selective recompute those of the checkpointed MLPs, LayerCost.rerun); ``count`` all-to-alls
+    per pass, 2 passes, 3 when recomputed."""
     jobs, flex = [], []
     for group, tp_shape, ep_shape in groups:
         legs = flex_jobs(group, ep_shape)
@@ -301,15 +299,17 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
                       for c, g in zip(group, gather)]
         jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
                  (tp_shape, [[op for op in c.tp_fwd if op[0] == "allgather"] for c in group]),
-                 (ep_shape, a2a_ops), *legs, (tp_ep_shape(cluster, ep_shape) if any(gather) else ep_shape, gather_ops)]
+                 (ep_shape, a2a_ops), *legs, (tp_ep_shape(cluster, ep_shape) if any(gather) else ep_shape, gather_ops),
+                 (tp_shape, [list(c.rerun.tp) for c in group])]
     comms = _comm(cluster, jobs, bs)
-    base_tp, again_tp, gathers, a2a, rail, node, gathered = (comms[k::7] for k in range(7))  # [group, b, block]
+    base_tp, again_tp, gathers, a2a, rail, node, gathered, rerun = (comms[k::8] for k in range(8))  # [group, b, block]
     a2a = np.where(np.array(flex)[:, None, :], np.maximum(rail, node), a2a) + gathered  # flex: the legs pipelined
     # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
     again = np.zeros((len(groups), len(RECOMPUTES), 1, ckpt.shape[1]), dtype=bool)
     again[:, RECOMPUTES.index("full"), 0] = again[:, RECOMPUTES.index("op"), 0] = ckpt
     tp = base_tp[:, None] + np.where(again, again_tp[:, None], 0.0)
     tp[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], base_tp + gathers, tp[:, RECOMPUTES.index("op")])
+    tp[:, RECOMPUTES.index("selective")] += rerun
     ep = (2.0 + again) * count[:, None, None, :] * a2a[:, None]
     return tp, ep
 

@@ -40,6 +40,7 @@ class RunFacts:
     mtp: bool = False  # trains a multi-token-prediction module (ModelSpec.mtp_layers)
     ep_overlap: bool = False  # Workload.ep_comm_overlap: the expert all-to-alls overlapped where the runtime can
     dispatcher: str = "alltoall"  # Workload.moe_dispatcher (planner/cost/moe_dispatch.py)
+    modules: tuple[str, ...] = ("core_attn",)  # Workload.recompute_modules: what selective recompute runs again
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,11 @@ RULES: tuple[Rule, ...] = (
          lambda c, x: f"{arg('recompute')} op is torchtitan's per-op selective activation checkpointing; framework "
                       f"{c.framework} has none: use {arg('recompute')} full or none"
                       + (" (or selective, Megatron's attention-core recompute)" if c.framework == "megatron" else "")),
+    # Megatron-Core's --recompute-modules; Megatron-DeepSpeed's selective recompute is the attention core only.
+    Rule(None, lambda c, x: x.modules != ("core_attn",) and (c.recompute == "selective") & (c.framework != "megatron"),
+         lambda c, x: f"{arg('recompute_modules')} {','.join(x.modules)} is Megatron-Core's selective recompute; "
+                      f"framework {c.framework} recomputes no such modules: use {arg('framework')} megatron, "
+                      f"or {arg('recompute')} full or none"),
     Rule("deepspeed", lambda c, x: c.recompute == "selective",
          lambda c, x: f"framework deepspeed checkpoints whole layers only; use {arg('recompute')} full/none or "
                       f"{arg('framework')} megatron for selective recompute"),
@@ -330,14 +336,15 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
                     precision: str, mla: bool = False, positions: str = "rope", model: str = "",
                     precision_aware_optimizer: bool = False, expert_bias: bool = False,
                     window: bool = False, zero_pp: tuple[str, ...] = (), mtp: bool = False,
-                    ep_overlap: bool = False, dispatcher: str = "alltoall") -> None:
+                    ep_overlap: bool = False, dispatcher: str = "alltoall",
+                    modules: tuple[str, ...] = ("core_attn",)) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
     ``precision`` is what ``--precision`` names: a working precision or a TE recipe."""
     work, recipe = split_precision(precision)
     facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
-                     precision_aware_optimizer, expert_bias, window, zero_pp, mtp, ep_overlap, dispatcher)
+                     precision_aware_optimizer, expert_bias, window, zero_pp, mtp, ep_overlap, dispatcher, modules)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -365,12 +372,13 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
 
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str,
                         precision_aware_optimizer: bool = False, zero_pp: tuple[str, ...] = (),
-                        ep_overlap: bool = False, dispatcher: str = "alltoall") -> None:
+                        ep_overlap: bool = False, dispatcher: str = "alltoall",
+                        modules: tuple[str, ...] = ("core_attn",)) -> None:
     """``check_framework`` with the facts of ``model`` its rules read (the one place that
     picks them; the search passes them hoisted, since it asks thousands of times)."""
     check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision,
                     precision_aware_optimizer=precision_aware_optimizer, zero_pp=zero_pp, ep_overlap=ep_overlap,
-                    dispatcher=dispatcher)
+                    dispatcher=dispatcher, modules=modules)
 
 
 def model_facts(model: "ModelSpec") -> dict[str, Any]:

@@ -20,6 +20,11 @@ MASK = 1  # bytes of a dropout mask element (Korthikanti: "sbh" for a mask of s*
 # layer, and torchtitan's per-op selective activation checkpointing ("op": transformer_layers.py
 # op_sac). Appended, never reordered: block tables and search columns index it.
 RECOMPUTE_MODES = ("none", "selective", "full", "op")
+# Megatron-Core's --recompute-modules that dsplan prices (transformer_config.py): what its
+# selective recompute runs again. "core_attn" is Megatron's default; "layernorm", "moe_act" and
+# "mla_up_proj" discard their outputs (CheckpointWithoutOutput), "mlp" and "shared_experts"
+# checkpoint the module. "moe" (the whole MoE layer, dispatch again) is not priced.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "shared_experts")
 _NO_EXTRA: Mapping[str, float] = MappingProxyType({})
 
 
@@ -39,6 +44,23 @@ class Gemm(NamedTuple):
     @property
     def flops(self) -> float:
         return 2.0 * self.tokens * self.n * self.k * self.batch
+
+
+class Rerun(NamedTuple):
+    """What one recompute module of a block runs again and frees, per sample on one GPU: the
+    GEMMs, the memory-bound bytes, the TP collectives, and the stored bytes it no longer keeps."""
+
+    gemms: tuple[Gemm, ...] = ()
+    traffic: float = 0.0
+    tp: tuple[tuple[str, float], ...] = ()
+    saved: float = 0.0
+
+    def __add__(self, other: "Rerun") -> "Rerun":  # type: ignore[override]
+        return Rerun(self.gemms + other.gemms, self.traffic + other.traffic, self.tp + other.tp,
+                     self.saved + other.saved)
+
+
+NO_RERUN = Rerun()
 
 
 class AttnCore(NamedTuple):
@@ -103,6 +125,9 @@ class LayerCost(NamedTuple):
     # The GEMMs whose outputs torchtitan's per-op SAC keeps (recompute mode "op"): the rest of the
     # block's forward runs again in its backward, its attention core and TP reduce-scatters aside.
     sac_saved: tuple[Gemm, ...] = ()
+    # What Megatron's selective recompute runs again beside the attention core (which
+    # extra["sel_attn"] says it recomputes): the chosen modules' Rerun summed (LayerContext.modules).
+    rerun: Rerun = NO_RERUN
 
     @property
     def low_params(self) -> float:
@@ -143,6 +168,7 @@ class LayerContext:
     allgather: bool = False  # Workload.moe_dispatcher allgather (moe_dispatch.py)
     capacity: float = 0.0  # Workload.moe_capacity_factor: every expert padded to it (0: dropless)
     vocab_parallel: bool = True  # False: AutoTP's whole vocabulary (frameworks.Traits.vocab_parallel)
+    modules: frozenset[str] = frozenset({"core_attn"})  # Workload.recompute_modules (RECOMPUTE_MODULES)
 
     @property
     def expert_tp(self) -> int:

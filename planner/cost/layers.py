@@ -71,7 +71,8 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
     ctx = LayerContext(tp, sp, ep, workload.flash_attention, workload.dropout, uses_rope(model),
                        RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance, etp,
                        workload.moe_dispatcher == "flex", allgather=workload.moe_dispatcher == "allgather",
-                       capacity=workload.moe_capacity_factor or 0.0, vocab_parallel=vocab_parallel)
+                       capacity=workload.moe_capacity_factor or 0.0, vocab_parallel=vocab_parallel,
+                       modules=frozenset(workload.recompute_modules))
     s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []

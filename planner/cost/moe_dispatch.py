@@ -55,6 +55,16 @@ def flex_backend(profile: HardwareProfile) -> str:
     return "hybridep" if "fp4" in profile.gpu.peak_TFLOPs else "deepep"
 
 
+def flex_sm_share(flex, cluster: Cluster, sms: int):
+    """[group, block] share of the GPU's ``sms`` the flex dispatcher's kernels hold (FLEX_SMS) in
+    the blocks that dispatch with it (``flex``, a boolean array), 0 elsewhere."""
+    import numpy as np
+
+    if not flex.any():
+        return np.zeros(flex.shape)
+    return np.where(flex, min(1.0, FLEX_SMS[flex_backend(cluster.profile)] / sms), 0.0)
+
+
 def check_dispatcher(dispatcher: str, profile: HardwareProfile) -> None:
     """One clear error where the GPUs cannot run the flex dispatcher: DeepEP and HybridEP need
     NVIDIA Hopper or newer (sm_90 PTX) with NVLink between the GPUs of a node."""

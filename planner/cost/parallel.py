@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
-from planner.cost.layer_cost import RECOMPUTE_MODES
+from planner.cost.layer_cost import RECOMPUTE_MODES, RECOMPUTE_MODULES
 from planner.cost.measured_blocks import LayerProfile
 from planner.cost.precision import RECIPE_NAMES
 from planner.errors import UserError, arg
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 Framework = Literal["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Recompute = Literal["none", "selective", "full", "op"]
+RecomputeModule = Literal["core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "shared_experts"]
 Precision = Literal["bf16", "fp16", "fp32"]
 RecipeName = Literal["fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 PrecisionName = Literal["bf16", "fp16", "fp32", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
@@ -147,6 +148,10 @@ class Workload(BaseModel):
     # Multi-token-prediction depths trained beside the model (DeepSeek-V3's MTP module, Megatron-Core's
     # --mtp-num-layers; model.spec.MTPBlock): None keeps the model's own (num_nextn_predict_layers).
     mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)
+    # What Megatron's selective recompute runs again (--recompute-modules; layer_cost.RECOMPUTE_MODULES):
+    # its default, the attention core, or the modules NVIDIA's MoE recipes pick (DeepSeek-V3:
+    # mla_up_proj; GPT-OSS: layernorm, moe_act), which free more for a little memory-bound work.
+    recompute_modules: tuple[RecomputeModule, ...] = Field(("core_attn",), min_length=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +179,11 @@ class Workload(BaseModel):
     @classmethod
     def _zero_pp_order(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(k for k in ZERO_PP if k in value)
+
+    @field_validator("recompute_modules", mode="after")
+    @classmethod
+    def _modules_order(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(m for m in RECOMPUTE_MODULES if m in value)
 
     def trained(self, model: "ModelSpec") -> "ModelSpec":
         """``model`` as this workload trains it: with ``mtp_layers`` MTP depths when given."""

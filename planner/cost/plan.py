@@ -129,7 +129,7 @@ class Plan:
             "precision_aware_optimizer": w.precision_aware_optimizer, "ep_comm_overlap": w.ep_comm_overlap,
             "moe_imbalance": w.moe_imbalance, "mtbf_hours": w.mtbf_hours, "zero_pp": list(w.zero_pp),
             "mtp_layers": w.mtp_layers, "moe_dispatcher": w.moe_dispatcher,
-            "moe_capacity_factor": w.moe_capacity_factor,
+            "moe_capacity_factor": w.moe_capacity_factor, "recompute_modules": list(w.recompute_modules),
             "layer_profile": w.layer_profile.summary() if w.layer_profile else None,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,

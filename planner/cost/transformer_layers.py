@@ -4,7 +4,7 @@ Korthikanti et al. 2022 (arXiv:2205.05198) Eq. 1-6 write it, tensor by tensor.""
 
 from __future__ import annotations
 
-from planner.cost.layer_cost import ACT, MASK, AttnCore, Gemm, LayerContext, LayerCost, mirrored
+from planner.cost.layer_cost import ACT, MASK, NO_RERUN, AttnCore, Gemm, LayerContext, LayerCost, Rerun, mirrored
 from planner.errors import UserError, arg
 from planner.model.spec import DecoderBlock, DenseMLP, MoEMLP, VisionBlock, norm_params
 
@@ -46,12 +46,27 @@ def _attention_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
         out_in = qw
     gemms.append(Gemm(tokens, h, int(out_in / t)))
     gemms = [g._replace(low=ctx.recipe is not None) for g in gemms]
+    reruns = {"mla_up_proj": _mla_up_rerun(b, tokens, ctx, gemms)} if a.kind == "mla" else {}
     shard_store += ctx.linear_input_bytes * out_in  # output-projection input
     shard_params += out_in * h + (a.heads if a.sinks else 0)  # a sink logit per head, split with the heads
     repl_params += h if a.out_bias else 0
     core = AttnCore(1, tokens, heads, qk, v, causal=True, flash=ctx.flash, dropout=ctx.dropout, context=ctx.cp,
                     window=a.window)
-    return gemms, core, repl_store, shard_store, repl_params, shard_params
+    return gemms, core, repl_store, shard_store, repl_params, shard_params, reruns
+
+
+def _mla_up_rerun(b: DecoderBlock, tokens: int, ctx: LayerContext, gemms: list[Gemm]) -> Rerun:
+    """Megatron-Core's "mla_up_proj" recompute (multi_latent_attention.py): the query and key-value
+    up-projections and the RoPE application run again in backward, so Q, K and V are not kept;
+    the latents they start from are. Under a recipe the two latents are quantized again."""
+    a, t = b.attention, ctx.tp
+    m = a.mla
+    assert m is not None
+    up = [gemms[1], gemms[3]] if m.q_lora_rank else [gemms[0], gemms[2]]  # without a q latent: q from h
+    qkv = ACT * a.heads * (2 * m.q_head_dim + m.v_head_dim) / t  # Q, K, V written contiguous, kept otherwise
+    quant = ctx.recipe.quantize_bytes_per_element() * (
+        (m.q_lora_rank or b.hidden) + m.kv_lora_rank) if ctx.recipe else 0.0
+    return Rerun(tuple(up), tokens * (2 * ACT * _rope_width(b) / t + qkv + quant), (), tokens * qkv)
 
 
 def _cp_bytes(b: DecoderBlock, tokens: int, ctx: LayerContext) -> dict[str, float]:
@@ -92,18 +107,21 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     if isinstance(mlp, DenseMLP):
         g, stored, traffic = _ffn(mlp.ffn, mlp.gated, tokens, h, t, 1, ctx)
         out_bias = h if mlp.bias else 0
-        return g, 0.0, stored / tokens, out_bias, mlp.params(h) - out_bias, 0.0, traffic / tokens, 0.0, 0, pair
+        rerun = {"mlp": _module_rerun(g, traffic, stored / t, tokens, h, ctx)}
+        return (g, 0.0, stored / tokens, out_bias, mlp.params(h) - out_bias, 0.0, traffic / tokens, 0.0, 0, pair,
+                rerun)
     assert isinstance(mlp, MoEMLP)
     gated = mlp.act == "swiglu"
     e, k, et = mlp.routed_experts, mlp.top_k, ctx.expert_tp
     gemms = [Gemm(tokens, e, h)]  # router, replicated
     repl = 2 * 4.0 * e  # fp32 router logits and probabilities
-    shard, traffic = 0.0, 0.0
+    shard, traffic, reruns = 0.0, 0.0, {}
     if mlp.shared_ffn:
         g, stored, tr = _ffn(mlp.shared_ffn, gated, tokens, h, t, 1, ctx)
         gemms += g
         shard += stored / tokens
         traffic += tr / tokens
+        reruns["shared_experts"] = _module_rerun(g, tr, stored / t, tokens, h, ctx)
     # Routed experts (Megatron-Core's alltoall dispatcher): each rank routes the tokens it holds
     # (tokens / tp under sequence parallelism), sends top_k copies of each over EP, and the
     # expert-TP group of ``et`` ranks gathers what its ranks received: the grouped GEMMs of the
@@ -117,6 +135,7 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
     g, stored, tr = _ffn(mlp.expert_ffn, gated, gathered / local, h, et, local, ctx)
     gemms += g
     shard += stored * t / et / tokens
+    reruns["moe_act"] = _moe_act_rerun(gathered * mlp.expert_ffn / et, tr, ctx)
     # Kept for backward: the experts' (gathered) input and the outputs awaiting combine (held).
     shard += copies * ACT * h * (et + held * t)
     traffic += tr / tokens + copies * 4 * ACT * h * held  # permute + unpermute: read and write each copy
@@ -135,8 +154,25 @@ def _mlp_parts(b: DecoderBlock, tokens: int, ctx: LayerContext):
         traffic += 2 * ACT * h * group / tokens
         shared = ctx.tp_pair(tokens * h * ACT) if mlp.shared_ffn else ()
         return (gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic,
-                group * h * ACT, 1, shared)
-    return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2, pair
+                group * h * ACT, 1, shared, reruns)
+    return gemms, repl, shard, mlp.gate_params(h), mlp.shared_params(h), expert_rank, traffic, a2a, 2, pair, reruns
+
+
+def _moe_act_rerun(fc2_in: float, traffic: float, ctx: LayerContext) -> Rerun:
+    """"moe_act" (experts.py): the experts' activation (``traffic``) runs again from the kept fc1
+    output, so their ``fc2_in`` input elements (quantized under a recipe, again then) are not kept."""
+    quant = ctx.recipe.quantize_bytes_per_element() * fc2_in if ctx.recipe else 0.0
+    return Rerun((), traffic + quant, (), fc2_in * ctx.linear_input_bytes)
+
+
+def _module_rerun(gemms: list[Gemm], traffic: float, stored: float, tokens: int, h: int,
+                  ctx: LayerContext) -> Rerun:
+    """A checkpointed MLP ("mlp", "shared_experts"): its forward again, TP collectives included
+    (its input kept by the checkpoint), none of its inner tensors kept (``stored`` per GPU).
+    Under a recipe its GEMMs' inputs are quantized again."""
+    quant = ctx.recipe.quantize_bytes_per_element() * sum(g.tokens * g.k * g.batch for g in gemms if g.low) \
+        if ctx.recipe else 0.0
+    return Rerun(tuple(gemms), traffic + quant, ctx.tp_pair(tokens * h * ACT), stored)
 
 
 def flex_routing(mlp: MoEMLP) -> dict[str, float]:
@@ -167,8 +203,8 @@ def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx
 
 def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCost:
     h = b.hidden
-    ag, core, a_repl, a_shard, a_rp, a_sp = _attention_parts(b, s, ctx)
-    mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count, m_tp = _mlp_parts(b, s, ctx)
+    ag, core, a_repl, a_shard, a_rp, a_sp, a_rerun = _attention_parts(b, s, ctx)
+    mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count, m_tp, m_rerun = _mlp_parts(b, s, ctx)
     if ctx.rope:  # fused RoPE reads and writes the rotary part of Q and K once
         m_traffic += 2 * ACT * _rope_width(b) / ctx.tp
     if b.attention.qk_norm:  # QK-norm reads and writes every query and key head once
@@ -178,7 +214,7 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
                                                                     for g in ag + mg if g.low) / s
     cost = _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
-                              a2a, a2a_count, ctx, m_tp)
+                              a2a, a2a_count, ctx, m_tp, {**a_rerun, **m_rerun})
     cp = _cp_bytes(b, s, ctx)
     cost = cost._replace(extra={**cost.extra, **cp}) if cp else cost
     if ctx.flex and isinstance(b.mlp, MoEMLP) and a2a:
@@ -234,9 +270,12 @@ def vision_cost(i: int, b: VisionBlock, tiles: int, patches: int, ctx: LayerCont
 
 
 def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl, shard, repl_params, shard_params,
-                       expert_rank, mlp_traffic, a2a, a2a_count, ctx: LayerContext, mlp_tp=None) -> LayerCost:
+                       expert_rank, mlp_traffic, a2a, a2a_count, ctx: LayerContext, mlp_tp=None,
+                       reruns: dict[str, Rerun] | None = None) -> LayerCost:
     """Assemble a pre-norm transformer layer (Korthikanti Eq. 1 layout) from its parts; the
-    MLP's TP collectives are ``mlp_tp`` (default: the dense MLP's pair, as the attention's)."""
+    MLP's TP collectives are ``mlp_tp`` (default: the dense MLP's pair, as the attention's).
+    ``reruns``: what each of Megatron's recompute modules of the layer runs again and frees;
+    selective recompute keeps what the chosen ones (``ctx.modules``) do not."""
     t = ctx.tp
     # Replicated per token: two norm inputs, attention input, MLP input (4 x 2h = 8h), plus a
     # dropout mask after attention and after the MLP (2 x 1h): Korthikanti's 10sbh. Under a TE
@@ -245,7 +284,14 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     repl = 2 * ACT * h + 2 * linear_in * h + (2 * MASK * h if ctx.dropout else 0) + extra_repl
     scores = _score_bytes(core) / tokens if tokens else 0.0
     stored_none = ctx.repl(repl) + shard / t + scores
-    stored_sel = stored_none - (scores if not core.flash else 0.0)
+    # "layernorm" (transformer_layer.py): both norms run again, their outputs (the QKV and fc1
+    # GEMMs' inputs, saved unquantized then, TE re-quantizing in backward) not kept.
+    quant = 2 * ctx.recipe.quantize_bytes_per_element() * h if ctx.recipe and kind == "decoder" else 0.0
+    norms = Rerun((), tokens * ctx.repl(2 * 2 * ACT * h + quant), (), tokens * ctx.repl(2 * linear_in * h))
+    rerun = sum((r for m, r in {**(reruns or {}), "layernorm": norms}.items() if m in ctx.modules), NO_RERUN)
+    attn_again = "core_attn" in ctx.modules
+    freed = rerun.saved / tokens if tokens else 0.0
+    stored_sel = stored_none - (scores if attn_again and not core.flash else 0.0) - freed
     checkpoint = ctx.repl(ACT * h)  # full recompute keeps the layer input only
     # Per-op SAC keeps less than "none" and more than "full"; until op_sac prices a layer's own
     # ops it is the full recompute's (torchtitan's rules refuse it where op_sac does not apply).
@@ -263,5 +309,5 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     bwd = mirrored(tp)
     return LayerCost(i, kind, params, repl_params + shard_params / t, expert_rank, tokens, h, tuple(gemms), core,
                      per_tok * tokens, act, stored_none * tokens, tp, bwd, a2a, a2a_count, True,
-                     {"score_hbm": score_tok * tokens})
+                     {"score_hbm": score_tok * tokens, "sel_attn": float(attn_again)}, rerun=rerun)
 

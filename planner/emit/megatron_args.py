@@ -233,6 +233,8 @@ def _training_args(plan: PlanFile, settings: TrainSettings, bigscience: bool = F
             args.append(_a("--fp8-param-gather"))  # as priced
     if plan.recompute == "selective":
         args.append(_a("--recompute-granularity", "selective"))
+        if plan.recompute_modules != ("core_attn",):  # Megatron-Core's default otherwise (Workload.recompute_modules)
+            args.append(_a("--recompute-modules", " ".join(plan.recompute_modules), raw=True))
     elif plan.recompute == "full" and bigscience:
         args.append(_a("--checkpoint-activations"))  # whole layers, as the fork checkpoints them
     elif plan.recompute == "full":

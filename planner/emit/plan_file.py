@@ -28,6 +28,7 @@ from planner.cost.parallel import (
     ParallelConfig,
     PrecisionName,
     Recompute,
+    RecomputeModule,
     Workload,
     ZeroPP,
 )
@@ -73,6 +74,7 @@ class PlanFile(BaseModel):
     moe_imbalance: float = Field(1.0, ge=1.0, le=MAX_MOE_IMBALANCE)  # busiest EP rank's tokens / mean (Workload)
     moe_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"  # Megatron-Core's token dispatcher (Workload)
     moe_capacity_factor: float | None = Field(None, gt=0, le=MAX_MOE_IMBALANCE)  # None: dropless (Workload)
+    recompute_modules: tuple[RecomputeModule, ...] = Field(("core_attn",), min_length=1)  # selective's (Workload)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
     mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)  # MTP depths trained (Workload; None: the model's)
     optimizer: Optimizer = "adamw"
@@ -127,7 +129,7 @@ class PlanFile(BaseModel):
             fp8_param_gather=self.fp8_param_gather, precision_aware_optimizer=self.precision_aware_optimizer,
             ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance, mtbf_hours=self.mtbf_hours,
             zero_pp=self.zero_pp, mtp_layers=self.mtp_layers, moe_dispatcher=self.moe_dispatcher,
-            moe_capacity_factor=self.moe_capacity_factor,
+            moe_capacity_factor=self.moe_capacity_factor, recompute_modules=self.recompute_modules,
         )
 
     @property

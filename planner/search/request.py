@@ -51,7 +51,7 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
                          recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer,
                          zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
-                         dispatcher=workload.moe_dispatcher)
+                         dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
@@ -151,7 +151,7 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
                                     precision=workload.precision_name,
                                     precision_aware_optimizer=workload.precision_aware_optimizer,
                                     zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
-                                    dispatcher=workload.moe_dispatcher)
+                                    dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules)
             except UserError as err:
                 text += f" ({marked(err)})"
         why.append(text)

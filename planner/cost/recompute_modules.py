@@ -1,0 +1,65 @@
+"""Megatron-Core's selective recompute modules (--recompute-modules): which a model can use.
+
+What each module runs again and frees is priced per block in transformer_layers.py
+(LayerCost.rerun); this module reads the user's list and refuses the ones that name nothing in
+the model, or that Megatron-Core refuses (transformer_config.py __post_init__).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from planner.cost.layer_cost import RECOMPUTE_MODULES
+from planner.errors import UserError, arg
+
+if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
+    from planner.model.spec import ModelSpec
+
+DEFAULT = ("core_attn",)  # Megatron-Core's default for --recompute-granularity selective
+
+
+def parse_recompute_modules(value: "str | Sequence[str] | None") -> tuple[str, ...]:
+    """'moe_act,layernorm' (or a sequence) -> the modules in RECOMPUTE_MODULES order."""
+    if value is None:
+        return DEFAULT
+    items = [v.strip().lower() for v in (value.split(",") if isinstance(value, str) else value)]
+    items = [v for v in items if v]
+    bad = [v for v in items if v not in RECOMPUTE_MODULES]
+    if bad or not items:
+        what = f"unknown module {bad[0]!r}" if bad else "no module given"
+        raise UserError(f"{arg('recompute_modules')}: {what}; give a comma list of {', '.join(RECOMPUTE_MODULES)} "
+                        f"(Megatron-Core's selective recompute; its whole-MoE-layer 'moe' is not priced)")
+    return tuple(m for m in RECOMPUTE_MODULES if m in items)
+
+
+def _present(model: "ModelSpec") -> set[str]:
+    """The modules that name something in ``model``'s decoder layers."""
+    from planner.model.spec import DecoderBlock, DenseMLP, MoEMLP
+
+    out = {"core_attn", "layernorm"}
+    for b in model.blocks:
+        layer = getattr(b, "layer", b)
+        if not isinstance(layer, DecoderBlock):
+            continue
+        out |= {"mla_up_proj"} if layer.attention.kind == "mla" else set()
+        out |= {"mlp"} if isinstance(layer.mlp, DenseMLP) else set()
+        if isinstance(layer.mlp, MoEMLP):
+            out |= {"moe_act"} | ({"shared_experts"} if layer.mlp.shared_ffn else set())
+    return out
+
+
+def check_recompute_modules(modules: tuple[str, ...], model: "ModelSpec", recipe: str | None) -> None:
+    """One clear message for a module ``model`` does not have, or one the recipe cannot recompute."""
+    if modules == DEFAULT:
+        return
+    missing = [m for m in modules if m not in _present(model)]
+    if missing:
+        raise UserError(f"{arg('recompute_modules')}: {model.name} has nothing for {', '.join(missing)} to recompute "
+                        f"(mla_up_proj needs multi-latent attention, moe_act a mixture-of-experts layer, "
+                        f"shared_experts shared experts, mlp a dense MLP layer); drop "
+                        f"{'it' if len(missing) == 1 else 'them'}")
+    if recipe == "fp8-delayed" and {"moe_act", "layernorm"} & set(modules):
+        raise UserError(f"{arg('recompute_modules')}: Megatron-Core recomputes moe_act and layernorm under FP8 with "
+                        f"current or block scaling only; use {arg('precision')} fp8-tensorwise, fp8-blockwise or "
+                        f"mxfp8, or drop moe_act and layernorm")
