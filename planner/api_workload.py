@@ -36,7 +36,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     search's default batch, planner/cost/degrees.py), the model's default images and tiles per
     sample for vision-language models, and its own multi-token-prediction depths unless
     ``mtp_layers`` says how many (0: the main model only). ``recompute_modules``: what
-    Megatron's selective recompute runs again (a comma list; default its attention core).
+    Megatron's selective recompute runs again (a comma list; default "auto":
+    recompute_modules.auto_modules).
 
     >>> make_workload("vl2", gpus=64).global_batch
     1024
@@ -57,9 +58,12 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     from planner.cost.measured_blocks import as_layer_profile
     _check_knobs(moe_imbalance, mtbf_hours, mtp_layers, moe_dispatcher, moe_capacity_factor)
-    from planner.cost.recompute_modules import check_recompute_modules, parse_recompute_modules
+    from planner.cost.recompute_modules import auto_modules, check_recompute_modules, parse_recompute_modules
     modules = parse_recompute_modules(recompute_modules)
-    check_recompute_modules(modules, spec, precision)
+    if modules is None:
+        modules = auto_modules(spec, flash_attention, precision)
+    else:
+        check_recompute_modules(modules, spec, precision)
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,

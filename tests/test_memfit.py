@@ -276,3 +276,25 @@ def test_interleaved_pipeline_rebalanced_within_memory(monkeypatch) -> None:
     monkeypatch.setattr(memfit, "MAX_REBALANCED", 0)  # without rebalancing, the best plan left is slower
     assert suggest("llama-3.1-70b", nodes=4, constraints=cons, top=1,
                    tp_comm_overlap=False).plans[0].plan.tokens_per_s < plan.tokens_per_s
+
+
+def test_megatrons_even_split_is_tried_where_the_chunk_bound_finds_no_split(monkeypatch) -> None:
+    """GB300 Llama 3.1 405B as NVIDIA's Megatron-Bridge 25.11 recipe runs it (TP 2, PP 8 x VP 4,
+    CP 2, micro-batch 1, FP8-CS, layernorm recompute): Megatron's even split fits at 284.9 of
+    288 GiB, but stage_memory holds each of a rank's 4 chunks to a quarter of its room, which the
+    chunks carrying the embedding and the head overflow. The search tries the even split, priced
+    exactly as estimate prices it; without that it finds no plan."""
+    model = load_model("llama-3.1-405b")
+    cluster = Cluster.build(load_profile("gb300-nvl72"), 64)
+    cons = Constraints(tp=(2,), pp=(8,), virtual_stages=(4,), cp=(2,), micro_batch=(1,), zero=(1,),
+                       recompute=("selective",), framework=("megatron",), sequence_parallel=(True,))
+    kw = dict(global_batch=1536, seq_len=8192, precision="fp8-tensorwise", recompute_modules=("layernorm",),
+              constraints=cons, top=1)
+    plan = suggest(model, cluster.profile, 64, **kw).plans[0].plan
+    even = estimate(model, cluster, plan.workload, plan.cfg)  # Megatron's even split
+    assert plan.partition == even.partition and plan.fits
+    assert plan.memory.peak == pytest.approx(even.memory.peak, rel=1e-9)
+    assert plan.memory.peak > 0.98 * cluster.profile.gpu.memory_bytes  # at the edge: why the bound misses it
+    monkeypatch.setattr(memfit, "megatron_split", lambda *a, **k: None)
+    with pytest.raises(NoPlanFits):
+        suggest(model, cluster.profile, 64, **kw)

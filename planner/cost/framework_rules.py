@@ -160,10 +160,10 @@ RULES: tuple[Rule, ...] = (
                       f"{c.framework} has none: use {arg('recompute')} full or none"
                       + (" (or selective, Megatron's attention-core recompute)" if c.framework == "megatron" else "")),
     # Megatron-Core's --recompute-modules; Megatron-DeepSpeed's selective recompute is the attention core only.
-    Rule(None, lambda c, x: x.modules != ("core_attn",) and (c.recompute == "selective") & (c.framework != "megatron"),
-         lambda c, x: f"{arg('recompute_modules')} {','.join(x.modules)} is Megatron-Core's selective recompute; "
-                      f"framework {c.framework} recomputes no such modules: use {arg('framework')} megatron, "
-                      f"or {arg('recompute')} full or none"),
+    Rule("megatron-deepspeed", lambda c, x: x.modules != ("core_attn",) and c.recompute == "selective",
+         lambda c, x: f"framework megatron-deepspeed's selective recompute is the attention core only (which frees "
+                      f"nothing under FlashAttention), not {arg('recompute_modules')} {','.join(x.modules)}: use "
+                      f"{arg('recompute')} full or none, or {arg('framework')} megatron"),
     Rule("deepspeed", lambda c, x: c.recompute == "selective",
          lambda c, x: f"framework deepspeed checkpoints whole layers only; use {arg('recompute')} full/none or "
                       f"{arg('framework')} megatron for selective recompute"),

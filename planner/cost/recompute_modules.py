@@ -19,10 +19,10 @@ if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
 DEFAULT = ("core_attn",)  # Megatron-Core's default for --recompute-granularity selective
 
 
-def parse_recompute_modules(value: "str | Sequence[str] | None") -> tuple[str, ...]:
-    """'moe_act,layernorm' (or a sequence) -> the modules in RECOMPUTE_MODULES order."""
-    if value is None:
-        return DEFAULT
+def parse_recompute_modules(value: "str | Sequence[str] | None") -> tuple[str, ...] | None:
+    """'moe_act,layernorm' (or a sequence) -> the modules in RECOMPUTE_MODULES order; None: auto."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
     items = [v.strip().lower() for v in (value.split(",") if isinstance(value, str) else value)]
     items = [v for v in items if v]
     bad = [v for v in items if v not in RECOMPUTE_MODULES]
@@ -31,6 +31,19 @@ def parse_recompute_modules(value: "str | Sequence[str] | None") -> tuple[str, .
         raise UserError(f"{arg('recompute_modules')}: {what}; give a comma list of {', '.join(RECOMPUTE_MODULES)} "
                         f"(Megatron-Core's selective recompute; its whole-MoE-layer 'moe' is not priced)")
     return tuple(m for m in RECOMPUTE_MODULES if m in items)
+
+
+def auto_modules(model: "ModelSpec", flash_attention: bool, recipe: str | None = None) -> tuple[str, ...]:
+    """``--recompute-modules`` left out: Megatron-Core's default, the attention core, where the
+    attention is unfused (its s^2 scores are what selective recompute frees: Korthikanti et al.
+    2022 Sec 4.1); under FlashAttention, which keeps no scores, so that the core's recompute would
+    free nothing, the output-discarding modules the model has (layernorm, mla_up_proj, moe_act):
+    the little memory-bound work and up-projections NVIDIA's MoE recipes recompute (under FP8
+    delayed scaling, which refuses layernorm and moe_act, mla_up_proj alone, else the core)."""
+    if not flash_attention:
+        return DEFAULT
+    cheap = ("mla_up_proj",) if recipe == "fp8-delayed" else ("layernorm", "mla_up_proj", "moe_act")
+    return tuple(m for m in cheap if m in _present(model)) or DEFAULT
 
 
 def _present(model: "ModelSpec") -> set[str]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from planner.cost import memory as mem
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, expert_replicas
+from planner.cost.partition import default_partition
 from planner.cost.rank_tables import Split
 from planner.search.evaluate import Pricing, evaluate_rows
 from planner.search.keys import KeyedSpace
@@ -101,8 +102,22 @@ class Rebalanced(NamedTuple):
     cpu_bytes: float
 
 
+def megatron_split(p: Pricing, costs: list[float], stages: int, limit: float | None) -> tuple[Split, float] | None:
+    """Megatron's own even split (partition.default_partition, what ``estimate`` prices) and its
+    slowest stage's seconds per micro-batch, unless that is slower than ``limit``. Under
+    interleaving ``stage_memory`` holds each chunk to an equal share of its rank's room, which an
+    even split whose first and last chunks carry the embedding and the head can miss while it
+    fits: the exact evaluation decides."""
+    parts = default_partition(p.model, stages)
+    first = np.searchsorted(p.splits.units.starts, [a for a, _ in parts] + [p.splits.units.nblocks])
+    sums = np.concatenate([[0.0], np.cumsum(costs)])
+    bottleneck = float(np.max(sums[np.minimum(first[1:], len(costs))] - sums[first[:-1]]))
+    return None if limit is not None and bottleneck > limit else (parts, bottleneck)
+
+
 def rebalance(p: Pricing, ks: KeyedSpace, rows: np.ndarray, bar: float = float("inf")) -> list[Rebalanced]:
-    """Rebalance candidates ``rows`` (pp > 1) under their memory limit; those that now fit.
+    """Rebalance candidates ``rows`` (pp > 1) under their memory limit, or else try Megatron's even
+    split (``megatron_split``); those that now fit.
 
     ``bar``: a step time a candidate must reach to matter. A split whose slowest chunk takes
     B seconds per micro-batch gives a step of at least (m - 1/v) B + S/v
@@ -127,11 +142,13 @@ def rebalance(p: Pricing, ks: KeyedSpace, rows: np.ndarray, bar: float = float("
             if limit < fastest:  # no split is fast enough, within memory or not
                 continue
         memory = stage_memory(p, ks, i)
-        if limit is not None and not fits_within(costs, pp * vs, memory, limit):
-            continue
-        part = optimal_partition(costs, pp * vs, memory=memory, lower=fastest)
-        if part.fits:
+        part = None
+        if limit is None or fits_within(costs, pp * vs, memory, limit):
+            part = optimal_partition(costs, pp * vs, memory=memory, lower=fastest)
+        if part is not None and part.fits:
             found[i] = (p.splits.units.blocks(part.counts), part.bottleneck)
+        elif (even := megatron_split(p, costs, pp * vs, limit)) is not None:
+            found[i] = even  # tried exactly below: it may fit where the bound above is too coarse
     priced = evaluate_rows(p, ks, list(found), {i: parts for i, (parts, _) in found.items()})
     capacity = p.ctx.cluster.profile.gpu.memory_bytes
     # A peak over capacity cannot happen while stage_memory bounds assemble from above; kept honest anyway.
