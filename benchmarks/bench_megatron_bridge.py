@@ -10,6 +10,8 @@ system, global batch, sequence, precision and layout pinned (tp, pp, cp, vp, ep,
 Megatron-Core with its distributed optimizer, or Megatron-FSDP (zero 3) where the row shards
 over its whole DP group), letting dsplan choose what the table does not say (recomputation,
 sequence parallelism, activation offload), and compares the best plan's tokens/s per GPU with the published one.
+MoE rows also run what their recipe sets (``recipe``: no all-to-all overlap, the dispatcher, the
+modules selective recomputation runs again).
 A row dsplan cannot express yet is listed with the reason. Plan quality: the same search with
 only GPUs, batch, sequence and precision fixed, and where NVIDIA's layout ranks in it.
 """
@@ -35,11 +37,29 @@ MODELS = {"LLAMA3_8B": "llama-3-8b", "LLAMA3_70B": "llama-3-70b", "LLAMA3.1_405B
           "Qwen3-235B-A22B": "qwen3-235b-a22b"}
 # Megatron-Bridge's precision names: FP8-CS is current (per-tensor) scaling, FP8-MX is MXFP8.
 PRECISIONS = {"BF16": "bf16", "FP8-CS": "fp8-tensorwise", "FP8-MX": "mxfp8", "FP8-DS": "fp8-delayed"}
-# What NVIDIA's recipes recompute when they recompute selectively (Megatron-Bridge
-# scripts/performance/configs/*/workload_base_configs.py, commit e59a573, Nov 2025: DeepSeek-V3
-# recompute_modules=["mla_up_proj"] on B200 / GB200 (H100 adds "mlp"), GPT-OSS-120B
-# ["layernorm", "moe_act"]); dsplan's selective recompute runs these modules for the model.
-RECOMPUTE_MODULES = {"DeepSeekV3": "mla_up_proj", "GPT-OSS-120B": "layernorm,moe_act"}
+# What each MoE row's recipe sets beside its layout (Megatron-Bridge scripts/performance/configs/*
+# at commit e59a573, Nov 2025, the snapshot nearest the 25.11 table): the expert all-to-all is not
+# overlapped (WorkloadBaseConfig.moe_a2a_overlap defaults to False; only H100 DeepSeek-V3, not in
+# the table, sets it), DeepSeek-V3 on GB200 / GB300 dispatches with HybridEP
+# (moe_flex_dispatcher_backend="hybridep": the flex dispatcher), the others with alltoall; and
+# what selective recomputation runs again where the recipe names it (recompute_modules:
+# DeepSeek-V3 on B200 / GB200 mla_up_proj, on GB300 Megatron's default core_attn; GPT-OSS-120B
+# layernorm and moe_act but on GB300). Where it names none dsplan's auto applies.
+FLEX = {("DGX-GB200", "DeepSeekV3"), ("DGX-GB300", "DeepSeekV3")}
+RECOMPUTE_MODULES = {("DGX-B200", "DeepSeekV3"): "mla_up_proj", ("DGX-GB200", "DeepSeekV3"): "mla_up_proj",
+                     ("DGX-GB300", "DeepSeekV3"): "core_attn",
+                     **{(s, "GPT-OSS-120B"): "layernorm,moe_act" for s in ("DGX-B200", "DGX-GB200", "DGX-H100")}}
+
+
+def recipe(row: dict) -> dict:
+    """The row's recipe settings dsplan would otherwise choose or default (above): Llama rows none."""
+    if "LLAMA" in row["model"]:
+        return {}
+    key = (row["system"], row["model"])
+    return {"ep_comm_overlap": False, "moe_dispatcher": "flex" if key in FLEX else "alltoall",
+            "recompute_modules": RECOMPUTE_MODULES.get(key)}
+
+
 FREE_TOP = 400  # how deep the unpinned list goes when looking for NVIDIA's layout
 
 
@@ -79,7 +99,7 @@ def _search(row: dict, pins: dict, top: int):
     t0 = time.perf_counter()
     out = api.suggest(MODELS[row["model"]], cluster, global_batch=int(row["global_batch"]),
                       seq_len=int(row["seq_len"]), precision=PRECISIONS[row["precision"]], top=top,
-                      mtp_layers=mtp_layers(row), recompute_modules=RECOMPUTE_MODULES.get(row["model"]), **pins)
+                      mtp_layers=mtp_layers(row), **recipe(row), **pins)
     return out, time.perf_counter() - t0, gpus
 
 
