@@ -105,9 +105,9 @@ class Rebalanced(NamedTuple):
 def megatron_split(p: Pricing, costs: list[float], stages: int, limit: float | None) -> tuple[Split, float] | None:
     """Megatron's own even split (partition.default_partition, what ``estimate`` prices) and its
     slowest stage's seconds per micro-batch, unless that is slower than ``limit``. Under
-    interleaving ``stage_memory`` holds each chunk to an equal share of its rank's room, which an
-    even split whose first and last chunks carry the embedding and the head can miss while it
-    fits: the exact evaluation decides."""
+    interleaving (the only case ``rebalance`` asks) ``stage_memory`` holds each chunk to an equal
+    share of its rank's room, which an even split whose first and last chunks carry the embedding
+    and the head can miss while it fits: the exact evaluation decides."""
     parts = default_partition(p.model, stages)
     first = np.searchsorted(p.splits.units.starts, [a for a, _ in parts] + [p.splits.units.nblocks])
     sums = np.concatenate([[0.0], np.cumsum(costs)])
@@ -147,7 +147,7 @@ def rebalance(p: Pricing, ks: KeyedSpace, rows: np.ndarray, bar: float = float("
             part = optimal_partition(costs, pp * vs, memory=memory, lower=fastest)
         if part is not None and part.fits:
             found[i] = (p.splits.units.blocks(part.counts), part.bottleneck)
-        elif (even := megatron_split(p, costs, pp * vs, limit)) is not None:
+        elif vs > 1 and (even := megatron_split(p, costs, pp * vs, limit)) is not None:
             found[i] = even  # tried exactly below: it may fit where the bound above is too coarse
     priced = evaluate_rows(p, ks, list(found), {i: parts for i, (parts, _) in found.items()})
     capacity = p.ctx.cluster.profile.gpu.memory_bytes
