@@ -147,11 +147,28 @@ def test_pcie_node_rings_share_switch_uplinks():
 def test_alltoall_and_p2p_across_nodes_use_the_nic():
     cluster = Cluster.build(load_profile("hgx-h200"), 4)
     a2a = collective_time_for_size(cluster, "alltoall", 32, 2**30)
-    # 24/32 of each rank's data leaves the node at 50 GB/s x 0.95
+    # 24/32 of each rank's data leaves the node at 50 GB/s x 0.95 (InfiniBand: no measured
+    # all-to-all efficiency, NET_EFFICIENCY)
     assert a2a.algbw_GBps == pytest.approx(50 * 0.95 * 32 / 24, rel=0.05)
     pp = Placement(cluster, {"tp": 8, "pp": 4}).group("pp")
     p2p = collective_time(cluster, "p2p", pp, 2**28)
     assert p2p.busbw_GBps == pytest.approx(50 * 0.95, rel=0.05)
+
+
+def test_an_all_to_all_pays_per_network_peer_and_a_clear_to_send():
+    """Across nodes each peer costs a message (EFA: the profile's fitted 3.5 us; InfiniBand, with no
+    measured all-to-all: 0.5 us) and each message waits one network step for its receiver's buffer:
+    at a size where bandwidth is negligible the time grows by that per rank added outside the node."""
+    def grows(profile: str) -> float:
+        t = {nodes: collective_time_for_size(Cluster.build(load_profile(profile), nodes), "alltoall", 8 * nodes,
+                                             1024).time_s for nodes in (2, 4)}
+        return (t[4] - t[2]) / 16
+    assert load_profile("aws-p5").node.nics.alltoall_peer_us == 3.5
+    assert grows("aws-p5") == pytest.approx(3.5e-6, rel=0.02)
+    assert grows("dgx-h100") == pytest.approx(0.5e-6, rel=0.02)
+    two = collective_time_for_size(Cluster.build(load_profile("aws-p5"), 2), "alltoall", 16, 1024).time_s
+    one = collective_time_for_size(Cluster.build(load_profile("aws-p5"), 1), "alltoall", 8, 1024).time_s
+    assert two - one > 2 * 80e-6  # two network steps (80 us each on p5: aws-ofi-nccl's latency)
 
 
 def test_array_matches_scalar_and_queries_are_cached():

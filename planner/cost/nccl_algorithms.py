@@ -53,7 +53,8 @@ NVLS_EFFICIENCY = 0.61
 NVLS_FILL = 0.5
 NVLS_FILL_CAP_BYTES = 32 * MiB
 PAT_PER_RANK_S = 2.8e-6  # NCCL src/graph/tuning.cc: PAT's linear latency term per rank
-ALLTOALL_PEER_S = 0.5e-6  # posting one send/recv pair per peer (assumption; no reference row)
+ALLTOALL_PEER_S = 0.5e-6  # posting one send/recv pair per peer inside the node (assumption; no reference row)
+
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class Links:
     intra_lat: float
     net_lat: float
     bottleneck: str
+    a2a_peer: float = ALLTOALL_PEER_S  # seconds per all-to-all peer across the network (NIC.alltoall_peer_us)
+    a2a_efficiency: float = NET_EFFICIENCY  # share of line rate an all-to-all keeps (NIC.alltoall_efficiency)
 
 
 def links_for(cluster: Cluster, shape: GroupShape) -> Links:
@@ -131,7 +134,10 @@ def _links_for(cluster: Cluster, shape: GroupShape) -> Links:
     if shape.crosses_nodes and inter * NET_EFFICIENCY < ring * SIMPLE.efficiency:
         edge = "network (NIC" + (f", spine {spine:g}:1)" if spine > 1 else ")")
     net_lat = cluster.net_latency_s(shape.crosses_spine, shape.pods > 1)
-    return Links(ring, p2p, inter, cluster.intra_latency_s, net_lat, edge)
+    nic = p.node.nics
+    return Links(ring, p2p, inter, cluster.intra_latency_s, net_lat, edge,
+                 ALLTOALL_PEER_S if nic.alltoall_peer_us is None else nic.alltoall_peer_us * 1e-6,
+                 nic.alltoall_efficiency or NET_EFFICIENCY)
 
 
 def _step(proto: Protocol, link_latency: float) -> float:
@@ -229,8 +235,12 @@ def _alltoall_intra(cluster: Cluster, shape: GroupShape) -> float:
 
 
 def _alltoall(links: Links, intra_s_per_peer_byte: float, n: int, r: int, m: int) -> Candidate:
-    """Every rank sends S/n to each peer at once: intra-node pairs over the node fabric, the rest over NICs."""
+    """Every rank sends S/n to each peer at once: intra-node pairs over the node fabric, the rest over
+    NICs. Across nodes each message waits for its receiver to post the buffer (the net transport's
+    clear-to-send: one network traversal before the data's), and each network peer costs a message
+    (``links.a2a_peer``) at the share of line rate the NICs keep under all-to-all incast."""
     intra = intra_s_per_peer_byte / n / SIMPLE.efficiency
-    inter = (n - r) / n / (links.inter_bw / r * NET_EFFICIENCY) if m > 1 else 0.0
-    lat = _step(SIMPLE, links.net_lat if m > 1 else links.intra_lat) + (n - 1) * ALLTOALL_PEER_S
+    inter = (n - r) / n / (links.inter_bw / r * links.a2a_efficiency) if m > 1 else 0.0
+    lat = ((2 if m > 1 else 1) * _step(SIMPLE, links.net_lat if m > 1 else links.intra_lat)
+           + (r - 1) * ALLTOALL_PEER_S + (n - r) * links.a2a_peer)
     return Candidate("direct", "Simple", lat, max(intra, inter))

@@ -97,6 +97,12 @@ class NIC(_Strict):
     gpus_per_nic: PerNode = 1  # GPU affinity: GPUs behind the same PCIe switch as one NIC
     latency_us: Latency = 5.0
     gpudirect_rdma: bool = True
+    # An all-to-all through these NICs: the cost of each peer's message (the transport's: verbs, or
+    # libfabric for EFA) and the share of line rate kept with every rank receiving from every peer at
+    # once. None: dsplan's defaults (nccl_algorithms.ALLTOALL_PEER_S, NET_EFFICIENCY), for a fabric
+    # without a measured all-to-all.
+    alltoall_peer_us: Latency | None = None
+    alltoall_efficiency: float | None = Field(None, gt=0, le=1)
 
     @property
     def bw_bytes_per_s(self) -> float:
