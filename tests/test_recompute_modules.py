@@ -192,3 +192,17 @@ def test_suggest_and_generate_carry_the_modules_into_the_run_directory(tmp_path)
     again = _run("generate", "--plan", str(out / "plan.json"), "--out", str(tmp_path / "again"))
     assert again.exit_code == 0, again.output
     assert "--recompute-modules layernorm moe_act" in (tmp_path / "again" / "megatron_args.sh").read_text()
+
+
+def test_the_output_names_the_modules_selective_recomputes():
+    """A plan's "selective" is whichever modules the workload names: estimate's header and
+    suggest's legend say which, and suggest --json records them with its inputs."""
+    est = _run("estimate", "--model", "deepseek-v3", "--nodes", "64", "--hardware", "dgx-h100", "--tp", "2",
+               "--pp", "8", "--ep", "32", "--recompute", "selective", "--framework", "megatron",
+               "--sequence-parallel")
+    assert est.exit_code in (0, 3) and "recompute selective (layernorm, mla_up_proj, moe_act)" in est.output
+    args = ("suggest", "--model", "vl2", "--nodes", "8", "--recompute", "selective", "--top", "2")
+    out = " ".join(_run(*args).output.split())  # the legend as one line, however the terminal wrapped it
+    assert "recompute selective = Megatron's selective recompute of layernorm, mla_up_proj, moe_act" in out
+    data = json.loads(_run(*args, "--recompute-modules", "core_attn", "--json").output)
+    assert data["inputs"]["recompute_modules"] == ["core_attn"]

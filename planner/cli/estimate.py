@@ -58,9 +58,9 @@ from planner.errors import UserError
 @workload_options("Samples per optimizer step [default: about 4M tokens, a multiple of micro-batch x dp with at "
                   "least pp micro-batches].")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full", "op"]), default="none", show_default=True,
-              help="Activation recomputation: selective is Megatron's (the attention core), full every transformer "
-                   "layer, op torchtitan's per-op selective checkpointing (keeps every other matmul's output and "
-                   "the attention's).")
+              help="Activation recomputation: selective is Megatron's (the modules --recompute-modules names), full "
+                   "every transformer layer, op torchtitan's per-op selective checkpointing (keeps every other "
+                   "matmul's output and the attention's).")
 @click.option("--activation-offload", type=click.IntRange(min=0), default=0, show_default=True, metavar="LAYERS",
               help="Decoder layers whose activations go to host memory in the forward and come back for the "
                    "backward, the first LAYERS of the model's (Megatron-Core --cpu-offloading-num-layers through "
@@ -145,6 +145,7 @@ def render(plan) -> None:
                   + (f" in {c.dp_replicate} replicated groups of {c.dp_shard}" if c.dp_replicate > 1 else "")
                   + (f", offload {c.offload}" if c.offload != "none" else "") + (", SP" if c.sequence_parallel else "")
                   + f", recompute {c.recompute}"
+                  + (f" ({', '.join(w.recompute_modules)})" if c.recompute == "selective" else "")
                   + (f", activations of {c.activation_offload} layers offloaded" if c.activation_offload else ""))
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
                   f"x accumulation {c.grad_accum} x dp {c.dp}; {w.precision_name}, {w.optimizer}"

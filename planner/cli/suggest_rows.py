@@ -82,8 +82,9 @@ def _bottlenecks(b: dict) -> str:
 _CP_MARK = {"p2p": "", "a2a": "a", "a2a+p2p": "h"}
 
 
-def legend(rows: list[tuple[str, ...]]) -> str:
-    """One line naming each abbreviation the table shows (only those that appear)."""
+def legend(rows: list[tuple[str, ...]], modules: "tuple[str, ...] | list[str] | None" = None) -> str:
+    """One line naming each abbreviation the table shows (only those that appear); ``modules``:
+    what the search's selective recompute runs again (Workload.recompute_modules)."""
     cells = [dict(zip(COLUMNS, row)) for row in rows]
 
     def first(column: str, mark: str) -> str | None:
@@ -124,6 +125,9 @@ def legend(rows: list[tuple[str, ...]]) -> str:
         parts.append("meg-ds = megatron-deepspeed")
     if both := first("framework", "/"):
         parts.append(f"{both} = the same prediction under each")
+    if modules and any(c["recompute"] == "selective" for c in cells):
+        parts.append(f"recompute selective = Megatron's selective recompute of {', '.join(modules)} "
+                     "(--recompute-modules)")
     if any(c["recompute"] == "op" for c in cells):
         parts.append("recompute op = torchtitan's per-op selective activation checkpointing")
     parts.append("mb x acc = micro-batch x gradient-accumulation steps")

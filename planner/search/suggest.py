@@ -251,7 +251,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
 _WORKLOAD_INPUTS = ("global_batch", "seq_len", "tokens_per_step", "optimizer", "dropout", "mtbf_hours",
                     "tp_comm_overlap", "te_attention", "fp8_param_gather", "precision_aware_optimizer", "mtp_layers",
                     "ep_comm_overlap", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "flash_attention",
-                    "images_per_sample", "tiles_per_image")
+                    "images_per_sample", "tiles_per_image", "recompute_modules")
 
 
 def _workload_inputs(w: Workload) -> dict[str, Any]:
