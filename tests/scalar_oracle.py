@@ -149,6 +149,7 @@ def ep_time(c: LayerCost, b: int, comms: Comms, recompute: str) -> float:
     if not c.ep_a2a_count:
         return 0.0
     passes = 2 + (1 if (recompute in ("full", "op") and c.checkpointed) else 0)
+    passes += c.rerun.a2a if recompute == "selective" else 0  # "moe": the MoE layer's forward again
     if "ep_gather" in c.extra:  # the allgather dispatcher: gather and reduce-scatter over the experts' TP x EP
         group = comms.tp_ep or comms.ep
         return passes * (group("allgather", c.ep_a2a * b) + group("reducescatter", c.ep_a2a * b))

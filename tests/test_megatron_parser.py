@@ -63,6 +63,9 @@ CASES = {
     "deepseek-v2-lite-recompute-modules": ["--model", "deepseek-v2-lite", "--nodes", "1", "--ep", "8", "--pp", "1",
                                            "--recompute", "selective", "--recompute-modules",
                                            "core_attn,layernorm,mla_up_proj,moe_act,mlp,shared_experts"],
+    # the whole MoE layer recomputed (no all-to-all overlap beside it) with the norms
+    "mixtral-8x7b-ep8-recompute-moe": ["--model", "mixtral-8x7b", "--nodes", "2", "--ep", "8", "--pp", "1",
+                                       "--recompute", "selective", "--recompute-modules", "moe,layernorm"],
     # Qwen2-MoE's gated shared expert, from its Hugging Face config
     "qwen2-moe-ep4": ["--model", str(Path(__file__).parent / "data" / "hf_configs" / "qwen2_moe.json"), "--nodes", "1",
                       "--ep", "4", "--pp", "1"],
@@ -95,6 +98,7 @@ MUST_EMIT = {
     "deepseek-v2-lite-ep2-allgather": ["--moe-token-dispatcher-type"],
     "mixtral-8x7b-ep8-capacity": ["--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity"],
     "deepseek-v2-lite-recompute-modules": ["--recompute-granularity", "--recompute-modules"],
+    "mixtral-8x7b-ep8-recompute-moe": ["--recompute-modules"],
     # gpt-oss's YaRN on standard attention and its gated quick-GELU experts
     "gpt-oss-120b-ep8-pp2-v2": ["--quick-geglu", "--glu-linear-offset", "--activation-func-clamp-value",
                                 "--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
@@ -187,3 +191,10 @@ def test_the_recompute_modules_reach_megatron_one_argument_each(megatron_results
     assert argv[at - 2:at] == ["--recompute-granularity", "selective"]
     assert argv[at + 1:at + 7] == ["core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "shared_experts"]
     assert argv[at + 7].startswith("--")
+
+
+def test_the_moe_module_is_written_without_the_overlap_megatron_refuses_beside_it(megatron_results):
+    argv = megatron_results["mixtral-8x7b-ep8-recompute-moe"]["argv"]
+    at = argv.index("--recompute-modules")
+    assert argv[at + 1:at + 3] == ["layernorm", "moe"]
+    assert "--overlap-moe-expert-parallel-comm" not in argv

@@ -59,6 +59,36 @@ def test_moe_act_frees_the_experts_fc2_input_of_every_routed_copy():
         assert _freed("qwen3-30b-a3b", "moe_act", ep=ep) == S * 8 * 768 * 2
 
 
+def test_moe_frees_the_whole_layers_inner_tensors_and_dispatches_again():
+    """Megatron-Core's "moe" module checkpoints the MoE layer: it keeps none of what the layer kept
+    (the router's fp32 logits and probabilities, the routed copies before and after the experts,
+    the experts' fc1 outputs and fc2 inputs), its input aside, and runs the layer's forward again:
+    its GEMMs, and a third pass of its dispatch and combine. It contains moe_act and
+    shared_experts, which add nothing beside it. Megatron-Core refuses the all-to-all overlap
+    with it, so the workload turns the overlap off."""
+    full = _layer("deepseek-v2-lite", ("core_attn",), ep=4)
+    moe = _layer("deepseek-v2-lite", ("core_attn", "moe"), ep=4)
+    everything = _layer("deepseek-v2-lite", ("core_attn", "moe", "moe_act", "shared_experts"), ep=4)
+    router = 2 * 4.0 * 64  # 64 experts
+    kept_copies = 6 * 2 * 2048 * 2  # top-6 copies of the 2,048-wide hidden state, in and out
+    fc = 6 * (2 * 1408 + 1408) * 2 + 3 * 2816 * 2  # routed experts' fc1 out + fc2 in, shared experts'
+    assert full.act["selective"] - moe.act["selective"] == pytest.approx(S * (router + kept_copies + fc), rel=1e-9)
+    assert everything.act["selective"] == moe.act["selective"] and everything.rerun == moe.rerun
+    assert moe.rerun.a2a == 1 and full.rerun.a2a == 0
+    # the router, the two shared-expert GEMMs and the routed experts' two grouped GEMMs: the layer's last five
+    assert len(moe.rerun.gemms) == 5 and moe.rerun.gemms == moe.gemms[-5:]
+    w = api.make_workload("deepseek-v2-lite", recompute_modules="moe")
+    assert w.ep_comm_overlap is False
+    cluster = api.load_cluster("dgx-h100", nodes=1)
+    costs = layer_costs(load_model("deepseek-v2-lite"), w, ep=8)
+    shapes = layout(cluster, 1, 8, 8, 1)
+    table = block_tables([(costs, shapes.tp, shapes.ep)], (1,), eff.device(cluster.profile), cluster)[0]
+    sel, none = (table.ep[RECOMPUTES.index(m), 0] for m in ("selective", "none"))
+    moe_blocks = np.array([c.rerun.a2a > 0 for c in costs])
+    assert moe_blocks.sum() == 26 and (none[moe_blocks] > 0).all()
+    assert np.allclose(sel[moe_blocks], 1.5 * none[moe_blocks]) and np.allclose(sel[~moe_blocks], none[~moe_blocks])
+
+
 def test_mlp_and_shared_experts_free_their_inner_tensors():
     """DeepSeek-V2-Lite: a dense first layer (10,944 wide, SwiGLU: fc1 output 2w and fc2 input w kept)
     and two shared experts (2 x 1,408) in each MoE layer."""
@@ -153,7 +183,8 @@ def _run(*args: str):
     (["--model", "llama-3-8b", "--recompute-modules", "mla_up_proj"], "llama-3-8b has nothing for mla_up_proj"),
     (["--model", "llama-3-8b", "--recompute-modules", "moe_act,core_attn"], "nothing for moe_act"),
     (["--model", "qwen3-30b-a3b", "--recompute-modules", "shared_experts"], "nothing for shared_experts"),
-    (["--model", "llama-3-8b", "--recompute-modules", "moe"], "unknown module 'moe'"),
+    (["--model", "llama-3-8b", "--recompute-modules", "attention"], "unknown module 'attention'"),
+    (["--model", "llama-3-8b", "--recompute-modules", "moe"], "nothing for moe to recompute"),
     (["--model", "llama-3-8b", "--recompute-modules", " , "], "no module given"),
     (["--model", "qwen3-30b-a3b", "--hardware", "dgx-h100", "--precision", "fp8-delayed",
       "--recompute-modules", "moe_act"], "current or block scaling only"),

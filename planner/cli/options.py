@@ -147,7 +147,7 @@ MOE_CAPACITY_HELP = ("Capacity-factor token dropping (Megatron-Core's --moe-expe
 
 
 RECOMPUTE_MODULES_HELP = ("What Megatron's selective recompute (--recompute selective) runs again, a comma list of "
-                          "core_attn, layernorm, mla_up_proj, moe_act, mlp, shared_experts (Megatron-Core's "
+                          "core_attn, layernorm, mla_up_proj, moe_act, mlp, moe, shared_experts (Megatron-Core's "
                           "--recompute-modules; NVIDIA's DeepSeek-V3 recipes use mla_up_proj, GPT-OSS "
                           "layernorm,moe_act) [default: auto: core_attn under unfused attention; with "
                           "FlashAttention, which leaves core_attn nothing to free, the model's layernorm, "

@@ -288,7 +288,7 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
     """TP and EP seconds per [group, mode, b, block]: the TP collectives forward and backward,
     again forward for a block recomputed in full (under per-op SAC its all-gathers only; under
     selective recompute those of the checkpointed MLPs, LayerCost.rerun); ``count`` all-to-alls
-    per pass, 2 passes, 3 when recomputed."""
+    per pass, 2 passes, 3 when recomputed (whole, or its MoE layer under selective "moe")."""
     jobs, flex = [], []
     for group, tp_shape, ep_shape in groups:
         legs = flex_jobs(group, ep_shape)
@@ -311,6 +311,8 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
     tp[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], base_tp + gathers, tp[:, RECOMPUTES.index("op")])
     tp[:, RECOMPUTES.index("selective")] += rerun
     ep = (2.0 + again) * count[:, None, None, :] * a2a[:, None]
+    again_sel = np.array([[c.rerun.a2a for c in group] for group, _, _ in groups], dtype=float)
+    ep[:, RECOMPUTES.index("selective")] += (again_sel * count)[:, None, :] * a2a
     return tp, ep
 
 

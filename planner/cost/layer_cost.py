@@ -22,9 +22,9 @@ MASK = 1  # bytes of a dropout mask element (Korthikanti: "sbh" for a mask of s*
 RECOMPUTE_MODES = ("none", "selective", "full", "op")
 # Megatron-Core's --recompute-modules that dsplan prices (transformer_config.py): what its
 # selective recompute runs again. "core_attn" is Megatron's default; "layernorm", "moe_act" and
-# "mla_up_proj" discard their outputs (CheckpointWithoutOutput), "mlp" and "shared_experts"
-# checkpoint the module. "moe" (the whole MoE layer, dispatch again) is not priced.
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "shared_experts")
+# "mla_up_proj" discard their outputs (CheckpointWithoutOutput), "mlp", "moe" (the whole MoE layer,
+# its dispatch and combine again) and "shared_experts" checkpoint the module.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts")
 _NO_EXTRA: Mapping[str, float] = MappingProxyType({})
 
 
@@ -48,16 +48,18 @@ class Gemm(NamedTuple):
 
 class Rerun(NamedTuple):
     """What one recompute module of a block runs again and frees, per sample on one GPU: the
-    GEMMs, the memory-bound bytes, the TP collectives, and the stored bytes it no longer keeps."""
+    GEMMs, the memory-bound bytes, the TP collectives, the passes of the block's EP all-to-alls,
+    and the stored bytes it no longer keeps."""
 
     gemms: tuple[Gemm, ...] = ()
     traffic: float = 0.0
     tp: tuple[tuple[str, float], ...] = ()
     saved: float = 0.0
+    a2a: int = 0
 
     def __add__(self, other: "Rerun") -> "Rerun":  # type: ignore[override]
         return Rerun(self.gemms + other.gemms, self.traffic + other.traffic, self.tp + other.tp,
-                     self.saved + other.saved)
+                     self.saved + other.saved, self.a2a + other.a2a)
 
 
 NO_RERUN = Rerun()

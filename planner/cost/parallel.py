@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 Framework = Literal["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Recompute = Literal["none", "selective", "full", "op"]
-RecomputeModule = Literal["core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "shared_experts"]
+RecomputeModule = Literal["core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts"]
 Precision = Literal["bf16", "fp16", "fp32"]
 RecipeName = Literal["fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
 PrecisionName = Literal["bf16", "fp16", "fp32", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4"]
@@ -167,6 +167,9 @@ class Workload(BaseModel):
         """Megatron-Core overlaps the expert exchange with alltoall and flex only (transformer_config.py:
         "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher")."""
         if isinstance(data, dict) and data.get("moe_dispatcher") == "allgather":
+            data = {**data, "ep_comm_overlap": False}
+        if isinstance(data, dict) and "moe" in (data.get("recompute_modules") or ()):
+            # "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm"
             data = {**data, "ep_comm_overlap": False}
         if isinstance(data, dict) and data.get("moe_dispatcher") == "flex" and data.get("moe_capacity_factor"):
             # Megatron-Core: "Flex token dispatcher with deepep backend does not support

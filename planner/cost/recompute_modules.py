@@ -29,7 +29,7 @@ def parse_recompute_modules(value: "str | Sequence[str] | None") -> tuple[str, .
     if bad or not items:
         what = f"unknown module {bad[0]!r}" if bad else "no module given"
         raise UserError(f"{arg('recompute_modules')}: {what}; give a comma list of {', '.join(RECOMPUTE_MODULES)} "
-                        f"(Megatron-Core's selective recompute; its whole-MoE-layer 'moe' is not priced)")
+                        f"(Megatron-Core's selective recompute modules)")
     return tuple(m for m in RECOMPUTE_MODULES if m in items)
 
 
@@ -58,7 +58,7 @@ def _present(model: "ModelSpec") -> set[str]:
         out |= {"mla_up_proj"} if layer.attention.kind == "mla" else set()
         out |= {"mlp"} if isinstance(layer.mlp, DenseMLP) else set()
         if isinstance(layer.mlp, MoEMLP):
-            out |= {"moe_act"} | ({"shared_experts"} if layer.mlp.shared_ffn else set())
+            out |= {"moe_act", "moe"} | ({"shared_experts"} if layer.mlp.shared_ffn else set())
     return out
 
 
@@ -69,7 +69,7 @@ def check_recompute_modules(modules: tuple[str, ...], model: "ModelSpec", recipe
     missing = [m for m in modules if m not in _present(model)]
     if missing:
         raise UserError(f"{arg('recompute_modules')}: {model.name} has nothing for {', '.join(missing)} to recompute "
-                        f"(mla_up_proj needs multi-latent attention, moe_act a mixture-of-experts layer, "
+                        f"(mla_up_proj needs multi-latent attention, moe and moe_act a mixture-of-experts layer, "
                         f"shared_experts shared experts, mlp a dense MLP layer); drop "
                         f"{'it' if len(missing) == 1 else 'them'}")
     if recipe == "fp8-delayed" and {"moe_act", "layernorm"} & set(modules):

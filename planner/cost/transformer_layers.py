@@ -170,9 +170,24 @@ def _module_rerun(gemms: list[Gemm], traffic: float, stored: float, tokens: int,
     """A checkpointed MLP ("mlp", "shared_experts"): its forward again, TP collectives included
     (its input kept by the checkpoint), none of its inner tensors kept (``stored`` per GPU).
     Under a recipe its GEMMs' inputs are quantized again."""
-    quant = ctx.recipe.quantize_bytes_per_element() * sum(g.tokens * g.k * g.batch for g in gemms if g.low) \
-        if ctx.recipe else 0.0
-    return Rerun(tuple(gemms), traffic + quant, ctx.tp_pair(tokens * h * ACT), stored)
+    return Rerun(tuple(gemms), traffic + _requantized(gemms, ctx), ctx.tp_pair(tokens * h * ACT), stored)
+
+
+def _moe_rerun(gemms: list[Gemm], repl: float, shard: float, traffic: float, tp: tuple, tokens: int,
+               ctx: LayerContext) -> Rerun:
+    """"moe" (Megatron-Core's MoE-layer checkpoint): the router, the dispatch, the experts and the
+    combine run again in backward from the kept layer input (one more pass of the layer's
+    all-to-alls and TP collectives); none of its inner tensors (``repl`` and ``shard`` per token,
+    as _transformer_layer splits them) are kept."""
+    kept = (ctx.repl(repl) + shard / ctx.tp) * tokens
+    return Rerun(tuple(gemms), traffic * tokens + _requantized(gemms, ctx), tuple(tp), kept, 1)
+
+
+def _requantized(gemms: list[Gemm], ctx: LayerContext) -> float:
+    """Bytes of quantizing the recipe's GEMM inputs again when a module's forward reruns."""
+    if ctx.recipe is None:
+        return 0.0
+    return ctx.recipe.quantize_bytes_per_element() * sum(g.tokens * g.k * g.batch for g in gemms if g.low)
 
 
 def flex_routing(mlp: MoEMLP) -> dict[str, float]:
@@ -205,6 +220,8 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
     h = b.hidden
     ag, core, a_repl, a_shard, a_rp, a_sp, a_rerun = _attention_parts(b, s, ctx)
     mg, m_repl, m_shard, m_rp, m_sp, expert_rank, m_traffic, a2a, a2a_count, m_tp, m_rerun = _mlp_parts(b, s, ctx)
+    if isinstance(b.mlp, MoEMLP):
+        m_rerun["moe"] = _moe_rerun(mg, m_repl, m_shard, m_traffic, m_tp, s, ctx)
     if ctx.rope:  # fused RoPE reads and writes the rotary part of Q and K once
         m_traffic += 2 * ACT * _rope_width(b) / ctx.tp
     if b.attention.qk_norm:  # QK-norm reads and writes every query and key head once
@@ -288,7 +305,9 @@ def _transformer_layer(i, kind, params, h, tokens, seqs, gemms, core, extra_repl
     # GEMMs' inputs, saved unquantized then, TE re-quantizing in backward) not kept.
     quant = 2 * ctx.recipe.quantize_bytes_per_element() * h if ctx.recipe and kind == "decoder" else 0.0
     norms = Rerun((), tokens * ctx.repl(2 * 2 * ACT * h + quant), (), tokens * ctx.repl(2 * linear_in * h))
-    rerun = sum((r for m, r in {**(reruns or {}), "layernorm": norms}.items() if m in ctx.modules), NO_RERUN)
+    inside = {"moe_act", "shared_experts"} if "moe" in ctx.modules else set()  # what "moe" reruns already
+    rerun = sum((r for m, r in {**(reruns or {}), "layernorm": norms}.items() if m in ctx.modules - inside),
+                NO_RERUN)
     attn_again = "core_attn" in ctx.modules
     freed = rerun.saved / tokens if tokens else 0.0
     stored_sel = stored_none - (scores if attn_again and not core.flash else 0.0) - freed
