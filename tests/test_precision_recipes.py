@@ -184,3 +184,18 @@ def test_suggest_searches_a_list_of_precisions_and_ranks_them_together():
     assert r.exit_code == 0 and "megatron fp8-tensorwise" in r.output
     r = CliRunner().invoke(main, ["suggest", "--model", "llama-3-8b", "--precision", "mxfp8,nvfp4"])
     assert r.exit_code == 2 and "Blackwell" in r.output  # nothing of the list runs on an A100: the first reason
+
+
+def test_fp8_gemms_without_a_measured_mamf_take_hoppers_fp8_to_bf16_ratio():
+    """B200 has a measured bf16 MAMF (77.6%) and none for FP8: its FP8 GEMMs run at 77.6% x 0.90,
+    the FP8 / bf16 MAMF ratio measured on H100 (70.9 / 80.3) and H200 (73.4 / 80.3); H100 keeps
+    its own measured 70.9%, and bf16 is untouched."""
+    from planner.cost import efficiency as eff
+    from planner.cost.efficiency import FP8_MAMF_RATIO
+    from planner.hardware.load import load_profile
+
+    assert FP8_MAMF_RATIO == pytest.approx((70.9 / 80.3 + 73.4 / 80.3) / 2, abs=0.005)
+    b200 = eff.device(load_profile("dgx-b200"), "bf16", "mxfp8")
+    assert b200.mamf == pytest.approx(0.776) and b200.low.mamf == pytest.approx(0.776 * FP8_MAMF_RATIO)
+    assert eff.device(load_profile("dgx-h100"), "bf16", "fp8-tensorwise").low.mamf == pytest.approx(0.709)
+    assert eff.device(load_profile("gb300-nvl72"), "bf16", "nvfp4").low.mamf == pytest.approx(0.776)  # no ratio known

@@ -52,7 +52,7 @@ class GPU(_Strict):
     # mamf_max_achievable_matmul_measured.csv). The cost model scales it down for small shapes.
     matmul_efficiency: float = Field(0.8, gt=0, le=1)
     # The same for the low-precision formats where it was measured (H100 fp8: 70.9%); a format
-    # missing here takes matmul_efficiency.
+    # missing here takes matmul_efficiency (fp8: times efficiency.FP8_MAMF_RATIO, Hopper's measured ratio).
     matmul_efficiency_low: dict[Literal["fp8", "fp4"], Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=dict)
     # Where FlashAttention's head-dim curve levels off, as a fraction of peak (efficiency.
