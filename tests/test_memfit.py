@@ -285,7 +285,9 @@ def test_megatrons_even_split_is_tried_where_the_chunk_bound_finds_no_split(monk
     chunks carrying the embedding and the head overflow. The search tries the even split, priced
     exactly as estimate prices it; without that it finds no plan."""
     model = load_model("llama-3.1-405b")
-    cluster = Cluster.build(load_profile("gb300-nvl72"), 64)
+    gb300 = load_profile("gb300-nvl72")  # FP8 GEMMs at B200's bf16 MAMF share, as a measured profile might say
+    profile = gb300.model_copy(update={"gpu": gb300.gpu.model_copy(update={"matmul_efficiency_low": {"fp8": 0.776}})})
+    cluster = Cluster.build(profile, 64)
     cons = Constraints(tp=(2,), pp=(8,), virtual_stages=(4,), cp=(2,), micro_batch=(1,), zero=(1,),
                        recompute=("selective",), framework=("megatron",), sequence_parallel=(True,))
     kw = dict(global_batch=1536, seq_len=8192, precision="fp8-tensorwise", recompute_modules=("layernorm",),
