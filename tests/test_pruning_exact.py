@@ -177,3 +177,29 @@ def test_spread_bound_binds_where_one_unit_outweighs_a_stage() -> None:
     m = int(case.space.columns["grad_accum"][rows[0]])
     assert np.all(time_lb[rows] >= (m - 1) * max(costs) * (1 - 1e-6))
     assert np.all(time_lb[rows] <= res.step_time * (1 + 1e-12))
+
+
+def test_with_the_overlaps_off_the_bounds_take_the_whole_collectives_and_still_hold() -> None:
+    """A workload that turns the TP and EP overlaps off has every runtime pay those collectives
+    whole, so the time bound takes them whole too (it took the overlapped ones, which left most
+    MoE candidates within reach of the best and priced in full): still at or below every
+    candidate's evaluation, and above the bound the overlapped seconds give."""
+    from planner.search.evaluate import Pricing
+    from tests.search_cases import group_by_key
+
+    model = load_model("mixtral-8x7b")
+    cluster = Cluster.build(load_profile("dgx-h100"), 2)
+    cons = Constraints(micro_batch=(1,), recompute=("none",), virtual_stages=(1,), framework=("megatron",))
+    bounds = {}
+    for overlap in (True, False):
+        workload = Workload(global_batch=64, seq_len=4096, ep_comm_overlap=overlap, tp_comm_overlap=overlap)
+        space = candidate_space(model, cluster, workload, cons)
+        p = Pricing.of(model, cluster, workload, "optimal")
+        ks = group_by_key(space)
+        time_lb, _ = lower_bounds(p, ks)
+        bounds[overlap] = time_lb
+        if not overlap:
+            res = evaluate_keys(p, ks)
+            assert len(res.rows) > 100 and (space.columns["ep"][res.rows] > 1).any()
+            assert np.all(time_lb[res.rows] <= res.step_time * (1 + 1e-12))
+    assert np.all(bounds[False] >= bounds[True] * (1 - 1e-12)) and np.any(bounds[False] > 1.05 * bounds[True])

@@ -119,9 +119,11 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
         bi = np.searchsorted(np.array(sizes), k[sel, 3])
         # Every block as the runtime that pays least for it (TP overlapped: tp_ov <= tp; EP
         # overlapped: ep_ov <= ep; TE's attention saving te_*), so the bound holds for every
-        # framework of the key.
+        # framework of the key; a workload that turns an overlap off has every runtime pay it whole.
         fb = stacked(ts, "fwd") + stacked(ts, "bwd") - stacked(ts, "te_f") - stacked(ts, "te_b")  # [table, b, block]
-        rc, tpt, ept, cpt = (stacked(ts, f) for f in ("rc", "tp_ov", "ep_ov", "cp"))  # [table, mode, b, block]
+        w = p.ctx.workload
+        fields = ("rc", "tp_ov" if w.tp_comm_overlap else "tp", "ep_ov" if w.ep_comm_overlap else "ep", "cp")
+        rc, tpt, ept, cpt = (stacked(ts, f) for f in fields)  # [table, mode, b, block]
         rc = rc - stacked(ts, "te_rc")
         ept = ept + cpt
         rest = rc + tpt + ept
