@@ -53,8 +53,9 @@ NVLS_EFFICIENCY = 0.61
 NVLS_FILL = 0.5
 NVLS_FILL_CAP_BYTES = 32 * MiB
 PAT_PER_RANK_S = 2.8e-6  # NCCL src/graph/tuning.cc: PAT's linear latency term per rank
-ALLTOALL_PEER_S = 0.5e-6  # posting one send/recv pair per peer inside the node (assumption; no reference row)
-
+# Posting one send/recv pair per all-to-all peer: inside the node, and across a network whose NICs
+# state no measured cost (NIC.alltoall_peer_us; an assumption, no reference row).
+ALLTOALL_PEER_S = 0.5e-6
 
 
 @dataclass(frozen=True)
