@@ -107,3 +107,19 @@ def test_runnable_mask_equals_check_framework_config_by_config(facts: RunFacts) 
     named = [None if k < 0 else spell(RULES[k].message(cfg, facts)) for k, cfg in zip(broken.tolist(), configs)]
     assert named == messages
     assert len({m for m in messages if m}) > 10  # many different rules are exercised
+
+
+@pytest.mark.parametrize("name, gb", [("llama-3.1-8b", 64), ("deepseek-v2-lite", 48)])
+def test_torchtitans_rules_in_the_search_equal_direct_checks(name: str, gb: int) -> None:
+    """torchtitan refuses TP or PP without FSDP2 over more than one rank (dp x cp = 1), a fact of dp
+    the rule patterns must see; interleaving with fewer micro-batches than stages is priced."""
+    model = load_model(name)
+    cluster = Cluster.build(load_profile("dgx-a100-80g"), 1)
+    cons = Constraints(virtual_stages=(1, 2), framework=("torchtitan",))
+    space = candidate_space(model, cluster, Workload(global_batch=gb, seq_len=4096), cons)
+    cols = [space.columns[k] for k in ("dp", "tp", "pp", "ep", "vs", "zero", "offload", "recompute", "sp", "framework",
+                                       "micro_batch", "grad_accum")]
+    got = {tuple(int(v) for v in row) for row in zip(*cols)}
+    kept, rejected = _direct(model, cluster.num_gpus, cluster.gpus_per_node, gb, cons, "adamw", "bf16")
+    assert got == kept and space.rejected["framework"] == rejected
+    assert not any(dp == 1 and (tp > 1 or pp > 1) for dp, tp, pp, *_ in got)

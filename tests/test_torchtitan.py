@@ -243,3 +243,17 @@ def test_fsdp2_float8_all_gather_moves_a_byte_per_float8_weight():
     assert gather[0] == pytest.approx(allgather(2 * block[0]), rel=1e-9)
     assert gather[1] == pytest.approx(allgather(2 * block[0] - low[0]), rel=1e-9)
     assert gather[1] < 0.7 * gather[0]  # half the bytes, the same latency
+
+
+def test_interleaving_fewer_micro_batches_than_stages_is_priced():
+    """PyTorch's interleaved 1F1B runs fewer micro-batches than pipeline stages (Megatron's does
+    not): estimate, the memory-limited rebalancing and the schedule check price it."""
+    result = invoke("estimate", "--framework", "torchtitan", "--model", "llama-3.1-8b", "--zero", "3", "--pp", "4",
+                    "--virtual-stages", "2", "--global-batch", "4", "--allow-oom")
+    assert result.exit_code == 0, result.output
+    assert "(v 2)" in " ".join(result.output.split())
+    from planner import api
+
+    res = api.suggest("deepseek-v3", api.load_cluster(nodes=256, hardware="h800"), framework="torchtitan",
+                      mtp_layers=0, top=3)
+    assert res.plans and all(rp.plan.fits for rp in res.plans)

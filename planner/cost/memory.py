@@ -318,7 +318,7 @@ def microbatch_group(pp: int, microbatches: int) -> int:
 def group_to_set(pp: int, virtual: int, microbatches: int) -> int | None:
     """The micro-batch group a launch must name (``--microbatch-group-size-per-virtual-pipeline-stage``),
     or None where Megatron's default of pp runs the schedule (not interleaved, or pp divides M)."""
-    return microbatch_group(pp, microbatches) if virtual > 1 and microbatches % pp else None
+    return microbatch_group(pp, microbatches) if virtual > 1 and microbatches % pp and microbatches > pp else None
 
 
 def microbatch_groups(pp: np.ndarray, microbatches: np.ndarray) -> np.ndarray:
@@ -346,7 +346,7 @@ def inflight_microbatches(rank: int, pp: int, virtual: int, microbatches: int) -
     """
     if pp == 1:
         return 1.0
-    group = microbatch_group(pp, microbatches) if virtual > 1 else pp
+    group = microbatch_group(pp, microbatches) if virtual > 1 and microbatches >= pp else pp
     return float(inflight_array(rank, pp, virtual, microbatches, group))
 
 

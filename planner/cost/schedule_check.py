@@ -62,8 +62,8 @@ def _replayed(tables: BlockTables, cfg: ParallelConfig,
               partition: list[tuple[int, int]]) -> tuple[float, float, list[float]] | None:
     """``formula_and_replay`` and every chunk's forward-plus-backward seconds."""
     pp, v, m = cfg.pp, cfg.virtual_stages, cfg.grad_accum
-    if pp == 1 or 2 * pp * v * m > MAX_REPLAY_OPS or len(partition) != pp * v:
-        return None
+    if pp == 1 or 2 * pp * v * m > MAX_REPLAY_OPS or len(partition) != pp * v or (v > 1 and m < pp):
+        return None  # Megatron's interleaved order needs m >= pp (PyTorch's runs fewer: not replayed)
     fwd, bwd = chunk_times(tables, cfg, partition)
     totals = np.array([[sum(f) + sum(b) for f, b in zip(fwd, bwd)]])
     worst, bubble = pipeline(totals, np.array([pp]), np.array([float(v)]))  # the model's own formula

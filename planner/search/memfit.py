@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, expert_replicas
 from planner.cost.partition import default_partition
@@ -65,12 +66,15 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
                                         w.optimizer_moments, **w.state_dtypes)
     grow = mem.GROWTH
     per_block_state = (wd + gd + od) * table.params + (we + ge + oe) * table.expert
+    if zero == 3 and fw.traits(FRAMEWORKS[fwi]).fsdp_pp_keeps_stage_gathered and pp > 1:
+        per_block_state = per_block_state + 6.0 * (table.params + table.expert)  # memory.state_bytes' whole stage
     per_block_act = table.act[mode] * b
     starts = p.splits.units.starts
     state = (grow * np.add.reduceat(per_block_state, starts)).tolist()  # units tile the blocks in order
     act = (grow * np.add.reduceat(per_block_act, starts)).tolist()
     rank = np.arange(pp)
-    inflight = mem.inflight_array(rank, pp, vs, m, mem.microbatch_group(pp, m) if vs > 1 else pp).astype(float)
+    group = int(mem.microbatch_groups(np.array([pp]), np.array([m]))[0])  # pp where too few to interleave
+    inflight = mem.inflight_array(rank, pp, vs, m, group).astype(float)
     groups = sum(int(x > 1) for x in (tp, pp, key.dp, ep, p.cp, p.rep))
     # The buffers at their largest (buckets no smaller than a stage), the pipeline's receive buffers.
     fixed = float(mem.buffer_bytes(np.array(fwi), np.array(zero), np.inf, groups,

@@ -16,7 +16,7 @@ from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, expert_tp_of
 
 # A framework rule: for many configs (ConfigColumns), the index of the rule each breaks, -1 when
 # the runtime runs it (framework_rules.first_broken). It is asked once per ``rule_pattern``, so it may
-# read the settings and whether tp, pp and ep exceed 1, and only when virtual stages > 1, whether
+# read the settings and whether tp, pp, ep and dp exceed 1, and only when virtual stages > 1, whether
 # the layers (ModelFacts.units) divide by pp x virtual stages and whether there are at least pp
 # accumulation steps: nothing else.
 FrameworkRule = Callable[[ConfigColumns], np.ndarray]
@@ -34,14 +34,15 @@ class Degrees(NamedTuple):
 
 def rule_pattern(deg: Degrees, ga_ok: bool, units: int) -> tuple[int, ...]:
     """What of a degree combination the framework rules can see (planner/cost/framework_rules.py
-    ``RULES``): whether tp, pp and ep exceed 1, and, only for an interleaved schedule (vs > 1),
+    ``RULES``): whether tp, pp, ep and dp exceed 1 (torchtitan needs FSDP2 over more than one rank
+    beside TP or PP), and, only for an interleaved schedule (vs > 1),
     whether the layers divide by pp x v and there are at least pp accumulation steps.
     So all plain pipelines share one pattern and interleaved ones a few, and the rules run over
     (pattern x setting) rows, not every candidate. tests/test_framework_rules_in_search.py checks the
     result against direct calls over whole spaces."""
     if deg.vs == 1:
-        return (min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True)
-    return (min(deg.tp, 2), units % (deg.pp * deg.vs) == 0, min(deg.ep, 2), 2, ga_ok)
+        return (min(deg.tp, 2), min(deg.pp, 2), min(deg.ep, 2), 1, True, min(deg.dp, 2))
+    return (min(deg.tp, 2), units % (deg.pp * deg.vs) == 0, min(deg.ep, 2), 2, ga_ok, min(deg.dp, 2))
 
 
 @dataclass
@@ -65,16 +66,16 @@ def pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int,
     of the runnable ones still run with activations offloaded (the same rules, asked again).
 
     One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
-    facts: dp = 2 x ep keeps ep | dp, and accumulation = pp when it reaches pp, else 1. The
-    answers are tallied with whole-array calls, not per row."""
+    facts: dp = 2 x ep keeps ep | dp (1 where the pattern's dp is), and accumulation = pp when it
+    reaches pp, else 1. The answers are tallied with whole-array calls, not per row."""
     st = np.fromiter(itertools.chain.from_iterable(settings), np.int64, 5 * len(settings)).reshape(-1, 5)
-    deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2))
-                    for d, flag in reps], dtype=np.int64).reshape(-1, 5)
+    deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2),
+                     min(d.dp, 2)) for d, flag in reps], dtype=np.int64).reshape(-1, 6)
     n, k = len(deg), len(st)
-    tp, pp, vs, ga_ok, ep = np.repeat(deg.T, k, axis=1)
+    tp, pp, vs, ga_ok, ep, dp = np.repeat(deg.T, k, axis=1)
     z, o, r, sp, f = np.tile(st.T, n)
     valid = (sp == 0) | (tp > 1)  # sequence parallel only means something with tp > 1
-    cols = ConfigColumns(dp=2 * ep, tp=tp, pp=pp, ep=ep, zero_stage=z, offload=Coded(o, OFFLOADS),
+    cols = ConfigColumns(dp=np.where(dp > 1, 2 * ep, 1), tp=tp, pp=pp, ep=ep, zero_stage=z, offload=Coded(o, OFFLOADS),
                          micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
                          recompute=Coded(r, RECOMPUTES), sequence_parallel=sp == 1, virtual_stages=vs,
                          framework=Coded(f, FRAMEWORKS), cp=cp, cp_comm=cp_comm, dp_replicate=rep,
