@@ -237,6 +237,9 @@ def estimate(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workloa
     spec = load_model(model)
     given = _workload_options(workload, knobs)
     _check_keys("estimate", knobs, PLAN_KEYS)
+    schedule = workload.pp_schedule if workload is not None else given.get("pp_schedule")
+    if knobs.get("virtual_stages") is None:  # DualPipeV's two chunks a pipelined rank, else one
+        knobs["virtual_stages"] = 2 if schedule == "dualpipev" and (knobs.get("pp") or 1) > 1 else 1
     _check_counts({**knobs, **given})
     if workload is None:
         cfg = build_parallel_config(cluster, global_batch=given.pop("global_batch", None),

@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
 WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_image", "precision", "optimizer",
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
                  "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
-                 "zero_pp", "mtp_layers", "moe_dispatcher", "moe_capacity_factor", "recompute_modules")
+                 "zero_pp", "mtp_layers", "moe_dispatcher", "moe_capacity_factor", "recompute_modules",
+                 "pp_schedule")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
@@ -30,14 +31,16 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   layer_profile: "str | LayerProfile | None" = None, zero_pp: "str | tuple" = (),
                   mtp_layers: int | None = None, moe_dispatcher: str = "alltoall",
                   moe_capacity_factor: float | None = None,
-                  recompute_modules: "str | tuple[str, ...] | None" = None) -> "Workload":
+                  recompute_modules: "str | tuple[str, ...] | None" = None,
+                  pp_schedule: str = "1f1b") -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), the model's default images and tiles per
     sample for vision-language models, and its own multi-token-prediction depths unless
     ``mtp_layers`` says how many (0: the main model only). ``recompute_modules``: what
     Megatron's selective recompute runs again (a comma list; default "auto":
-    recompute_modules.auto_modules).
+    recompute_modules.auto_modules). ``pp_schedule``: 1f1b (looped, interleaved by virtual stages)
+    or dualpipev (planner/cost/dualpipe.py).
 
     >>> make_workload("vl2", gpus=64).global_batch
     1024
@@ -72,7 +75,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                         ep_comm_overlap=ep_comm_overlap, moe_imbalance=moe_imbalance, mtbf_hours=mtbf_hours,
                         layer_profile=as_layer_profile(layer_profile), zero_pp=parse_zero_pp(zero_pp),
                         mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher,
-                        moe_capacity_factor=moe_capacity_factor, recompute_modules=modules).resolved(spec)
+                        moe_capacity_factor=moe_capacity_factor, recompute_modules=modules,
+                        pp_schedule=pp_schedule).resolved(spec)
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from planner.cost import dualpipe
 from planner.cost import efficiency as eff
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
@@ -160,7 +161,8 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
               recompute: str, pp_send_divisor: int, last_block: int,
               boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
               transfers: int = 1, meta_bytes: float = 0.0, overlap_tp: int = 0,
-              attn_dev: eff.Device | None = None, ep_share: float = 0.0) -> MicroBatchTime:
+              attn_dev: eff.Device | None = None, ep_share: float = 0.0,
+              chunk_hops: list[tuple[bool | None, bool | None]] | None = None) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
     boundary (pipeline_sends.pp_boundary_gathers), counted with the pipeline's communication.
@@ -169,14 +171,17 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
     each side of a boundary (pipeline_sends.pp_transfers), each preceded by a ``meta_bytes``
     transfer where the runtime sends one (pipeline_sends.pp_meta_bytes). ``ep_share``: the share
     of the rank's passes whose all-to-alls hide under another micro-batch's compute (as TE runs
-    it) where Megatron's EP overlap applies (0: none)."""
+    it) where Megatron's EP overlap applies (0: none). ``chunk_hops``: per chunk, whether its send
+    and its receive leave the node, None where that transfer stays on the rank (DualPipeV's turn);
+    default ``crossing`` for every chunk."""
     f = bw = rc = tp = ep = pp = cp = 0.0
     cp_dev = dataclasses.replace(dev, flash=None)
-    send, recv = comms.hop(crossing[0]), comms.hop(crossing[1])
 
     def hop(fn: Callable[[float], float], nbytes: float) -> float:
         return transfers * (fn(nbytes) + (fn(meta_bytes) if meta_bytes else 0.0))
-    for first, last in chunks:
+    for k, (first, last) in enumerate(chunks):
+        out_hop, in_hop = chunk_hops[k] if chunk_hops else crossing
+        send, recv = comms.hop(bool(out_hop)), comms.hop(bool(in_hop))
         for c in costs[first:last]:
             f += forward_time(c, b, dev, attn_dev)
             bw += backward_time(c, b, dev, attn_dev)
@@ -193,11 +198,11 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
         # before it (unless it starts the model). Megatron pairs a send with the opposite
         # receive (send_forward_recv_backward), so a pair costs one transfer on a full-duplex
         # link; DeepSpeed's PipelineEngine sends and receives one after the other (transfers 2).
-        if last < last_block:
+        if last < last_block and out_hop is not None:
             pp += hop(send, costs[last - 1].pp_bytes * b / pp_send_divisor)
             if boundary_gathers[0]:
                 pp += boundary_gathers[0] * comms.tp("allgather", costs[last - 1].pp_bytes * b)
-        if first > 0:
+        if first > 0 and in_hop is not None:
             pp += hop(recv, costs[first - 1].pp_bytes * b / pp_send_divisor)
             if boundary_gathers[1]:
                 pp += boundary_gathers[1] * comms.tp("allgather", costs[first - 1].pp_bytes * b)
@@ -207,11 +212,20 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
 # -- the step ------------------------------------------------------------------------------
 
 
-def pipeline(ranks: list[MicroBatchTime], microbatches: int, virtual: int) -> tuple[int, float]:
-    """(bottleneck rank, bubble seconds) of 1F1B / interleaved 1F1B."""
+def pipeline(ranks: list[MicroBatchTime], microbatches: int, virtual: int,
+             wgrad: list[float] | None = None) -> tuple[int, float]:
+    """(bottleneck rank, bubble seconds) of 1F1B / interleaved 1F1B, or with ``wgrad`` (each rank's
+    weight-gradient GEMM seconds) DualPipeV's: per other rank and chunk (half the rank's), DeepSeek's
+    F&B + B - 3W with F&B = F + B, at least the warm-up's 2F."""
     totals = [r.total for r in ranks]
     worst = max(range(len(ranks)), key=totals.__getitem__)
-    bubble = (sum(totals) - totals[worst]) / virtual
+    if wgrad is None:
+        return worst, (sum(totals) - totals[worst]) / virtual
+    bubble = 0.0
+    for r, (t, w) in enumerate(zip(ranks, wgrad)):
+        comm = (t.tp + t.ep + t.pp + t.cp) / 2
+        f, b = (t.fwd + comm) / 2, (t.bwd + t.recompute + comm) / 2
+        bubble += 0.0 if r == worst else max(2 * f, f + 2 * b - 3 * w / 2)
     return worst, bubble
 
 
@@ -353,7 +367,9 @@ def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelC
     dev = device(cluster.profile, "bf16" if workload.precision == "bf16" else workload.precision)
     comms = build_comms(cluster, cfg)
     traits = fw.traits(cfg.framework)
-    chunks = [parts[r::cfg.pp] for r in range(cfg.pp)]  # rank r runs virtual stages r, r + pp, ...
+    dual = workload.pp_schedule == "dualpipev" and cfg.pp > 1
+    # rank r runs virtual stages r, r + pp, ...; DualPipeV's rank r chunks r and 2 pp - 1 - r
+    chunks = [[parts[r], parts[2 * cfg.pp - 1 - r]] if dual else parts[r::cfg.pp] for r in range(cfg.pp)]
     b, m = cfg.micro_batch, cfg.grad_accum
     send = pp_send or traits.pp_send
     if send not in ps.PP_SENDS:
@@ -367,9 +383,10 @@ def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelC
     attn_dev = dataclasses.replace(dev, flash=None) if workload.te_attention and traits.te_attention else dev
     times = [rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
                        (crosses[r], crosses[r - 1]), transfers, meta, cfg.tp if overlap else 0, attn_dev,
-                       _ep_share(cfg, workload, r))
+                       _ep_share(cfg, workload, r), _v_hops(crosses, r) if dual else None)
              for r, ch in enumerate(chunks)]
-    worst, bubble = pipeline(times, m, cfg.virtual_stages)
+    wgrad = [sum(gemm_seconds(c, b, dev) for a, e in ch for c in costs[a:e]) for ch in chunks] if dual else None
+    worst, bubble = pipeline(times, m, cfg.virtual_stages, wgrad)
     tied_copy = _tied_embedding_copy(model, chunks, cfg.tp)
     tied_ranks = _tied_group(model, chunks, cfg.tp)
 
@@ -417,15 +434,47 @@ def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelC
 def _ep_share(cfg: ParallelConfig, workload: Workload, rank: int) -> float:
     """The share of rank ``rank``'s passes Megatron's combined 1F1B merges: 0 off Megatron, without
     EP, or in a pipeline without virtual stages; (m - 1)/m without a pipeline; in an interleaved one,
-    all but 2(pp - rank - 1) + (v - 1)pp warm-up passes of m x v."""
+    all but 2(pp - rank - 1) + (v - 1)pp warm-up passes of m x v. On torchtitan under DualPipeV, its
+    overlapped forward-backward pairs among the rank's 2m chunk passes, counted in its op list."""
+    m, v, pp = cfg.grad_accum, cfg.virtual_stages, cfg.pp
+    if (workload.ep_comm_overlap and cfg.framework == "torchtitan" and cfg.ep > 1 and pp > 1
+            and workload.pp_schedule == "dualpipev"):
+        return sum(op[0] == "FB" for op in dualpipe.rank_ops(rank, pp, m)) / (2 * m)
     if not (workload.ep_comm_overlap and cfg.framework == "megatron" and cfg.ep > 1):
         return 0.0
-    m, v, pp = cfg.grad_accum, cfg.virtual_stages, cfg.pp
     if pp == 1:
         return (m - 1) / m
     if v == 1:
         return 0.0
     return max(0.0, 1 - min(2 * (pp - rank - 1) + (v - 1) * pp, m * v) / (m * v))
+
+
+def _v_hops(crosses: tuple[bool, ...], r: int) -> list[tuple[bool | None, bool | None]]:
+    """DualPipeV's rank r: its first chunk sends over hop r (none from the last rank, where the V
+    turns) and receives over hop r - 1; its second sends over hop r - 1 and receives over hop r
+    (none on the last rank)."""
+    last = r == len(crosses) - 1
+    return [(None if last else crosses[r], crosses[r - 1]), (crosses[r - 1], None if last else crosses[r])]
+
+
+def gemm_seconds(c: LayerCost, b: int, dev: eff.Device) -> float:
+    """The block's forward GEMMs: its weight gradients' shapes."""
+    return sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
+
+
+def v_held(rank: int, pp: int, m: int) -> tuple[int, int]:
+    """DualPipeV's held (first, second) chunk activations at rank ``rank``'s peak, walking its ops:
+    a forward holds one, a whole backward or a weight gradient frees it."""
+    held, peak = [0, 0], (0, 0)
+    for op in dualpipe.rank_ops(rank, pp, m):
+        if op[0] == "FB":
+            held[op[1][0]] += 1
+            held[op[2][0]] -= 1
+        elif op[0] in ("F", "B", "W"):
+            held[op[1]] += 1 if op[0] == "F" else -1
+        if sum(held) > sum(peak):
+            peak = (held[0], held[1])
+    return peak
 
 
 def model_flops(model: ModelSpec, workload: Workload) -> float:
@@ -479,6 +528,10 @@ def _stage_plan(model: ModelSpec, r: int, ch, blocks: list[LayerCost], dense: fl
     live = (max((c.act_live for c in blocks if c.checkpointed), default=0.0) * b
             if cfg.recompute in ("full", "op") else 0.0)
     inflight = inflight_microbatches(r, cfg.pp, cfg.virtual_stages, cfg.grad_accum)
+    if w.pp_schedule == "dualpipev" and cfg.pp > 1:  # held chunks, in units of the whole stage
+        first, second = v_held(r, cfg.pp, cfg.grad_accum)
+        one = sum(cc.act[cfg.recompute] for cc in blocks[:ch[0][1] - ch[0][0]]) * b  # the first chunk's
+        inflight = (first * one + second * (stored - one)) / stored if stored > 0 else (first + second) / 2
     if cfg.pp == 1 and cfg.recompute != "full" and _ep_share(cfg, w, r) > 0:
         inflight = 2.0  # the next forward runs before this backward frees its activations
     acts = activation_bytes(stored, live, inflight)

@@ -9,7 +9,8 @@ import numpy as np
 
 from planner.cost.assemble import Assembly
 from planner.cost.parallel import CP_COMMS, Workload
-from planner.cost.rank_tables import Split, rank_fields
+from planner.cost.rank_chunks import Split
+from planner.cost.rank_tables import rank_fields
 from planner.hardware.cluster import Cluster
 from planner.hardware.load import load_profile
 from planner.model.catalog import load_model
@@ -31,12 +32,14 @@ class Case:
 
 
 def prepared(name: str, nodes: int, cons: Constraints, global_batch: int = 64, seq_len: int = 4096,
-             profile: str = "dgx-a100-80g", balancer: str = "optimal") -> Case:
-    """``name`` on ``nodes`` nodes of ``profile`` (one image of two tiles per sample for a VLM)."""
+             profile: str = "dgx-a100-80g", balancer: str = "optimal", **knobs) -> Case:
+    """``name`` on ``nodes`` nodes of ``profile`` (one image of two tiles per sample for a VLM);
+    ``knobs``: other Workload fields."""
     model = load_model(name)
     cluster = Cluster.build(load_profile(profile), nodes)
     images, tiles = (1, 2) if model.is_vlm else (0, 0)
-    workload = Workload(global_batch=global_batch, seq_len=seq_len, images_per_sample=images, tiles_per_image=tiles)
+    workload = Workload(global_batch=global_batch, seq_len=seq_len, images_per_sample=images, tiles_per_image=tiles,
+                        **knobs)
     space = candidate_space(model, cluster, workload, cons)
     return Case(model, cluster, workload, space, Pricing.of(model, cluster, workload, balancer), group_by_key(space))
 

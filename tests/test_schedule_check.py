@@ -39,7 +39,7 @@ def setting():
 
 def test_uneven_chunks_replay_slower_than_the_formula_and_get_a_note(setting) -> None:
     model, cluster, workload, ev = setting
-    fwd, bwd = sc.chunk_times(ev, CFG, UNEVEN)
+    fwd, bwd, _ = sc.chunk_times(ev, CFG, UNEVEN)
     chunk = sorted(f + b for fr, br in zip(fwd, bwd) for f, b in zip(fr, br))
     assert chunk[-1] > 4 * chunk[0]  # 1-layer chunks next to 5-layer ones
     formula, replayed = sc.formula_and_replay(ev, CFG, UNEVEN)

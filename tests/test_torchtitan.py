@@ -41,6 +41,8 @@ PLANS = [
                 "--recompute", "full"]),
     ("per-op-sac", ["--model", "llama-3.1-8b", "--zero", "3", "--tp", "2", "--sequence-parallel", "--global-batch",
                     "64", "--recompute", "op"]),
+    ("dualpipev-moe", ["--model", "deepseek-v2-lite", "--zero", "3", "--pp", "2", "--ep", "4", "--global-batch", "64",
+                       "--pp-schedule", "dualpipev"]),
 ]
 
 
@@ -94,7 +96,11 @@ def test_torchtitan_parses_the_job_config_with_the_plans_degrees(run_dirs, name)
     per_rank = plan["global_batch"] // plan["dp"]
     if plan["pp"] > 1:
         assert t.local_batch_size == per_rank and p.pipeline_parallel_microbatch_size == plan["micro_batch"]
-        assert p.pipeline_parallel_schedule == ("Interleaved1F1B" if plan["virtual_stages"] > 1 else "1F1B")
+        dual = plan["pp_schedule"] == "dualpipev"
+        assert p.pipeline_parallel_schedule == ("DualPipeV" if dual else "Interleaved1F1B"
+                                                if plan["virtual_stages"] > 1 else "1F1B")
+        # DualPipeV's all-to-alls under the other pass's compute where priced so (no checkpointing, EP)
+        assert p.pipeline_parallel_expert_parallel_overlap == (dual and plan["ep"] > 1 and plan["recompute"] == "none")
         parts = p.module_fqns_per_model_part
         assert len(parts) == plan["pp"] * plan["virtual_stages"]
         layers = [m for part in parts for m in part if m.startswith("layers.")]
@@ -110,8 +116,10 @@ def test_torchtitan_parses_the_job_config_with_the_plans_degrees(run_dirs, name)
         assert (ac.mode, ac.selective_ac_option) == ("selective", "op")
     else:
         assert ac.mode == plan["recompute"]
-    # compiled, as priced (fused elementwise kernels); TP without async TP, as priced
-    assert job.compile.enable and set(job.compile.components) == {"model", "loss"}
+    # compiled, as priced (fused elementwise kernels), but for DualPipeV's stages, which PyTorch refuses
+    # compiled (the loss only); TP without async TP, as priced
+    compiled = {"loss"} if plan["pp"] > 1 and plan["pp_schedule"] == "dualpipev" else {"model", "loss"}
+    assert job.compile.enable and set(job.compile.components) == compiled
     assert not p.enable_async_tensor_parallel
     converters = {"fp8-tensorwise": ["quantize.linear.float8"], "mxfp8": ["quantize.linear.mx"]}
     assert job.model.converters == converters.get(plan["precision"], [])

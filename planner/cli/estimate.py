@@ -66,7 +66,9 @@ from planner.errors import UserError
                    "backward, the first LAYERS of the model's (Megatron-Core --cpu-offloading-num-layers through "
                    "Transformer Engine; framework megatron, pp 1, recompute none).")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs tp > 1).")
-@click.option("--virtual-stages", type=int, default=1, show_default=True, help="Interleaved pipeline chunks per rank.")
+@click.option("--virtual-stages", type=int, default=None,
+              help="Pipeline chunks per rank: interleaved 1F1B's, or DualPipeV's two [default: 1; 2 under "
+                   "--pp-schedule dualpipev with --pp > 1].")
 @click.option("--framework", type=click.Choice(["deepspeed", "megatron-deepspeed", "megatron", "torchtitan"]),
               default="deepspeed", show_default=True,
               help="The runtime; torchtitan: PyTorch FSDP2 (--zero 3) + TP + PP + CP, its own model flavors only.")
@@ -135,7 +137,9 @@ def render(plan) -> None:
     c, w = plan.cfg, plan.workload
     verdict = "[green]fits[/green]" if plan.fits else f"[red]does not fit[/red]: {escape(plan.why_not())}"
     virtual = ""
-    if c.virtual_stages > 1:  # a micro-batch count pp does not divide runs with a larger group (cost/memory.py)
+    if w.pp_schedule == "dualpipev" and c.pp > 1:
+        virtual = " (DualPipeV: 2 chunks a rank in a V)"
+    elif c.virtual_stages > 1:  # a micro-batch count pp does not divide runs with a larger group (cost/memory.py)
         g = group_to_set(c.pp, c.virtual_stages, c.grad_accum)
         virtual = f" (v {c.virtual_stages}" + (f", micro-batch group {g}" if g else "") + ")"
     console.print(f"[bold]{escape(plan.model)}[/bold] on {plan.nodes} x {plan.gpus_per_node} {escape(plan.hardware)} "

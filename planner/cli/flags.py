@@ -61,6 +61,7 @@ FLAGS: dict[str, str] = {
     "moe_dispatcher": "--moe-dispatcher",
     "moe_capacity_factor": "--moe-capacity-factor",
     "recompute_modules": "--recompute-modules",
+    "pp_schedule": "--pp-schedule",
 }
 
 

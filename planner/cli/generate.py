@@ -44,7 +44,7 @@ _SEARCH_FLAGS = (
     "ep", "zero", "zero_pp",
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm", "dp_replicate",
-    "etp", "activation_offload", "moe_dispatcher", "moe_capacity_factor", "recompute_modules",
+    "etp", "activation_offload", "moe_dispatcher", "moe_capacity_factor", "recompute_modules", "pp_schedule",
 )
 
 
@@ -384,7 +384,7 @@ _SUGGEST_KEYS = (
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes",
     "balancer", "objective", "cp", "cp_comm", "dp_replicate", "etp", "calibration", "activation_offload",
-    "moe_dispatcher", "moe_capacity_factor", "recompute_modules",
+    "moe_dispatcher", "moe_capacity_factor", "recompute_modules", "pp_schedule",
 )
 
 

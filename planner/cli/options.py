@@ -154,6 +154,16 @@ RECOMPUTE_MODULES_HELP = ("What Megatron's selective recompute (--recompute sele
                           "mla_up_proj and moe_act].")
 
 
+PP_SCHEDULES = ("1f1b", "dualpipev")  # Workload.pp_schedule (planner/cost/dualpipe.py SCHEDULES)
+DROPOUT_HELP = ("Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in Llama, "
+                "DeepSeek and Qwen pre-training].")
+PP_SCHEDULE_HELP = ("The pipeline schedule of plans with --pp > 1: 1f1b (1F1B, interleaved 1F1B when a rank holds "
+                    "--virtual-stages chunks) or dualpipev (DeepSeek's DualPipeV as torchtitan runs it: two chunks "
+                    "per rank in a V, at least 2 x pp micro-batches, its expert all-to-alls overlapped with the "
+                    "other pass's compute where no activation checkpointing runs; --framework torchtitan) "
+                    "[default: 1f1b].")
+
+
 MTBF_HELP = ("The job's mean time between failures, in hours; sets the checkpoint interval (Young/Daly) and the "
              "goodput [default: from the hardware profile's per-GPU and per-node failure rates, scaled by the "
              "job's size].")
@@ -189,7 +199,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention, --tp-comm-overlap, --te-attention, --ep-comm-overlap, --moe-imbalance,
     --moe-dispatcher, --moe-capacity-factor, --recompute-modules, --fp8-param-gather, --precision-aware-optimizer,
-    --zeropp, --dropout, --mtbf-hours and --mtp-layers (the booleans with their --no- forms).
+    --zeropp, --dropout, --mtbf-hours, --mtp-layers and --pp-schedule (the booleans with their --no- forms).
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -231,11 +241,10 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--fp8-param-gather/--no-fp8-param-gather", default=None, help=FP8_GATHER_HELP),
         click.option("--precision-aware-optimizer/--no-precision-aware-optimizer", default=None, help=PAO_HELP),
         click.option("--zeropp", "zero_pp", default=None, metavar="LIST", help=ZEROPP_HELP),
-        click.option("--dropout/--no-dropout", default=None,
-                     help="Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in "
-                          "Llama, DeepSeek and Qwen pre-training]."),
+        click.option("--dropout/--no-dropout", default=None, help=DROPOUT_HELP),
         click.option("--mtbf-hours", type=float, default=None, metavar="H", help=MTBF_HELP),
         click.option("--mtp-layers", type=int, default=None, metavar="N", help=MTP_HELP),
+        click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help=PP_SCHEDULE_HELP),
     ]
 
     def apply(command):

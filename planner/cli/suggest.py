@@ -160,7 +160,8 @@ def render(result, next_argv: list[str] | None = None) -> None:
     if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
         console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
                       "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
-    console.print(legend(rows, result.inputs.get("recompute_modules")), markup=False)
+    console.print(legend(rows, result.inputs.get("recompute_modules"), result.inputs.get("pp_schedule")),
+                  markup=False)
     if ties is not None and len(result.plans) > 1:
         console.print(_ties_line(ties), markup=False)
     _render_best(result, console, human_bytes, human_time)

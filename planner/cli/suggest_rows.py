@@ -82,9 +82,11 @@ def _bottlenecks(b: dict) -> str:
 _CP_MARK = {"p2p": "", "a2a": "a", "a2a+p2p": "h"}
 
 
-def legend(rows: list[tuple[str, ...]], modules: "tuple[str, ...] | list[str] | None" = None) -> str:
+def legend(rows: list[tuple[str, ...]], modules: "tuple[str, ...] | list[str] | None" = None,
+           schedule: str | None = None) -> str:
     """One line naming each abbreviation the table shows (only those that appear); ``modules``:
-    what the search's selective recompute runs again (Workload.recompute_modules)."""
+    what the search's selective recompute runs again (Workload.recompute_modules); ``schedule``: the
+    pipeline schedule (Workload.pp_schedule)."""
     cells = [dict(zip(COLUMNS, row)) for row in rows]
 
     def first(column: str, mark: str) -> str | None:
@@ -97,7 +99,9 @@ def legend(rows: list[tuple[str, ...]], modules: "tuple[str, ...] | list[str] | 
         parts.append(f"{sp} = TP {sp.removesuffix('+sp')} with sequence parallelism")
     if vs := first("pp", "x"):
         stages, virtual = vs.split("x")
-        parts.append(f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages per rank")
+        parts.append(f"pp {vs} = {stages} pipeline ranks x 2 model chunks each, in DualPipeV's V" if schedule ==
+                     "dualpipev" else f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages "
+                     "per rank")
     if folded := first("ep", "f"):
         parts.append(f"ep {folded} = EP {folded.removesuffix('f')} with the experts folded out of TP (etp 1: "
                      "each rank holds whole experts)")

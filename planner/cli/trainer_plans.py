@@ -26,6 +26,13 @@ MAX_TOP = 4096  # beyond this many plans, a rank the trainer runs is not worth t
 _OTHER_ENTRY = "or pass --entry SCRIPT (e.g. Megatron-LM's pretrain_gpt.py) to search every plan"
 
 
+def _no_dualpipe(opts: dict[str, Any]) -> None:
+    if opts.get("pp_schedule") == "dualpipev":
+        raise UserError("--pp-schedule dualpipev: the reference trainer (--entry builtin) pipelines with DeepSpeed's "
+                        "PipelineModule (1F1B); DualPipeV is torchtitan's: add --framework torchtitan, "
+                        f"{_OTHER_ENTRY}")
+
+
 def trainer_pins(opts: dict[str, Any], is_moe: bool) -> list[str]:
     """Pin ``opts`` (the search flags, as given) to what the trainer runs; returns the pins added
     (``--virtual-stages 1``, ...) for messages. A UserError when the user's pins exclude it all."""
@@ -36,6 +43,7 @@ def trainer_pins(opts: dict[str, Any], is_moe: bool) -> list[str]:
             added.append(f"--{key.replace('_', '-')} {value}")
         opts[key] = value
 
+    _no_dualpipe(opts)
     vs = parse_int_list("--virtual-stages", opts.get("virtual_stages"))
     if vs is not None and TRAINER_VIRTUAL_STAGES not in vs:
         raise UserError(f"--virtual-stages {opts['virtual_stages']}: the reference trainer (--entry builtin) runs "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cost import activation_offload as aoff
+from planner.cost import dualpipe
 from planner.cost import memory as mem
 from planner.cost import step_time as st
 from planner.cost.candidates import shard_ranks
@@ -71,7 +72,7 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
     if "hpz" in w.zero_pp:  # ZeRO++ on DeepSpeed's ZeRO-3 (the rules keep the others out)
         hpz = (col["zero"] == 3) & _MODULE_FETCH[col["framework"]]
         weights = weights + np.where(hpz[:, None], secondary_bytes(ctx.cluster, shard_ranks(col), r["dense"]), 0.0)
-    inflight = _inflight(ctx, col, pp)
+    inflight = _inflight(ctx, col, pp, r)
     acts = mem.activation_bytes(r["stored"], r["live"], inflight)
     buffers = mem.buffer_bytes(col["framework"][:, None], col["zero"][:, None], r["dense"] + r["expert"],
                                mem.process_groups(col)[:, None], r["ppbuf"])
@@ -90,6 +91,10 @@ def assemble(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, np.ndarr
 
     total = r["fwd"] + r["bwd"] + r["rc"] + r["tp"] + r["ep"] + r["pp"] + r["cp"]
     worst, bubble = st.pipeline(total, col["pp"], vs)
+    if w.pp_schedule == "dualpipev":
+        comm = (r["tp"] + r["ep"] + r["pp"] + r["cp"]) / 2.0
+        v = dualpipe.bubble(r["fwd"] + comm, r["bwd"] + r["rc"] + comm, r["wg"], worst, col["pp"])
+        bubble = np.where(col["pp"] > 1, v, bubble)
     body = m[:, 0] * total[np.arange(len(total)), worst]
     dp_t = st.dp_exposed(col, r, *st.dp_collectives(ctx, col, r), profile.calibration.overlap,
                          profile.gpu.vendor == "cpu")
@@ -122,10 +127,11 @@ def _recipe_weights(ctx: CostContext, col: dict[str, np.ndarray], r: dict[str, n
     return np.where((col["zero"] == 3)[:, None], sharded, whole)
 
 
-def _inflight(ctx: CostContext, col: dict[str, np.ndarray], pp: int) -> np.ndarray:
-    """Micro-batches of activations each rank holds at its peak (memory.inflight_array). Without a
-    pipeline, one; two where the expert all-to-alls overlap (paid.ep_overlapped), since the next
-    micro-batch's forward runs before this one's backward has freed its activations."""
+def _inflight(ctx: CostContext, col: dict[str, np.ndarray], pp: int, r: dict[str, np.ndarray]) -> np.ndarray:
+    """Micro-batches of activations each rank holds at its peak (memory.inflight_array; DualPipeV's
+    from its two chunks' stored bytes, dualpipe.inflight). Without a pipeline, one; two where the
+    expert all-to-alls overlap (paid.ep_overlapped), since the next micro-batch's forward runs
+    before this one's backward has freed its activations."""
     merged = (ep_overlapped(_EP_OVERLAP[col["framework"]], col["ep"], col["pp"], col["vs"],
                             ctx.workload.ep_comm_overlap)
               & (col["grad_accum"] > 1) & (col["recompute"] != RECOMPUTES.index("full")))
@@ -137,6 +143,9 @@ def _inflight(ctx: CostContext, col: dict[str, np.ndarray], pp: int) -> np.ndarr
     inflight = mem.inflight_array(rank, depth, col["vs"][:, None].astype(float),
                                   col["grad_accum"][:, None].astype(float),
                                   mem.microbatch_groups(col["pp"], col["grad_accum"])[:, None])
+    if ctx.workload.pp_schedule == "dualpipev":
+        inflight = np.where(col["pp"][:, None] > 1, dualpipe.inflight(rank, depth, r["stored"], r["stored_v"]),
+                            inflight)
     if 1 in found:
         inflight = np.where(col["pp"][:, None] == 1, np.where(merged, 2.0, 1.0)[:, None], inflight)
     return inflight

@@ -62,6 +62,7 @@ class BlockTable:
     ep: np.ndarray  # [mode, b, block]
     ep_ov: np.ndarray  # [mode, b, block]: EP seconds left exposed in a merged micro-batch pair (overlapped_ep)
     cp: np.ndarray  # [mode, b, block]: exposed context-parallel attention traffic (context_parallel.py)
+    wg: np.ndarray  # [b, block]: the backward's weight-gradient GEMMs (the forward GEMMs' shapes; dualpipe.py)
     params: np.ndarray  # params_rank per block
     expert: np.ndarray  # expert_params_rank per block
     low: np.ndarray  # LayerCost.low_params per block (the recipe's quantized weights)
@@ -217,9 +218,8 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     fields = {
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes),
         "ep_ov": overlapped_ep(ep, fwd - te["te_f"], bwd - te["te_b"], share), **te,
-        "params": per_block([c.params_rank for c in costs]),
-        "expert": per_block([c.expert_params_rank for c in costs]),
-        "low": per_block([c.low_params for c in costs]),
+        "params": per_block([c.params_rank for c in costs]), "expert": per_block([c.expert_params_rank for c in costs]),
+        "low": per_block([c.low_params for c in costs]), "wg": gemm,
         "z3_calls": per_block([fetch_calls(c) for c in costs]), "z3_tensors": per_block(list(map(tensor_count, costs))),
         "act": np.array([[c.act[m] for c in costs] for m in RECOMPUTES], dtype=float)
                  .reshape(len(RECOMPUTES), n_groups, n_blocks).transpose(1, 0, 2),

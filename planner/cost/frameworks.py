@@ -146,6 +146,10 @@ class Traits:
     # reshard after forward under PP. So one gather in the step's first forward, one reduction,
     # and the stage's 16-bit weights plus fp32 accumulated gradients (reduce_dtype) held whole.
     fsdp_pp_keeps_stage_gathered: bool = False
+    # DeepSeek's DualPipeV schedule (planner/cost/dualpipe.py): PyTorch's ScheduleDualPipeV, which
+    # torchtitan runs, overlapping each pair's expert all-to-alls with the other pass's compute
+    # (pipeline_parallel_expert_parallel_overlap) where no activation checkpointing runs.
+    dualpipe: bool = False
 
 
 TRAITS = {
@@ -163,7 +167,7 @@ TRAITS = {
     # over plain TP (torchtitan benchmarks/asyncTP_llama3_h100_2025-06), where pricing it as TE's
     # userbuffers overlap (comm_overlap.overlapped_tp) gives 1.24-1.37x: not priced, not emitted.
     "torchtitan": Traits("torchtitan", True, "sequence_parallel", True, False, zero3_live_blocks=2,
-                         hsdp_allreduce_every_microbatch=True, fsdp_pp_keeps_stage_gathered=True),
+                         hsdp_allreduce_every_microbatch=True, fsdp_pp_keeps_stage_gathered=True, dualpipe=True),
 }
 
 # DeepSpeed bucket sizes (elements) that dsplan plans with and that the emitted ds_config

@@ -22,13 +22,15 @@ def tp_overlapped(framework: str, sp: bool, tp: int, tp_in_node: bool, allowed: 
     return allowed and traits(framework).tp_comm_overlap and sp and tp > 1 and tp_in_node
 
 
-def ep_overlapped(can: "bool | np.ndarray", ep, pp, vs, allowed: bool):
+def ep_overlapped(can: "bool | np.ndarray", ep, pp, vs, allowed: bool, dualpipe: "bool | np.ndarray" = False):
     """Whether plans' expert all-to-alls overlap the other micro-batch's compute (scalars or
     arrays): the runtime can (Traits.ep_comm_overlap), the workload allows it, there is expert
     parallelism, and a pipeline is interleaved (Megatron-Core asserts virtual stages when
-    pp > 1, transformer_config.py). Full recomputation, which Megatron refuses with it, is
-    priced without it (comm_overlap.overlapped_ep)."""
-    return allowed & can & (ep > 1) & ((pp == 1) | (vs > 1))
+    pp > 1, transformer_config.py); or DualPipeV runs a pipeline (``dualpipe``: the runtime has it,
+    Traits.dualpipe, and the workload's schedule is it). Full recomputation, which Megatron
+    refuses with it (torchtitan with any checkpointing), is priced without it
+    (comm_overlap.overlapped_ep)."""
+    return allowed & (ep > 1) & ((can & ((pp == 1) | (vs > 1))) | (dualpipe & (pp > 1)))
 
 
 def runs_ep_overlap(framework: str, ep: int, pp: int, vs: int, recompute: str, allowed: bool) -> bool:
@@ -63,4 +65,5 @@ def paid(ctx: "CostContext", framework: str, sp: bool, tp: int, ep: int, dp: int
     in_node = ctx.layout(tp, 1, dp, pp).tp.nodes_spanned == 1
     return Paid(tp_overlapped(framework, sp, tp, in_node, w.tp_comm_overlap),
                 w.te_attention and traits(framework).te_attention,
-                bool(ep_overlapped(traits(framework).ep_comm_overlap, ep, pp, vs, w.ep_comm_overlap)))
+                bool(ep_overlapped(traits(framework).ep_comm_overlap, ep, pp, vs, w.ep_comm_overlap,
+                                   traits(framework).dualpipe and w.pp_schedule == "dualpipev")))

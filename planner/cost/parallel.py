@@ -36,6 +36,9 @@ Optimizer = Literal["adamw", "adam", "sgd"]
 CpComm = Literal["p2p", "a2a", "a2a+p2p"]
 ZeroPP = Literal["qwz", "hpz", "qgz"]  # DeepSpeed ZeRO++: int8 weight gather, hierarchical partition, int4 grads
 ZERO_PP = ("qwz", "hpz", "qgz")
+# The pipeline schedule (planner/cost/dualpipe.py): looped 1F1B (interleaved when a rank holds
+# more than one chunk) or DeepSeek's DualPipeV, two chunks per rank in a V.
+PpSchedule = Literal["1f1b", "dualpipev"]
 
 
 # ``--zeropp auto`` on suggest: none, each option alone, and all three, each searched.
@@ -152,6 +155,9 @@ class Workload(BaseModel):
     # its default, the attention core, or the modules NVIDIA's MoE recipes pick (DeepSeek-V3:
     # mla_up_proj; GPT-OSS: layernorm, moe_act), which free more for a little memory-bound work.
     recompute_modules: tuple[RecomputeModule, ...] = Field(("core_attn",), min_length=1)
+    # The pipeline schedule of plans with pp > 1: looped 1F1B (Megatron-Core's and PyTorch's
+    # 1F1B / interleaved 1F1B, by virtual stages) or DualPipeV (torchtitan; two chunks per rank).
+    pp_schedule: PpSchedule = "1f1b"
 
     @model_validator(mode="before")
     @classmethod

@@ -12,11 +12,13 @@ from planner.cost import memory as mem
 from planner.cost.assemble import Assembly
 from planner.cost.candidates import columns_of
 from planner.cost.context import CostContext
+from planner.cost.dualpipe import rank_chunks
 from planner.cost.goodput import plan_checkpoint
 from planner.cost.memory import MemoryBreakdown
 from planner.cost.parallel import ParallelConfig
 from planner.cost.plan import Plan, StagePlan
-from planner.cost.rank_tables import TIME_ROWS, Split
+from planner.cost.rank_chunks import Split
+from planner.cost.rank_tables import TIME_ROWS
 from planner.cost.step_time import MicroBatchTime, StepTime
 from planner.model.spec import ModelSpec
 
@@ -60,7 +62,7 @@ def build_plan(model: ModelSpec, ctx: CostContext, cfg: ParallelConfig, parts: S
     inflight = asm.inflight[n].tolist()
     stages = []
     for r, memory, mb in zip(range(pp), memory_rows, time_rows):
-        chunks = list(map(tuple, parts[r::pp]))
+        chunks = list(map(tuple, rank_chunks(parts, pp, cfg.virtual_stages, ctx.workload.pp_schedule, r)))
         counts = kinds.counts(chunks)
         stages.append(StagePlan(r, chunks, counts.get("decoder", 0), counts,  # DecoderBlock.kind: its layers
                                 MemoryBreakdown(*memory), MicroBatchTime(*mb), float(inflight[r])))

@@ -1,7 +1,8 @@
 """Per pipeline rank, one micro-batch's work and the stage's contents: the rank table.
 
 A pipeline split is ``pp * v`` contiguous block ranges (chunks); rank r runs chunks r, r + pp,
-... (Megatron's model chunks). Its table sums, over its chunks, the block tables' seconds of
+... (Megatron's model chunks), or under DualPipeV chunks r and 2 pp - 1 - r (dualpipe.py: a V,
+whose two legs meet on the last rank without a send). Its table sums, over its chunks, the block tables' seconds of
 forward, backward, recompute, TP and EP traffic for its micro-batch size and recompute mode,
 the parameters and stored activations, and adds what the split itself decides:
 
@@ -28,33 +29,31 @@ built together.
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple
 
 import numpy as np
 
-from planner.cost import frameworks as fw
-from planner.cost import pipeline_sends as ps
+from planner.cost import dualpipe
 from planner.cost.block_times import BlockTable
 from planner.cost.collectives import collective_times_keyed
 from planner.cost.context import CostContext
-from planner.cost.layout import Layout
-from planner.cost.paid import Paid, merged_share
-from planner.cost.parallel import FRAMEWORKS, RECOMPUTES
+from planner.cost.paid import merged_share
+from planner.cost.rank_chunks import Chunks, RankSpec
 from planner.cost.zero3_fetch import block_seconds
 from planner.hardware.placement import GroupShape
 from planner.model.spec import ModelSpec
-
-Split = list[tuple[int, int]]
 
 # Rows of a rank table: per pipeline rank, one micro-batch's seconds of forward, backward,
 # recompute, TP, EP and pipeline traffic; the stage's dense and expert parameters, its largest
 # block, stored and live activation bytes and pipeline buffers; the parameters of a tied
 # embedding's copy when the rank holds one of two; the ZeRO-3 per-block gathers and
 # reduce-scatters; the quantized weights; the exposed context-parallel traffic; last, the rank's
-# decoder layers and their stored bytes (what activation offload moves: activation_offload.py).
+# decoder layers and their stored bytes (what activation offload moves: activation_offload.py); the
+# weight-gradient GEMMs' seconds and the stored bytes of the rank's second chunk (DualPipeV's bubble
+# and held activations: dualpipe.py).
 RANK_FIELDS = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "pp", "largest", "stored", "live", "ppbuf",
-               "tied", "z3_gather", "z3_gather_rest", "z3_reduce", "z3_host", "low", "cp", "dec_n", "dec_act")
+               "tied", "z3_gather", "z3_gather_rest", "z3_reduce", "z3_host", "low", "cp", "dec_n", "dec_act",
+               "wg", "stored_v")
 ROW = {name: k for k, name in enumerate(RANK_FIELDS)}
 # ZeRO-3's gathers of the step's first forward and of every other pass, its reduction and its
 # hooks' host time (zero3_fetch.block_seconds); zero unless the candidate runs ZeRO-3.
@@ -69,9 +68,9 @@ TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp", "cp")]  # Mi
 # with ``overlap``), "te_*" what TE's attention saves of fwd, bwd and rc (a spec with ``te``),
 # "cp" the exposed context-parallel attention traffic, "ep_ov" the EP seconds left exposed where a
 # spec's ``ep_overlap`` merges micro-batches (``merged_share``), "dec" 1 per decoder layer and
-# "dec_act" its stored bytes per sample.
+# "dec_act" its stored bytes per sample, "wg" the weight-gradient GEMMs' seconds.
 PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov", "te_f", "te_b", "te_rc",
-                 "cp", "ep_ov", "dec", "dec_act")
+                 "cp", "ep_ov", "dec", "dec_act", "wg")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -92,113 +91,6 @@ def padded(tables: list[np.ndarray]) -> tuple[np.ndarray, int]:
     for i, t in enumerate(tables):
         out[i, :, :t.shape[1]] = t
     return out, width
-
-
-class RankSpec(NamedTuple):
-    """What one rank table depends on: the block table, the split, the micro-batch and
-    recompute mode, the pipeline shape and how the runtime sends across stages; and, for its
-    ZeRO-3 rows (``zero3``), the data-parallel degree, its hybrid-sharding groups and the framework."""
-
-    table: BlockTable
-    parts: Split
-    mode: int
-    b: int
-    pp: int
-    vs: int
-    tp: int
-    ep: int
-    dp: int
-    framework: int
-    send_div: int
-    layout: Layout
-    gathers: tuple[int, int] = (0, 0)
-    transfers: int = 1
-    meta: float = 0.0
-    zero3: bool = False
-    overlap: bool = False  # TP collectives overlapped with the GEMMs (frameworks.Traits.tp_comm_overlap)
-    te: bool = False  # attention through Transformer Engine (frameworks.Traits.te_attention)
-    rep: int = 1  # hybrid-sharding groups of the dp ranks (ParallelConfig.dp_replicate)
-    ep_overlap: bool = False  # expert all-to-alls overlapped with another micro-batch (Traits.ep_comm_overlap)
-    m: int = 1  # micro-batches per step (how many of a rank's passes the overlap merges: merged_share)
-
-    @classmethod
-    def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
-              ep: int, dp: int, framework: int, layout: Layout, zero3: bool, send: str | None = None,
-              paid: Paid = Paid(), rep: int = 1, m: int = 1) -> "RankSpec":
-        """A spec with the runtime's pipeline sends (frameworks.Traits.pp_send, or ``send``) and
-        how it pays its blocks (``paid``: frameworks.paid)."""
-        traits = fw.traits(FRAMEWORKS[framework])
-        send = send or traits.pp_send
-        return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, ps.pp_send_divisor(send, tp, sp), layout,
-                   ps.pp_boundary_gathers(send, tp), ps.pp_transfers(traits), ps.pp_meta_bytes(send, tp), zero3,
-                   paid.overlap, paid.te, rep, paid.ep_overlap, m if paid.ep_overlap else 1)
-
-    def base_key(self) -> tuple:
-        """What the rows but the ZeRO-3 ones depend on (not dp or the framework beyond its sends)."""
-        return (id(self.table), tuple(self.parts), self.mode, self.b, self.pp, self.vs, self.tp, self.send_div,
-                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap, self.te, self.ep_overlap, self.m)
-
-
-class _Chunks:
-    """The chunks of several specs laid end to end, spec after spec (chunk k of a spec runs on
-    its rank k % pp), and the specs' ranks side by side as columns."""
-
-    # Per-spec numbers, repeated per chunk (``chunk``) and per rank (``rank``).
-    VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy", "overlap",
-              "te", "ep_overlap", "vs", "m")
-
-    def __init__(self, specs: list[RankSpec], nblocks: int, tied_size: float) -> None:
-        self.specs = specs
-        tables: dict[int, tuple[int, BlockTable]] = {}
-        prefixes: dict[tuple, tuple[int, RankSpec]] = {}
-        for s in specs:
-            tables.setdefault(id(s.table), (len(tables), s.table))
-            prefixes.setdefault((id(s.table), s.mode, s.b), (len(prefixes), s))
-        self.prefix_specs = [s for _, s in prefixes.values()]  # one per distinct (table, mode, b)
-        stride = nblocks + 1  # a table's blocks and one padding block (an end index stays in bounds)
-        counts, pps, prefix, base = np.array([(len(s.parts), s.pp, prefixes[id(s.table), s.mode, s.b][0],
-                                               tables[id(s.table)][0] * stride) for s in specs]).T
-        layer_again = [RECOMPUTES[s.mode] in ("full", "op") for s in specs]  # a recomputed layer is live
-        values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, again, s.pp, tied_size / s.tp, s.overlap,
-                            s.te, s.ep_overlap, s.vs, s.m) for s, again in zip(specs, layer_again)], dtype=float).T
-        self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
-        self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
-        self.counts, self.pps = counts, pps
-        chunks = int(counts.sum())
-        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(s.parts for s in specs))
-        bounds = np.fromiter(flat, dtype=np.int64, count=2 * chunks).reshape(chunks, 2)
-        self.starts, self.ends = bounds[:, 0], bounds[:, 1]
-        self.rank_start = np.concatenate(([0], np.cumsum(pps)))
-        self.width = int(self.rank_start[-1])
-        pp, first_chunk, first_rank, self.prefix, self.block_base = np.repeat(
-            np.stack((pps, np.cumsum(counts) - counts, self.rank_start[:-1], prefix, base)), counts, axis=1)
-        k = np.arange(len(bounds)) - first_chunk
-        rank, self.virtual = k % pp, k // pp
-        self.column, self.previous_column = first_rank + rank, first_rank + (rank - 1) % pp
-        # The distinct tables' largest-block candidates (params + expert), live activations and
-        # pipeline bytes per sample: [3 x table and block].
-        arrays = np.zeros((3, len(tables), stride))
-        for j, t in tables.values():
-            arrays[:, j, :nblocks] = (t.params + t.expert, t.act_live, t.pp_bytes)
-        self.block_arrays = arrays.reshape(3, -1)
-
-    def rank_sum(self, x: np.ndarray) -> np.ndarray:
-        """[rows x chunk] -> [rows x rank]: each rank's chunks added in chunk order (np.bincount
-        adds in input order, as reshape(vs, pp).sum(axis=0) adds the virtual stages in turn)."""
-        rows = len(x)
-        index = (np.arange(rows)[:, None] * self.width + self.column).ravel()
-        return np.bincount(index, weights=x.ravel(), minlength=rows * self.width).reshape(rows, self.width)
-
-    def rank_max(self, x: np.ndarray) -> np.ndarray:
-        """[rows x chunk] -> [rows x rank]: each rank's largest chunk value (values >= 0)."""
-        grid = np.zeros((len(x), int(self.virtual.max()) + 1, self.width))
-        grid[:, self.virtual, self.column] = x
-        return grid.max(axis=1)
-
-    def block_max(self) -> np.ndarray:
-        """Per chunk, its largest block in each row of ``block_arrays``: [3 x chunk]."""
-        index = np.stack((self.starts + self.block_base, self.ends + self.block_base), axis=1).ravel()
-        return np.maximum.reduceat(self.block_arrays, index, axis=1)[:, ::2]  # odd entries: between chunks
 
 
 class TiedEmbedding(NamedTuple):
@@ -232,6 +124,7 @@ class RankTables:
         self.nblocks = len(model.blocks)
         self.decoder = np.array([b.kind == "decoder" for b in model.blocks], dtype=float)  # DecoderBlock.kind
         self.tied = tied_embedding(model)
+        self.vshape = ctx.workload.pp_schedule == "dualpipev"  # pp > 1 splits of two chunks a rank lie in a V
         self._prefix: dict[tuple, tuple[BlockTable, np.ndarray]] = {}
         self._z3: dict[tuple, tuple[BlockTable, dict[str, np.ndarray]]] = {}
         self._base: dict[tuple, tuple[BlockTable, np.ndarray]] = {}
@@ -261,7 +154,10 @@ class RankTables:
         starts = np.array([a for a, _ in spec.parts])
         ends = np.array([e for _, e in spec.parts])
         for name in Z3_SERIES:
-            out[ROW[name]] = (z3[name][ends] - z3[name][starts]).reshape(spec.vs, spec.pp).sum(axis=0)
+            per_chunk = (z3[name][ends] - z3[name][starts]).reshape(spec.vs, spec.pp)
+            if self.vshape and spec.vs == 2:
+                per_chunk[1] = per_chunk[1, ::-1].copy()  # the V's second leg, back up the ranks
+            out[ROW[name]] = per_chunk.sum(axis=0)
         return out
 
     def _z3_prefix(self, spec: RankSpec) -> dict[str, np.ndarray] | None:
@@ -294,7 +190,7 @@ class RankTables:
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
                 s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi],
                 s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi], s.table.cp[mode, bi],
-                s.table.ep_ov[mode, bi], self.decoder, s.table.act[mode] * self.decoder)])
+                s.table.ep_ov[mode, bi], self.decoder, s.table.act[mode] * self.decoder, s.table.wg[bi])])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -304,7 +200,7 @@ class RankTables:
 
     def _base_tables(self, specs: list[RankSpec]) -> list[np.ndarray]:
         """The rank tables of many specs, ZeRO-3 rows left at zero, built together."""
-        ch = _Chunks(specs, self.nblocks, self.tied.params if self.tied else 0.0)
+        ch = Chunks(specs, self.nblocks, self.tied.params if self.tied else 0.0, self.vshape)
         pre = self._prefixes(ch.prefix_specs)
         per_chunk = np.empty((len(CHUNK_ROWS), len(ch.starts)))
         series = len(PREFIX_SERIES)
@@ -322,9 +218,15 @@ class RankTables:
         out[ROW["cp"]] = sums[_CHUNK["cp"]]
         out[ROW["dec_n"]] = sums[_CHUNK["dec"]]
         out[ROW["dec_act"]] = sums[_CHUNK["dec_act"]] * b
+        out[ROW["wg"]] = sums[_CHUNK["wg"]]
+        if self.vshape:
+            out[ROW["stored_v"]] = ch.rank_sum(np.where(ch.virtual == 1, per_chunk[_CHUNK["act"]], 0.0)[None])[0] * b
         out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]], sums[_CHUNK["tp"]])
         rank = np.arange(ch.width) - np.repeat(ch.rank_start[:-1], ch.pps)
-        share = np.where(ch.rank["ep_overlap"] > 0, merged_share(rank, ch.rank["pp"], ch.rank["vs"], ch.rank["m"]), 0)
+        share = merged_share(rank, ch.rank["pp"], ch.rank["vs"], ch.rank["m"])
+        if self.vshape:  # DualPipeV's overlapped pairs
+            share = np.where(ch.rank["pp"] > 1, dualpipe.merged_share(rank, ch.rank["pp"], ch.rank["m"]), share)
+        share = np.where(ch.rank["ep_overlap"] > 0, share, 0)
         out[ROW["ep"]] = sums[_CHUNK["ep"]] - share * (sums[_CHUNK["ep"]] - sums[_CHUNK["ep_ov"]])
         te = ch.rank["te"] > 0
         for row, saved in (("fwd", "te_f"), ("bwd", "te_b"), ("rc", "te_rc")):  # what TE's attention saves
@@ -335,13 +237,14 @@ class RankTables:
             self._tied_rows(out, ch)
         return np.split(out, ch.rank_start[1:-1], axis=1)
 
-    def _pipeline_seconds(self, ch: _Chunks) -> np.ndarray:
+    def _pipeline_seconds(self, ch: Chunks) -> np.ndarray:
         """Per chunk: one micro-batch's pipeline traffic, every spec's transfers priced in one
         ``collective_times_keyed`` call."""
         c = ch.chunk
         pp_bytes = ch.block_arrays[2]
         whole_out = np.where(ch.ends < self.nblocks, pp_bytes[ch.block_base + np.maximum(ch.ends - 1, 0)] * c["b"], 0.0)
         whole_in = np.where(ch.starts > 0, pp_bytes[ch.block_base + np.maximum(ch.starts - 1, 0)] * c["b"], 0.0)
+        whole_out, whole_in = np.where(ch.turn[0], 0.0, whole_out), np.where(ch.turn[1], 0.0, whole_in)
         sent, received = whole_out / c["send_div"], whole_in / c["send_div"]
         sizes = np.stack((sent, received, np.where(sent > 0, c["meta"], 0.0), np.where(received > 0, c["meta"], 0.0),
                           whole_out, whole_in))
@@ -356,7 +259,7 @@ class RankTables:
         recv = (p[1] + p[3]) * c["transfers"] + c["gather_in"] * p[5]
         return send + recv
 
-    def _tied_rows(self, out: np.ndarray, ch: _Chunks) -> None:
+    def _tied_rows(self, out: np.ndarray, ch: Chunks) -> None:
         """Where a tied embedding's copy sits on another rank than the embedding, the head's rank
         holds it on the dense row, and both ranks mark the pair."""
         head, embed, _ = self.tied  # type: ignore[misc]
@@ -367,7 +270,7 @@ class RankTables:
         out[ROW["dense"], heads] += copy  # the head's copy of the embedding, on the dense row
 
 
-def _pipeline_keys(ch: _Chunks) -> tuple[list[tuple[str, GroupShape]], np.ndarray]:
+def _pipeline_keys(ch: Chunks) -> tuple[list[tuple[str, GroupShape]], np.ndarray]:
     """The (op, shape) pairs of every spec's pipeline transfers and, per row of
     ``_pipeline_seconds``' sizes and chunk, the pair that prices it (-1: nothing). The send of
     a chunk on rank r takes hop r, its receive hop r - 1 (placement.pipeline_hops)."""
@@ -386,5 +289,5 @@ def _pipeline_keys(ch: _Chunks) -> tuple[list[tuple[str, GroupShape]], np.ndarra
             crosses.append(np.zeros(s.pp, dtype=bool))
     far, near, gather = np.repeat(np.array(per_spec).T, ch.counts, axis=1)
     hop = np.concatenate(crosses)
-    send, recv = np.where(hop[ch.column], far, near), np.where(hop[ch.previous_column], far, near)
+    send, recv = np.where(hop[ch.send_hop], far, near), np.where(hop[ch.recv_hop], far, near)
     return list(pairs), np.stack((send, recv, send, recv, gather, gather))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner.cost import dualpipe
 from planner.cost.block_times import BlockTables
 from planner.cost.efficiency import device
 from planner.cost.frameworks import tp_style
@@ -33,21 +34,22 @@ MAX_REPLAY_OPS = 40_000
 NOTE_GAP = 0.01
 
 
-def chunk_times(tables: BlockTables, cfg: ParallelConfig,
-                partition: list[tuple[int, int]]) -> tuple[list[list[float]], list[list[float]]]:
-    """Per rank and chunk on it (model chunk k runs on rank k mod pp as its chunk k // pp), one
-    micro-batch's forward and backward seconds from the block tables: backward with
-    recomputation, TP, EP and CP traffic split evenly between the two."""
+def chunk_times(tables: BlockTables, cfg: ParallelConfig, partition: list[tuple[int, int]],
+                vshape: bool = False) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+    """Per rank and chunk on it (model chunk k runs on rank k mod pp as its chunk k // pp; under
+    DualPipeV, ``vshape``, chunks r and 2 pp - 1 - r), one micro-batch's forward, backward and
+    weight-gradient GEMM seconds from the block tables: backward with recomputation, TP, EP and
+    CP traffic split evenly between the two."""
     table = tables.table(cfg.tp, tp_style(cfg.framework, cfg.tp, cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
     bi, mode = table.b_index(cfg.micro_batch), RECOMPUTES.index(cfg.recompute)
     comm = (table.tp[mode, bi] + table.ep[mode, bi] + table.cp[mode, bi]) / 2
-    f_block, b_block = table.fwd[bi] + comm, table.bwd[bi] + table.rc[mode, bi] + comm
-    fwd = [[0.0] * cfg.virtual_stages for _ in range(cfg.pp)]
-    bwd = [[0.0] * cfg.virtual_stages for _ in range(cfg.pp)]
+    blocks = (table.fwd[bi] + comm, table.bwd[bi] + table.rc[mode, bi] + comm, table.wg[bi])
+    out = [[[0.0] * cfg.virtual_stages for _ in range(cfg.pp)] for _ in blocks]
+    ranks = dualpipe.chunk_ranks(cfg.pp) if vshape else [k % cfg.pp for k in range(len(partition))]
     for k, (a, e) in enumerate(partition):
-        fwd[k % cfg.pp][k // cfg.pp] = float(np.sum(f_block[a:e]))
-        bwd[k % cfg.pp][k // cfg.pp] = float(np.sum(b_block[a:e]))
-    return fwd, bwd
+        for per_rank, block in zip(out, blocks):
+            per_rank[ranks[k]][k // cfg.pp] = float(np.sum(block[a:e]))
+    return out[0], out[1], out[2]
 
 
 def formula_and_replay(tables: BlockTables, cfg: ParallelConfig,
@@ -62,12 +64,17 @@ def _replayed(tables: BlockTables, cfg: ParallelConfig,
               partition: list[tuple[int, int]]) -> tuple[float, float, list[float]] | None:
     """``formula_and_replay`` and every chunk's forward-plus-backward seconds."""
     pp, v, m = cfg.pp, cfg.virtual_stages, cfg.grad_accum
-    if pp == 1 or 2 * pp * v * m > MAX_REPLAY_OPS or len(partition) != pp * v or (v > 1 and m < pp):
+    vshape = tables.runs.workload.pp_schedule == "dualpipev"
+    if pp == 1 or 2 * pp * v * m > MAX_REPLAY_OPS or len(partition) != pp * v or (v > 1 and m < pp and not vshape):
         return None  # Megatron's interleaved order needs m >= pp (PyTorch's runs fewer: not replayed)
-    fwd, bwd = chunk_times(tables, cfg, partition)
+    fwd, bwd, wgrad = chunk_times(tables, cfg, partition, vshape)
     totals = np.array([[sum(f) + sum(b) for f, b in zip(fwd, bwd)]])
     worst, bubble = pipeline(totals, np.array([pp]), np.array([float(v)]))  # the model's own formula
-    replayed, _ = replay(pp, v, m, microbatch_group(pp, m) if v > 1 else pp, fwd, bwd)
+    if vshape:
+        bubble = dualpipe.bubble(*(np.array([[sum(x) for x in t]]) for t in (fwd, bwd, wgrad)), worst, np.array([pp]))
+        replayed = dualpipe.replay(pp, m, fwd, bwd, wgrad)[0]
+    else:
+        replayed = replay(pp, v, m, microbatch_group(pp, m) if v > 1 else pp, fwd, bwd)[0]
     chunks = [f + b for fr, br in zip(fwd, bwd) for f, b in zip(fr, br)]
     return m * float(totals[0, worst[0]]) + float(bubble[0]), replayed, chunks
 
@@ -91,7 +98,9 @@ def schedule_notes(tables: BlockTables, cfg: ParallelConfig, partition: list[tup
                "stages may run faster")
     else:
         why = "unequal ranks overlap more with few micro-batches than the formula assumes"
-    return [f"Megatron's interleaved schedule, replayed op by op over this plan's {len(chunks)} chunks "
+    name = ("DualPipeV" if tables.runs.workload.pp_schedule == "dualpipev" and cfg.pp > 1
+            else "Megatron's interleaved schedule")
+    return [f"{name}, replayed op by op over this plan's {len(chunks)} chunks "
             f"({min(chunks) * 1e3:.0f}-{max(chunks) * 1e3:.0f} ms each per micro-batch), takes {abs(gap):.3g} s "
             f"{'more' if gap > 0 else 'less'} than the pipeline formula: {gap / step_s:+.1%} on the predicted "
             f"step ({why})"]

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from planner.cost import dualpipe
 from planner.errors import arg
 
 # dsplan preset -> (torchtitan train spec, flavor). torchtitan/models/__init__.py lists the
@@ -46,9 +47,12 @@ SCHEDULE_1F1B = "1F1B"
 SCHEDULE_INTERLEAVED = "Interleaved1F1B"
 
 
-def schedule(virtual_stages: int) -> str:
+def schedule(virtual_stages: int, pp_schedule: str = "1f1b") -> str:
     """One contiguous chunk per rank runs 1F1B; more run interleaved 1F1B (looped stages:
-    chunk k on rank k mod pp, torchtitan distributed/pipeline_parallel.py _get_stage_indices)."""
+    chunk k on rank k mod pp, torchtitan distributed/pipeline_parallel.py _get_stage_indices);
+    DualPipeV places its two chunks per rank in a V (style "v" there; dualpipe.py)."""
+    if pp_schedule == "dualpipev":
+        return dualpipe.TORCH_NAME
     return SCHEDULE_INTERLEAVED if virtual_stages > 1 else SCHEDULE_1F1B
 
 
@@ -126,8 +130,17 @@ RULES: tuple[tuple[Callable[[Any, Any], Any], Callable[[Any, Any], str]], ...] =
     (lambda c, x: (c.cp > 1) & (c.cp_comm != "p2p"),
      lambda c, x: f"{_FW}'s context parallelism is PyTorch's ring attention (K/V passed around the ring), "
                   f"not {c.cp_comm}; use {arg('cp_comm')} p2p"),
+    # ScheduleDualPipeV: "ZBV requires exactly 2 stages per rank", and at least as many
+    # micro-batches as stages (torch/distributed/pipelining/schedules.py; dualpipe.py).
+    (lambda c, x: x.pp_schedule == "dualpipev" and (c.pp > 1) & (c.virtual_stages != 2),
+     lambda c, x: f"{_FW}: DualPipeV runs two model chunks per pipeline rank (a V); use {arg('virtual_stages')} 2"),
+    (lambda c, x: x.pp_schedule == "dualpipev" and (c.pp > 1) & (c.grad_accum < 2 * c.pp),
+     lambda c, x: f"{_FW}: DualPipeV needs at least 2 x {arg('pp')} = {2 * c.pp} micro-batches per step (one per "
+                  f"stage), not {c.grad_accum}; raise {arg('global_batch')} or lower {arg('micro_batch')}, "
+                  f"{arg('dp')} or {arg('pp')}"),
     # ScheduleInterleaved1F1B: rounds = max(1, n // pp), and n must be a multiple of the rounds.
-    (lambda c, x: (c.virtual_stages > 1) & (c.grad_accum % np.maximum(1, c.grad_accum // c.pp) != 0),
+    (lambda c, x: x.pp_schedule != "dualpipev" and (c.virtual_stages > 1)
+     & (c.grad_accum % np.maximum(1, c.grad_accum // c.pp) != 0),
      lambda c, x: f"{_FW}: PyTorch's interleaved 1F1B needs the {c.grad_accum} micro-batches per step to be a "
                   f"multiple of {max(1, c.grad_accum // c.pp)} (micro-batches // {arg('pp')}); change "
                   f"{arg('global_batch')} or {arg('micro_batch')}"),

@@ -26,6 +26,7 @@ from planner.cost.parallel import (
     Offload,
     Optimizer,
     ParallelConfig,
+    PpSchedule,
     PrecisionName,
     Recompute,
     RecomputeModule,
@@ -75,6 +76,7 @@ class PlanFile(BaseModel):
     moe_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"  # Megatron-Core's token dispatcher (Workload)
     moe_capacity_factor: float | None = Field(None, gt=0, le=MAX_MOE_IMBALANCE)  # None: dropless (Workload)
     recompute_modules: tuple[RecomputeModule, ...] = Field(("core_attn",), min_length=1)  # selective's (Workload)
+    pp_schedule: PpSchedule = "1f1b"  # looped 1F1B or DualPipeV (Workload; planner/cost/dualpipe.py)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
     mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)  # MTP depths trained (Workload; None: the model's)
     optimizer: Optimizer = "adamw"
@@ -130,6 +132,7 @@ class PlanFile(BaseModel):
             ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance, mtbf_hours=self.mtbf_hours,
             zero_pp=self.zero_pp, mtp_layers=self.mtp_layers, moe_dispatcher=self.moe_dispatcher,
             moe_capacity_factor=self.moe_capacity_factor, recompute_modules=self.recompute_modules,
+            pp_schedule=self.pp_schedule,
         )
 
     @property

@@ -45,6 +45,7 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
     (local_batch_size / pipeline_parallel_microbatch_size, distributed/pipeline_parallel.py).
     """
     name, flavor = tt.MODELS[model.name]
+    dual = plan.pp_schedule == "dualpipev" and plan.pp > 1
     divisor = plan.tp * 2 * plan.cp  # ParallelDims.seq_len_divisor: SP over tp, CP's head-tail halves
     if plan.seq_len % divisor:
         raise UserError(f"framework torchtitan: {arg('seq_len')} {plan.seq_len} must be divisible by "
@@ -62,7 +63,11 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
         "disable_loss_parallel": False,
         "enable_async_tensor_parallel": False,  # priced without TP overlap (Traits.tp_comm_overlap)
         "pipeline_parallel_degree": plan.pp,
-        "pipeline_parallel_schedule": tt.schedule(plan.virtual_stages),
+        "pipeline_parallel_schedule": tt.schedule(plan.virtual_stages, plan.pp_schedule),
+        # DualPipeV's expert all-to-alls under the other pass's compute (dual_pipe_v.py), as priced: not
+        # with activation checkpointing, which torchtitan refuses beside it (get_dual_pipe_v_flag).
+        "pipeline_parallel_expert_parallel_overlap": dual and plan.ep > 1 and plan.recompute == "none"
+        and plan.ep_comm_overlap,
         "pipeline_parallel_microbatch_size": plan.micro_batch,
         "context_parallel_degree": plan.cp,
         "context_parallel_rotate_method": "alltoall",  # K/V passed around the ring (dsplan's p2p)
@@ -87,7 +92,8 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
         "parallelism": parallelism,
         # Each transformer block and the loss compiled (inductor): fused elementwise kernels, as the
         # cost model prices them (eager PyTorch runs each norm, RoPE and SwiGLU op as its own kernel).
-        "compile": {"enable": True, "components": ["model", "loss"]},
+        # ScheduleDualPipeV refuses compiled stage modules (_check_torch_compile_compatibility): the loss only.
+        "compile": {"enable": True, "components": ["loss"] if dual else ["model", "loss"]},
         # none, full, or "op": torchtitan's per-op selective AC (selective is Megatron's: refused)
         "activation_checkpoint": ({"mode": "selective", "selective_ac_option": "op"} if plan.recompute == "op"
                                   else {"mode": plan.recompute}),

@@ -52,7 +52,8 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
     m = c["grad_accum"].astype(float)
     dense, expert, stored = sums.params[ks.inverse], sums.expert[ks.inverse], sums.act[ks.inverse]
     stored = stored - _offloadable(c["aoff"], sums.dec_act[ks.inverse], p.model.num_layers)
-    time_lb = (np.maximum(S / pp, sums.spread[ks.inverse]) * (m - 1.0 / vs) + S / vs
+    share, vshape = bubble_share(p.ctx, pp, vs), v_rows(p.ctx, c)
+    time_lb = (np.maximum(S / pp, sums.spread[ks.inverse]) * (m - share) + S * share
                + optimizer_bound(p.ctx, c, dense, expert))
     per_dense, per_expert = _state_bytes(p.ctx, c)  # model-state bytes per dense / expert parameter
     states = per_dense * dense + per_expert * expert
@@ -61,14 +62,26 @@ def base_bounds(p: Pricing, ks: KeyedSpace) -> tuple[np.ndarray, np.ndarray, np.
     inflight_last = np.ones(len(pp))
     if (c["vs"] > 1).any():
         group = mem.microbatch_groups(c["pp"], c["grad_accum"])
-        inflight_last = np.where(pp == 1, 1.0, mem.inflight_array(pp - 1, pp, vs, m, group))
+        inflight_last = np.where((pp == 1) | vshape, 1.0, mem.inflight_array(pp - 1, pp, vs, m, group))
     held = (states + stored * inflight_last) / pp
-    deep = np.nonzero(c["pp"] > 1)[0]
+    deep = np.nonzero((c["pp"] > 1) & ~vshape)[0]  # DualPipeV's ranks hold at least one of each chunk
     if deep.size:
         held[deep] = np.maximum(held[deep], _pipeline_held(ks, p.splits.units, deep, per_dense[deep], per_expert[deep],
                                                            states[deep], stored[deep], sums.tables, sums.run_of))
     mem_lb = mem.peak_bytes(held + mem.nccl_bytes(mem.process_groups(c)))  # buckets and pipeline buffers: >= 0
     return time_lb, mem_lb, dense, expert
+
+
+def v_rows(ctx: CostContext, c: dict[str, np.ndarray]) -> np.ndarray:
+    """The candidates whose pipeline runs DualPipeV (Workload.pp_schedule, pp > 1)."""
+    return (c["pp"] > 1) & (ctx.workload.pp_schedule == "dualpipev")
+
+
+def bubble_share(ctx: CostContext, pp, vs):
+    """What of the ranks' summed micro-batch seconds a pipeline's bubble takes at least: 1/v of
+    them past the slowest rank in a looped schedule (step_time.pipeline); DualPipeV's, which
+    overlaps and defers weight gradients (dualpipe.bubble), is only bounded below by zero."""
+    return np.where((np.asarray(pp) > 1) & (ctx.workload.pp_schedule == "dualpipev"), 0.0, 1.0 / np.asarray(vs))
 
 
 def _offloadable(aoff: np.ndarray, decoder_act: np.ndarray, layers: int) -> np.ndarray:
@@ -341,7 +354,8 @@ def split_time_bound(p: Pricing, ks: KeyedSpace, rows: np.ndarray) -> np.ndarray
         bottleneck = p.splits.split(table, key.split, paid).optimal
         total = float(sum(costs))
         spread = float(spread_bound(np.sort(costs)[None, ::-1], np.array([pp]))[0])
-        out[j] = (int(c["grad_accum"][i]) - 1 / vs) * max(bottleneck, total / pp, spread) + total / vs
+        share = float(bubble_share(p.ctx, pp, vs))
+        out[j] = (int(c["grad_accum"][i]) - share) * max(bottleneck, total / pp, spread) + total * share
         dense[j], expert[j] = float(table.params.sum()), float(table.expert.sum())
     cols = take(c, rows)
     out += optimizer_bound(p.ctx, cols, dense, expert) + gather_bound(p.ctx, cols, dense, expert)

@@ -18,7 +18,7 @@ import numpy as np
 
 from planner.cost.candidates import take
 from planner.cost.goodput import candidates_goodput
-from planner.cost.rank_tables import Split
+from planner.cost.rank_chunks import Split
 from planner.search import memfit
 from planner.search.bounds import base_bounds, gather_bound, split_time_bound
 from planner.search.evaluate import Detail, Pricing, evaluate_keys, fits

@@ -23,7 +23,8 @@ from planner.cost.paid import Paid, paid
 from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.cost.plan import Plan
 from planner.cost.plans import BlockKinds, build_plan
-from planner.cost.rank_tables import Z3_ROWS, RankSpec, RankTables, Split, padded, rank_fields
+from planner.cost.rank_chunks import Split
+from planner.cost.rank_tables import Z3_ROWS, RankSpec, RankTables, padded, rank_fields
 from planner.hardware.cluster import Cluster
 from planner.model.spec import ModelSpec
 from planner.search.keys import Key, KeyedSpace

@@ -22,11 +22,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner.cost import dualpipe
 from planner.cost import frameworks as fw
 from planner.cost import memory as mem
 from planner.cost.parallel import FRAMEWORKS, OFFLOADS, RECOMPUTES, expert_replicas
 from planner.cost.partition import default_partition
-from planner.cost.rank_tables import Split
+from planner.cost.rank_chunks import Split
+from planner.search.bounds import bubble_share
 from planner.search.evaluate import Pricing, evaluate_rows
 from planner.search.keys import KeyedSpace
 from planner.search.partition import StageMemory, fits_within, optimal_partition
@@ -85,11 +87,15 @@ def stage_memory(p: Pricing, ks: KeyedSpace, i: int) -> StageMemory:
         fixed += float(table.act_live.max()) * b
     base = np.full(pp, grow * fixed + mem.CUDA_CONTEXT_BYTES)
     tied = p.ranks.tied
-    if tied is not None:
+    if tied is not None and not (vs > 1 and w.pp_schedule == "dualpipev"):  # the V's rank 0 holds both ends
         base[-1] += grow * (wd + gd + od) * tied.params / tp
+    if vs > 1 and w.pp_schedule == "dualpipev":  # chunk k on rank k, then back up the ranks (dualpipe.py)
+        first, second = dualpipe.held(rank, pp)
+        inflight, base = np.concatenate((first, second[::-1])), np.concatenate((base, base[::-1]))
+    elif vs > 1:
+        inflight, base = np.tile(inflight, vs), np.tile(base, vs)
     if vs > 1:
         state, act = [vs * x for x in state], [vs * x for x in act]
-        inflight, base = np.tile(inflight, vs), np.tile(base, vs)
     return StageMemory(state=state, act=act, inflight=list(inflight), base=list(base),
                        capacity=float(p.ctx.cluster.profile.gpu.memory_bytes))
 
@@ -142,7 +148,8 @@ def rebalance(p: Pricing, ks: KeyedSpace, rows: np.ndarray, bar: float = float("
         limit = None
         if m * vs > 1 and np.isfinite(bar):
             # generous by a hair: rounding must not prune a split that reaches the bar
-            limit = (bar - float(sum(costs)) / vs) / (m - 1 / vs) * (1 + 1e-9)
+            share = float(bubble_share(p.ctx, pp, vs))
+            limit = (bar - float(sum(costs)) * share) / (m - share) * (1 + 1e-9)
             if limit < fastest:  # no split is fast enough, within memory or not
                 continue
         memory = stage_memory(p, ks, i)

@@ -51,7 +51,8 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     run_facts = RunFacts(**model_facts(model), optimizer=workload.optimizer, precision=workload.precision,
                          recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer,
                          zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
-                         dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules)
+                         dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules,
+                         pp_schedule=workload.pp_schedule)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
@@ -151,7 +152,8 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
                                     precision=workload.precision_name,
                                     precision_aware_optimizer=workload.precision_aware_optimizer,
                                     zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
-                                    dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules)
+                                    dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules,
+                                    pp_schedule=workload.pp_schedule)
             except UserError as err:
                 text += f" ({marked(err)})"
         why.append(text)

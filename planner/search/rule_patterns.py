@@ -59,15 +59,16 @@ class Verdicts:
 
 def pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int, int, int, int, int]],
                       rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p", rep: int = 1,
-                      etp: int | None = None, activation_offload: bool = False) -> Verdicts:
+                      etp: int | None = None, activation_offload: bool = False, min_accumulation: int = 1) -> Verdicts:
     """Per pattern (given by a representative degree combination and its accumulation flag):
     the settings its framework runs, how many settings are structurally valid for it, and per
     broken rule the settings it refuses (how many, the first); with ``activation_offload``, which
     of the runnable ones still run with activations offloaded (the same rules, asked again).
 
     One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
-    facts: dp = 2 x ep keeps ep | dp (1 where the pattern's dp is), and accumulation = pp when it
-    reaches pp, else 1. The answers are tallied with whole-array calls, not per row."""
+    facts: dp = 2 x ep keeps ep | dp (1 where the pattern's dp is), and accumulation = pp x
+    ``min_accumulation`` when it reaches that (Constraints.min_accumulation), else 1. The answers
+    are tallied with whole-array calls, not per row."""
     st = np.fromiter(itertools.chain.from_iterable(settings), np.int64, 5 * len(settings)).reshape(-1, 5)
     deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2),
                      min(d.dp, 2)) for d, flag in reps], dtype=np.int64).reshape(-1, 6)
@@ -76,7 +77,7 @@ def pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int,
     z, o, r, sp, f = np.tile(st.T, n)
     valid = (sp == 0) | (tp > 1)  # sequence parallel only means something with tp > 1
     cols = ConfigColumns(dp=np.where(dp > 1, 2 * ep, 1), tp=tp, pp=pp, ep=ep, zero_stage=z, offload=Coded(o, OFFLOADS),
-                         micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp, 1),
+                         micro_batch=np.ones_like(tp), grad_accum=np.where(ga_ok == 1, pp * min_accumulation, 1),
                          recompute=Coded(r, RECOMPUTES), sequence_parallel=sp == 1, virtual_stages=vs,
                          framework=Coded(f, FRAMEWORKS), cp=cp, cp_comm=cp_comm, dp_replicate=rep,
                          etp=tp if etp is None else np.minimum(etp, tp))

@@ -68,6 +68,9 @@ class Constraints:
     allow_tp_across_nodes: bool = False
     cp: tuple[int, ...] | None = None  # context-parallel degrees (search/context_splits.py)
     cp_comm: tuple[str, ...] | None = None
+    # Micro-batches per step a pipeline rank's chunk schedule needs, per pipeline stage: 1 (Megatron's
+    # interleaving, m >= pp) or 2 (DualPipeV, m >= 2 pp): what the rules' accumulation flag tells apart.
+    min_accumulation: int = 1
     dp_replicate: tuple[int, ...] | None = None  # hybrid-sharding groups, each searched on its own [default: 1]
     # The experts' TP: 1 (folded into EP) and/or None (the attention's tp), each searched on its own
     # [default: both, for a mixture-of-experts model] (suggest.expert_tp_choices).
@@ -234,8 +237,7 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons, cp, head_split,
                                                nvlink_gpus, etp, tp1)
     settings = allowed_settings(cons)
-    # Micro-batches per dp, and split by whether the accumulation reaches pp per (dp, pp), which
-    # many degree combinations share.
+    # Micro-batches per dp, split by whether accumulation reaches the schedule's least (shared).
     micro: dict[int, list[int]] = {}
     splits: dict[tuple[int, int], list[tuple[bool, list[int]]]] = {}
     patterns: dict[tuple, int] = {}
@@ -250,7 +252,8 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
         if split is None:
             if deg.dp not in micro:
                 micro[deg.dp] = _allowed(divisors(global_batch // deg.dp), cons.micro_batch)
-            split = splits[deg.dp, deg.pp] = _micro_splits(micro[deg.dp], global_batch // deg.dp, deg.pp)
+            split = splits[deg.dp, deg.pp] = _micro_splits(micro[deg.dp], global_batch // deg.dp,
+                                                           deg.pp * cons.min_accumulation)
         if not split:
             indivisible += 1
             continue
@@ -262,11 +265,11 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
                 reps.append((deg, flag))
                 pattern_first.append((deg, mbs[0]))
             blocks.append((deg, mbs, pattern_id))
-    verdicts = (pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep, etp, cons.activation_offload)
+    verdicts = (pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep, etp, cons.activation_offload,
+                                 cons.min_accumulation)
                 if reps else Verdicts(np.zeros((6, 0), dtype=np.int64), [], []))
     pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
-    # One block per (degrees, accumulation-at-least-pp flag): the block's ok settings x its
-    # micro-batches, setting-major. Blocks are laid out at the end in one vectorised pass.
+    # Per (degrees, accumulation flag): ok settings x micro-batches, laid out at the end in one pass.
     kept: list[tuple[Degrees, int, int, list[int]]] = []  # (degrees, first ok row, ok count, micro-batches)
     framework_rejected = 0
     for deg, mbs, pattern_id in blocks:

@@ -15,7 +15,7 @@ import numpy as np
 
 from planner.cost.block_times import BlockTable
 from planner.cost.paid import Paid
-from planner.cost.rank_tables import Split
+from planner.cost.rank_chunks import Split
 from planner.model.spec import ModelSpec
 from planner.search.partition import greedy_partition, optimal_partition
 

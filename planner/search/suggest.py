@@ -232,6 +232,9 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
     workload = Workload(global_batch=gb, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, zero_pp=zero_pp, **knobs)  # type: ignore[arg-type]
     model, workload = workload.trained(model), workload.resolved(model)
+    if workload.pp_schedule == "dualpipev":  # torchtitan's schedule, two chunks a pipelined rank
+        cons = replace(cons, framework=cons.framework or ("torchtitan",), virtual_stages=cons.virtual_stages or (1, 2),
+                       min_accumulation=2)
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, **_workload_inputs(workload), "precision": precision,
               "balancer": balancer, "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
@@ -251,7 +254,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
 _WORKLOAD_INPUTS = ("global_batch", "seq_len", "tokens_per_step", "optimizer", "dropout", "mtbf_hours",
                     "tp_comm_overlap", "te_attention", "fp8_param_gather", "precision_aware_optimizer", "mtp_layers",
                     "ep_comm_overlap", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "flash_attention",
-                    "images_per_sample", "tiles_per_image", "recompute_modules")
+                    "images_per_sample", "tiles_per_image", "recompute_modules", "pp_schedule")
 
 
 def _workload_inputs(w: Workload) -> dict[str, Any]:
