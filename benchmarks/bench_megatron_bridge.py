@@ -141,9 +141,16 @@ def free(row: dict) -> dict:
 
 
 # The issue's two MoE suggest runs, printed beside what published fine-grained MoE training reaches.
-# DeepSeek-V3 also with the flex dispatcher (DeepEP), whose node-limited sends its own run used.
-MOE_SUGGEST = (("vl2", "dgx-a100-80g", 8, "alltoall"), ("deepseek-v3", "h800", 256, "alltoall"),
-               ("deepseek-v3", "h800", 256, "flex"))
+# DeepSeek-V3 also with the flex dispatcher (DeepEP), whose node-limited sends its own run used, and
+# on torchtitan with DualPipeV at DeepSeek-V3's own batch (15,360 x 4,096 tokens, its report), without
+# the MTP module torchtitan does not build: (model, hardware, nodes, suggest's keywords).
+FLEX = {"moe_dispatcher": "flex"}
+DUALPIPEV = {"framework": "torchtitan", "pp_schedule": "dualpipev", "mtp_layers": 0, "global_batch": 15360,
+             "seq_len": 4096}
+MOE_SUGGEST = (("vl2", "dgx-a100-80g", 8, {}), ("deepseek-v3", "h800", 256, {}), ("deepseek-v3", "h800", 256, FLEX),
+               ("deepseek-v3", "h800", 256, DUALPIPEV))
+_FLAGS = {"moe_dispatcher": "--moe-dispatcher", "framework": "--framework", "pp_schedule": "--pp-schedule",
+          "mtp_layers": "--mtp-layers", "global_batch": "--global-batch", "seq_len": "--seq-len"}
 # DeepSeek-V3 report (arXiv 2412.19437): 180K H800 GPU-hours per trillion tokens at 37B activated,
 # i.e. 6 x 37e9 x 1e12 / (180e3 x 3600) = 343 TFLOP/s per GPU, 35% of H800's 989 dense bf16; the
 # Megatron-Bridge MoE rows above: 12-38% of bf16 peak on H100, 40-50% on Blackwell.
@@ -153,10 +160,10 @@ PUBLISHED_MOE = "published: DeepSeek-V3 on 2,048 H800 ~35% of bf16 peak; Megatro
 def moe_suggest_mfu() -> list[str]:
     """``dsplan suggest`` plan #1 of each MOE_SUGGEST run: its MFU and layout."""
     lines = []
-    for model, hardware, nodes, dispatcher in MOE_SUGGEST:
-        plan = api.suggest(model, api.load_cluster(hardware, nodes), top=1, moe_dispatcher=dispatcher).plans[0].plan
+    for model, hardware, nodes, keywords in MOE_SUGGEST:
+        plan = api.suggest(model, api.load_cluster(hardware, nodes), top=1, **keywords).plans[0].plan
         c = plan.cfg
-        flag = " --moe-dispatcher flex" if dispatcher == "flex" else ""
+        flag = "".join(f" {_FLAGS[k]} {v}" for k, v in keywords.items())
         lines.append(f"suggest --model {model} --hardware {hardware} --nodes {nodes}{flag}: MFU {plan.mfu:.1%} "
                      f"({c.framework} tp{c.tp} pp{c.pp}x{c.virtual_stages} ep{c.ep} mb{c.micro_batch} "
                      f"recompute {c.recompute}; exposed EP {plan.time.ep_comm:.2f} of {plan.step_time_s:.2f} s)")
