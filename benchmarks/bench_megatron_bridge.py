@@ -144,11 +144,11 @@ def free(row: dict) -> dict:
 # DeepSeek-V3 also with the flex dispatcher (DeepEP), whose node-limited sends its own run used, and
 # on torchtitan with DualPipeV at DeepSeek-V3's own batch (15,360 x 4,096 tokens, its report), without
 # the MTP module torchtitan does not build: (model, hardware, nodes, suggest's keywords).
-FLEX = {"moe_dispatcher": "flex"}
+FLEX_DISPATCH = {"moe_dispatcher": "flex"}
 DUALPIPEV = {"framework": "torchtitan", "pp_schedule": "dualpipev", "mtp_layers": 0, "global_batch": 15360,
              "seq_len": 4096}
-MOE_SUGGEST = (("vl2", "dgx-a100-80g", 8, {}), ("deepseek-v3", "h800", 256, {}), ("deepseek-v3", "h800", 256, FLEX),
-               ("deepseek-v3", "h800", 256, DUALPIPEV))
+MOE_SUGGEST = (("vl2", "dgx-a100-80g", 8, {}), ("deepseek-v3", "h800", 256, {}),
+               ("deepseek-v3", "h800", 256, FLEX_DISPATCH), ("deepseek-v3", "h800", 256, DUALPIPEV))
 _FLAGS = {"moe_dispatcher": "--moe-dispatcher", "framework": "--framework", "pp_schedule": "--pp-schedule",
           "mtp_layers": "--mtp-layers", "global_batch": "--global-batch", "seq_len": "--seq-len"}
 # DeepSeek-V3 report (arXiv 2412.19437): 180K H800 GPU-hours per trillion tokens at 37B activated,
