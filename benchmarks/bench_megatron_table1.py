@@ -79,7 +79,8 @@ def predict(row: dict, profile_name: str = "dgx-a100-80g") -> dict:
                          virtual_stages=row["virtual_stages"], framework="megatron", zero_stage=0)
     # The paper's Megatron-LM scatter/gathered pipeline sends (sec. 4.1: 1/t over InfiniBand,
     # all-gathered over NVLink); today's Megatron-Core does so only under sequence parallelism.
-    plan = estimate(model, cluster, workload, cfg, pp_send="scatter_gather")
+    # Megatron-LM of April 2021: before its async TP gradient reductions (Sep 2021, cost/frameworks.py)
+    plan = estimate(model, cluster, workload, cfg, pp_send="scatter_gather", tp_backward_overlap=False)
     flops = paper_flops(row["global_batch"], row["seq_len"], row["layers"], row["hidden"], row["vocab"])
     tflops = flops / plan.step_time_s / row["gpus"] / 1e12
     return {"params_B": row["params_B"], "gpus": row["gpus"], "tp": row["tp"], "pp": row["pp"], "dp": row["dp"],

@@ -114,9 +114,11 @@ def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str, attn_dev: e
 
 
 def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str, overlap_tp: int = 0,
-            dev: eff.Device | None = None) -> float:
+            dev: eff.Device | None = None, async_bwd: bool = False) -> float:
     """The block's TP seconds; ``overlap_tp`` (the TP degree, 0: none): overlapped with the
-    block's GEMMs, forward, twice backward, again when recomputed, one of tp chunks exposed."""
+    block's GEMMs, forward, twice backward, again when recomputed, one of tp chunks exposed;
+    ``async_bwd``: else the backward's all-reduces and reduce-scatters (the column-parallel input
+    gradients) hidden up to the block's weight-gradient GEMMs."""
     again = recompute in ("full", "op") and c.checkpointed
     rerun = c.tp_fwd
     if recompute == "op" and c.extra.get("op_sac"):  # the reduce-scatters' outputs are kept
@@ -127,6 +129,10 @@ def tp_time(c: LayerCost, b: int, comms: Comms, recompute: str, overlap_tp: int 
         assert dev is not None
         gemm = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
         t = max(t - (3 + again) * gemm, t / overlap_tp)
+    elif async_bwd and t > 0:
+        assert dev is not None
+        reduced = sum(comms.tp(op, n * b) for op, n in c.tp_bwd if op != "allgather")
+        t -= min(reduced, gemm_seconds(c, b, dev))
     return t
 
 
@@ -162,7 +168,8 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
               boundary_gathers: tuple[int, int] = (0, 0), crossing: tuple[bool, bool] = (True, True),
               transfers: int = 1, meta_bytes: float = 0.0, overlap_tp: int = 0,
               attn_dev: eff.Device | None = None, ep_share: float = 0.0,
-              chunk_hops: list[tuple[bool | None, bool | None]] | None = None) -> MicroBatchTime:
+              chunk_hops: list[tuple[bool | None, bool | None]] | None = None,
+              async_bwd: bool = False) -> MicroBatchTime:
     """One pipeline rank's work for one micro-batch across its chunks. ``boundary_gathers``:
     TP all-gathers of a whole boundary tensor on the sending and receiving side of each
     boundary (pipeline_sends.pp_boundary_gathers), counted with the pipeline's communication.
@@ -186,7 +193,7 @@ def rank_time(costs: list[LayerCost], chunks: list[tuple[int, int]], b: int, dev
             f += forward_time(c, b, dev, attn_dev)
             bw += backward_time(c, b, dev, attn_dev)
             rc += recompute_time(c, b, dev, recompute, attn_dev)
-            tp += tp_time(c, b, comms, recompute, overlap_tp, dev)
+            tp += tp_time(c, b, comms, recompute, overlap_tp, dev, async_bwd)
             e = ep_time(c, b, comms, recompute)
             if ep_share and recompute != "full":
                 hidden = min(e, forward_time(c, b, dev, cp_dev) + backward_time(c, b, dev, cp_dev))
@@ -317,21 +324,22 @@ def overhead_bytes(allocated: float) -> float:
 
 def oracle_estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
                     partition: Partition | None = None, pp_send: str | None = None,
-                    auto_offload: bool = False) -> Plan:
+                    auto_offload: bool = False, tp_backward_overlap: bool = True) -> Plan:
     """Memory per GPU and step time of ``cfg`` training ``model`` on ``cluster``.
 
     ``pp_send`` overrides how the runtime sends across pipeline stages (pipeline_sends.PP_SENDS;
     the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it). ``auto_offload``: a
     plan out of GPU memory offloads the activations of the fewest decoder layers that make it fit
     (the search's activation_offload.AUTO), where up to all but one layer would do."""
-    plan = _walk(model, cluster, workload, cfg, partition, pp_send)
+    plan = _walk(model, cluster, workload, cfg, partition, pp_send, tp_backward_overlap)
     if not auto_offload or plan.memory.peak <= plan.capacity_bytes:
         return plan
     need = math.ceil((plan.memory.peak - plan.capacity_bytes) / (mem.GROWTH * _layer_bytes(model, workload, cfg))
                      - 1e-9)
     if not 0 < need <= model.num_layers - 1:
         return plan
-    return _walk(model, cluster, workload, cfg.model_copy(update={"activation_offload": need}), partition, pp_send)
+    return _walk(model, cluster, workload, cfg.model_copy(update={"activation_offload": need}), partition, pp_send,
+                 tp_backward_overlap)
 
 
 def _layer_bytes(model: ModelSpec, workload: Workload, cfg: ParallelConfig) -> float:
@@ -355,7 +363,7 @@ def offload_exposed(k: int, layers: int, layer_bytes: float, fwd: float, bwd: fl
 
 
 def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
-          partition: Partition | None = None, pp_send: str | None = None) -> Plan:
+          partition: Partition | None = None, pp_send: str | None = None, tp_backward_overlap: bool = True) -> Plan:
     """``oracle_estimate`` of ``cfg`` as it is."""
     model, workload = workload.trained(model), workload.resolved(model)  # its multi-token-prediction depths
     check_plan(model, cluster, workload, cfg)
@@ -383,7 +391,8 @@ def _walk(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelC
     attn_dev = dataclasses.replace(dev, flash=None) if workload.te_attention and traits.te_attention else dev
     times = [rank_time(costs, ch, b, dev, comms, cfg.recompute, send_div, len(model.blocks), gathers,
                        (crosses[r], crosses[r - 1]), transfers, meta, cfg.tp if overlap else 0, attn_dev,
-                       _ep_share(cfg, workload, r), _v_hops(crosses, r) if dual else None)
+                       _ep_share(cfg, workload, r), _v_hops(crosses, r) if dual else None,
+                       traits.tp_backward_overlap and cfg.tp > 1 and not overlap and tp_backward_overlap)
              for r, ch in enumerate(chunks)]
     wgrad = [sum(gemm_seconds(c, b, dev) for a, e in ch for c in costs[a:e]) for ch in chunks] if dual else None
     worst, bubble = pipeline(times, m, cfg.virtual_stages, wgrad)

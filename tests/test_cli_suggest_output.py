@@ -73,8 +73,9 @@ def _legend(out: str) -> str:
 
 
 def test_the_legend_names_the_abbreviations_that_appear() -> None:
-    # Without TP overlap, megatron-deepspeed plans rank among the top 8 too (meg-ds in the table).
-    out = dsplan("suggest", *WIDE, "--top", "8", "--no-tp-comm-overlap", columns="250")
+    # Without TP overlap, megatron-deepspeed plans rank among the top 48 too (meg-ds in the table,
+    # 3-4% behind Megatron-LM, whose TP gradient reductions hide under its wgrad GEMMs).
+    out = dsplan("suggest", *WIDE, "--top", "48", "--no-tp-comm-overlap", columns="250")
     legend = _legend(out)
     table = out.split("legend:")[0]
     for cell, meaning in (("8+sp", "8+sp = TP 8 with sequence parallelism"),

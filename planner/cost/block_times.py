@@ -30,8 +30,9 @@ import numpy as np
 
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_times_keyed
-from planner.cost.comm_overlap import overlapped_ep, overlapped_tp
+from planner.cost.comm_overlap import async_backward_tp, overlapped_ep, overlapped_tp
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
+from planner.cost.kernel_times import attention_seconds, gemm_seconds
 from planner.cost.layers import LayerCost, layer_costs
 from planner.cost.measured_blocks import LayerProfile, as_measured, measured_act, measured_for, measured_ratios
 from planner.cost.moe_dispatch import flex_jobs, flex_sm_share, tp_ep_shape
@@ -54,6 +55,7 @@ class BlockTable:
     rc: np.ndarray  # [mode, b, block]
     tp: np.ndarray  # [mode, b, block]
     tp_ov: np.ndarray  # [mode, b, block]: TP seconds left exposed when overlapped with the GEMMs (overlapped_tp)
+    tp_async: np.ndarray  # [mode, b, block]: with the backward's reductions under the wgrad GEMMs (async_backward_tp)
     # Seconds TE's attention saves over FlashAttention-2 (frameworks.Traits.te_attention; zero
     # where the two level off alike): forward and backward [b, block], recomputed [mode, b, block].
     te_f: np.ndarray
@@ -81,56 +83,10 @@ class BlockTable:
     def total(self, mode: int, bi: int, paid: Paid = Paid()) -> np.ndarray:
         """Seconds of one micro-batch per block: what the balancer balances, as a runtime pays
         them (``paid``: TP overlapped, TE's attention)."""
-        tp = (self.tp_ov if paid.overlap else self.tp)[mode, bi]
+        tp = (self.tp_ov if paid.overlap else self.tp_async if paid.tp_async else self.tp)[mode, bi]
         ep = (self.ep_ov if paid.ep_overlap else self.ep)[mode, bi]
         out = self.fwd[bi] + self.bwd[bi] + self.rc[mode, bi] + tp + ep + self.cp[mode, bi]
         return out - (self.te_f[bi] + self.te_b[bi] + self.te_rc[mode, bi]) if paid.te else out
-
-
-def _attention(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device) -> tuple[np.ndarray, np.ndarray]:
-    """[b, block] attention-core seconds forward and backward (step_time.attention_time over many b).
-
-    FlashAttention blocks sharing a head dim and causality go through one ``flash_time`` call
-    per direction; both directions come from one walk over the blocks.
-    """
-    out = np.zeros((len(bs), len(costs)))
-    back = np.zeros_like(out)
-    flash: dict[tuple[int, bool], list[int]] = {}
-    for j, c in enumerate(costs):
-        a = c.attn
-        if a is None or a.seqs == 0 or a.seq == 0:
-            continue
-        if a.flash:
-            flash.setdefault((a.qk_dim, a.causal), []).append(j)
-        else:
-            batch = a.heads * a.seqs * bs
-            fwd = eff.gemm_time(a.seq, a.seq, a.qk_dim, dev, batch) + eff.gemm_time(a.seq, a.v_dim, a.seq, dev, batch)
-            out[:, j] = fwd
-            back[:, j] = 2.0 * fwd
-    for (qk, causal), idx in flash.items():
-        flops = np.array([costs[j].attn.flops for j in idx])[None, :] * bs[:, None]  # type: ignore[union-attr]
-        out[:, idx] = eff.flash_time(flops, qk, causal, dev, False)
-        back[:, idx] = eff.flash_time(flops, qk, causal, dev, True)
-    return out, back
-
-
-def _gemms(costs: list[LayerCost], bs: np.ndarray, dev: eff.Device, which: str = "gemms") -> np.ndarray:
-    """[b, block] seconds of every block's GEMMs (``which``: another tuple of a block's GEMMs) at
-    each micro-batch size."""
-    rows = [(j, g.tokens, g.n, g.k, g.batch, g.low) for j, c in enumerate(costs)
-            for g in (c.rerun.gemms if which == "rerun_gemms" else getattr(c, which))]
-    out = np.zeros((len(bs), len(costs)))
-    if not rows:
-        return out
-    idx, tokens, n, k, batch, low = (np.array(col, dtype=float) for col in zip(*rows))
-    m = tokens[None, :] * bs[:, None]
-    t = eff.gemm_time(m, n[None, :], k[None, :], dev, batch[None, :])
-    if dev.low is not None and low.any():  # the recipe's GEMMs at its format's rate and operand bytes
-        t = np.where(low[None, :] > 0, eff.gemm_time(m, n[None, :], k[None, :], dev.low, batch[None, :],
-                                                     dev.low_bytes), t)
-    # Per (micro-batch, block) cell, its GEMMs summed in order: one bincount for every size.
-    at = (np.arange(len(bs))[:, None] * len(costs) + idx.astype(np.int64)[None, :]).ravel()
-    return np.bincount(at, weights=t.ravel(), minlength=out.size).reshape(out.shape)
 
 
 def _comm(cluster: Cluster, jobs: list[tuple[GroupShape, list[list[tuple[str, float]]]]],
@@ -202,7 +158,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     fwd, bwd, rc, gemm, te, attn = _compute_times(costs, (n_groups, n_blocks), bs, dev, ckpt, has_attn, op_sac)
     if measured is not None:
         fwd, bwd, rc, gemm, te, attn = as_measured(measured, fwd, bwd, rc, gemm, te, attn)
-    tp, ep = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]), op_sac)
+    tp, ep, reduced = _collective_times(groups, cluster, bs, ckpt, per_block([c.ep_a2a_count for c in costs]), op_sac)
     cp_t = np.zeros_like(tp)
     if cp is not None:
         for g, cp_groups_g in enumerate(cp):
@@ -218,6 +174,7 @@ def block_tables(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], m
     fields = {
         "fwd": fwd, "bwd": bwd, "rc": rc, "tp": tp, "ep": ep, "cp": cp_t, "tp_ov": overlapped_tp(tp, gemm, ckpt, sizes),
         "ep_ov": overlapped_ep(ep, fwd - te["te_f"], bwd - te["te_b"], share), **te,
+        "tp_async": async_backward_tp(tp, reduced, gemm),
         "params": per_block([c.params_rank for c in costs]), "expert": per_block([c.expert_params_rank for c in costs]),
         "low": per_block([c.low_params for c in costs]), "wg": gemm,
         "z3_calls": per_block([fetch_calls(c) for c in costs]), "z3_tensors": per_block(list(map(tensor_count, costs))),
@@ -255,10 +212,10 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
         a = a if len(uniq) == len(costs) else a[:, inv]
         return a.reshape(len(bs), n_groups, n_blocks).transpose(1, 0, 2)
 
-    gemm = _gemms(uniq, bs, dev)
-    kept = _gemms(uniq, bs, dev, "sac_saved")  # what per-op SAC does not run again
+    gemm = gemm_seconds(uniq, bs, dev)
+    kept = gemm_seconds(uniq, bs, dev, "sac_saved")  # what per-op SAC does not run again
     hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in uniq])[None, :] * bs[:, None], dev)
-    attn_f, attn_b = _attention(uniq, bs, dev)
+    attn_f, attn_b = attention_seconds(uniq, bs, dev)
     fwd = spread(gemm + attn_f + hbm_t)
     bwd = spread(2.0 * gemm + attn_b + 2.0 * hbm_t)
     score = spread(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in uniq])[None, :] * bs[:, None], dev))
@@ -266,14 +223,14 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
     # Megatron's selective recompute: the attention core where its modules name it, and what the
     # other chosen modules run again (LayerCost.rerun: their GEMMs and memory-bound work).
-    again = spread(_gemms(uniq, bs, dev, "rerun_gemms")
+    again = spread(gemm_seconds(uniq, bs, dev, "rerun_gemms")
                    + eff.hbm_time(np.array([c.rerun.traffic for c in uniq])[None, :] * bs[:, None], dev))
     rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0) + again
     rc[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], fwd - spread(attn_f + kept),
                                              rc[:, RECOMPUTES.index("full")])
     save_f, save_b = np.zeros_like(attn_f), np.zeros_like(attn_b)
     if dev.flash is not None:  # FlashAttention-2 levels off below the GPU's MAMF here (Hopper); TE's does not
-        te_f, te_b = _attention(uniq, bs, replace(dev, flash=None))
+        te_f, te_b = attention_seconds(uniq, bs, replace(dev, flash=None))
         save_f, save_b = np.maximum(attn_f - te_f, 0.0), np.maximum(attn_b - te_b, 0.0)
     te_rc = np.zeros_like(rc)
     te_rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], spread(save_f), 0.0)
@@ -284,11 +241,13 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
 
 
 def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape]], cluster: Cluster, bs: np.ndarray,
-                      ckpt: np.ndarray, count: np.ndarray, op_sac: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                      ckpt: np.ndarray, count: np.ndarray,
+                      op_sac: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """TP and EP seconds per [group, mode, b, block]: the TP collectives forward and backward,
     again forward for a block recomputed in full (under per-op SAC its all-gathers only; under
     selective recompute those of the checkpointed MLPs, LayerCost.rerun); ``count`` all-to-alls
-    per pass, 2 passes, 3 when recomputed (whole, or its MoE layer under selective "moe")."""
+    per pass, 2 passes, 3 when recomputed (whole, or its MoE layer under selective "moe"); and per
+    [group, b, block] the backward's input-gradient reductions (comm_overlap.async_backward_tp)."""
     jobs, flex = [], []
     for group, tp_shape, ep_shape in groups:
         legs = flex_jobs(group, ep_shape)
@@ -300,9 +259,10 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
         jobs += [(tp_shape, [list(c.tp_fwd + c.tp_bwd) for c in group]), (tp_shape, [list(c.tp_fwd) for c in group]),
                  (tp_shape, [[op for op in c.tp_fwd if op[0] == "allgather"] for c in group]),
                  (ep_shape, a2a_ops), *legs, (tp_ep_shape(cluster, ep_shape) if any(gather) else ep_shape, gather_ops),
-                 (tp_shape, [list(c.rerun.tp) for c in group])]
+                 (tp_shape, [list(c.rerun.tp) for c in group]),
+                 (tp_shape, [[op for op in c.tp_bwd if op[0] != "allgather"] for c in group])]
     comms = _comm(cluster, jobs, bs)
-    base_tp, again_tp, gathers, a2a, rail, node, gathered, rerun = (comms[k::8] for k in range(8))  # [group, b, block]
+    base_tp, again_tp, gathers, a2a, rail, node, gathered, rerun, reduced = (comms[k::9] for k in range(9))
     a2a = np.where(np.array(flex)[:, None, :], np.maximum(rail, node), a2a) + gathered  # flex: the legs pipelined
     # [group, mode, 1, block]: the blocks whose forward, collectives included, runs again.
     again = np.zeros((len(groups), len(RECOMPUTES), 1, ckpt.shape[1]), dtype=bool)
@@ -313,7 +273,7 @@ def _collective_times(groups: list[tuple[list[LayerCost], GroupShape, GroupShape
     ep = (2.0 + again) * count[:, None, None, :] * a2a[:, None]
     again_sel = np.array([[c.rerun.a2a for c in group] for group, _, _ in groups], dtype=float)
     ep[:, RECOMPUTES.index("selective")] += (again_sel * count)[:, None, :] * a2a
-    return tp, ep
+    return tp, ep, reduced
 
 
 def _widen(a: np.ndarray, runs: np.ndarray) -> np.ndarray:

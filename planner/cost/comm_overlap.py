@@ -25,6 +25,19 @@ def overlapped_tp(tp: np.ndarray, gemm: np.ndarray, ckpt: np.ndarray, tp_size: n
     return np.where(tp > 0, np.maximum(tp - passes * gemm[:, None], chunk), 0.0)
 
 
+def async_backward_tp(tp: np.ndarray, reduced: np.ndarray, wgrad: np.ndarray) -> np.ndarray:
+    """[group, mode, b, block] TP seconds left exposed where the runtime reduces each column-parallel
+    linear's input gradient while its weight-gradient GEMM runs (frameworks.Traits.tp_backward_overlap:
+    Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication since Sep 2021, an async all-reduce,
+    or under sequence parallelism an async reduce-scatter, then the wgrad GEMM; TE's Linear alike).
+    ``reduced``: the backward's reductions ([group, b, block]: its all-reduces and reduce-scatters;
+    its all-gathers are the row-parallel outputs' gradients, needed before any GEMM), hidden up to
+    the block's weight-gradient GEMMs (its forward GEMMs' shapes, ``wgrad``). Under sequence
+    parallelism the backward also gathers each column-parallel input again under the data-gradient
+    GEMM: counted nowhere, as before (the model prices a forward gather's mirror only)."""
+    return tp - np.minimum(reduced, wgrad)[:, None]
+
+
 def overlapped_ep(ep: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, sm_share: np.ndarray | float = 0.0) -> np.ndarray:
     """[group, mode, b, block] EP seconds left exposed when Megatron-Core's combined 1F1B runs the
     forward of one micro-batch beside the backward of another, layer by layer, each one's

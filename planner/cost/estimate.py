@@ -30,12 +30,15 @@ from planner.model.spec import ModelSpec
 
 
 def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: ParallelConfig,
-             partition: Partition | None = None, pp_send: str | None = None) -> Plan:
+             partition: Partition | None = None, pp_send: str | None = None,
+             tp_backward_overlap: bool = True) -> Plan:
     """Memory per GPU and step time of ``cfg`` training ``model`` on ``cluster``.
 
     ``partition``: ``pp x virtual stages`` block ranges (default: Megatron's even split).
     ``pp_send`` overrides how the runtime sends across pipeline stages (pipeline_sends.PP_SENDS;
-    the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it)."""
+    the Table 1 benchmark models 2021 Megatron-LM's scatter/gather with it). ``tp_backward_overlap``
+    False prices the backward's TP reductions exposed where the runtime overlaps them
+    (frameworks.Traits.tp_backward_overlap): Megatron-LM before Sep 2021, as Table 1 ran."""
     model, workload = workload.trained(model), workload.resolved(model)
     check_plan(model, cluster, workload, cfg)
     if pp_send is not None and pp_send not in ps.PP_SENDS:
@@ -48,13 +51,14 @@ def estimate(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Parall
     sp = int(cfg.sequence_parallel)
     table = tables.table(cfg.tp, fw.tp_style(cfg.framework, cfg.tp, cfg.sequence_parallel), cfg.ep,
                          (cfg.micro_batch,))
+    how = paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.virtual_stages)
     spec = RankSpec.build(table, parts, mode=RECOMPUTES.index(cfg.recompute), b=cfg.micro_batch, pp=cfg.pp,
                           vs=cfg.virtual_stages, tp=cfg.tp, sp=bool(sp), ep=cfg.ep, dp=cfg.dp_ranks,
                           framework=FRAMEWORKS.index(cfg.framework),
                           layout=ctx.layout(cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp, cfg.dp_replicate, cfg.expert_tp),
                           zero3=cfg.zero_stage == 3, send=pp_send,
-                          paid=paid(ctx, cfg.framework, bool(sp), cfg.tp, cfg.ep, cfg.dp_ranks, cfg.pp,
-                                    cfg.virtual_stages), rep=cfg.dp_replicate, m=cfg.grad_accum)
+                          paid=how._replace(tp_async=how.tp_async and tp_backward_overlap), rep=cfg.dp_replicate,
+                          m=cfg.grad_accum)
     (ranks,) = RankTables(model, ctx).tables([spec])
     asm = assemble(ctx, columns_of([cfg]), rank_fields(ranks[None]), cfg.pp)
     return build_plan(model, ctx, cfg, parts, ranks, asm, 0, tables.runs.flops_per_step(), BlockKinds(model))

@@ -107,6 +107,11 @@ class Traits:
     # exposed per block: max(TP seconds - its GEMM seconds, one chunk = TP seconds / tp)
     # (comm_overlap.overlapped_tp).
     tp_comm_overlap: bool = False
+    # Without that overlap, each column-parallel linear's input gradient is reduced (all-reduce, or
+    # reduce-scatter under sequence parallelism) asynchronously while its weight-gradient GEMM runs:
+    # Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication since Sep 2021 (megatron/mpu/
+    # layers.py; Korthikanti et al. 2022 ran it), TE's Linear alike (comm_overlap.async_backward_tp).
+    tp_backward_overlap: bool = False
     # Attention through Transformer Engine (Megatron-Core's default TE layers: cuDNN's fused
     # attention), written for Hopper and Blackwell, so it levels off at the GPU's MAMF; the
     # others run FlashAttention-2 (flash-attn, PyTorch SDPA), which on Hopper levels off at
@@ -160,7 +165,7 @@ TRAITS = {
                                  zero_grad_allreduce=True, zero2_reduces_every_microbatch=True,
                                  zero0_reduces_after_backward=True, zero3_module_fetch=True, flat_copies=True),
     "megatron": Traits("megatron", True, "sequence_parallel", True, False, tp_comm_overlap=True, te_attention=True,
-                       ep_comm_overlap=True, zero3_live_blocks=2),
+                       ep_comm_overlap=True, zero3_live_blocks=2, tp_backward_overlap=True),
     # FSDP2 reduce-scatters fp32 (training.mixed_precision_reduce) and gathers the next block while
     # one computes (two live); a stage sends (s/t, b, h); attention is SDPA, not TE. No TP overlap:
     # torchtitan's async TP (inductor's micro-pipelined TP over symmetric memory) measured 1.04-1.16x

@@ -51,11 +51,13 @@ def merged_share(rank: np.ndarray, pp: np.ndarray, vs: np.ndarray, m: np.ndarray
 
 class Paid(NamedTuple):
     """How a plan's runtime pays its blocks: TP overlapped with the GEMMs, TE's attention, the
-    expert all-to-alls overlapped with the other micro-batch."""
+    expert all-to-alls overlapped with the other micro-batch, the backward's TP reductions under
+    the weight-gradient GEMMs (where the GEMM overlap does not apply)."""
 
     overlap: bool = False
     te: bool = False
     ep_overlap: bool = False
+    tp_async: bool = False
 
 
 def paid(ctx: "CostContext", framework: str, sp: bool, tp: int, ep: int, dp: int, pp: int, vs: int = 1) -> Paid:
@@ -63,7 +65,8 @@ def paid(ctx: "CostContext", framework: str, sp: bool, tp: int, ep: int, dp: int
     its workload allows (Workload.tp_comm_overlap, .te_attention, .ep_comm_overlap)."""
     w = ctx.workload
     in_node = ctx.layout(tp, 1, dp, pp).tp.nodes_spanned == 1
-    return Paid(tp_overlapped(framework, sp, tp, in_node, w.tp_comm_overlap),
-                w.te_attention and traits(framework).te_attention,
+    overlap = tp_overlapped(framework, sp, tp, in_node, w.tp_comm_overlap)
+    return Paid(overlap, w.te_attention and traits(framework).te_attention,
                 bool(ep_overlapped(traits(framework).ep_comm_overlap, ep, pp, vs, w.ep_comm_overlap,
-                                   traits(framework).dualpipe and w.pp_schedule == "dualpipev")))
+                                   traits(framework).dualpipe and w.pp_schedule == "dualpipev")),
+                not overlap and tp > 1 and traits(framework).tp_backward_overlap)

@@ -45,6 +45,7 @@ class RankSpec(NamedTuple):
     rep: int = 1  # hybrid-sharding groups of the dp ranks (ParallelConfig.dp_replicate)
     ep_overlap: bool = False  # expert all-to-alls overlapped with another micro-batch (Traits.ep_comm_overlap)
     m: int = 1  # micro-batches per step (how many of a rank's passes the overlap merges: merged_share)
+    tp_async: bool = False  # the backward's TP reductions under the wgrad GEMMs (Traits.tp_backward_overlap)
 
     @classmethod
     def build(cls, table: BlockTable, parts: Split, *, mode: int, b: int, pp: int, vs: int, tp: int, sp: bool,
@@ -56,12 +57,13 @@ class RankSpec(NamedTuple):
         send = send or traits.pp_send
         return cls(table, parts, mode, b, pp, vs, tp, ep, dp, framework, ps.pp_send_divisor(send, tp, sp), layout,
                    ps.pp_boundary_gathers(send, tp), ps.pp_transfers(traits), ps.pp_meta_bytes(send, tp), zero3,
-                   paid.overlap, paid.te, rep, paid.ep_overlap, m if paid.ep_overlap else 1)
+                   paid.overlap, paid.te, rep, paid.ep_overlap, m if paid.ep_overlap else 1, paid.tp_async)
 
     def base_key(self) -> tuple:
         """What the rows but the ZeRO-3 ones depend on (not dp or the framework beyond its sends)."""
         return (id(self.table), tuple(self.parts), self.mode, self.b, self.pp, self.vs, self.tp, self.send_div,
-                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap, self.te, self.ep_overlap, self.m)
+                self.gathers, self.transfers, self.meta, self.layout.pp, self.overlap, self.te, self.ep_overlap, self.m,
+                self.tp_async)
 
 
 class Chunks:
@@ -71,7 +73,7 @@ class Chunks:
 
     # Per-spec numbers, repeated per chunk (``chunk``) and per rank (``rank``).
     VALUES = ("b", "send_div", "meta", "transfers", "gather_out", "gather_in", "full", "pp", "tied_copy", "overlap",
-              "te", "ep_overlap", "vs", "m")
+              "te", "ep_overlap", "vs", "m", "tp_async")
 
     def __init__(self, specs: list[RankSpec], nblocks: int, tied_size: float, vshape: bool = False) -> None:
         self.specs = specs
@@ -86,7 +88,8 @@ class Chunks:
                                                tables[id(s.table)][0] * stride) for s in specs]).T
         layer_again = [RECOMPUTES[s.mode] in ("full", "op") for s in specs]  # a recomputed layer is live
         values = np.array([(s.b, s.send_div, s.meta, s.transfers, *s.gathers, again, s.pp, tied_size / s.tp, s.overlap,
-                            s.te, s.ep_overlap, s.vs, s.m) for s, again in zip(specs, layer_again)], dtype=float).T
+                            s.te, s.ep_overlap, s.vs, s.m, s.tp_async)
+                           for s, again in zip(specs, layer_again)], dtype=float).T
         self.chunk = dict(zip(self.VALUES, np.repeat(values, counts, axis=1)))
         self.rank = dict(zip(self.VALUES, np.repeat(values, pps, axis=1)))
         self.counts, self.pps = counts, pps

@@ -68,9 +68,10 @@ TIME_ROWS = [ROW[k] for k in ("fwd", "bwd", "rc", "tp", "ep", "pp", "cp")]  # Mi
 # with ``overlap``), "te_*" what TE's attention saves of fwd, bwd and rc (a spec with ``te``),
 # "cp" the exposed context-parallel attention traffic, "ep_ov" the EP seconds left exposed where a
 # spec's ``ep_overlap`` merges micro-batches (``merged_share``), "dec" 1 per decoder layer and
-# "dec_act" its stored bytes per sample, "wg" the weight-gradient GEMMs' seconds.
+# "dec_act" its stored bytes per sample, "wg" the weight-gradient GEMMs' seconds, "tp_async" the TP
+# seconds with the backward's reductions under them (a spec with ``tp_async``).
 PREFIX_SERIES = ("fwd", "bwd", "rc", "tp", "ep", "dense", "expert", "act", "low", "tp_ov", "te_f", "te_b", "te_rc",
-                 "cp", "ep_ov", "dec", "dec_act", "wg")
+                 "cp", "ep_ov", "dec", "dec_act", "wg", "tp_async")
 CHUNK_ROWS = (*PREFIX_SERIES, "pp")
 _CHUNK = {name: k for k, name in enumerate(CHUNK_ROWS)}
 assert RANK_FIELDS[:7] == PREFIX_SERIES[:7]
@@ -190,7 +191,8 @@ class RankTables:
                 s.table.fwd[bi], s.table.bwd[bi], s.table.rc[mode, bi], s.table.tp[mode, bi], s.table.ep[mode, bi],
                 s.table.params, s.table.expert, s.table.act[mode], s.table.low, s.table.tp_ov[mode, bi],
                 s.table.te_f[bi], s.table.te_b[bi], s.table.te_rc[mode, bi], s.table.cp[mode, bi],
-                s.table.ep_ov[mode, bi], self.decoder, s.table.act[mode] * self.decoder, s.table.wg[bi])])
+                s.table.ep_ov[mode, bi], self.decoder, s.table.act[mode] * self.decoder, s.table.wg[bi],
+                s.table.tp_async[mode, bi])])
             n = len(PREFIX_SERIES)
             sums = np.zeros((len(todo), n, series.shape[1] + 1))
             np.cumsum(series.reshape(len(todo), n, -1), axis=2, out=sums[:, :, 1:])  # each series on its own
@@ -221,7 +223,8 @@ class RankTables:
         out[ROW["wg"]] = sums[_CHUNK["wg"]]
         if self.vshape:
             out[ROW["stored_v"]] = ch.rank_sum(np.where(ch.virtual == 1, per_chunk[_CHUNK["act"]], 0.0)[None])[0] * b
-        out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]], sums[_CHUNK["tp"]])
+        out[ROW["tp"]] = np.where(ch.rank["overlap"] > 0, sums[_CHUNK["tp_ov"]],
+                                  np.where(ch.rank["tp_async"] > 0, sums[_CHUNK["tp_async"]], sums[_CHUNK["tp"]]))
         rank = np.arange(ch.width) - np.repeat(ch.rank_start[:-1], ch.pps)
         share = merged_share(rank, ch.rank["pp"], ch.rank["vs"], ch.rank["m"])
         if self.vshape:  # DualPipeV's overlapped pairs

@@ -130,13 +130,16 @@ def _key_sums(p: Pricing, ks: KeyedSpace) -> _KeySums:
         sel = np.flatnonzero(np.isin(run_of, rs)) if len(rs) < len(tables) else slice(None)
         lr, mode = local[run_of[sel]], k[sel, 4]
         bi = np.searchsorted(np.array(sizes), k[sel, 3])
-        # Every block as the runtime that pays least for it (TP overlapped: tp_ov <= tp; EP
+        # Every block as the runtime that pays least for it (TP overlapped or its backward's reductions
+        # under the wgrad GEMMs: tp_ov, tp_async <= tp; EP
         # overlapped: ep_ov <= ep; TE's attention saving te_*), so the bound holds for every
         # framework of the key; a workload that turns an overlap off has every runtime pay it whole.
         fb = stacked(ts, "fwd") + stacked(ts, "bwd") - stacked(ts, "te_f") - stacked(ts, "te_b")  # [table, b, block]
         w = p.ctx.workload
-        fields = ("rc", "tp_ov" if w.tp_comm_overlap else "tp", "ep_ov" if w.ep_comm_overlap else "ep", "cp")
+        fields = ("rc", "tp_async", "ep_ov" if w.ep_comm_overlap else "ep", "cp")
         rc, tpt, ept, cpt = (stacked(ts, f) for f in fields)  # [table, mode, b, block]
+        if w.tp_comm_overlap:
+            tpt = np.minimum(tpt, stacked(ts, "tp_ov"))
         rc = rc - stacked(ts, "te_rc")
         ept = ept + cpt
         rest = rc + tpt + ept
