@@ -329,11 +329,20 @@ def suggest(model: "str | ModelSpec", cluster: "Cluster", *, workload: "Workload
     precisions = given.get("precision")
     if isinstance(precisions, (tuple, list)):  # several precisions: each searched, the plans ranked together
         given["precision"] = precisions[0] if precisions else "bf16"
+    schedules = given.get("pp_schedule")
+    if isinstance(schedules, (tuple, list)):  # several pipeline schedules: the same
+        from planner.cost.dualpipe import SCHEDULES
+
+        if bad := [s for s in schedules if s not in SCHEDULES] or (not schedules and [""]):
+            raise UserError(f"{arg('pp_schedule')}: unknown schedule {bad[0]!r}; choose from {', '.join(SCHEDULES)}")
+        given["pp_schedule"] = schedules[0]
     zero_pp = given.pop("zero_pp", workload.zero_pp if workload else ())  # "auto": search.suggest tries each
     wl = workload if workload is not None else make_workload(spec, gpus=cluster.num_gpus, **given)
     check_workload(wl)
     many = tuple(precisions) if isinstance(precisions, (tuple, list)) and len(precisions) > 1 else None
     knobs = {k: getattr(wl, k) for k in WORKLOAD_KEYS if k not in ("precision", "zero_pp")}
+    if isinstance(schedules, (tuple, list)) and len(set(schedules)) > 1:
+        knobs["pp_schedule"] = tuple(dict.fromkeys(schedules))
     return _suggest(spec, cluster.profile, cluster.nodes, precision=many or wl.precision_name, **knobs,
                     constraints=cons, balancer=balancer, objective=objective, top=top, zero_pp=zero_pp,
                     progress=progress)

@@ -277,3 +277,31 @@ def test_generate_without_torchtitan_says_dualpipev_is_torchtitans(tmp_path):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "DualPipeV is torchtitan's: add --framework torchtitan" in lines[0], result.output
     assert not out.exists()
+
+
+def test_suggest_ranks_dualpipev_beside_1f1b():
+    """``--pp-schedule 1f1b,dualpipev``: each schedule searched, the plans ranked together; DualPipeV's
+    search takes pipelines only (1F1B's has the plans without one), so no plan shows twice."""
+    cluster = api.load_cluster(nodes=4, hardware="dgx-h100")
+    result = api.suggest("deepseek-v2-lite", cluster, framework="torchtitan", global_batch=256, seq_len=4096,
+                         pp_schedule=("1f1b", "dualpipev"), top=40)
+    plans = [rp.plan for rp in result.plans]
+    schedules = {p.workload.pp_schedule for p in plans}
+    assert schedules == {"1f1b", "dualpipev"} and result.inputs["pp_schedule"] == "1f1b,dualpipev"
+    assert all(p.cfg.pp > 1 and p.cfg.virtual_stages == 2 for p in plans if p.workload.pp_schedule == "dualpipev")
+    layouts = [(p.workload.pp_schedule, p.cfg, tuple(p.partition)) for p in plans]
+    assert len(set(layouts)) == len(layouts)
+    times = [p.step_time_s for p in plans]
+    assert times == sorted(times)
+
+
+def test_the_table_marks_dualpipev_pipelines_and_names_them():
+    result = CliRunner().invoke(main, ["suggest", "--model", "deepseek-v2-lite", "--hardware", "dgx-h100", "--nodes",
+                                       "4", "--global-batch", "256", "--seq-len", "4096", "--framework", "torchtitan",
+                                       "--pp", "2", "--pp-schedule", "dualpipev", "--top", "3"],
+                                env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert " 2V " in text and "pp 2V = 2 pipeline ranks holding 2 model chunks each in DualPipeV's V" in text
+    bad = CliRunner().invoke(main, ["suggest", "--model", "deepseek-v2-lite", "--pp-schedule", "1f1b,zb"])
+    assert bad.exit_code == 2 and "--pp-schedule: unknown value" in bad.output, bad.output

@@ -194,6 +194,16 @@ FP8_GATHER_HELP = (
 )
 
 
+def _pp_schedule_option(many: bool):
+    """--pp-schedule: one schedule, or for a search (``many``) a comma list of them, each searched."""
+    import click
+
+    if many:
+        return click.option("--pp-schedule", default=None, metavar="NAME[,NAME]",
+                            help=f"{PP_SCHEDULE_HELP} suggest and generate take a comma list, each searched.")
+    return click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help=PP_SCHEDULE_HELP)
+
+
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
@@ -244,7 +254,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--dropout/--no-dropout", default=None, help=DROPOUT_HELP),
         click.option("--mtbf-hours", type=float, default=None, metavar="H", help=MTBF_HELP),
         click.option("--mtp-layers", type=int, default=None, metavar="N", help=MTP_HELP),
-        click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help=PP_SCHEDULE_HELP),
+        _pp_schedule_option(precision_list),
     ]
 
     def apply(command):
@@ -265,6 +275,9 @@ def workload_from_options(opts: dict) -> dict:
     if "precision" in out:  # one name, or a tuple of them (suggest and generate search each)
         names = parse_choice_list("--precision", out["precision"], PRECISIONS) or ()
         out["precision"] = names[0] if len(names) == 1 else names
+    if "pp_schedule" in out:
+        names = parse_choice_list("--pp-schedule", out["pp_schedule"], PP_SCHEDULES) or ()
+        out["pp_schedule"] = names[0] if len(names) == 1 else names
     return out
 
 

@@ -60,6 +60,7 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
     The table (a legend under it names the abbreviations that appear):
       8+sp           tensor parallelism 8 with sequence parallelism
       2x4 (pp)       2 pipeline stages x 4 interleaved virtual stages per rank
+      8V (pp)        8 pipeline ranks holding 2 model chunks each in DualPipeV's V
       opt            optimizer states offloaded to the CPU (opt+params: and the parameters)
       act 38         the activations of 38 decoder layers offloaded to host memory
       meg-ds         megatron-deepspeed; deepspeed/meg-ds: the same prediction under both
@@ -160,8 +161,7 @@ def render(result, next_argv: list[str] | None = None) -> None:
     if any("memory_constrained" in rp.balancer_bottleneck_s for rp in result.plans):
         console.print("*: the time-balanced split runs out of memory; the plan uses the fastest split that fits "
                       "(its slowest stage: balancer_bottleneck_s.memory_constrained in --json)")
-    console.print(legend(rows, result.inputs.get("recompute_modules"), result.inputs.get("pp_schedule")),
-                  markup=False)
+    console.print(legend(rows, result.inputs.get("recompute_modules")), markup=False)
     if ties is not None and len(result.plans) > 1:
         console.print(_ties_line(ties), markup=False)
     _render_best(result, console, human_bytes, human_time)
@@ -257,7 +257,7 @@ def _render_best(result, console, human_bytes, human_time) -> None:
 
         b = best.balancer_bottleneck_s
         m = p["grad_accum"]
-        g = group_to_set(p["pp"], p.get("virtual_stages", 1), m)
+        g = group_to_set(p["pp"], p.get("virtual_stages", 1), m) if p.get("pp_schedule") != "dualpipev" else None
         if g:
             console.print(f"interleaved schedule: {m} micro-batches per step over pp {p['pp']} run {g} at a time on "
                           f"each virtual stage (--microbatch-group-size-per-virtual-pipeline-stage {g}: Megatron's "

@@ -42,7 +42,7 @@ def table_row(rp, ties, precision: bool = False) -> tuple[str, ...]:
         "/".join(_SHORT_FW[f] for f in (p["framework"], *rp.also_runs_on))  # identical predictions
         + (f" {p['precision']}" if precision else ""),
         str(p["dp"]), f"{p['tp']}{'+sp' if p['sequence_parallel'] else ''}",
-        f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}",
+        _pp_cell(p),
         f"{p['ep']}{'f' if p['etp'] < p['tp'] else ''}",
         f"{p['cp']}{_CP_MARK[p['cp_comm']] if p['cp'] > 1 else ''}",
         f"{p['zero_stage']}{'h' + str(p['dp_replicate']) if p['dp_replicate'] > 1 else ''}"
@@ -82,11 +82,16 @@ def _bottlenecks(b: dict) -> str:
 _CP_MARK = {"p2p": "", "a2a": "a", "a2a+p2p": "h"}
 
 
-def legend(rows: list[tuple[str, ...]], modules: "tuple[str, ...] | list[str] | None" = None,
-           schedule: str | None = None) -> str:
+def _pp_cell(p: dict) -> str:
+    """The pipeline: its depth, x its interleaved chunks per rank, or V for DualPipeV's two a rank."""
+    if p["pp"] > 1 and p.get("pp_schedule") == "dualpipev":
+        return f"{p['pp']}V"
+    return f"{p['pp']}{'x' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}"
+
+
+def legend(rows: list[tuple[str, ...]], modules: "tuple[str, ...] | list[str] | None" = None) -> str:
     """One line naming each abbreviation the table shows (only those that appear); ``modules``:
-    what the search's selective recompute runs again (Workload.recompute_modules); ``schedule``: the
-    pipeline schedule (Workload.pp_schedule)."""
+    what the search's selective recompute runs again (Workload.recompute_modules)."""
     cells = [dict(zip(COLUMNS, row)) for row in rows]
 
     def first(column: str, mark: str) -> str | None:
@@ -99,9 +104,9 @@ def legend(rows: list[tuple[str, ...]], modules: "tuple[str, ...] | list[str] | 
         parts.append(f"{sp} = TP {sp.removesuffix('+sp')} with sequence parallelism")
     if vs := first("pp", "x"):
         stages, virtual = vs.split("x")
-        parts.append(f"pp {vs} = {stages} pipeline ranks x 2 model chunks each, in DualPipeV's V" if schedule ==
-                     "dualpipev" else f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages "
-                     "per rank")
+        parts.append(f"pp {vs} = {stages} pipeline stages x {virtual} interleaved virtual stages per rank")
+    if v_shape := first("pp", "V"):
+        parts.append(f"pp {v_shape} = {v_shape[:-1]} pipeline ranks holding 2 model chunks each in DualPipeV's V")
     if folded := first("ep", "f"):
         parts.append(f"ep {folded} = EP {folded.removesuffix('f')} with the experts folded out of TP (etp 1: "
                      "each rank holds whole experts)")

@@ -27,7 +27,7 @@ _OTHER_ENTRY = "or pass --entry SCRIPT (e.g. Megatron-LM's pretrain_gpt.py) to s
 
 
 def _no_dualpipe(opts: dict[str, Any]) -> None:
-    if opts.get("pp_schedule") == "dualpipev":
+    if "dualpipev" in str(opts.get("pp_schedule") or "").lower().split(","):
         raise UserError("--pp-schedule dualpipev: the reference trainer (--entry builtin) pipelines with DeepSpeed's "
                         "PipelineModule (1F1B); DualPipeV is torchtitan's: add --framework torchtitan, "
                         f"{_OTHER_ENTRY}")

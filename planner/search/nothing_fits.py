@@ -18,6 +18,7 @@ def describe(p: dict) -> str:
     extra += f" cp{p['cp']}" + ("" if p.get("cp_comm", "p2p") == "p2p" else f"-{p['cp_comm']}") \
         if p.get("cp", 1) > 1 else ""
     vs = f" v{p['virtual_stages']}" if p.get("virtual_stages", 1) > 1 else ""
+    vs = " dualpipev" if p.get("pp_schedule") == "dualpipev" and p["pp"] > 1 else vs
     off = f" offload-{p['offload']}" if p.get("offload", "none") != "none" else ""
     sp = " sp" if p.get("sequence_parallel") else ""
     rep = f"-hsdp{p['dp_replicate']}" if p.get("dp_replicate", 1) > 1 else ""

@@ -186,7 +186,7 @@ def _seconds(s: float) -> str:
 
 _CONFIG_KEYS = ("dp", "tp", "pp", "ep", "etp", "cp", "cp_comm", "zero_stage", "dp_replicate", "offload", "micro_batch",
                 "grad_accum", "recompute", "activation_offload", "sequence_parallel", "virtual_stages", "framework",
-                "zero_pp")
+                "zero_pp", "pp_schedule")
 
 
 def _shown(value: object) -> str:

@@ -30,14 +30,13 @@ from planner.model.spec import ModelSpec
 from planner.model.vision_inputs import vision_inputs
 from planner.search import rank as rk
 from planner.search.branch_and_bound import Outcome, search
-from planner.search.context_splits import context_splits
 from planner.search.evaluate import Pricing, build_plans, evaluate_keys
-from planner.search.expert_tp import expert_tp_choices
 from planner.search.keys import KeyedSpace, group_by_key
 from planner.search.nothing_fits import describe, nothing_fits_message, relaxations
 from planner.search.request import candidate_space, check_pins
 from planner.search.space import Constraints, Space
 from planner.search.splits import BALANCERS
+from planner.search.variants import left_out_notes, schedule_options, schedules_of, searches, share_progress
 
 __all__ = ["NoPlanFits", "RankedPlan", "SuggestResult", "candidate_space", "describe", "restrict", "suggest"]
 
@@ -124,9 +123,11 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     Each context-parallel split (search/context_splits.py), each count of hybrid-sharding groups
     (``constraints.dp_replicate``) and each expert-TP choice (search/expert_tp.py) is searched
     on its own too, and ranked with the rest.
-    ``options``: the keywords of ``_suggest_one``."""
+    ``options``: the keywords of ``_suggest_one``; ``pp_schedule`` may name several schedules,
+    each searched (DualPipeV's for pipelines only, which 1F1B's search has the rest of)."""
     names = (precision,) if isinstance(precision, str) else tuple(dict.fromkeys(precision))
     variants = zero_pp_variants(options.pop("zero_pp", ()))  # --zeropp auto: each ZeRO++ choice its own search
+    schedules = schedules_of(options.pop("pp_schedule", "1f1b"))
     if isinstance(model, str):
         from planner.model.catalog import load_model
 
@@ -134,11 +135,10 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
     cons = options.get("constraints") or Constraints()
     seq = options.get("seq_len") or model.train_seq_len
     gpus = _profile(hardware, options.get("gpus_per_node")).node.gpus * whole_number("nodes", nodes)
-    splits = [(cp, rep, zpp, etp) for cp in context_splits(cons, model, seq, options.get("flash_attention", True), gpus)
-              for rep in (cons.dp_replicate or (1,)) for zpp in variants for etp in expert_tp_choices(cons, model)]
+    splits = searches(model, cons, seq, options.get("flash_attention", True), gpus, variants, schedules)
     if len(names) == 1 and len(splits) == 1:
         return _suggest_one(model, hardware, nodes, precision=names[0], cp=splits[0][0], rep=splits[0][1],
-                            zero_pp=splits[0][2], etp=splits[0][3], **options)
+                            zero_pp=splits[0][2], etp=splits[0][3], pp_schedule=schedules[0], **options)
     profile = _profile(hardware, options.get("gpus_per_node"))
     results, left_out, first_error = [], [], None
     ran, refused = set(), {}  # ZeRO++ choices that gave plans; the first error of the others
@@ -146,15 +146,17 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
         recipe = RECIPES.get(split_precision(name)[1] or "")
         why = recipe and unsupported(recipe, profile.gpu.peak_TFLOPs, profile.gpu.name)  # type: ignore[arg-type]
         errors = [UserError(f"{arg('precision')} {name}: {why}")] if why else []
-        for split, rep, zpp, etp in ([] if why else splits):
+        for split, rep, zpp, etp, sched in ([] if why else splits):
             try:
+                opts = {**share_progress(options, len(results) + len(errors), len(names) * len(splits)),
+                        **schedule_options(options, sched, len(schedules), gpus)}
                 results.append(_suggest_one(model, hardware, nodes, precision=name, cp=split, rep=rep, zero_pp=zpp,
-                                            etp=etp, **_share(options, len(results) + len(errors),
-                                                              len(names) * len(splits))))
-                ran.add(zpp)
+                                            etp=etp, **opts))
+                ran.update((zpp, sched))
             except UserError as err:
                 errors.append(err)
                 refused.setdefault(zpp, err)
+                refused.setdefault(sched, err)
         first_error = first_error or (errors[0] if errors else None)
         if len(errors) == (1 if why else len(splits)):  # nothing of this precision fits: say why
             left_out.append(f"left out: {errors[0]}")
@@ -162,22 +164,15 @@ def suggest(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-a100-
         options["progress"](1.0)
     if not results:
         raise first_error  # type: ignore[misc]
-    left_out += [f"left out: ZeRO++ {','.join(z)}: {refused[z]}" for z in variants if z and z not in ran]
-    if len(names) == 1 and len(results) == 1 and len(variants) == 1:
+    left_out += left_out_notes(variants, schedules, ran, refused)
+    if len(names) == 1 and len(results) == 1 and len(variants) == 1 and len(schedules) == 1:
         return results[0]
     merged = _merge(results, names, left_out, options.get("objective", "throughput"), options.get("top", 5))
     if len(variants) > 1:
         merged.inputs["zero_pp"] = "auto"
+    merged.inputs["pp_schedule"] = ",".join(schedules)
     return merged
 
-
-def _share(options: dict, k: int, n: int) -> dict:
-    """``options`` with its ``progress`` callback reporting search ``k`` of ``n`` as its share of
-    the whole (k / n up to (k + 1) / n)."""
-    report = options.get("progress")
-    if report is None or n == 1:
-        return options
-    return {**options, "progress": lambda f: report(min(1.0, (k + f) / n))}
 
 
 def _merge(results: list[SuggestResult], names: tuple[str, ...], left_out: list[str], objective: str,
