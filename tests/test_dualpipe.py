@@ -12,12 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from torch.distributed.pipelining import schedules
 
 from planner import api
 from planner.cli import main
 from planner.cost import dualpipe
-
-schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 
 def torch_ops(rank: int, pp: int, m: int) -> list[tuple]:
