@@ -225,7 +225,7 @@ def test_the_searchs_bounds_hold_for_dualpipev_candidates():
     from planner.search.space import Constraints
     from tests.search_cases import prepared
 
-    cons = Constraints(framework=("torchtitan",), virtual_stages=(1, 2), min_accumulation=2, pp=(1, 2, 4),
+    cons = Constraints(framework=("torchtitan",), virtual_stages=(1, 2), pp=(1, 2, 4),
                        recompute=("none", "full"))
     case = prepared("deepseek-v2-lite", 2, cons, global_batch=128, pp_schedule="dualpipev")
     c = case.space.columns
@@ -247,7 +247,7 @@ def test_memfits_stage_memory_bounds_each_v_rank_from_above():
     from planner.search.space import Constraints
     from tests.search_cases import prepared
 
-    cons = Constraints(framework=("torchtitan",), pp=(2, 4), virtual_stages=(2,), min_accumulation=2, zero=(3,),
+    cons = Constraints(framework=("torchtitan",), pp=(2, 4), virtual_stages=(2,), zero=(3,),
                        recompute=("none", "full"))
     case = prepared("deepseek-v2-lite", 2, cons, global_batch=128, pp_schedule="dualpipev")
     rng = np.random.default_rng(3)

@@ -62,7 +62,7 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
     def enumerate_with(c: Constraints) -> Space:
         return enumerate_space(cluster.num_gpus, cluster.gpus_per_node, gb, facts, c, rule, cp[0], cp[1],
                                1 if cp[1] == "p2p" else cp[0], nvlink_gpus=cluster.nvlink_gpus, rep=rep, etp=etp,
-                               tp1=tp1)
+                               tp1=tp1, min_accumulation=2 if workload.pp_schedule == "dualpipev" else 1)
 
     space = enumerate_with(cons)
     if len(space):

@@ -67,7 +67,7 @@ def pattern_verdicts(reps: list[tuple[Degrees, bool]], settings: list[tuple[int,
 
     One call of ``rule`` over every (pattern, setting) row, each a config with the pattern's
     facts: dp = 2 x ep keeps ep | dp (1 where the pattern's dp is), and accumulation = pp x
-    ``min_accumulation`` when it reaches that (Constraints.min_accumulation), else 1. The answers
+    ``min_accumulation`` when it reaches that (space.enumerate_space's), else 1. The answers
     are tallied with whole-array calls, not per row."""
     st = np.fromiter(itertools.chain.from_iterable(settings), np.int64, 5 * len(settings)).reshape(-1, 5)
     deg = np.array([(min(d.tp, 2), *((min(d.pp, 2), 1, 1) if d.vs == 1 else (d.pp, d.vs, int(flag))), min(d.ep, 2),

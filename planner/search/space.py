@@ -68,9 +68,6 @@ class Constraints:
     allow_tp_across_nodes: bool = False
     cp: tuple[int, ...] | None = None  # context-parallel degrees (search/context_splits.py)
     cp_comm: tuple[str, ...] | None = None
-    # Micro-batches per step a pipeline rank's chunk schedule needs, per pipeline stage: 1 (Megatron's
-    # interleaving, m >= pp) or 2 (DualPipeV, m >= 2 pp): what the rules' accumulation flag tells apart.
-    min_accumulation: int = 1
     dp_replicate: tuple[int, ...] | None = None  # hybrid-sharding groups, each searched on its own [default: 1]
     # The experts' TP: 1 (folded into EP) and/or None (the attention's tp), each searched on its own
     # [default: both, for a mixture-of-experts model] (suggest.expert_tp_choices).
@@ -229,11 +226,11 @@ def _micro_splits(micro: list[int], per_dp: int, pp: int) -> list[tuple[bool, li
 def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: ModelFacts,
                     cons: Constraints, framework_rule: FrameworkRule, cp: int = 1, cp_comm: str = "p2p",
                     head_split: int = 1, nvlink_gpus: int | None = None, rep: int = 1, etp: int | None = None,
-                    tp1: bool = True) -> Space:
-    """Every candidate beside the context-parallel split (``cp``, ``cp_comm``; ``head_split``
-    as degree_combinations takes it), the hybrid-sharding groups ``rep`` and the expert-TP
-    choice (``etp``, ``tp1`` as degree_combinations takes them), as columns; rejected counts by
-    reason (degrees ``rep`` groups do not split evenly are indivisible)."""
+                    tp1: bool = True, min_accumulation: int = 1) -> Space:
+    """Every candidate beside the context-parallel split (``cp``, ``cp_comm``; ``head_split`` as
+    degree_combinations takes it), the hybrid-sharding groups ``rep``, the expert-TP choice (``etp``,
+    ``tp1`` likewise) and the micro-batches per stage the schedule needs (``min_accumulation``: 2 for
+    DualPipeV), as columns; rejected counts by reason (indivisible: degrees ``rep`` does not split)."""
     degrees, indivisible = degree_combinations(world, gpus_per_node, global_batch, facts, cons, cp, head_split,
                                                nvlink_gpus, etp, tp1)
     settings = allowed_settings(cons)
@@ -253,7 +250,7 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
             if deg.dp not in micro:
                 micro[deg.dp] = _allowed(divisors(global_batch // deg.dp), cons.micro_batch)
             split = splits[deg.dp, deg.pp] = _micro_splits(micro[deg.dp], global_batch // deg.dp,
-                                                           deg.pp * cons.min_accumulation)
+                                                           deg.pp * min_accumulation)
         if not split:
             indivisible += 1
             continue
@@ -266,7 +263,7 @@ def enumerate_space(world: int, gpus_per_node: int, global_batch: int, facts: Mo
                 pattern_first.append((deg, mbs[0]))
             blocks.append((deg, mbs, pattern_id))
     verdicts = (pattern_verdicts(reps, settings, framework_rule, cp, cp_comm, rep, etp, cons.activation_offload,
-                                 cons.min_accumulation)
+                                 min_accumulation)
                 if reps else Verdicts(np.zeros((6, 0), dtype=np.int64), [], []))
     pattern_mbs = [0] * len(reps)  # candidates per setting of each pattern (its blocks' micro-batches)
     # Per (degrees, accumulation flag): ok settings x micro-batches, laid out at the end in one pass.

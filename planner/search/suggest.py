@@ -228,8 +228,7 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
                         precision=precision, zero_pp=zero_pp, **knobs)  # type: ignore[arg-type]
     model, workload = workload.trained(model), workload.resolved(model)
     if workload.pp_schedule == "dualpipev":  # torchtitan's schedule, two chunks a pipelined rank
-        cons = replace(cons, framework=cons.framework or ("torchtitan",), virtual_stages=cons.virtual_stages or (1, 2),
-                       min_accumulation=2)
+        cons = replace(cons, framework=cons.framework or ("torchtitan",), virtual_stages=cons.virtual_stages or (1, 2))
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, **_workload_inputs(workload), "precision": precision,
               "balancer": balancer, "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
