@@ -154,7 +154,6 @@ RECOMPUTE_MODULES_HELP = ("What Megatron's selective recompute (--recompute sele
                           "mla_up_proj and moe_act].")
 
 
-PP_SCHEDULES = ("1f1b", "dualpipev")  # Workload.pp_schedule (planner/cost/dualpipe.py SCHEDULES)
 DROPOUT_HELP = ("Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in Llama, "
                 "DeepSeek and Qwen pre-training].")
 PP_SCHEDULE_HELP = ("The pipeline schedule of plans with --pp > 1: 1f1b (1F1B, interleaved 1F1B when a rank holds "
@@ -198,10 +197,12 @@ def _pp_schedule_option(many: bool):
     """--pp-schedule: one schedule, or for a search (``many``) a comma list of them, each searched."""
     import click
 
+    from planner.cost.dualpipe import SCHEDULES
+
     if many:
         return click.option("--pp-schedule", default=None, metavar="NAME[,NAME]",
                             help=f"{PP_SCHEDULE_HELP} suggest and generate take a comma list, each searched.")
-    return click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help=PP_SCHEDULE_HELP)
+    return click.option("--pp-schedule", type=click.Choice(SCHEDULES), default=None, help=PP_SCHEDULE_HELP)
 
 
 def workload_options(global_batch_help: str, precision_list: bool = False):
@@ -276,7 +277,9 @@ def workload_from_options(opts: dict) -> dict:
         names = parse_choice_list("--precision", out["precision"], PRECISIONS) or ()
         out["precision"] = names[0] if len(names) == 1 else names
     if "pp_schedule" in out:
-        names = parse_choice_list("--pp-schedule", out["pp_schedule"], PP_SCHEDULES) or ()
+        from planner.cost.dualpipe import SCHEDULES
+
+        names = parse_choice_list("--pp-schedule", out["pp_schedule"], SCHEDULES) or ()
         out["pp_schedule"] = names[0] if len(names) == 1 else names
     return out
 

@@ -30,9 +30,12 @@ Per rank, with F, B (whole backward) and W (the weight-gradient GEMMs alone) one
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
+# numpy is imported where it is used: the CLI reads SCHEDULES while it builds its options.
 SCHEDULES = ("1f1b", "dualpipev")  # Workload.pp_schedule: looped (1F1B, interleaved by vs) or the V
 TORCH_NAME = "DualPipeV"  # torch get_schedule_class's name, torchtitan's pipeline_parallel_schedule
 
@@ -194,6 +197,8 @@ def inflight(rank, pp, stored, stored_second):
     """In-flight micro-batches in units of the rank's whole stage (memory.activation_bytes' unit):
     ``held`` weighted by the two chunks' stored bytes (``stored`` the rank's, ``stored_second`` its
     second chunk's)."""
+    import numpy as np
+
     first, second = held(rank, pp)
     whole = np.maximum(stored, 1e-30)
     return np.where(stored > 0, (first * (stored - stored_second) + second * stored_second) / whole,
@@ -202,6 +207,8 @@ def inflight(rank, pp, stored, stored_second):
 
 def merged_share(rank, pp, m):
     """The share of rank ``rank``'s chunk passes that run as an overlapped forward-backward pair."""
+    import numpy as np
+
     pairs = 2 * m - 3 * pp + rank + 1 - (rank == pp - 1)
     return np.clip(pairs / (2.0 * m), 0.0, 1.0)
 
@@ -210,6 +217,8 @@ def bubble(fwd: np.ndarray, bwd: np.ndarray, wgrad: np.ndarray, worst: np.ndarra
     """Per candidate the bubble over [candidate x rank] arrays of each rank's micro-batch seconds
     forward, backward (all of it) and weight-gradient GEMMs over both chunks: per rank but the
     slowest, one chunk's max(2F, F + 2B - 3W) (the module docstring), zero past ``depth``."""
+    import numpy as np
+
     f, b, w = fwd / 2.0, bwd / 2.0, wgrad / 2.0
     per_rank = np.maximum(2.0 * f, f + 2.0 * b - 3.0 * w)
     ranks = np.arange(per_rank.shape[1])[None, :]

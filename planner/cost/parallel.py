@@ -10,10 +10,11 @@ planner/cost/frameworks.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+from planner.cost.dualpipe import SCHEDULES
 from planner.cost.layer_cost import RECOMPUTE_MODES, RECOMPUTE_MODULES
 from planner.cost.measured_blocks import LayerProfile
 from planner.cost.precision import RECIPE_NAMES
@@ -39,6 +40,7 @@ ZERO_PP = ("qwz", "hpz", "qgz")
 # The pipeline schedule (planner/cost/dualpipe.py): looped 1F1B (interleaved when a rank holds
 # more than one chunk) or DeepSeek's DualPipeV, two chunks per rank in a V.
 PpSchedule = Literal["1f1b", "dualpipev"]
+assert get_args(PpSchedule) == SCHEDULES, "Workload.pp_schedule takes dualpipe.SCHEDULES"
 
 
 # ``--zeropp auto`` on suggest: none, each option alone, and all three, each searched.
