@@ -25,9 +25,10 @@ split dsplan's even partition gives.
 
 A row dsplan cannot express is printed with every reason. For those rows the benchmark also
 prices the nearest layout dsplan can express (async TP as plain TP), which bounds the row only as far as the
-model is right, and counts in no mean. torch.compile is not a reason: the cost model does not
-distinguish compiled from eager kernels, so compiled rows are priced as eager and their mean is
-printed apart from the rows without it. An expressible row's caveats name what else its price
+model is right, and counts in no mean. torch.compile is priced as the row ran it (``--compile``):
+what it covered runs fused kernels, the rest PyTorch's eager ones (planner/cost/eager_kernels.py),
+with aten's composite RMSNorm for the December 2024 runs' PyTorch (before 2.8); the means are
+also printed for the rows with and without it. An expressible row's caveats name what else its price
 leaves out (float8 TP all-gathers priced in bf16, CP's all-gather rotater priced as a ring, the
 context raised to the sequence as torchtitan does). Error = predicted / published - 1: "+" means
 dsplan predicts faster than measured.
@@ -65,11 +66,17 @@ ROWWISE_REASON = "float8 rowwise scaling (dsplan's torchtitan recipes are fp8-te
 REASON_TAGS = {ASYNC_REASON: "async TP", ROWWISE_REASON: "rowwise"}
 # The rows' activation checkpointing as dsplan's --recompute: torchtitan's per-op selective AC is "op".
 RECOMPUTE = {"full": "full", "none": "none", "selective_op": "op"}
-COMPILED = "the run used torch.compile; priced as eager kernels (the cost model does not distinguish them)"
+# What torch.compile covered, by torchtitan commit: at 9dec370 (December 2024) train.py compiled
+# each TransformerBlock only (its ``loss_fn = torch.compile(loss_fn)`` is commented out); from
+# 820504e (June 2025) components/loss.py compiles the loss as well.
+LOSS_LEFT_EAGER = {"9dec370ad26b5f8e9a7333a0e36165018262644b"}
+# PyTorch before 2.8 ran RMSNorm as aten's composite in eager (the fused kernel is
+# pytorch/pytorch#153666, May 2025): the December 2024 runs' torch 1963fc8.
+COMPOSITE_RMS_NORM = {"1963fc83a1c32e162162e2414f78b043f0674bae"}
 FP8_TP = "the run all-gathers TP activations in float8 (torchao's Float8 TP styles); priced in bf16"
 CP_ALLGATHER = "the run all-gathers CP's K/V (the default rotater); priced as dsplan's ring"
 LONG_CONTEXT = "the sequence is above the preset's context; raised to it, as torchtitan's train.py does"
-CAVEAT_TAGS = {COMPILED: "compile", FP8_TP: "fp8 TP", CP_ALLGATHER: "CP all-gather", LONG_CONTEXT: "context"}
+CAVEAT_TAGS = {FP8_TP: "fp8 TP", CP_ALLGATHER: "CP all-gather", LONG_CONTEXT: "context"}
 
 
 def rows(path: Path = REFERENCE) -> list[dict[str, str]]:
@@ -97,8 +104,6 @@ def reasons(row: dict[str, str]) -> list[str]:
 def caveats(row: dict[str, str]) -> list[str]:
     """What an expressible row's price leaves out without being refused for it."""
     out = []
-    if row["torch_compile"] == "on":
-        out.append(COMPILED)
     if row["float8_recipe"] == "tensorwise" and row["tp"] != "1":
         out.append(FP8_TP)
     if row["cp_rotate_method"] == "allgather":
@@ -118,7 +123,16 @@ def knobs(row: dict[str, str], recompute: str | None = None) -> dict[str, Any]:
             "virtual_stages": int(row["pp_stages_per_rank"] or 1), "micro_batch": micro,
             "recompute": recompute or RECOMPUTE[row["activation_checkpointing"]], "sequence_parallel": tp > 1,
             "precision": precision, "global_batch": int(row["global_batch_size"]), "seq_len": int(row["seq_len"]),
-            "fp8_param_gather": row["fsdp_float8_all_gather"] == "on"}  # FSDP2's float8 all-gather, as the row ran
+            "fp8_param_gather": row["fsdp_float8_all_gather"] == "on",  # FSDP2's float8 all-gather, as the row ran
+            "compile": compiled(row), "rms_norm_kernel": "composite" if row["torch_commit"] in COMPOSITE_RMS_NORM
+            else "fused"}
+
+
+def compiled(row: dict[str, str]) -> str:
+    """What torch.compile covered in the row's run (``--compile``)."""
+    if row["torch_compile"] != "on":
+        return "none"
+    return "model" if row["torchtitan_commit"] in LOSS_LEFT_EAGER else "model,loss"
 
 
 def model(row: dict[str, str]) -> ModelSpec:

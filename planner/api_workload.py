@@ -18,7 +18,7 @@ WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_imag
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
                  "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
                  "zero_pp", "mtp_layers", "moe_dispatcher", "moe_capacity_factor", "recompute_modules",
-                 "pp_schedule")
+                 "pp_schedule", "compile", "rms_norm_kernel")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
@@ -32,7 +32,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   mtp_layers: int | None = None, moe_dispatcher: str = "alltoall",
                   moe_capacity_factor: float | None = None,
                   recompute_modules: "str | tuple[str, ...] | None" = None,
-                  pp_schedule: str = "1f1b") -> "Workload":
+                  pp_schedule: str = "1f1b", compile: "str | tuple[str, ...] | None" = None,
+                  rms_norm_kernel: str = "fused") -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), the model's default images and tiles per
@@ -40,7 +41,9 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     ``mtp_layers`` says how many (0: the main model only). ``recompute_modules``: what
     Megatron's selective recompute runs again (a comma list; default "auto":
     recompute_modules.auto_modules). ``pp_schedule``: 1f1b (looped, interleaved by virtual stages)
-    or dualpipev (planner/cost/dualpipe.py).
+    or dualpipev (planner/cost/dualpipe.py). ``compile``: what torchtitan compiles (a comma list
+    of model and loss, or "none"; default both), the rest priced as eager kernels
+    (planner/cost/eager_kernels.py; ``rms_norm_kernel`` "composite" for PyTorch before 2.8).
 
     >>> make_workload("vl2", gpus=64).global_batch
     1024
@@ -61,12 +64,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     from planner.cost.measured_blocks import as_layer_profile
     _check_knobs(moe_imbalance, mtbf_hours, mtp_layers, moe_dispatcher, moe_capacity_factor)
-    from planner.cost.recompute_modules import auto_modules, check_recompute_modules, parse_recompute_modules
-    modules = parse_recompute_modules(recompute_modules)
-    if modules is None:
-        modules = auto_modules(spec, flash_attention, precision)
-    else:
-        check_recompute_modules(modules, spec, precision)
+    from planner.cost.eager_kernels import parse_compile
+    modules = _recompute_modules(spec, recompute_modules, flash_attention, precision)
     try:
         return Workload(global_batch=global_batch, seq_len=seq, images_per_sample=images, tiles_per_image=tiles,
                         precision=precision, optimizer=optimizer, flash_attention=flash_attention, dropout=dropout,
@@ -76,9 +75,22 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                         layer_profile=as_layer_profile(layer_profile), zero_pp=parse_zero_pp(zero_pp),
                         mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher,
                         moe_capacity_factor=moe_capacity_factor, recompute_modules=modules,
-                        pp_schedule=pp_schedule).resolved(spec)
+                        pp_schedule=pp_schedule, compile=parse_compile(compile),
+                        rms_norm_kernel=rms_norm_kernel).resolved(spec)
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
+
+
+def _recompute_modules(spec: "ModelSpec", given: "str | tuple[str, ...] | None", flash_attention: bool,
+                       precision: str) -> tuple[str, ...]:
+    """The modules Megatron's selective recompute runs again: those given, checked, or auto's."""
+    from planner.cost.recompute_modules import auto_modules, check_recompute_modules, parse_recompute_modules
+
+    modules = parse_recompute_modules(given)
+    if modules is None:
+        return auto_modules(spec, flash_attention, precision)
+    check_recompute_modules(modules, spec, precision)
+    return modules
 
 
 def _number(value: object) -> bool:

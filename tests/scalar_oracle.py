@@ -82,7 +82,7 @@ def forward_time(c: LayerCost, b: int, dev: eff.Device, attn_dev: eff.Device | N
     t = sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
     if c.attn is not None:
         t += attention_time(c.attn, b, attn_dev or dev)
-    return t + float(eff.hbm_time(c.hbm_fwd * b, dev))
+    return t + float(eff.hbm_time((c.hbm_fwd + c.extra.get("eager_fwd", 0.0)) * b, dev))
 
 
 def backward_time(c: LayerCost, b: int, dev: eff.Device, attn_dev: eff.Device | None = None) -> float:
@@ -90,7 +90,7 @@ def backward_time(c: LayerCost, b: int, dev: eff.Device, attn_dev: eff.Device | 
     t = 2.0 * sum(float(eff.gemm_time(g.tokens * b, g.n, g.k, dev, g.batch)) for g in c.gemms)
     if c.attn is not None:
         t += attention_time(c.attn, b, attn_dev or dev, backward=True)
-    return t + 2.0 * float(eff.hbm_time(c.hbm_fwd * b, dev))
+    return t + float(eff.hbm_time((2.0 * c.hbm_fwd + c.extra.get("eager_bwd", 0.0)) * b, dev))
 
 
 def recompute_time(c: LayerCost, b: int, dev: eff.Device, mode: str, attn_dev: eff.Device | None = None) -> float:

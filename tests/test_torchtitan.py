@@ -43,6 +43,8 @@ PLANS = [
                     "64", "--recompute", "op"]),
     ("dualpipev-moe", ["--model", "deepseek-v2-lite", "--zero", "3", "--pp", "2", "--ep", "4", "--global-batch", "64",
                        "--pp-schedule", "dualpipev"]),
+    ("eager", ["--model", "llama-3.1-8b", "--zero", "3", "--global-batch", "64", "--compile", "none"]),
+    ("loss-eager", ["--model", "llama-3.1-8b", "--zero", "3", "--global-batch", "64", "--compile", "model"]),
 ]
 
 
@@ -116,10 +118,11 @@ def test_torchtitan_parses_the_job_config_with_the_plans_degrees(run_dirs, name)
         assert (ac.mode, ac.selective_ac_option) == ("selective", "op")
     else:
         assert ac.mode == plan["recompute"]
-    # compiled, as priced (fused elementwise kernels), but for DualPipeV's stages, which PyTorch refuses
-    # compiled (the loss only); TP without async TP, as priced
-    compiled = {"loss"} if plan["pp"] > 1 and plan["pp_schedule"] == "dualpipev" else {"model", "loss"}
-    assert job.compile.enable and set(job.compile.components) == compiled
+    # compiled as priced (--compile: fused elementwise kernels, the rest eager), but for DualPipeV's
+    # stages, which PyTorch refuses compiled (the loss only); TP without async TP, as priced
+    compiled = set(plan["compile"]) - ({"model"} if plan["pp_schedule"] == "dualpipev" else set())
+    assert job.compile.enable == bool(compiled) and set(job.compile.components) == compiled
+    assert compiled == {"eager": set(), "loss-eager": {"model"}, "dualpipev-moe": {"loss"}}.get(name, {"model", "loss"})
     assert not p.enable_async_tensor_parallel
     converters = {"fp8-tensorwise": ["quantize.linear.float8"], "mxfp8": ["quantize.linear.mx"]}
     assert job.model.converters == converters.get(plan["precision"], [])

@@ -132,6 +132,7 @@ def render(plan) -> None:
     data, escaped, never read as rich markup)."""
     from rich.markup import escape
 
+    from planner.cost.eager_kernels import eager_words
     from planner.cost.memory import group_to_set
 
     c, w = plan.cfg, plan.workload
@@ -153,6 +154,8 @@ def render(plan) -> None:
                   + (f", activations of {c.activation_offload} layers offloaded" if c.activation_offload else ""))
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
                   f"x accumulation {c.grad_accum} x dp {c.dp}; {w.precision_name}, {w.optimizer}"
+                  + (f", {eager}" if (eager := eager_words(w.compile, w.rms_norm_kernel,
+                                                          w.pp_schedule == "dualpipev")) else "")
                   + (f", {w.mtp_layers} multi-token-prediction depth(s)" if w.mtp_layers else "") + f"; {verdict}")
     _render_memory(plan)
     _render_time(plan)

@@ -62,6 +62,8 @@ FLAGS: dict[str, str] = {
     "moe_capacity_factor": "--moe-capacity-factor",
     "recompute_modules": "--recompute-modules",
     "pp_schedule": "--pp-schedule",
+    "compile": "--compile",
+    "rms_norm_kernel": "--rms-norm-kernel",
 }
 
 

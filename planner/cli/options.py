@@ -156,6 +156,12 @@ RECOMPUTE_MODULES_HELP = ("What Megatron's selective recompute (--recompute sele
 
 DROPOUT_HELP = ("Model hidden/attention dropout (1-byte masks kept for backward) [default: none, as in Llama, "
                 "DeepSeek and Qwen pre-training].")
+COMPILE_HELP = ("--framework torchtitan: what torch.compile covers, a comma list of model (each transformer block) "
+                "and loss, or none (torchtitan's compile.components). What is left out is priced as PyTorch's eager "
+                "kernels, each op a kernel of its own with fp32 upcasts (RoPE, SwiGLU, the cross-entropy); "
+                "DualPipeV's stages always run eager [default: model,loss].")
+RMS_NORM_KERNEL_HELP = ("Eager RMSNorm (blocks left uncompiled): fused (PyTorch 2.8 and later) or composite (the "
+                        "upcast, pow, mean, rsqrt and multiplies of older PyTorch) [default: fused].")
 PP_SCHEDULE_HELP = ("The pipeline schedule of plans with --pp > 1: 1f1b (1F1B, interleaved 1F1B when a rank holds "
                     "--virtual-stages chunks) or dualpipev (DeepSeek's DualPipeV as torchtitan runs it: two chunks "
                     "per rank in a V, at least 2 x pp micro-batches, its expert all-to-alls overlapped with the "
@@ -205,12 +211,21 @@ def _pp_schedule_option(many: bool):
     return click.option("--pp-schedule", type=click.Choice(SCHEDULES), default=None, help=PP_SCHEDULE_HELP)
 
 
+def _compile_options():
+    """--compile and --rms-norm-kernel: what torchtitan compiles, and the eager RMSNorm's PyTorch."""
+    import click
+
+    return (click.option("--compile", "compile", default=None, metavar="LIST", help=COMPILE_HELP),
+            click.option("--rms-norm-kernel", type=click.Choice(["fused", "composite"]), default=None,
+                         help=RMS_NORM_KERNEL_HELP))
+
+
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
     --precision, --optimizer, --flash-attention, --tp-comm-overlap, --te-attention, --ep-comm-overlap, --moe-imbalance,
     --moe-dispatcher, --moe-capacity-factor, --recompute-modules, --fp8-param-gather, --precision-aware-optimizer,
-    --zeropp, --dropout, --mtbf-hours, --mtp-layers and --pp-schedule (the booleans with their --no- forms).
+    --zeropp, --dropout, --mtbf-hours, --mtp-layers, --pp-schedule, --compile, --rms-norm-kernel (--no-...)
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
     help), so a command can tell a flag given from one left out (``generate --plan`` refuses
     them; ``suggest`` repeats the ones given in its next step)."""
@@ -256,6 +271,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--mtbf-hours", type=float, default=None, metavar="H", help=MTBF_HELP),
         click.option("--mtp-layers", type=int, default=None, metavar="N", help=MTP_HELP),
         _pp_schedule_option(precision_list),
+        *_compile_options(),
     ]
 
     def apply(command):

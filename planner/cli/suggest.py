@@ -186,11 +186,15 @@ def render(result, next_argv: list[str] | None = None) -> None:
 def _inputs_line(i: dict) -> str:
     """What was searched, defaults filled in: one line (wrapped to the width)."""
     from planner.cli.output import human_count
+    from planner.cost.eager_kernels import eager_words
 
     return (f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
             f"global batch {i['global_batch']} x {i['seq_len']} tokens = {human_count(i['tokens_per_step'])} "
             f"tokens/step | {i['precision']}, {i['optimizer']}"
             + ("" if i.get("flash_attention", True) else ", unfused attention")
+            + (f", {eager}" if (eager := eager_words(str(i.get("compile", "model,loss")).split(","),
+                                                    i.get("rms_norm_kernel", "fused"),
+                                                    i.get("pp_schedule") == "dualpipev")) else "")
             + (", dropout" if i.get("dropout") else "")
             + (f" | {i['images_per_sample']} image(s) x {i['tiles_per_image']} tiles" if i["images_per_sample"] else "")
             + f" | balancer {i['balancer']}, objective {i['objective']}")

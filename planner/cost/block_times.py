@@ -214,17 +214,22 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
 
     gemm = gemm_seconds(uniq, bs, dev)
     kept = gemm_seconds(uniq, bs, dev, "sac_saved")  # what per-op SAC does not run again
-    hbm_t = eff.hbm_time(np.array([c.hbm_fwd for c in uniq])[None, :] * bs[:, None], dev)
+    def hbm(values: list[float]) -> np.ndarray:  # [b, distinct cost]: seconds of per-sample bytes
+        return eff.hbm_time(np.array(values)[None, :] * bs[:, None], dev)
+
+    hbm_t = hbm([c.hbm_fwd for c in uniq])
     attn_f, attn_b = attention_seconds(uniq, bs, dev)
-    fwd = spread(gemm + attn_f + hbm_t)
-    bwd = spread(2.0 * gemm + attn_b + 2.0 * hbm_t)
-    score = spread(eff.hbm_time(np.array([c.extra.get("score_hbm", 0.0) for c in uniq])[None, :] * bs[:, None], dev))
+    # Eager kernels' bytes beyond the fused price (eager_kernels.py), forward and backward.
+    eager_f, eager_b = (hbm([c.extra.get(k, 0.0) for c in uniq]) for k in ("eager_fwd", "eager_bwd"))
+    fwd = spread(gemm + attn_f + hbm_t + eager_f)
+    bwd = spread(2.0 * gemm + attn_b + 2.0 * hbm_t + eager_b)
+    score = spread(hbm([c.extra.get("score_hbm", 0.0) for c in uniq]))
     rc = np.zeros((n_groups, len(RECOMPUTES), len(bs), n_blocks))
     rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], fwd, 0.0)
     # Megatron's selective recompute: the attention core where its modules name it, and what the
     # other chosen modules run again (LayerCost.rerun: their GEMMs and memory-bound work).
     again = spread(gemm_seconds(uniq, bs, dev, "rerun_gemms")
-                   + eff.hbm_time(np.array([c.rerun.traffic for c in uniq])[None, :] * bs[:, None], dev))
+                   + hbm([c.rerun.traffic for c in uniq]))
     rc[:, RECOMPUTES.index("selective")] = np.where(has_attn[:, None, :], spread(attn_f) + score, 0.0) + again
     rc[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], fwd - spread(attn_f + kept),
                                              rc[:, RECOMPUTES.index("full")])

@@ -75,7 +75,8 @@ def check_plan(model: ModelSpec, cluster: Cluster, workload: Workload, cfg: Para
     check_framework_for(cfg, model, optimizer=workload.optimizer, precision=workload.precision_name,
                         precision_aware_optimizer=workload.precision_aware_optimizer, zero_pp=workload.zero_pp,
                         ep_overlap=workload.ep_comm_overlap, dispatcher=workload.moe_dispatcher,
-                        modules=workload.recompute_modules, pp_schedule=workload.pp_schedule)
+                        modules=workload.recompute_modules, pp_schedule=workload.pp_schedule,
+                        compiled=workload.compile)
     check_context_parallel(cp=cfg.cp, comm=cfg.cp_comm, seq_len=workload.seq_len, heads=model.attention_heads,
                            kv_heads=model.kv_heads, tp=cfg.tp,
                            a2a_ranks=cp_groups(cluster, cfg.tp, cfg.cp, cfg.cp_comm).a2a_size,

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from planner.cost.eager_kernels import COMPILE_COMPONENTS
 from planner.cost.parallel import ParallelConfig
 from planner.cost.precision import split_precision
+from planner.cost.torchtitan import ONLY_HERE as TORCHTITAN_ONLY
 from planner.cost.torchtitan import RULES as TORCHTITAN_RULES
 from planner.errors import UserError, arg
 from planner.model.parts import MoEMLP
@@ -42,6 +44,7 @@ class RunFacts:
     dispatcher: str = "alltoall"  # Workload.moe_dispatcher (planner/cost/moe_dispatch.py)
     modules: tuple[str, ...] = ("core_attn",)  # Workload.recompute_modules: what selective recompute runs again
     pp_schedule: str = "1f1b"  # Workload.pp_schedule: looped 1F1B or DualPipeV (dualpipe.py)
+    compiled: tuple[str, ...] = COMPILE_COMPONENTS  # Workload.compile: what torchtitan's torch.compile covers
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +133,9 @@ RULES: tuple[Rule, ...] = (
                       f"with {arg('zero')} 1 or 3 (--num-distributed-optimizer-instances) or torchtitan with "
                       f"{arg('zero')} 3 (HSDP); not on framework {c.framework} with ZeRO-{c.zero_stage}: use one of "
                       f"those, or {arg('dp_replicate')} 1"),
-    # DualPipeV is PyTorch's ScheduleDualPipeV (torchtitan); Megatron-LM and DeepSpeed have no DualPipe.
-    Rule(None, lambda c, x: x.pp_schedule == "dualpipev" and (c.framework != "torchtitan"),
-         lambda c, x: f"{arg('pp_schedule')} dualpipev is DeepSeek's DualPipeV, which torchtitan runs (PyTorch's "
-                      f"ScheduleDualPipeV); framework {c.framework} has no DualPipe schedule: use {arg('framework')} "
-                      f"torchtitan or {arg('pp_schedule')} 1f1b"),
+    # What only torchtitan runs (DualPipeV, a choice of what torch.compile covers), on the others.
+    *(Rule(None, lambda c, x, b=broken: b(x) and (c.framework != "torchtitan"), message)
+      for broken, message in TORCHTITAN_ONLY),
     _moe_zero3_rule("deepspeed"),
     Rule("deepspeed", lambda c, x: (c.tp > 1) & (c.zero_stage > 2),
          lambda c, x: f"framework deepspeed: AutoTP tensor parallelism ({arg('tp')} {c.tp}) works with ZeRO <= 2, "
@@ -343,7 +344,8 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
                     precision_aware_optimizer: bool = False, expert_bias: bool = False,
                     window: bool = False, zero_pp: tuple[str, ...] = (), mtp: bool = False,
                     ep_overlap: bool = False, dispatcher: str = "alltoall",
-                    modules: tuple[str, ...] = ("core_attn",), pp_schedule: str = "1f1b") -> None:
+                    modules: tuple[str, ...] = ("core_attn",), pp_schedule: str = "1f1b",
+                    compiled: tuple[str, ...] = COMPILE_COMPONENTS) -> None:
     """Raise UserError naming the first rule of ``cfg.framework`` that ``cfg`` breaks.
 
     ``optimizer`` and ``precision`` are the workload's: what the CPU optimizers can step.
@@ -351,7 +353,7 @@ def check_framework(cfg: ParallelConfig, *, is_moe: bool, decoder_layers: int, i
     work, recipe = split_precision(precision)
     facts = RunFacts(is_moe, decoder_layers, is_vlm, optimizer, work, mla, positions, recipe, model,
                      precision_aware_optimizer, expert_bias, window, zero_pp, mtp, ep_overlap, dispatcher, modules,
-                     pp_schedule)
+                     pp_schedule, compiled)
     for rule in RULES:
         if (rule.framework is None or rule.framework == cfg.framework) and rule.broken(cfg, facts):
             raise UserError(rule.message(cfg, facts))
@@ -380,12 +382,13 @@ def first_broken(cols: ConfigColumns, facts: RunFacts) -> np.ndarray:
 def check_framework_for(cfg: ParallelConfig, model: "ModelSpec", *, optimizer: str, precision: str,
                         precision_aware_optimizer: bool = False, zero_pp: tuple[str, ...] = (),
                         ep_overlap: bool = False, dispatcher: str = "alltoall",
-                        modules: tuple[str, ...] = ("core_attn",), pp_schedule: str = "1f1b") -> None:
+                        modules: tuple[str, ...] = ("core_attn",), pp_schedule: str = "1f1b",
+                        compiled: tuple[str, ...] = COMPILE_COMPONENTS) -> None:
     """``check_framework`` with the facts of ``model`` its rules read (the one place that
     picks them; the search passes them hoisted, since it asks thousands of times)."""
     check_framework(cfg, **model_facts(model), optimizer=optimizer, precision=precision,
                     precision_aware_optimizer=precision_aware_optimizer, zero_pp=zero_pp, ep_overlap=ep_overlap,
-                    dispatcher=dispatcher, modules=modules, pp_schedule=pp_schedule)
+                    dispatcher=dispatcher, modules=modules, pp_schedule=pp_schedule, compiled=compiled)
 
 
 def model_facts(model: "ModelSpec") -> dict[str, Any]:

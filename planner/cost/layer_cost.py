@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
+from planner.cost.eager_kernels import Bytes, Eager
 from planner.cost.precision import Recipe
 
 ACT = 2  # bytes of a bf16/fp16 activation
@@ -171,6 +172,7 @@ class LayerContext:
     capacity: float = 0.0  # Workload.moe_capacity_factor: every expert padded to it (0: dropless)
     vocab_parallel: bool = True  # False: AutoTP's whole vocabulary (frameworks.Traits.vocab_parallel)
     modules: frozenset[str] = frozenset({"core_attn"})  # Workload.recompute_modules (RECOMPUTE_MODULES)
+    eager: Eager | None = None  # what runs uncompiled (eager_kernels.py); None: fused kernels throughout
 
     @property
     def expert_tp(self) -> int:
@@ -206,3 +208,11 @@ def mirrored(ops: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...
 def same_in_every_mode(nbytes: float) -> dict[str, float]:
     """Stored bytes that no recompute mode changes."""
     return {mode: float(nbytes) for mode in RECOMPUTE_MODES}
+
+
+def eager_extra(extra: Bytes | None) -> Mapping[str, float]:
+    """LayerCost.extra of a block's eager kernels (eager_kernels.py): the bytes they move beyond
+    the fused price, forward ("eager_fwd") and backward ("eager_bwd"), per sample."""
+    if extra is None or not (extra.fwd or extra.bwd):
+        return _NO_EXTRA
+    return MappingProxyType({"eager_fwd": extra.fwd, "eager_bwd": extra.bwd})

@@ -16,6 +16,7 @@ every TP rank; split by t only under sequence parallelism) and *sharded* (split 
 
 from __future__ import annotations
 
+from planner.cost.eager_kernels import eager_of
 from planner.cost.layer_cost import (
     ACT,
     MASK,
@@ -24,6 +25,7 @@ from planner.cost.layer_cost import (
     Gemm,
     LayerContext,
     LayerCost,
+    eager_extra,
     mirrored,
     same_in_every_mode,
 )
@@ -72,7 +74,9 @@ def layer_costs(model: ModelSpec, workload: Workload, tp: int = 1, sp: bool = Fa
                        RECIPES[workload.recipe] if workload.recipe else None, cp, workload.moe_imbalance, etp,
                        workload.moe_dispatcher == "flex", allgather=workload.moe_dispatcher == "allgather",
                        capacity=workload.moe_capacity_factor or 0.0, vocab_parallel=vocab_parallel,
-                       modules=frozenset(workload.recompute_modules))
+                       modules=frozenset(workload.recompute_modules),
+                       eager=eager_of(workload.compile, workload.rms_norm_kernel == "composite",
+                                      workload.pp_schedule == "dualpipev"))
     s = workload.seq_len // cp
     tiles = vision_tiles(model, workload)
     out: list[LayerCost] = []
@@ -184,8 +188,10 @@ def _projector(i: int, b: ProjectorBlock, patches: int, ctx: LayerContext) -> La
 
 def _norm(i: int, b: NormBlock, tokens: int, ctx: LayerContext) -> LayerCost:
     act = ctx.repl(ACT * b.hidden) * tokens  # Korthikanti Sec 4.3: final LN input 2sbh (/t with SP)
+    rms = ctx.repl(b.hidden) * tokens if b.norm == "rmsnorm" else 0.0
     return LayerCost(i, "norm", b.params(), b.params(), 0.0, tokens, b.hidden, (), None,
-                     ctx.repl(4 * b.hidden) * tokens, same_in_every_mode(act), act, (), (), 0.0, 0, False)
+                     ctx.repl(4 * b.hidden) * tokens, same_in_every_mode(act), act, (), (), 0.0, 0, False,
+                     eager_extra(ctx.eager.block_extra(0.0, 0.0, rms) if ctx.eager else None))
 
 
 def _lm_head(i: int, b: LMHeadBlock, s: int, ctx: LayerContext) -> LayerCost:
@@ -206,7 +212,8 @@ def _lm_head(i: int, b: LMHeadBlock, s: int, ctx: LayerContext) -> LayerCost:
         fwd = (("allgather", s * v * ACT),)  # the logits, gathered whole (the buffer: all v)
     bwd = ((("reducescatter" if ctx.sp else "allreduce"), s * h * ACT),) if t > 1 else ()
     return LayerCost(i, "lm_head", b.params(), b.params() / t, 0.0, s, h, (Gemm(s, int(v / t), h),), None,
-                     traffic, same_in_every_mode(act), act, fwd, bwd, 0.0, 0, False)
+                     traffic, same_in_every_mode(act), act, fwd, bwd, 0.0, 0, False,
+                     eager_extra(ctx.eager.loss_extra(s * loss_v) if ctx.eager else None))
 
 
 def _mtp(i: int, b: MTPBlock, s: int, ctx: LayerContext) -> LayerCost:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from planner.cost.dualpipe import SCHEDULES
+from planner.cost.eager_kernels import COMPILE_COMPONENTS, CompileComponent
 from planner.cost.layer_cost import RECOMPUTE_MODES, RECOMPUTE_MODULES
 from planner.cost.measured_blocks import LayerProfile
 from planner.cost.precision import RECIPE_NAMES
@@ -160,6 +161,13 @@ class Workload(BaseModel):
     # The pipeline schedule of plans with pp > 1: looped 1F1B (Megatron-Core's and PyTorch's
     # 1F1B / interleaved 1F1B, by virtual stages) or DualPipeV (torchtitan; two chunks per rank).
     pp_schedule: PpSchedule = "1f1b"
+    # torchtitan's compile.components: the transformer blocks ("model") and the loss compiled by
+    # inductor, their elementwise ops fused, as dsplan's torchtitan configs run them (DualPipeV's
+    # stages run eager). What is left out runs PyTorch's eager kernels (planner/cost/eager_kernels.py).
+    compile: tuple[CompileComponent, ...] = COMPILE_COMPONENTS
+    # Eager RMSNorm: PyTorch 2.8's fused kernel, or aten's composite of PyTorch before 2.8 (the
+    # December 2024 torchtitan runs bench_torchtitan_published prices).
+    rms_norm_kernel: Literal["fused", "composite"] = "fused"
 
     @model_validator(mode="before")
     @classmethod
@@ -190,6 +198,11 @@ class Workload(BaseModel):
     @classmethod
     def _zero_pp_order(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(k for k in ZERO_PP if k in value)
+
+    @field_validator("compile", mode="after")
+    @classmethod
+    def _compile_order(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(k for k in COMPILE_COMPONENTS if k in value)
 
     @field_validator("recompute_modules", mode="after")
     @classmethod

@@ -130,7 +130,7 @@ class Plan:
             "moe_imbalance": w.moe_imbalance, "mtbf_hours": w.mtbf_hours, "zero_pp": list(w.zero_pp),
             "mtp_layers": w.mtp_layers, "moe_dispatcher": w.moe_dispatcher,
             "moe_capacity_factor": w.moe_capacity_factor, "recompute_modules": list(w.recompute_modules),
-            "pp_schedule": w.pp_schedule,
+            "pp_schedule": w.pp_schedule, "compile": list(w.compile), "rms_norm_kernel": w.rms_norm_kernel,
             "layer_profile": w.layer_profile.summary() if w.layer_profile else None,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,

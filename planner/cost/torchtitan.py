@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from planner.cost import dualpipe
+from planner.cost.eager_kernels import COMPILE_COMPONENTS
 from planner.errors import arg
 
 # dsplan preset -> (torchtitan train spec, flavor). torchtitan/models/__init__.py lists the
@@ -144,4 +145,20 @@ RULES: tuple[tuple[Callable[[Any, Any], Any], Callable[[Any, Any], str]], ...] =
      lambda c, x: f"{_FW}: PyTorch's interleaved 1F1B needs the {c.grad_accum} micro-batches per step to be a "
                   f"multiple of {max(1, c.grad_accum // c.pp)} (micro-batches // {arg('pp')}); change "
                   f"{arg('global_batch')} or {arg('micro_batch')}"),
+)
+
+
+# What only torchtitan runs, as (broken by the run's facts, message) for the other frameworks.
+ONLY_HERE = (
+    # DualPipeV is PyTorch's ScheduleDualPipeV; Megatron-LM and DeepSpeed have no DualPipe.
+    (lambda x: x.pp_schedule == "dualpipev",
+     lambda c, x: f"{arg('pp_schedule')} dualpipev is DeepSeek's DualPipeV, which torchtitan runs (PyTorch's "
+                  f"ScheduleDualPipeV); framework {c.framework} has no DualPipe schedule: use {arg('framework')} "
+                  f"torchtitan or {arg('pp_schedule')} 1f1b"),
+    # torch.compile's components are torchtitan's (compile.components); Megatron-LM runs TE's fused
+    # kernels and DeepSpeed the model it is given, which dsplan prices fused.
+    (lambda x: x.compiled != COMPILE_COMPONENTS,
+     lambda c, x: f"{arg('compile')} {','.join(x.compiled) or 'none'} chooses what torchtitan compiles; framework "
+                  f"{c.framework} runs fused kernels: use {arg('framework')} torchtitan, or leave "
+                  f"{arg('compile')} out"),
 )

@@ -4,7 +4,18 @@ Korthikanti et al. 2022 (arXiv:2205.05198) Eq. 1-6 write it, tensor by tensor.""
 
 from __future__ import annotations
 
-from planner.cost.layer_cost import ACT, MASK, NO_RERUN, AttnCore, Gemm, LayerContext, LayerCost, Rerun, mirrored
+from planner.cost.layer_cost import (
+    ACT,
+    MASK,
+    NO_RERUN,
+    AttnCore,
+    Gemm,
+    LayerContext,
+    LayerCost,
+    Rerun,
+    eager_extra,
+    mirrored,
+)
 from planner.errors import UserError, arg
 from planner.model.spec import DecoderBlock, DenseMLP, MoEMLP, VisionBlock, norm_params
 
@@ -198,6 +209,9 @@ def flex_routing(mlp: MoEMLP) -> dict[str, float]:
             "flex_group_topk": r.group_topk if r.groups > 1 else 0}
 
 
+GATED = (0.5, 0.5)  # a gated MLP's fc1: gate and up, held as two weights (Gemm.split)
+
+
 def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx: LayerContext | None = None):
     """A (gated) MLP of ``width`` over ``batch`` x ``tokens``: GEMMs, stored bytes and memory
     traffic per sample (totals, not per token). ``ctx`` with a recipe: a decoder layer's MLP,
@@ -205,7 +219,7 @@ def _ffn(width: int, gated: bool, tokens: float, h: int, t: int, batch: int, ctx
     w = width / t
     up = 2 * w if gated else w
     low = ctx is not None and ctx.recipe is not None
-    gemms = [Gemm(tokens, int(up), h, batch, low, (0.5, 0.5) if gated else (1.0,)),
+    gemms = [Gemm(tokens, int(up), h, batch, low, GATED if gated else (1.0,)),
              Gemm(tokens, h, int(w), batch, low)]
     rows = tokens * batch
     # gated: fc1 output (gate and up, 2w) + fc2 input (w); GELU: its input (w) + fc2 input (w).
@@ -232,7 +246,7 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
     cost = _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
                               a2a, a2a_count, ctx, m_tp, {**a_rerun, **m_rerun})
-    cp = _cp_bytes(b, s, ctx)
+    cp = {**_cp_bytes(b, s, ctx), **_eager(b, s, mg, ctx)}
     cost = cost._replace(extra={**cost.extra, **cp}) if cp else cost
     if ctx.flex and isinstance(b.mlp, MoEMLP) and a2a:
         cost = cost._replace(extra={**cost.extra, **flex_routing(b.mlp)})
@@ -260,6 +274,18 @@ def op_sac(cost: LayerCost, b: DecoderBlock, s: int, ctx: LayerContext) -> Layer
     per_token = (ctx.repl(ACT * h) + ACT * qw / t + 4.0 * a.heads / t + reduce_scatters * ACT * h / t
                  + sum(ACT * g.n for g in saved))
     return cost._replace(act={**cost.act, "op": per_token * s}, sac_saved=saved, extra={**cost.extra, "op_sac": 1.0})
+
+
+def _eager(b: DecoderBlock, s: int, mlp_gemms: list[Gemm], ctx: LayerContext):
+    """LayerCost.extra of the layer's eager kernels (eager_kernels.py): its gated MLPs' SwiGLU
+    (a gated fc1's output elements, half its width: gate and up), RoPE over the rotary queries
+    and keys, and its two RMSNorms, per sample on this GPU."""
+    if ctx.eager is None:
+        return eager_extra(None)
+    swiglu = sum(g.tokens * g.n / 2 * g.batch for g in mlp_gemms if g.split == GATED)
+    rope = s * _rope_width(b) / ctx.tp if ctx.rope else 0.0
+    norms = 2 * ctx.repl(b.hidden) * s if b.norm == "rmsnorm" else 0.0
+    return eager_extra(ctx.eager.block_extra(swiglu, rope, norms))
 
 
 def _rope_width(b: DecoderBlock) -> float:

@@ -143,7 +143,7 @@ def build_ds_config(plan: PlanFile, model: ModelSpec, settings: TrainSettings | 
     check_framework_for(plan.parallel_config(), model, optimizer=plan.optimizer, precision=plan.precision,
                         precision_aware_optimizer=plan.precision_aware_optimizer, zero_pp=plan.zero_pp,
                         ep_overlap=plan.ep_comm_overlap, dispatcher=plan.moe_dispatcher,
-                        modules=plan.recompute_modules, pp_schedule=plan.pp_schedule)
+                        modules=plan.recompute_modules, pp_schedule=plan.pp_schedule, compiled=plan.compile)
     config: dict[str, Any] = {
         "train_batch_size": plan.micro_batch * plan.grad_accum * plan.dp,
         "train_micro_batch_size_per_gpu": plan.micro_batch,

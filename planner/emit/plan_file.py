@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from planner.cost.eager_kernels import COMPILE_COMPONENTS, CompileComponent
 from planner.cost.parallel import (
     MAX_MOE_IMBALANCE,
     MAX_MTBF_HOURS,
@@ -77,6 +78,8 @@ class PlanFile(BaseModel):
     moe_capacity_factor: float | None = Field(None, gt=0, le=MAX_MOE_IMBALANCE)  # None: dropless (Workload)
     recompute_modules: tuple[RecomputeModule, ...] = Field(("core_attn",), min_length=1)  # selective's (Workload)
     pp_schedule: PpSchedule = "1f1b"  # looped 1F1B or DualPipeV (Workload; planner/cost/dualpipe.py)
+    compile: tuple[CompileComponent, ...] = COMPILE_COMPONENTS  # what torchtitan compiles (Workload)
+    rms_norm_kernel: Literal["fused", "composite"] = "fused"  # eager RMSNorm's PyTorch (Workload)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
     mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)  # MTP depths trained (Workload; None: the model's)
     optimizer: Optimizer = "adamw"
@@ -132,7 +135,7 @@ class PlanFile(BaseModel):
             ep_comm_overlap=self.ep_comm_overlap, moe_imbalance=self.moe_imbalance, mtbf_hours=self.mtbf_hours,
             zero_pp=self.zero_pp, mtp_layers=self.mtp_layers, moe_dispatcher=self.moe_dispatcher,
             moe_capacity_factor=self.moe_capacity_factor, recompute_modules=self.recompute_modules,
-            pp_schedule=self.pp_schedule,
+            pp_schedule=self.pp_schedule, compile=self.compile, rms_norm_kernel=self.rms_norm_kernel,
         )
 
     @property

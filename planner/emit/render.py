@@ -269,7 +269,7 @@ def check_plan_against_model(plan: PlanFile, model: ModelSpec) -> None:
     check_framework_for(cfg, model, optimizer=plan.optimizer, precision=plan.precision,
                         precision_aware_optimizer=plan.precision_aware_optimizer, zero_pp=plan.zero_pp,
                         ep_overlap=plan.ep_comm_overlap, dispatcher=plan.moe_dispatcher,
-                        modules=plan.recompute_modules, pp_schedule=plan.pp_schedule)
+                        modules=plan.recompute_modules, pp_schedule=plan.pp_schedule, compiled=plan.compile)
     if plan.stage_blocks is not None:
         first, last = plan.stage_blocks[0][0], plan.stage_blocks[-1][1]
         if (first, last) != (0, len(model.blocks)):

@@ -46,6 +46,7 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
     """
     name, flavor = tt.MODELS[model.name]
     dual = plan.pp_schedule == "dualpipev" and plan.pp > 1
+    compiled = [c for c in plan.compile if not (c == "model" and plan.pp_schedule == "dualpipev")]
     divisor = plan.tp * 2 * plan.cp  # ParallelDims.seq_len_divisor: SP over tp, CP's head-tail halves
     if plan.seq_len % divisor:
         raise UserError(f"framework torchtitan: {arg('seq_len')} {plan.seq_len} must be divisible by "
@@ -90,10 +91,11 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
                      "mixed_precision_param": _PRECISION[work], "mixed_precision_reduce": "float32",
                      "enable_cpu_offload": plan.offload == "optimizer+params"},
         "parallelism": parallelism,
-        # Each transformer block and the loss compiled (inductor): fused elementwise kernels, as the
-        # cost model prices them (eager PyTorch runs each norm, RoPE and SwiGLU op as its own kernel).
-        # ScheduleDualPipeV refuses compiled stage modules (_check_torch_compile_compatibility): the loss only.
-        "compile": {"enable": True, "components": ["loss"] if dual else ["model", "loss"]},
+        # Each transformer block and the loss compiled (inductor) unless the plan says otherwise: what
+        # is compiled runs fused elementwise kernels, the rest eager ones, each priced so
+        # (planner/cost/eager_kernels.py). ScheduleDualPipeV refuses compiled stage modules
+        # (_check_torch_compile_compatibility), so its stages run eager.
+        "compile": {"enable": bool(compiled), "components": list(compiled)},
         # none, full, or "op": torchtitan's per-op selective AC (selective is Megatron's: refused)
         "activation_checkpoint": ({"mode": "selective", "selective_ac_option": "op"} if plan.recompute == "op"
                                   else {"mode": plan.recompute}),

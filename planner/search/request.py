@@ -52,7 +52,7 @@ def candidate_space(model: ModelSpec, cluster: Cluster, workload: Workload, cons
                          recipe=workload.recipe, precision_aware_optimizer=workload.precision_aware_optimizer,
                          zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
                          dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules,
-                         pp_schedule=workload.pp_schedule)
+                         pp_schedule=workload.pp_schedule, compiled=workload.compile)
 
     def rule(cols: ConfigColumns) -> np.ndarray:
         return first_broken(cols, run_facts)
@@ -153,7 +153,7 @@ def _empty_space_message(model: ModelSpec, cluster: Cluster, workload: Workload,
                                     precision_aware_optimizer=workload.precision_aware_optimizer,
                                     zero_pp=workload.zero_pp, ep_overlap=workload.ep_comm_overlap,
                                     dispatcher=workload.moe_dispatcher, modules=workload.recompute_modules,
-                                    pp_schedule=workload.pp_schedule)
+                                    pp_schedule=workload.pp_schedule, compiled=workload.compile)
             except UserError as err:
                 text += f" ({marked(err)})"
         why.append(text)

@@ -18,6 +18,7 @@ import numpy as np
 
 from planner.cost.candidates import take
 from planner.cost.degrees import default_global_batch
+from planner.cost.eager_kernels import COMPILE_COMPONENTS
 from planner.cost.notes import batch_notes
 from planner.cost.parallel import FRAMEWORKS, Workload, zero_pp_variants
 from planner.cost.plan import Plan
@@ -229,6 +230,8 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
     model, workload = workload.trained(model), workload.resolved(model)
     if workload.pp_schedule == "dualpipev":  # torchtitan's schedule, two chunks a pipelined rank
         cons = replace(cons, framework=cons.framework or ("torchtitan",), virtual_stages=cons.virtual_stages or (1, 2))
+    if workload.compile != COMPILE_COMPONENTS:  # what torchtitan compiles: its plans only
+        cons = replace(cons, framework=cons.framework or ("torchtitan",))
     inputs = {"model": model.name, "hardware": profile.name, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node,
               "gpus": world, **_workload_inputs(workload), "precision": precision,
               "balancer": balancer, "objective": objective, "top": top, "gpu_memory_bytes": profile.gpu.memory_bytes}
@@ -248,12 +251,14 @@ def _suggest_one(model: ModelSpec | str, hardware: str | HardwareProfile = "dgx-
 _WORKLOAD_INPUTS = ("global_batch", "seq_len", "tokens_per_step", "optimizer", "dropout", "mtbf_hours",
                     "tp_comm_overlap", "te_attention", "fp8_param_gather", "precision_aware_optimizer", "mtp_layers",
                     "ep_comm_overlap", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "flash_attention",
-                    "images_per_sample", "tiles_per_image", "recompute_modules", "pp_schedule")
+                    "images_per_sample", "tiles_per_image", "recompute_modules", "pp_schedule", "compile",
+                    "rms_norm_kernel")
 
 
 def _workload_inputs(w: Workload) -> dict[str, Any]:
     """What the search's inputs record of its workload (the precision as the caller named it)."""
     return {**{k: getattr(w, k) for k in _WORKLOAD_INPUTS}, "zero_pp": ",".join(w.zero_pp),
+            "compile": ",".join(w.compile) or "none",
             "layer_profile": w.layer_profile.summary() if w.layer_profile else None}
 
 
