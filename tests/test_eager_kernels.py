@@ -154,3 +154,15 @@ def test_suggest_without_compile_searches_torchtitan_and_says_eager():
     text = _cli("suggest", "--model", "llama-3.1-8b", "--hardware", "dgx-h100", "--nodes", "1", "--compile", "model",
                 "--top", "1")
     assert "eager loss" in " ".join(text.output.split())
+
+
+def test_torchao_casts_in_eager_blocks_are_refused_not_priced():
+    """torchao's float8 casts run eager where the blocks are not compiled; dsplan does not count
+    them, so it says so (exit 2) rather than pricing them as the compiled casts."""
+    base = ("estimate", "--model", "llama-3.1-8b", "--hardware", "dgx-h100", "--framework", "torchtitan", "--zero", "3",
+            "--precision", "fp8-tensorwise")
+    assert _cli(*base).exit_code == 0
+    eager = _cli(*base, "--compile", "loss")
+    assert eager.exit_code == 2 and "--compile model,loss" in eager.output
+    dual = _cli(*base, "--pp", "2", "--pp-schedule", "dualpipev", "--global-batch", "64")
+    assert dual.exit_code == 2 and "DualPipeV's stages" in dual.output and "--precision bf16" in dual.output

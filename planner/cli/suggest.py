@@ -194,7 +194,8 @@ def _inputs_line(i: dict) -> str:
             + ("" if i.get("flash_attention", True) else ", unfused attention")
             + (f", {eager}" if (eager := eager_words(str(i.get("compile", "model,loss")).split(","),
                                                     i.get("rms_norm_kernel", "fused"),
-                                                    i.get("pp_schedule") == "dualpipev")) else "")
+                                                    "dualpipev" in str(i.get("pp_schedule")))) else "")
+            + (" under DualPipeV" if "," in str(i.get("pp_schedule")) and eager == "eager blocks" else "")
             + (", dropout" if i.get("dropout") else "")
             + (f" | {i['images_per_sample']} image(s) x {i['tiles_per_image']} tiles" if i["images_per_sample"] else "")
             + f" | balancer {i['balancer']}, objective {i['objective']}")

@@ -91,6 +91,14 @@ RULES: tuple[tuple[Callable[[Any, Any], Any], Callable[[Any, Any], str]], ...] =
     (lambda c, x: x.is_moe and x.recipe is not None and c.tp > 0,
      lambda c, x: f"{_FW}: low precision for the experts' grouped GEMMs is a torchao-nightly prototype that "
                   f"dsplan does not plan; use {arg('precision')} bf16 or {arg('framework')} megatron"),
+    # torchao's float8 / MX casts (amax, scale, clamp, cast; each layout of each linear's input and
+    # gradient) run as eager kernels where the blocks are not compiled, which eager_kernels.py does
+    # not count: refused rather than priced as the compiled casts.
+    (lambda c, x: x.recipe is not None and ("model" not in x.compiled or x.pp_schedule == "dualpipev") and c.tp > 0,
+     lambda c, x: f"{_FW}: torchao's {x.recipe} casts run eager in blocks torch.compile leaves out ("
+                  + ("DualPipeV's stages" if x.pp_schedule == "dualpipev" else f"{arg('compile')} without model")
+                  + f"), which dsplan does not price; use {arg('precision')} bf16"
+                  + ("" if x.pp_schedule == "dualpipev" else f", or compile the model ({arg('compile')} model,loss)")),
     # components/optimizer.py build_optimizers: {"Adam", "AdamW"}.
     (lambda c, x: x.optimizer == "sgd" and c.tp > 0,
      lambda c, x: f"{_FW} builds Adam or AdamW only (optimizer.name); use {arg('optimizer')} adamw or adam"),
