@@ -169,6 +169,12 @@ REFUSED = [
     (["--model", "mixtral-8x7b", "--zero", "3"], "--framework megatron", {"model": "mixtral-8x7b"}),
     (["--model", "deepseek-v2-lite", "--zero", "3", "--precision", "fp8-tensorwise", "--hardware", "dgx-h100"],
      "grouped GEMMs", {"model": "deepseek-v2-lite", "precision": "fp8-tensorwise", "hardware": "dgx-h100"}),
+    # torchtitan asserts it at start-up (components/quantization/mx.py)
+    (["--zero", "3", "--tp", "2", "--sequence-parallel", "--precision", "mxfp8", "--hardware", "dgx-b200"],
+     "MXFP8 (torchao MXLinear) does not run with tensor parallelism",
+     {**_TP2, "sequence_parallel": True, "precision": "mxfp8", "hardware": "dgx-b200"}),
+    (["--zero", "3", "--precision", "fp8-tensorwise", "--hardware", "dgx-h100", "--compile", "loss"],
+     "casts run eager", {"precision": "fp8-tensorwise", "hardware": "dgx-h100", "compile": ["loss"]}),
 ]
 
 

@@ -91,6 +91,11 @@ RULES: tuple[tuple[Callable[[Any, Any], Any], Callable[[Any, Any], str]], ...] =
     (lambda c, x: x.is_moe and x.recipe is not None and c.tp > 0,
      lambda c, x: f"{_FW}: low precision for the experts' grouped GEMMs is a torchao-nightly prototype that "
                   f"dsplan does not plan; use {arg('precision')} bf16 or {arg('framework')} megatron"),
+    # components/quantization/mx.py asserts "TP not yet supported with torch.compile for mxfp8", and
+    # uncompiled blocks' casts are not priced (below).
+    (lambda c, x: x.recipe == "mxfp8" and c.tp > 1,
+     lambda c, x: f"{_FW}: MXFP8 (torchao MXLinear) does not run with tensor parallelism under torch.compile "
+                  f"(components/quantization/mx.py); use {arg('tp')} 1, or {arg('precision')} fp8-tensorwise"),
     # torchao's float8 / MX casts (amax, scale, clamp, cast; each layout of each linear's input and
     # gradient) run as eager kernels where the blocks are not compiled, which eager_kernels.py does
     # not count: refused rather than priced as the compiled casts.
