@@ -29,8 +29,8 @@ model is right, and counts in no mean. torch.compile is priced as the row ran it
 what it covered runs fused kernels, the rest PyTorch's eager ones (planner/cost/eager_kernels.py),
 with aten's composite RMSNorm for the December 2024 runs' PyTorch (before 2.8); the means are
 also printed for the rows with and without it. An expressible row's caveats name what else its price
-leaves out (float8 TP all-gathers priced in bf16, CP's all-gather rotater priced as a ring, the
-context raised to the sequence as torchtitan does). Error = predicted / published - 1: "+" means
+leaves out (CP's all-gather rotater priced as a ring, the context raised to the sequence as
+torchtitan does). Error = predicted / published - 1: "+" means
 dsplan predicts faster than measured.
 """
 
@@ -73,10 +73,9 @@ LOSS_LEFT_EAGER = {"9dec370ad26b5f8e9a7333a0e36165018262644b"}
 # PyTorch before 2.8 ran RMSNorm as aten's composite in eager (the fused kernel is
 # pytorch/pytorch#153666, May 2025): the December 2024 runs' torch 1963fc8.
 COMPOSITE_RMS_NORM = {"1963fc83a1c32e162162e2414f78b043f0674bae"}
-FP8_TP = "the run all-gathers TP activations in float8 (torchao's Float8 TP styles); priced in bf16"
 CP_ALLGATHER = "the run all-gathers CP's K/V (the default rotater); priced as dsplan's ring"
 LONG_CONTEXT = "the sequence is above the preset's context; raised to it, as torchtitan's train.py does"
-CAVEAT_TAGS = {FP8_TP: "fp8 TP", CP_ALLGATHER: "CP all-gather", LONG_CONTEXT: "context"}
+CAVEAT_TAGS = {CP_ALLGATHER: "CP all-gather", LONG_CONTEXT: "context"}
 
 
 def rows(path: Path = REFERENCE) -> list[dict[str, str]]:
@@ -104,8 +103,6 @@ def reasons(row: dict[str, str]) -> list[str]:
 def caveats(row: dict[str, str]) -> list[str]:
     """What an expressible row's price leaves out without being refused for it."""
     out = []
-    if row["float8_recipe"] == "tensorwise" and row["tp"] != "1":
-        out.append(FP8_TP)
     if row["cp_rotate_method"] == "allgather":
         out.append(CP_ALLGATHER)
     if int(row["seq_len"]) > api.load_model(MODELS[row["model"]]).max_seq_len:

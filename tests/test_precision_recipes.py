@@ -61,6 +61,27 @@ def test_linear_inputs_are_kept_quantized_for_backward():
     assert RECIPES["mxfp8"].element_bytes == 1 + 1 / 32 and RECIPES["nvfp4"].element_bytes == 0.5 + 1 / 16
 
 
+def test_tp_all_gathers_move_the_recipes_bytes_and_reduce_scatters_bf16():
+    """Under SP, TE gathers a column-parallel input quantized and, backward, a row-parallel output
+    gradient: the attention's and the dense MLP's all-gathers at the recipe's element bytes."""
+    tp, s, h = 4, 4096, 4096
+    full = s * h * ACT  # one (s, h) activation, 16-bit
+    for name in ("fp8-tensorwise", "mxfp8", "nvfp4"):
+        low, head = _decoder(name, tp, sp=True)
+        q = RECIPES[name].element_bytes
+        assert low.tp_fwd == (("allgather", full * q / ACT), ("reducescatter", full)) * 2
+        assert low.tp_bwd == (("reducescatter", full), ("allgather", full * q / ACT)) * 2
+        assert head.tp_fwd == (("allgather", full),)  # the head's input: no recipe there
+    bf16, _ = _decoder("bf16", tp, sp=True)
+    assert bf16.tp_fwd == (("allgather", full), ("reducescatter", full)) * 2
+    no_sp, _ = _decoder("fp8-tensorwise", tp, sp=False)  # all-reduces, 16-bit
+    assert no_sp.tp_fwd == (("allreduce", full),) * 2
+    moe = load_model("mixtral-8x7b")
+    wl = Workload(global_batch=8, seq_len=s, precision="fp8-tensorwise")
+    layer = next(c for c in layer_costs(moe, wl, tp=tp, sp=True, ep=2) if c.kind == "decoder")
+    assert layer.tp_fwd[0][1] == full / ACT and all(b >= full for op, b in layer.tp_fwd[2:] if op == "allgather")
+
+
 def test_quantizing_costs_memory_traffic_and_current_scaling_reads_twice():
     base, _ = _decoder("bf16")
     delayed, _ = _decoder("fp8-delayed")

@@ -246,6 +246,10 @@ def decoder_cost(i: int, b: DecoderBlock, s: int, ctx: LayerContext) -> LayerCos
     cost = _transformer_layer(i, "decoder", b.params(), h, s, 1, ag + mg, core, a_repl + m_repl, a_shard + m_shard,
                               a_rp + m_rp + 2 * norm_params(h, b.norm), a_sp + m_sp, expert_rank, m_traffic,
                               a2a, a2a_count, ctx, m_tp, {**a_rerun, **m_rerun})
+    if ctx.recipe is not None and ctx.sp and ctx.tp > 1:  # the attention's pair, and a dense MLP's
+        n = len(cost.tp_fwd) if isinstance(b.mlp, DenseMLP) else 2
+        cost = cost._replace(tp_fwd=quantized_gathers(cost.tp_fwd, n, ctx),
+                             tp_bwd=quantized_gathers(cost.tp_bwd, n, ctx))
     cp = {**_cp_bytes(b, s, ctx), **_eager(b, s, mg, ctx)}
     cost = cost._replace(extra={**cost.extra, **cp}) if cp else cost
     if ctx.flex and isinstance(b.mlp, MoEMLP) and a2a:
@@ -274,6 +278,17 @@ def op_sac(cost: LayerCost, b: DecoderBlock, s: int, ctx: LayerContext) -> Layer
     per_token = (ctx.repl(ACT * h) + ACT * qw / t + 4.0 * a.heads / t + reduce_scatters * ACT * h / t
                  + sum(ACT * g.n for g in saved))
     return cost._replace(act={**cost.act, "op": per_token * s}, sac_saved=saved, extra={**cost.extra, "op_sac": 1.0})
+
+
+def quantized_gathers(ops: tuple[tuple[str, float], ...], n: int, ctx: LayerContext) -> tuple[tuple[str, float], ...]:
+    """The first ``n`` of a layer's TP collectives with their all-gathers in the recipe's format:
+    under sequence parallelism Transformer Engine quantizes a column-parallel linear's input
+    before gathering it, and a row-parallel linear's output gradient before gathering it in
+    backward (layernorm_linear.py / linear.py ``gather_along_first_dim(..., quantizer=)``), as
+    torchao's Float8ColwiseParallel / Float8RowwiseParallel do for torchtitan's tensorwise float8
+    (float8_tensor_parallel.py); the reduce-scatters stay 16-bit."""
+    low = ctx.linear_input_bytes / ACT
+    return tuple((op, b * low if op == "allgather" and i < n else b) for i, (op, b) in enumerate(ops))
 
 
 def _eager(b: DecoderBlock, s: int, mlp_gemms: list[Gemm], ctx: LayerContext):
