@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 # The marks around an input's name: control characters no message contains otherwise.
 _OPEN, _CLOSE = "\x02", "\x03"
@@ -104,6 +104,18 @@ def whole_number(name: str, value: Any, low: int = 1) -> int:
     if number is None or number < low:
         raise UserError(f"{arg(name)}: need a whole number >= {low}, got {value!r}")
     return number
+
+
+def name_list(name: str, value: "str | Sequence[str]", choices: Sequence[str], noun: str, hint: str) -> tuple[str, ...]:
+    """A comma list (or a sequence) of ``choices``, in ``choices``' order, else one UserError naming
+    the input ``name`` (``noun``: what one item is; ``hint``: what the list chooses)."""
+    items = [v.strip().lower() for v in (value.split(",") if isinstance(value, str) else value)]
+    items = [v for v in items if v]
+    bad = [v for v in items if v not in choices]
+    if bad or not items:
+        what = f"unknown {noun} {bad[0]!r}" if bad else f"no {noun} given"
+        raise UserError(f"{arg(name)}: {what}; give a comma list of {', '.join(choices)} ({hint})")
+    return tuple(c for c in choices if c in items)
 
 
 def describe_validation_error(source: str, err: Exception) -> str:

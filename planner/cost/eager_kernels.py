@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
-from planner.errors import UserError, arg
+from planner.errors import name_list
 
 # torchtitan's compile.components: what inductor compiles (Workload.compile).
 CompileComponent = Literal["model", "loss"]
@@ -97,16 +97,10 @@ def parse_compile(value: "str | Sequence[str] | None") -> tuple[CompileComponent
     or "none"; None: both, as dsplan's torchtitan configs compile them."""
     if value is None:
         return COMPILE_COMPONENTS
-    items = [v.strip().lower() for v in (value.split(",") if isinstance(value, str) else value)]
-    items = [v for v in items if v]
-    if items == ["none"]:
+    if isinstance(value, str) and value.strip().lower() == "none":
         return ()
-    bad = [v for v in items if v not in COMPILE_COMPONENTS]
-    if bad or not items:
-        what = f"unknown component {bad[0]!r}" if bad else "nothing given"
-        raise UserError(f"{arg('compile')}: {what}; give a comma list of {', '.join(COMPILE_COMPONENTS)} "
-                        f"(what torchtitan's torch.compile covers), or none")
-    return tuple(c for c in COMPILE_COMPONENTS if c in items)
+    return name_list("compile", value, COMPILE_COMPONENTS, "component",  # type: ignore[return-value]
+                     "what torchtitan's torch.compile covers; or none")
 
 
 def eager_words(compiled: "Sequence[str]", rms_norm_kernel: str, dualpipev: bool) -> str:

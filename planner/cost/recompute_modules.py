@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from planner.cost.layer_cost import RECOMPUTE_MODULES
-from planner.errors import UserError, arg
+from planner.errors import UserError, arg, name_list
 
 if TYPE_CHECKING:  # pragma: no cover - imports for type checkers only
     from planner.model.spec import ModelSpec
@@ -23,14 +23,8 @@ def parse_recompute_modules(value: "str | Sequence[str] | None") -> tuple[str, .
     """'moe_act,layernorm' (or a sequence) -> the modules in RECOMPUTE_MODULES order; None: auto."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
-    items = [v.strip().lower() for v in (value.split(",") if isinstance(value, str) else value)]
-    items = [v for v in items if v]
-    bad = [v for v in items if v not in RECOMPUTE_MODULES]
-    if bad or not items:
-        what = f"unknown module {bad[0]!r}" if bad else "no module given"
-        raise UserError(f"{arg('recompute_modules')}: {what}; give a comma list of {', '.join(RECOMPUTE_MODULES)} "
-                        f"(Megatron-Core's selective recompute modules)")
-    return tuple(m for m in RECOMPUTE_MODULES if m in items)
+    return name_list("recompute_modules", value, RECOMPUTE_MODULES, "module",
+                     "Megatron-Core's selective recompute modules")
 
 
 def auto_modules(model: "ModelSpec", flash_attention: bool, recipe: str | None = None) -> tuple[str, ...]:
