@@ -85,10 +85,17 @@ class Eager(NamedTuple):
         return Bytes(d.fwd * logits, d.bwd * logits)
 
 
+def compiled_components(compiled: "Sequence[str]", dualpipev: bool) -> tuple[str, ...]:
+    """What torch.compile covers in the run: the components asked for (Workload.compile) but the
+    blocks of DualPipeV's stages, which ScheduleDualPipeV refuses compiled
+    (_check_torch_compile_compatibility): torchtitan's compile.components as emitted."""
+    return tuple(c for c in compiled if not (c == "model" and dualpipev))
+
+
 def eager_of(compiled: tuple[str, ...], composite_norm: bool, dualpipev: bool) -> Eager | None:
-    """What runs eager: the components torch.compile leaves out, and the blocks of DualPipeV's
-    stages, which torchtitan leaves uncompiled (emit/torchtitan_config.py). None: all compiled."""
-    blocks, loss = "model" not in compiled or dualpipev, "loss" not in compiled
+    """What runs eager: what ``compiled_components`` leaves out. None: all compiled."""
+    covered = compiled_components(compiled, dualpipev)
+    blocks, loss = "model" not in covered, "loss" not in covered
     return Eager(blocks, loss, composite_norm) if blocks or loss else None
 
 

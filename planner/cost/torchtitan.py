@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from planner.cost import dualpipe
-from planner.cost.eager_kernels import COMPILE_COMPONENTS
+from planner.cost.eager_kernels import COMPILE_COMPONENTS, compiled_components
 from planner.errors import arg
 
 # dsplan preset -> (torchtitan train spec, flavor). torchtitan/models/__init__.py lists the
@@ -99,7 +99,8 @@ RULES: tuple[tuple[Callable[[Any, Any], Any], Callable[[Any, Any], str]], ...] =
     # torchao's float8 / MX casts (amax, scale, clamp, cast; each layout of each linear's input and
     # gradient) run as eager kernels where the blocks are not compiled, which eager_kernels.py does
     # not count: refused rather than priced as the compiled casts.
-    (lambda c, x: x.recipe is not None and ("model" not in x.compiled or x.pp_schedule == "dualpipev") and c.tp > 0,
+    (lambda c, x: x.recipe is not None and "model" not in compiled_components(x.compiled, x.pp_schedule == "dualpipev")
+     and c.tp > 0,
      lambda c, x: f"{_FW}: torchao's {x.recipe} casts run eager in blocks torch.compile leaves out ("
                   + ("DualPipeV's stages" if x.pp_schedule == "dualpipev" else f"{arg('compile')} without model")
                   + f"), which dsplan does not price; use {arg('precision')} bf16"

@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # 3.10: the render is not read back
     tomllib = None  # type: ignore[assignment]
 
 from planner.cost import torchtitan as tt
+from planner.cost.eager_kernels import compiled_components
 from planner.cost.precision import gathers_fp8_params
 from planner.emit.ds_config import TrainSettings
 from planner.emit.plan_file import PlanFile
@@ -46,7 +47,7 @@ def torchtitan_job(plan: PlanFile, model: ModelSpec, settings: TrainSettings) ->
     """
     name, flavor = tt.MODELS[model.name]
     dual = plan.pp_schedule == "dualpipev" and plan.pp > 1
-    compiled = [c for c in plan.compile if not (c == "model" and plan.pp_schedule == "dualpipev")]
+    compiled = list(compiled_components(plan.compile, plan.pp_schedule == "dualpipev"))
     divisor = plan.tp * 2 * plan.cp  # ParallelDims.seq_len_divisor: SP over tp, CP's head-tail halves
     if plan.seq_len % divisor:
         raise UserError(f"framework torchtitan: {arg('seq_len')} {plan.seq_len} must be divisible by "
