@@ -18,7 +18,7 @@ WORKLOAD_KEYS = ("global_batch", "seq_len", "images_per_sample", "tiles_per_imag
                  "flash_attention", "dropout", "tp_comm_overlap", "te_attention", "fp8_param_gather",
                  "precision_aware_optimizer", "ep_comm_overlap", "moe_imbalance", "mtbf_hours", "layer_profile",
                  "zero_pp", "mtp_layers", "moe_dispatcher", "moe_capacity_factor", "recompute_modules",
-                 "pp_schedule", "compile", "rms_norm_kernel")
+                 "pp_schedule", "compile", "rms_norm_kernel", "flash_version")
 
 
 def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_batch: int | None = None,
@@ -33,7 +33,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                   moe_capacity_factor: float | None = None,
                   recompute_modules: "str | tuple[str, ...] | None" = None,
                   pp_schedule: str = "1f1b", compile: "str | tuple[str, ...] | None" = None,
-                  rms_norm_kernel: str = "fused") -> "Workload":
+                  rms_norm_kernel: str = "fused", flash_version: int = 2) -> "Workload":
     """The per-step workload with the CLI's defaults: the model's training sequence length,
     ~4M tokens per step rounded so that many data-parallel sizes of ``gpus`` divide it (the
     search's default batch, planner/cost/degrees.py), the model's default images and tiles per
@@ -44,6 +44,8 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     or dualpipev (planner/cost/dualpipe.py). ``compile``: what torchtitan compiles (a comma list
     of model and loss, or "none"; default both), the rest priced as eager kernels
     (planner/cost/eager_kernels.py; ``rms_norm_kernel`` "composite" for PyTorch before 2.8).
+    ``flash_version``: the FlashAttention generation the stack runs (1: flash-attn 1.x or its
+    Triton port, at half FlashAttention-2's rate).
 
     >>> make_workload("vl2", gpus=64).global_batch
     1024
@@ -64,6 +66,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     images, tiles = vision_inputs(spec, images_per_sample, tiles_per_image, seq)
     from planner.cost.measured_blocks import as_layer_profile
     _check_knobs(moe_imbalance, mtbf_hours, mtp_layers, moe_dispatcher, moe_capacity_factor)
+    check_flash(flash_attention, flash_version)
     from planner.cost.eager_kernels import parse_compile
     modules = _recompute_modules(spec, recompute_modules, flash_attention, precision)
     try:
@@ -76,7 +79,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
                         mtp_layers=mtp_layers, moe_dispatcher=moe_dispatcher,
                         moe_capacity_factor=moe_capacity_factor, recompute_modules=modules,
                         pp_schedule=pp_schedule, compile=parse_compile(compile),
-                        rms_norm_kernel=rms_norm_kernel).resolved(spec)
+                        rms_norm_kernel=rms_norm_kernel, flash_version=flash_version).resolved(spec)
     except ValidationError as err:
         raise UserError(rule_message("workload", err)) from None
 
@@ -128,6 +131,16 @@ def _check_knobs(moe_imbalance: float, mtbf_hours: float | None, mtp_layers: int
                         f"{arg('moe_capacity_factor')}")
 
 
+def check_flash(flash_attention: bool, flash_version: object) -> None:
+    """The FlashAttention generation: 1 or 2, and only where FlashAttention runs."""
+    if isinstance(flash_version, bool) or flash_version not in (1, 2):
+        raise UserError(f"{arg('flash_version')}: need 1 (FlashAttention-1, or its Triton port) or 2 "
+                        f"(FlashAttention-2), got {limits.shown(flash_version)}")
+    if flash_version == 1 and not flash_attention:
+        raise UserError(f"{arg('flash_version')} 1 prices FlashAttention-1, but {arg('flash_attention')} is off "
+                        f"(the unfused kernels); drop one of them")
+
+
 def seq_len_of(spec: "ModelSpec", seq_len: int | None) -> int:
     return limits.count("seq_len", spec.train_seq_len if seq_len is None else seq_len)
 
@@ -136,3 +149,4 @@ def check_workload(workload: "Workload") -> None:
     """A Workload given whole (``workload=``) within the same bounds as its fields given one by one."""
     seq = limits.count("seq_len", workload.seq_len)
     limits.tokens_per_step(limits.count("global_batch", workload.global_batch), seq)
+    check_flash(workload.flash_attention, workload.flash_version)

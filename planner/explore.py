@@ -218,10 +218,10 @@ def block_seconds(model: Any, cluster: Any, workload: Any, cfg: Any) -> list[flo
     """Seconds of one micro-batch (forward, backward, recompute, TP, EP and CP collectives) per
     block of ``model`` under ``cfg``: the cost the layer balancers balance."""
     from planner.cost.block_times import BlockTables
-    from planner.cost.efficiency import device
+    from planner.cost.context import workload_device
     from planner.cost.parallel import RECOMPUTES
 
-    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe),
+    tables = BlockTables(model, cluster, workload, workload_device(cluster, workload),
                          cfg.cp, cfg.cp_comm)
     table = tables.table(cfg.tp, int(cfg.sequence_parallel), cfg.ep, (cfg.micro_batch,))
     return table.total(RECOMPUTES.index(cfg.recompute), table.b_index(cfg.micro_batch)).tolist()

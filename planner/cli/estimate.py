@@ -154,6 +154,8 @@ def render(plan) -> None:
                   + (f", activations of {c.activation_offload} layers offloaded" if c.activation_offload else ""))
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
                   f"x accumulation {c.grad_accum} x dp {c.dp}; {w.precision_name}, {w.optimizer}"
+                  + ("" if w.flash_attention else ", unfused attention")
+                  + (", FlashAttention-1" if w.flash_version == 1 else "")
                   + (f", {eager}" if (eager := eager_words(w.compile, w.rms_norm_kernel,
                                                           w.pp_schedule == "dualpipev")) else "")
                   + (f", {w.mtp_layers} multi-token-prediction depth(s)" if w.mtp_layers else "") + f"; {verdict}")

@@ -28,6 +28,7 @@ FLAGS: dict[str, str] = {
     "cp": "--cp",
     "cp_comm": "--cp-comm",
     "flash_attention": "--flash-attention",
+    "flash_version": "--flash-version",
     "zero": "--zero",
     "offload": "--offload",
     "micro_batch": "--micro-batch",

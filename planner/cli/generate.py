@@ -45,7 +45,7 @@ _SEARCH_FLAGS = (
     "offload",
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "cp", "cp_comm", "dp_replicate",
     "etp", "activation_offload", "moe_dispatcher", "moe_capacity_factor", "recompute_modules", "pp_schedule",
-    "compile", "rms_norm_kernel",
+    "compile", "rms_norm_kernel", "flash_version",
 )
 
 
@@ -386,6 +386,7 @@ _SUGGEST_KEYS = (
     "micro_batch", "recompute", "virtual_stages", "framework", "sequence_parallel", "allow_tp_across_nodes",
     "balancer", "objective", "cp", "cp_comm", "dp_replicate", "etp", "calibration", "activation_offload",
     "moe_dispatcher", "moe_capacity_factor", "recompute_modules", "pp_schedule", "compile", "rms_norm_kernel",
+    "flash_version",
 )
 
 

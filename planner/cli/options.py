@@ -223,7 +223,8 @@ def _compile_options():
 def workload_options(global_batch_help: str, precision_list: bool = False):
     """Every workload flag, defined once for ``estimate``, ``suggest``, ``generate`` and ``plot``:
     --global-batch (help per command), --seq-len, --images-per-sample, --tiles-per-image,
-    --precision, --optimizer, --flash-attention, --tp-comm-overlap, --te-attention, --ep-comm-overlap, --moe-imbalance,
+    --precision, --optimizer, --flash-attention, --flash-version, --tp-comm-overlap, --te-attention,
+    --ep-comm-overlap, --moe-imbalance,
     --moe-dispatcher, --moe-capacity-factor, --recompute-modules, --fp8-param-gather, --precision-aware-optimizer,
     --zeropp, --dropout, --mtbf-hours, --mtp-layers, --pp-schedule, --compile, --rms-norm-kernel (--no-...)
     Each defaults to None (the API fills the model's and the planner's defaults, named in the
@@ -253,6 +254,11 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--flash-attention/--no-flash-attention", default=None,
                      help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of "
                           "Korthikanti et al. [default: FlashAttention]."),
+        click.option("--flash-version", type=click.IntRange(1, 2), default=None,
+                     help="The FlashAttention generation the stack runs: 2 (FlashAttention-2, PyTorch SDPA's flash "
+                          "backend) or 1 (flash-attn 1.x, or its Triton port: llm-foundry's attn_impl: triton), "
+                          "priced at half FlashAttention-2's rate (Dao 2023). Megatron-Core's TE attention "
+                          "(--te-attention) runs neither [default: 2]."),
         click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=None,
                      help="Overlap tensor-parallel collectives with the GEMMs where the runtime can (Megatron-Core "
                           "with Transformer Engine, --tp-comm-overlap, under sequence parallelism) [default: on]."),

@@ -192,6 +192,7 @@ def _inputs_line(i: dict) -> str:
             f"global batch {i['global_batch']} x {i['seq_len']} tokens = {human_count(i['tokens_per_step'])} "
             f"tokens/step | {i['precision']}, {i['optimizer']}"
             + ("" if i.get("flash_attention", True) else ", unfused attention")
+            + (", FlashAttention-1" if i.get("flash_version") == 1 else "")
             + (f", {eager}" if (eager := eager_words(str(i.get("compile", "model,loss")).split(","),
                                                     i.get("rms_norm_kernel", "fused"),
                                                     "dualpipev" in str(i.get("pp_schedule")))) else "")

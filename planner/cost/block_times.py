@@ -31,6 +31,7 @@ import numpy as np
 from planner.cost import efficiency as eff
 from planner.cost.collectives import collective_times_keyed
 from planner.cost.comm_overlap import async_backward_tp, overlapped_ep, overlapped_tp
+from planner.cost.context import workload_device
 from planner.cost.context_parallel import CpGroups, cp_groups, cp_seconds
 from planner.cost.kernel_times import attention_seconds, gemm_seconds
 from planner.cost.layers import LayerCost, layer_costs
@@ -234,8 +235,10 @@ def _compute_times(costs: list[LayerCost], shape: tuple[int, int], bs: np.ndarra
     rc[:, RECOMPUTES.index("op")] = np.where(op_sac[:, None, :], fwd - spread(attn_f + kept),
                                              rc[:, RECOMPUTES.index("full")])
     save_f, save_b = np.zeros_like(attn_f), np.zeros_like(attn_b)
-    if dev.flash is not None:  # FlashAttention-2 levels off below the GPU's MAMF here (Hopper); TE's does not
-        te_f, te_b = attention_seconds(uniq, bs, replace(dev, flash=None))
+    if dev.flash is not None or dev.flash_speed != 1.0:
+        # FlashAttention-2 levels off below the GPU's MAMF on Hopper, and FlashAttention-1 below
+        # FlashAttention-2 everywhere; TE's attention does neither
+        te_f, te_b = attention_seconds(uniq, bs, replace(dev, flash=None, flash_speed=1.0))
         save_f, save_b = np.maximum(attn_f - te_f, 0.0), np.maximum(attn_b - te_b, 0.0)
     te_rc = np.zeros_like(rc)
     te_rc[:, RECOMPUTES.index("full")] = np.where(ckpt[:, None, :], spread(save_f), 0.0)
@@ -331,7 +334,7 @@ class BlockTables:
                                                    "recipe": None, "layer_profile": None})
         one = strided_shape(self.cluster, 1, 1, "tp")
         t = block_tables([(layer_costs(profile.profiled_spec, at), one, one)], (profile.micro_batch,),
-                         eff.device(self.cluster.profile, profile.dtype), self.cluster)[0]
+                         workload_device(self.cluster, at), self.cluster)[0]
         return measured_ratios(profile, index, t.fwd[0], t.bwd[0], t.rc[RECOMPUTES.index("full"), 0],
                                t.act[RECOMPUTES.index("none")])
 

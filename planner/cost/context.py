@@ -13,6 +13,11 @@ from planner.cost.parallel import FRAMEWORKS, Workload
 from planner.hardware.cluster import Cluster
 
 
+def workload_device(cluster: Cluster, workload: Workload) -> Device:
+    """The GPU as this workload runs it: its precision, recipe and FlashAttention generation."""
+    return device(cluster.profile, workload.precision, workload.recipe, workload.flash_version)
+
+
 @dataclass(frozen=True)
 class CostContext:
     cluster: Cluster
@@ -22,7 +27,7 @@ class CostContext:
     @classmethod
     def of(cls, cluster: Cluster, workload: Workload) -> "CostContext":
         check_dispatcher(workload.moe_dispatcher, cluster.profile)
-        return cls(cluster, workload, device(cluster.profile, workload.precision, workload.recipe))
+        return cls(cluster, workload, workload_device(cluster, workload))
 
     def layout(self, tp: int, ep: int, dp: int, pp: int, rep: int = 1, etp: int | None = None) -> Layout:
         return layout(self.cluster, tp, ep, dp, pp, rep, etp)

@@ -68,6 +68,11 @@ K_HALF = 48.0  # k at which a GEMM tile's main loop reaches half efficiency
 TILE = 128  # output tile edge cuBLAS uses for large bf16 GEMMs
 FLASH_HEAD_HALF = 40.0  # head dim at which FlashAttention-2 reaches half of MAMF
 FLASH_BWD_RATIO = 0.80  # backward efficiency relative to the forward (FlashAttention-2 Fig. 6 vs 5)
+# FlashAttention-1 (and the Triton port llm-foundry's MPT runs) against FlashAttention-2: "around 2x
+# speedup compared to FlashAttention", which reaches "only 25-40%" of the A100 peak (Dao 2023,
+# arXiv:2307.08691, abstract); the Triton port is "slightly slower" than the CUDA one overall
+# (flash-attention's flash_attn_triton.py at eff9fe6, its header).
+FLASH1_SPEED = 0.5
 
 # Streaming multiprocessors per GPU (vendor whitepapers), for wave quantisation.
 _SMS = {"A100": 108, "H100": 132, "H200": 132, "H800": 132, "GH200": 132, "B200": 148, "L40S": 142,
@@ -89,6 +94,7 @@ class Device:
     gemm_sustained: float = GEMM_SUSTAINED  # x the profile's calibration.gemm
     hbm_efficiency: float = HBM_EFFICIENCY  # x the profile's calibration.hbm
     alloc_copy: float | None = None  # bytes/s of a copy into new memory (GPU.alloc_copy_GBps); None: hbm
+    flash_speed: float = 1.0  # the FlashAttention generation's rate against FlashAttention-2 (Workload.flash_version)
 
     @property
     def flash_ceiling(self) -> float:
@@ -113,10 +119,11 @@ class Device:
         return max(0.0, 2.0 / (self.alloc_copy * self.hbm_efficiency) - 2.0 / self.hbm_effective)
 
 
-def device(profile: HardwareProfile, dtype: str = "bf16", recipe: str | None = None) -> Device:
+def device(profile: HardwareProfile, dtype: str = "bf16", recipe: str | None = None, flash_version: int = 2) -> Device:
     """The GPU in the working ``dtype``; with a TE ``recipe``, ``low`` is the GPU in the
     recipe's GEMM format, at its measured MAMF where the profile has one (H100 fp8: 70.9%), else
-    at the bf16 share (times FP8_MAMF_RATIO for FP8)."""
+    at the bf16 share (times FP8_MAMF_RATIO for FP8). ``flash_version`` 1 runs FlashAttention at
+    FLASH1_SPEED of FlashAttention-2's rate."""
     gpu, cal = profile.gpu, profile.calibration
     rates = {"gemm_sustained": GEMM_SUSTAINED * cal.gemm, "hbm_efficiency": HBM_EFFICIENCY * cal.hbm}
     sms = next((n for key, n in _SMS.items() if key.lower() in gpu.name.lower()), 108)
@@ -129,7 +136,8 @@ def device(profile: HardwareProfile, dtype: str = "bf16", recipe: str | None = N
         low = Device(gpu.peak_flops(r.gemm_format), mamf, gpu.hbm_GBps * 1e9, sms, **rates)
     return Device(gpu.peak_flops(dtype), gpu.matmul_efficiency, gpu.hbm_GBps * 1e9, sms, gpu.flash_attention_efficiency,
                   low, RECIPES[recipe].element_bytes if recipe else 2.0, **rates,
-                  alloc_copy=gpu.alloc_copy_GBps * 1e9 if gpu.alloc_copy_GBps else None)
+                  alloc_copy=gpu.alloc_copy_GBps * 1e9 if gpu.alloc_copy_GBps else None,
+                  flash_speed=FLASH1_SPEED if flash_version == 1 else 1.0)
 
 
 def tile_efficiency(m, n, sms: int):
@@ -165,10 +173,11 @@ def gemm_time(m, n, k, dev: Device, batch=1, bytes_per_el: int = 2):
 
 
 def flash_efficiency(head_dim, dev: Device):
-    """FlashAttention-2 forward efficiency as a fraction of the peak."""
+    """FlashAttention's forward efficiency as a fraction of the peak (FlashAttention-2's, times
+    the generation's ``dev.flash_speed``)."""
     d = np.asarray(head_dim, dtype=float)
     calibrated = dev.gemm_sustained / GEMM_SUSTAINED  # the profile's calibration.gemm
-    return dev.flash_ceiling * d / (d + FLASH_HEAD_HALF) * calibrated
+    return dev.flash_ceiling * d / (d + FLASH_HEAD_HALF) * calibrated * dev.flash_speed
 
 
 def flash_time(flops, head_dim, causal: bool, dev: Device, backward: bool = False):

@@ -101,6 +101,10 @@ class Workload(BaseModel):
     # recomputes the scores in backward; False models the unfused kernels of Korthikanti et
     # al. 2022 Table 2 (softmax output + dropout mask/output stored, 5*a*s^2*b bytes per layer).
     flash_attention: bool = True
+    # The FlashAttention generation the stack runs: 2 (FlashAttention-2, PyTorch SDPA's flash
+    # backend) or 1 (flash-attn 1.x and the Triton kernel derived from it, llm-foundry's
+    # attn_impl: triton), about half FlashAttention-2's rate (efficiency.FLASH1_SPEED).
+    flash_version: Literal[1, 2] = 2
     # Hidden/attention dropout (GPT-2/3 era, Megatron GPT defaults 0.1). Modern LLM
     # pre-training (Llama, DeepSeek, Qwen) uses none; with it each dropout stores a 1-byte mask.
     dropout: bool = False

@@ -131,6 +131,7 @@ class Plan:
             "mtp_layers": w.mtp_layers, "moe_dispatcher": w.moe_dispatcher,
             "moe_capacity_factor": w.moe_capacity_factor, "recompute_modules": list(w.recompute_modules),
             "pp_schedule": w.pp_schedule, "compile": list(w.compile), "rms_norm_kernel": w.rms_norm_kernel,
+            "flash_version": w.flash_version,
             "layer_profile": w.layer_profile.summary() if w.layer_profile else None,
             "stage_blocks": [list(p) for p in self.partition],
             "fits": self.fits,

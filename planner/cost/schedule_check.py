@@ -18,7 +18,7 @@ import numpy as np
 
 from planner.cost import dualpipe
 from planner.cost.block_times import BlockTables
-from planner.cost.efficiency import device
+from planner.cost.context import workload_device
 from planner.cost.frameworks import tp_style
 from planner.cost.memory import microbatch_group
 from planner.cost.parallel import RECOMPUTES, ParallelConfig, Workload
@@ -111,6 +111,6 @@ def plan_schedule_notes(model: ModelSpec, cluster: Cluster, workload: Workload, 
     """``schedule_notes`` of one plan, with the block tables of its own configuration."""
     if cfg.virtual_stages == 1:
         return []
-    tables = BlockTables(model, cluster, workload, device(cluster.profile, workload.precision, workload.recipe),
+    tables = BlockTables(model, cluster, workload, workload_device(cluster, workload),
                          cfg.cp, cfg.cp_comm)
     return schedule_notes(tables, cfg, partition, step_s)

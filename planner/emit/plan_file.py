@@ -80,6 +80,7 @@ class PlanFile(BaseModel):
     pp_schedule: PpSchedule = "1f1b"  # looped 1F1B or DualPipeV (Workload; planner/cost/dualpipe.py)
     compile: tuple[CompileComponent, ...] = COMPILE_COMPONENTS  # what torchtitan compiles (Workload)
     rms_norm_kernel: Literal["fused", "composite"] = "fused"  # eager RMSNorm's PyTorch (Workload)
+    flash_version: Literal[1, 2] = 2  # the FlashAttention generation (Workload)
     mtbf_hours: float | None = Field(None, gt=0, le=MAX_MTBF_HOURS)  # the job's MTBF override (Workload)
     mtp_layers: int | None = Field(None, ge=0, le=MAX_MTP_LAYERS)  # MTP depths trained (Workload; None: the model's)
     optimizer: Optimizer = "adamw"
@@ -136,6 +137,7 @@ class PlanFile(BaseModel):
             zero_pp=self.zero_pp, mtp_layers=self.mtp_layers, moe_dispatcher=self.moe_dispatcher,
             moe_capacity_factor=self.moe_capacity_factor, recompute_modules=self.recompute_modules,
             pp_schedule=self.pp_schedule, compile=self.compile, rms_norm_kernel=self.rms_norm_kernel,
+            flash_version=self.flash_version,
         )
 
     @property

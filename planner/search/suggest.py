@@ -252,7 +252,7 @@ _WORKLOAD_INPUTS = ("global_batch", "seq_len", "tokens_per_step", "optimizer", "
                     "tp_comm_overlap", "te_attention", "fp8_param_gather", "precision_aware_optimizer", "mtp_layers",
                     "ep_comm_overlap", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "flash_attention",
                     "images_per_sample", "tiles_per_image", "recompute_modules", "pp_schedule", "compile",
-                    "rms_norm_kernel")
+                    "rms_norm_kernel", "flash_version")
 
 
 def _workload_inputs(w: Workload) -> dict[str, Any]:
