@@ -28,6 +28,14 @@ with the source's own formula) for a fully stated layout, priced with ``estimate
   of SeqLen: these benchmark configs did not use ALiBi; positions cost no compute in dsplan
   either way). Published step time = GlobalBatchSize (T) / Throughput (T/s). A100 and H100 rows
   share model and sequence; the layouts are the source's own, so they differ where it did.
+  Attention: every MPT benchmark config sets attn_impl: triton, the FlashAttention-1 Triton port
+  (llmfoundry/models/layers/flash_attn_triton.py), priced as FlashAttention-1 (--flash-version 1).
+- MosaicML "nodes": every row of the same README on more than one node (16-128 GPUs), the FSDP
+  runs across nodes: the "A100 40GB with 1600 Gbps node-node interconnect (RoCE)" table (bf16,
+  mixed precision PURE; priced on dgx-a100-40g, whose 8 x 200 Gb/s per node is the same 1,600
+  Gbps), the A100 80GB table's two 70B rows and the "H100 80GB BF16" table's rows (dgx-h100: the
+  README does not say the H100 cluster's network). MPT 125M / 350M / 760M / 70B shapes from
+  scripts/train/yamls/pretrain/mpt-*.yaml at the same commit.
 
 Error = published time / predicted time - 1: "+" means dsplan predicts faster than measured.
 
@@ -62,8 +70,9 @@ MTNLG = [(280, 60.1), (350, 50.2), (420, 44.4)]  # DGX nodes, seconds per iterat
 LLAMA3 = [(1024, 430.0), (2048, 400.0)]  # H100 nodes, TFLOP/s per GPU (Dubey et al. 2024, Table 4)
 
 # MosaicML llm-foundry "MPT Training Benchmarks": (d_model, n_heads, n_layers) of the MPT configs.
-MPT_SHAPES = {"1B": (2048, 16, 24), "3B": (2560, 20, 32), "7B": (4096, 32, 32), "13B": (5120, 40, 40),
-              "30B": (7168, 56, 48)}
+MPT_SHAPES = {"125M": (768, 12, 12), "350M": (1024, 16, 24), "760M": (1536, 12, 24), "1B": (2048, 16, 24),
+              "3B": (2560, 20, 32), "7B": (4096, 32, 32), "13B": (5120, 40, 40), "30B": (7168, 56, 48),
+              "70B": (8192, 64, 80)}
 MOSAIC = [
     # gpu, model, seq, GPUs, micro-batch, grad accum, global batch, tokens/s, activation checkpointing, NumParams
     ("H100", "1B", 2048, 8, 14, 1, 112, 363645, False, 1315950592),
@@ -85,7 +94,60 @@ MOSAIC = [
     ("H100", "30B", 4096, 8, 1, 21, 168, 14419, True, 29989894144),
     ("A100", "30B", 4096, 8, 1, 21, 168, 6513, True, 29989894144),
 ]
-MOSAIC_PROFILES = {"H100": "dgx-h100", "A100": "dgx-a100-80g"}
+# Every row of the same tables on more than one node (16-128 GPUs, FSDP FULL_SHARD across nodes): the
+# A100 40GB table ("bf16", MP mode PURE), the A100 80GB table's 70B rows and the H100 BF16 table.
+MOSAIC_NODES = [
+    ("A100 40GB", "70B", 2048, 128, 4, 1, 512, 48194, True, 64862437376),
+    ("A100 40GB", "70B", 2048, 64, 2, 1, 128, 17672, True, 64862437376),
+    ("A100 40GB", "30B", 2048, 128, 6, 1, 768, 110803, True, 29975214080),
+    ("A100 40GB", "30B", 2048, 32, 4, 1, 128, 27431, True, 29975214080),
+    ("A100 40GB", "13B", 2048, 128, 16, 1, 2048, 252444, True, 12853954560),
+    ("A100 40GB", "13B", 2048, 64, 16, 1, 1024, 126479, True, 12853954560),
+    ("A100 40GB", "13B", 2048, 32, 14, 1, 448, 63946, True, 12853954560),
+    ("A100 40GB", "13B", 2048, 16, 10, 1, 160, 31900, True, 12853954560),
+    ("A100 40GB", "7B", 2048, 128, 18, 1, 2304, 463749, True, 6658859008),
+    ("A100 40GB", "7B", 2048, 64, 18, 1, 1152, 234614, True, 6658859008),
+    ("A100 40GB", "7B", 2048, 32, 18, 1, 576, 119202, True, 6658859008),
+    ("A100 40GB", "7B", 2048, 16, 16, 1, 256, 58322, True, 6658859008),
+    ("A100 40GB", "3B", 2048, 128, 6, 1, 768, 1220885, False, 2651837440),
+    ("A100 40GB", "3B", 2048, 64, 6, 1, 384, 623167, False, 2651837440),
+    ("A100 40GB", "3B", 2048, 32, 6, 1, 192, 317261, False, 2651837440),
+    ("A100 40GB", "3B", 2048, 16, 5, 1, 80, 156013, False, 2651837440),
+    ("A100 40GB", "1B", 2048, 128, 10, 1, 1280, 2386897, False, 1315950592),
+    ("A100 40GB", "1B", 2048, 64, 10, 1, 640, 1216104, False, 1315950592),
+    ("A100 40GB", "1B", 2048, 32, 10, 1, 320, 497782, False, 1315950592),
+    ("A100 40GB", "1B", 2048, 16, 8, 1, 128, 305372, False, 1315950592),
+    ("A100 40GB", "760M", 2048, 128, 12, 1, 1536, 3704382, False, 760470528),
+    ("A100 40GB", "760M", 2048, 64, 12, 1, 768, 1878030, False, 760470528),
+    ("A100 40GB", "760M", 2048, 32, 12, 1, 384, 948745, False, 760470528),
+    ("A100 40GB", "760M", 2048, 16, 12, 1, 192, 473723, False, 760470528),
+    ("A100 40GB", "350M", 2048, 128, 18, 1, 2304, 6647647, False, 355985408),
+    ("A100 40GB", "350M", 2048, 64, 18, 1, 1152, 3372118, False, 355985408),
+    ("A100 40GB", "350M", 2048, 32, 18, 1, 576, 1721978, False, 355985408),
+    ("A100 40GB", "350M", 2048, 16, 18, 1, 288, 886622, False, 355985408),
+    ("A100 40GB", "125M", 2048, 128, 26, 1, 3328, 15863837, False, 125311488),
+    ("A100 40GB", "125M", 2048, 64, 26, 1, 1664, 8015010, False, 125311488),
+    ("A100 40GB", "125M", 2048, 32, 26, 1, 832, 4067922, False, 125311488),
+    ("A100 40GB", "125M", 2048, 16, 26, 1, 416, 2088560, False, 125311488),
+    ("A100", "70B", 2048, 64, 8, 4, 2048, 26274, True, 64862437376),
+    ("A100", "70B", 2048, 32, 2, 16, 1024, 11962, True, 64862437376),
+    ("H100", "70B", 2048, 64, 8, 4, 2048, 66523, True, 64862437376),
+    ("H100", "70B", 2048, 32, 2, 16, 1024, 28242, True, 64862437376),
+    ("H100", "30B", 2048, 32, 14, 3, 1344, 73860, True, 29975214080),
+    ("H100", "30B", 2048, 16, 10, 3, 480, 36209, True, 29975214080),
+    ("H100", "13B", 2048, 64, 2, 1, 128, 307209, False, 12853954560),
+    ("H100", "13B", 2048, 32, 2, 1, 64, 153960, False, 12853954560),
+    ("H100", "13B", 2048, 16, 2, 1, 32, 76280, False, 12853954560),
+    ("H100", "3B", 2048, 64, 6, 3, 1152, 1441663, False, 2651837440),
+    ("H100", "3B", 2048, 32, 6, 3, 576, 736701, False, 2651837440),
+    ("H100", "3B", 2048, 16, 10, 3, 480, 386285, False, 2651837440),
+    ("H100", "1B", 2048, 64, 20, 1, 1280, 2841754, False, 1315950592),
+    ("H100", "1B", 2048, 32, 20, 1, 640, 1444183, False, 1315950592),
+    ("H100", "1B", 2048, 16, 20, 1, 320, 736596, False, 1315950592),
+    ("H100", "760M", 2048, 32, 24, 1, 768, 2175091, False, 760470528),
+    ("H100", "760M", 2048, 16, 24, 1, 384, 1096819, False, 760470528),
+]
+MOSAIC_PROFILES = {"H100": "dgx-h100", "A100": "dgx-a100-80g", "A100 40GB": "dgx-a100-40g"}
 
 
 def _row(source: str, case: str, layout: str, gpus: int, published_s: float, plan) -> dict:
@@ -146,24 +208,36 @@ def llama3() -> list[dict]:
     return out
 
 
-def mosaic() -> list[dict]:
+def mosaic(table: list[tuple] = MOSAIC, source: str = "MosaicML llm-foundry") -> list[dict]:
+    """The MPT runs of ``table``: FSDP FULL_SHARD priced as ZeRO-3, MPT's Triton FlashAttention as
+    FlashAttention-1 (every benchmark config sets attn_impl: triton)."""
     out = []
-    for gpu, name, seq, gpus, mb, ga, gb, tokens_s, ckpt, params in MOSAIC:
+    for gpu, name, seq, gpus, mb, ga, gb, tokens_s, ckpt, params in table:
         hidden, heads, layers = MPT_SHAPES[name]
         model = megatron_gpt(hidden, heads, layers, vocab=50368, seq=seq)
         assert model.total_params() == params, (name, seq, model.total_params(), params)
         profile = load_profile(MOSAIC_PROFILES[gpu])
-        wl = Workload(global_batch=gb, seq_len=seq, precision="bf16")
+        wl = Workload(global_batch=gb, seq_len=seq, precision="bf16", flash_version=1)
         cfg = ParallelConfig(dp=gpus, tp=1, pp=1, micro_batch=mb, grad_accum=ga, recompute="full" if ckpt else "none",
                              framework="deepspeed", zero_stage=3)
         plan = estimate(model, Cluster.build(profile, gpus // profile.gpus_per_node), wl, cfg)
         layout = f"z3 mb{mb} ga{ga}" + (" ckpt" if ckpt else "")
-        out.append(_row("MosaicML llm-foundry", f"{name} s{seq} {gpu}", layout, gpus, gb * seq / tokens_s, plan))
+        out.append(_row(source, f"{name} s{seq} {gpu}", layout, gpus, gb * seq / tokens_s, plan))
     return out
 
 
+def mosaic_nodes() -> list[dict]:
+    """MosaicML's runs on 2-16 nodes (FSDP across nodes)."""
+    return mosaic(MOSAIC_NODES, "MosaicML nodes")
+
+
+def all_rows() -> list[dict]:
+    """Every published run this benchmark prices (planner/accuracy.py's MODEL_ERROR is their mean)."""
+    return korthikanti() + mtnlg() + llama3() + mosaic() + mosaic_nodes()
+
+
 def main(argv: list[str]) -> int:
-    rows = korthikanti() + mtnlg() + llama3() + mosaic()
+    rows = all_rows()
     if "--json" in argv:
         print(json.dumps(rows, indent=2))
         return 0
@@ -172,9 +246,24 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print(f"{r['source']:<20} {r['case']:<26} {r['layout']:<16} {r['gpus']:>6} {r['published_step_s']:>11.2f} "
               f"{r['predicted_step_s']:>11.2f} {r['error']:>+7.1%} {'yes' if r['fits'] else 'no':>5}")
-    errors = [abs(r["error"]) for r in rows]
-    print(f"mean |error| {sum(errors) / len(errors):.1%}, worst {max(errors):.1%} over {len(rows)} runs")
+    print()
+    for name, group in _groups(rows).items():
+        errors = [abs(r["error"]) for r in group]
+        print(f"{name + ':':<34} mean |error| {sum(errors) / len(errors):.1%}, worst {max(errors):.1%} over "
+              f"{len(group)} runs (within 10%: {sum(e <= 0.10 for e in errors)})")
     return 0
+
+
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
+    """Every run, each source, and MosaicML's by GPU and by activation checkpointing."""
+    groups: dict[str, list[dict]] = {"all runs": rows}
+    for r in rows:
+        groups.setdefault(r["source"], []).append(r)
+    for r in rows:
+        if r["source"].startswith("MosaicML"):
+            gpu = r["case"].split(" ", 2)[2]
+            groups.setdefault(f"MosaicML {gpu}, {'ckpt' if 'ckpt' in r['layout'] else 'no ckpt'}", []).append(r)
+    return groups
 
 
 if __name__ == "__main__":

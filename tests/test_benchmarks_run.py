@@ -40,11 +40,26 @@ def test_every_benchmark_script_parses_its_arguments():
 
 def test_mosaic_rows_reproduce_the_published_shapes_and_fit():
     """The MPT stand-ins reproduce llm-foundry's NumParams (mosaic() asserts it per row), every
-    published layout fits in 80 GiB, and the A100 rows stay inside the +-15% they are at today."""
+    published layout fits in its GPU, and the A100 rows stay where docs/accuracy.md puts them: within
+    8% without activation checkpointing, -16% to -5% (priced slow) with it."""
     rows = _load("bench_published_runs").mosaic()
     assert len(rows) == 18 and all(r["fits"] for r in rows)
     a100 = [r for r in rows if r["case"].endswith("A100")]
-    assert len(a100) == 9 and max(abs(r["error"]) for r in a100) < 0.15
+    plain = [r["error"] for r in a100 if "ckpt" not in r["layout"]]
+    ckpt = [r["error"] for r in a100 if "ckpt" in r["layout"]]
+    assert len(plain) == 5 and max(map(abs, plain)) < 0.08
+    assert len(ckpt) == 4 and all(-0.17 < e < -0.04 for e in ckpt)
+
+
+def test_mosaic_runs_across_nodes_hold_the_issues_ten_percent():
+    """FSDP across 2-16 nodes: 49 published runs, mean |error| under 10%; on A100 40GB every row
+    but the two the source itself runs 18-27% below their same-model neighbours is within 10%."""
+    rows = _load("bench_published_runs").mosaic_nodes()
+    assert len(rows) == 49 and all(r["fits"] for r in rows)
+    assert sum(abs(r["error"]) for r in rows) / len(rows) < 0.10
+    a40 = [r for r in rows if r["case"].endswith("A100 40GB")]
+    off = sorted((r["case"], r["gpus"]) for r in a40 if abs(r["error"]) > 0.10)
+    assert len(a40) == 32 and off == [("1B s2048 A100 40GB", 32), ("70B s2048 A100 40GB", 64)]
 
 
 def test_suggest_speed_names_the_processor_its_per_core_rate_was_measured_on():
