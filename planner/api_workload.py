@@ -44,8 +44,7 @@ def make_workload(model: "str | ModelSpec", *, gpus: int | None = None, global_b
     or dualpipev (planner/cost/dualpipe.py). ``compile``: what torchtitan compiles (a comma list
     of model and loss, or "none"; default both), the rest priced as eager kernels
     (planner/cost/eager_kernels.py; ``rms_norm_kernel`` "composite" for PyTorch before 2.8).
-    ``flash_version``: the FlashAttention generation the stack runs (1: flash-attn 1.x or its
-    Triton port, at half FlashAttention-2's rate).
+    ``flash_version`` 1: FlashAttention-1 (or its Triton port) at half FlashAttention-2's rate.
 
     >>> make_workload("vl2", gpus=64).global_batch
     1024

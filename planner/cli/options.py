@@ -211,11 +211,20 @@ def _pp_schedule_option(many: bool):
     return click.option("--pp-schedule", type=click.Choice(SCHEDULES), default=None, help=PP_SCHEDULE_HELP)
 
 
-def _compile_options():
-    """--compile and --rms-norm-kernel: what torchtitan compiles, and the eager RMSNorm's PyTorch."""
+def _kernel_options():
+    """--flash-attention and --flash-version (the attention kernel and its FlashAttention generation),
+    --compile and --rms-norm-kernel (what torchtitan compiles, and the eager RMSNorm's PyTorch)."""
     import click
 
-    return (click.option("--compile", "compile", default=None, metavar="LIST", help=COMPILE_HELP),
+    return (click.option("--flash-attention/--no-flash-attention", default=None,
+                         help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of "
+                              "Korthikanti et al. [default: FlashAttention]."),
+            click.option("--flash-version", type=click.IntRange(1, 2), default=None,
+                         help="The FlashAttention generation the stack runs: 2 (FlashAttention-2, PyTorch SDPA's "
+                              "flash backend) or 1 (flash-attn 1.x, or its Triton port: llm-foundry's attn_impl: "
+                              "triton), priced at half FlashAttention-2's rate (Dao 2023). Megatron-Core's TE "
+                              "attention (--te-attention) runs neither [default: 2]."),
+            click.option("--compile", "compile", default=None, metavar="LIST", help=COMPILE_HELP),
             click.option("--rms-norm-kernel", type=click.Choice(["fused", "composite"]), default=None,
                          help=RMS_NORM_KERNEL_HELP))
 
@@ -251,14 +260,7 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
                       help=f"{PRECISION_HELP} [default: bf16]")),
         click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd"]), default=None,
                      help="Optimizer [default: adamw]."),
-        click.option("--flash-attention/--no-flash-attention", default=None,
-                     help="Attention kernel: FlashAttention (no s^2 scores kept) or the unfused kernels of "
-                          "Korthikanti et al. [default: FlashAttention]."),
-        click.option("--flash-version", type=click.IntRange(1, 2), default=None,
-                     help="The FlashAttention generation the stack runs: 2 (FlashAttention-2, PyTorch SDPA's flash "
-                          "backend) or 1 (flash-attn 1.x, or its Triton port: llm-foundry's attn_impl: triton), "
-                          "priced at half FlashAttention-2's rate (Dao 2023). Megatron-Core's TE attention "
-                          "(--te-attention) runs neither [default: 2]."),
+        *_kernel_options(),
         click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=None,
                      help="Overlap tensor-parallel collectives with the GEMMs where the runtime can (Megatron-Core "
                           "with Transformer Engine, --tp-comm-overlap, under sequence parallelism) [default: on]."),
@@ -277,7 +279,6 @@ def workload_options(global_batch_help: str, precision_list: bool = False):
         click.option("--mtbf-hours", type=float, default=None, metavar="H", help=MTBF_HELP),
         click.option("--mtp-layers", type=int, default=None, metavar="N", help=MTP_HELP),
         _pp_schedule_option(precision_list),
-        *_compile_options(),
     ]
 
     def apply(command):
