@@ -148,6 +148,18 @@ def test_profile_refuses_to_overwrite_without_force(profiled):
     assert json.loads((profiled / "p.json").read_text())["model"] == "gpt3-125m"
 
 
+def test_profile_output_paths_too_long_for_the_filesystem_exit_2(tmp_path):
+    """Found by tests/test_fuzz_inputs.py: --out and --hardware-out were plain click paths, so a
+    name over the filesystem's limit raised OSError with a traceback."""
+    long = "p" * 300 + ".json"
+    for flag in ("--out", "--hardware-out"):
+        args = ["--out", long] if flag == "--out" else ["--out", "p.json", "--hardware-out", long]
+        done = _dsplan("profile", "--model", "gpt3-125m", "--device", "cpu", *args, cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert f"cannot write {flag}" in done.stderr and "give a shorter path" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_profile_on_cuda_without_a_gpu_says_so(tmp_path):
     done = _dsplan("profile", "--model", "gpt3-125m", "--device", "cuda", "--out", "p.json", cwd=tmp_path)
     assert done.returncode == 2 and "no CUDA device" in done.stderr

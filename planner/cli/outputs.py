@@ -141,6 +141,8 @@ def _hint(err: OSError, text: str) -> str:
         return "free some space or choose another directory"
     if code == errno.EISDIR:
         return "it is a directory; give a file path"
+    if code == errno.ENAMETOOLONG:
+        return "give a shorter path"
     return "choose a writable directory"
 
 

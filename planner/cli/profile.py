@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from planner.cli.output import console, json_option, print_json
+from planner.cli.outputs import OutputPath
 from planner.errors import UserError
 
 HARDWARE_HELP = ("The hardware profile the measurements stand for (what `--profile` checks against) [default: "
@@ -35,8 +36,8 @@ HARDWARE_HELP = ("The hardware profile the measurements stand for (what `--profi
 @click.option("--warmup", type=click.IntRange(0, 100), default=2, show_default=True, help="Untimed runs first.")
 @click.option("--repetitions", type=click.IntRange(1, 1000), default=5, show_default=True,
               help="Timed runs; the median is kept.")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Where to write profile.json.")
-@click.option("--hardware-out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", "out", required=True, type=OutputPath("file"), help="Where to write profile.json.")
+@click.option("--hardware-out", type=OutputPath("file"), default=None,
               help="--device cpu: also write this machine as a hardware profile YAML: GEMM peaks, the ranks' "
                    "copy rates (into mapped and into new memory), gloo's link and its all-gather / reduce-scatter "
                    "shares (then plan with --hardware FILE).")
