@@ -16,7 +16,7 @@ from planner.cli.fit import DOES_NOT_FIT_EXIT, allow_oom_option, warn_does_not_f
 from planner.cli.flags import cli_text
 from planner.cli.hardware import hardware_option
 from planner.cli.options import calibration_option, layer_profile_option, workload_options
-from planner.cli.output import console, human_bytes, human_time, json_option, print_json
+from planner.cli.output import attention_words, console, human_bytes, human_time, json_option, print_json
 from planner.errors import UserError
 
 
@@ -154,8 +154,7 @@ def render(plan) -> None:
                   + (f", activations of {c.activation_offload} layers offloaded" if c.activation_offload else ""))
     console.print(f"batch {w.global_batch} x {w.seq_len} tokens = micro-batch {c.micro_batch} "
                   f"x accumulation {c.grad_accum} x dp {c.dp}; {w.precision_name}, {w.optimizer}"
-                  + ("" if w.flash_attention else ", unfused attention")
-                  + (", FlashAttention-1" if w.flash_version == 1 else "")
+                  + attention_words(w.flash_attention, w.flash_version)
                   + (f", {eager}" if (eager := eager_words(w.compile, w.rms_norm_kernel,
                                                           w.pp_schedule == "dualpipev")) else "")
                   + (f", {w.mtp_layers} multi-token-prediction depth(s)" if w.mtp_layers else "") + f"; {verdict}")

@@ -102,6 +102,13 @@ def time_parts(cfg: Any) -> list[str]:
     return [part for part in TIME_PARTS if applies.get(part, True)]
 
 
+def attention_words(flash_attention: bool, flash_version: int) -> str:
+    """What a header says of the attention kernel where it is not FlashAttention-2: ", ..." or ""."""
+    if not flash_attention:
+        return ", unfused attention"
+    return ", FlashAttention-1" if flash_version == 1 else ""
+
+
 def human_count(n: float) -> str:
     """12.9B, 413M, 7.5K."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

@@ -185,14 +185,13 @@ def render(result, next_argv: list[str] | None = None) -> None:
 
 def _inputs_line(i: dict) -> str:
     """What was searched, defaults filled in: one line (wrapped to the width)."""
-    from planner.cli.output import human_count
+    from planner.cli.output import attention_words, human_count
     from planner.cost.eager_kernels import eager_words
 
     return (f"[bold]{i['model']}[/] on {i['nodes']} x {i['gpus_per_node']} {i['hardware']} ({i['gpus']} GPUs) | "
             f"global batch {i['global_batch']} x {i['seq_len']} tokens = {human_count(i['tokens_per_step'])} "
             f"tokens/step | {i['precision']}, {i['optimizer']}"
-            + ("" if i.get("flash_attention", True) else ", unfused attention")
-            + (", FlashAttention-1" if i.get("flash_version") == 1 else "")
+            + attention_words(i.get("flash_attention", True), i.get("flash_version", 2))
             + (f", {eager}" if (eager := eager_words(str(i.get("compile", "model,loss")).split(","),
                                                     i.get("rms_norm_kernel", "fused"),
                                                     "dualpipev" in str(i.get("pp_schedule")))) else "")
