@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -60,6 +61,25 @@ def test_mosaic_runs_across_nodes_hold_the_issues_ten_percent():
     a40 = [r for r in rows if r["case"].endswith("A100 40GB")]
     off = sorted((r["case"], r["gpus"]) for r in a40 if abs(r["error"]) > 0.10)
     assert len(a40) == 32 and off == [("1B s2048 A100 40GB", 32), ("70B s2048 A100 40GB", 64)]
+
+
+def test_no_global_factor_pair_meets_both_megatron_targets():
+    """docs/accuracy.md's evidence that #25's Korthikanti (each within 5%) and MT-NLG (within 8%)
+    targets conflict: along Table 1's fitted line a larger GEMM share brings Korthikanti closer and
+    pushes MT-NLG and Llama 3 further off, and no point meets both; the same 530B layer's published
+    micro-batch slot is 10-25% longer in MT-NLG than in Korthikanti, while dsplan prices the two
+    within 3% of each other."""
+    bench = _load("bench_global_factors")
+    line = bench.fitted_line((0.78, 0.84, 0.90), np.round(np.arange(0.56, 0.96, 0.02), 2))
+    assert [p["hbm"] for p in line] == sorted((p["hbm"] for p in line), reverse=True)
+    korth = [p["Korthikanti 2022 T5"] for p in line]
+    mt, llama = [p["MT-NLG 2022"]["mean"] for p in line], [p["Llama 3 2024 T4"]["mean"] for p in line]
+    assert korth[0]["mean"] > korth[1]["mean"] > korth[2]["mean"] and mt[0] < mt[1] < mt[2] and llama[0] < llama[2]
+    assert not any(p["Korthikanti 2022 T5"]["worst"] <= 0.05 and p["MT-NLG 2022"]["worst"] <= 0.08 for p in line)
+    assert all(p["table1"] < 0.05 for p in line)
+    slots = bench.slot_times()
+    assert 1.10 < slots["mtnlg"]["published"] / slots["korthikanti"]["published"] < 1.25
+    assert abs(slots["mtnlg"]["predicted"] / slots["korthikanti"]["predicted"] - 1) < 0.03
 
 
 def test_suggest_speed_names_the_processor_its_per_core_rate_was_measured_on():
