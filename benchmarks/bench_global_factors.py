@@ -8,11 +8,11 @@ share on Table 1 alone (least mean |error|), then prices every run of bench_publ
 with that pair. It prints, per pair, Table 1's mean |error| and each source's mean and worst.
 
 It also prints the same 530B layer (h 20,480, 128 heads, TP 8, PP 35, full recompute, fp16 A100)
-as two publications timed it: Korthikanti et al. 2022 (Megatron-LM, interleaved over 3 chunks,
-280 micro-batches of one sample) and Smith et al. 2022 (MT-NLG, Megatron-DeepSpeed, 1F1B, 1920
-samples over 8/10/12 pipelines). Time per micro-batch slot: Korthikanti's iteration over
-m + (p - 1) / v slots; MT-NLG's least-squares slope of iteration time over micro-batches per
-pipeline, whose intercept holds the bubble and everything paid once per step.
+as two publications timed it, in seconds per sample in the pipeline's steady state: Korthikanti
+et al. 2022 (Megatron-LM, interleaved over 3 chunks, 280 micro-batches of one sample: the
+iteration over m + (p - 1) / v slots) and Smith et al. 2022 (MT-NLG, Megatron-DeepSpeed, 1F1B,
+1920 samples over 8/10/12 pipelines in micro-batches of 2: the least-squares slope of iteration
+time over samples per pipeline, whose intercept holds the bubble and what is paid once a step).
 
 Usage: python benchmarks/bench_global_factors.py [--json]
 """
@@ -67,26 +67,26 @@ def fitted_line(gemm_shares=GEMM_SHARES, hbm_shares=HBM_SHARES) -> list[dict]:
     return out
 
 
-def slot_times(rows: list[dict] | None = None) -> dict:
-    """The 530B layer's time per micro-batch slot in both publications, published and predicted."""
+def sample_times(rows: list[dict] | None = None) -> dict:
+    """The 530B layer's seconds per sample in both publications, published and predicted."""
     rows = published.korthikanti() + published.mtnlg() if rows is None else rows
-    name, _h, _a, _layers, pp, gb, _mb, v, _selective_s, _full_s = published.KORTHIKANTI[2]
+    name, _h, _a, _layers, pp, gb, mb, v, _selective_s, _full_s = published.KORTHIKANTI[2]
     k = next(r for r in rows if r["case"] == f"{name} full recompute")
-    slots = gb + (pp - 1) / v
-    micro = [1920 * 8 * 35 // (nodes * 8) for nodes, _s in published.MTNLG]
+    slots = (gb // mb + (pp - 1) / v) * mb
+    samples = [1920 * 35 // nodes for nodes, _s in published.MTNLG]
     mt = [r for r in rows if r["source"] == "MT-NLG 2022"]
     out = {"korthikanti": {"published": k["published_step_s"] / slots, "predicted": k["predicted_step_s"] / slots}}
     for key in ("published", "predicted"):
-        slope, intercept = np.polyfit(micro, [r[f"{key}_step_s"] for r in mt], 1)
+        slope, intercept = np.polyfit(samples, [r[f"{key}_step_s"] for r in mt], 1)
         out.setdefault("mtnlg", {})[key] = float(slope)
         out["mtnlg"][f"{key}_intercept"] = float(intercept)
     return out
 
 
 def main(argv: list[str]) -> int:
-    line, slots = fitted_line(), slot_times()
+    line, slots = fitted_line(), sample_times()
     if "--json" in argv:
-        print(json.dumps({"line": line, "slots": slots}, indent=2))
+        print(json.dumps({"line": line, "samples": slots}, indent=2))
         return 0
     shipped = (efficiency.GEMM_SUSTAINED, efficiency.HBM_EFFICIENCY)
     print(f"shipped: GEMM share {shipped[0]:.2f}, HBM share {shipped[1]:.2f}, Table 1 mean |error| "
@@ -97,11 +97,12 @@ def main(argv: list[str]) -> int:
         print(f"{p['gemm']:>5.2f} {p['hbm']:>5.2f} {p['table1']:>8.1%} {p['all runs']['mean']:>9.1%} {cells}")
     print("(each source: mean / worst |error|)\n")
     k, m = slots["korthikanti"], slots["mtnlg"]
-    print("530B layer, TP 8 x PP 35, full recompute, A100: seconds per micro-batch slot")
-    print(f"  Korthikanti 2022 (Megatron-LM):   published {k['published']:.3f}, dsplan {k['predicted']:.3f}")
-    print(f"  MT-NLG 2022 (Megatron-DeepSpeed): published {m['published']:.3f} + {m['published_intercept']:.1f} s "
-          f"per step, dsplan {m['predicted']:.3f} + {m['predicted_intercept']:.1f} s")
-    print(f"  MT-NLG's published slot is {m['published'] / k['published'] - 1:+.0%} on Korthikanti's")
+    print("530B layer, TP 8 x PP 35, full recompute, A100: seconds per sample")
+    print(f"  Korthikanti 2022 (Megatron-LM, mb 1):   published {k['published']:.3f}, dsplan {k['predicted']:.3f}")
+    print(f"  MT-NLG 2022 (Megatron-DeepSpeed, mb {published.mtnlg_micro_batch()}): published {m['published']:.3f} + "
+          f"{m['published_intercept']:.1f} s per step, dsplan {m['predicted']:.3f} + {m['predicted_intercept']:.1f} s")
+    print(f"  MT-NLG's published time per sample is {m['published'] / k['published'] - 1:+.0%} on Korthikanti's, "
+          f"dsplan's {m['predicted'] / k['predicted'] - 1:+.0%}")
     return 0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-MODEL_ERROR = 0.093
+MODEL_ERROR = 0.088
 MODEL_ERROR_RUNS = 80
 MODEL_ERROR_SOURCE = (f"the model's mean error on {MODEL_ERROR_RUNS} published runs "
                       "(benchmarks/bench_published_runs.py, docs/accuracy.md)")

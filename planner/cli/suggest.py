@@ -52,7 +52,7 @@ def suggest_command(as_json: bool, **opts: Any) -> None:
     Prunes by memory, ranks by the objective, shows the best plan's stage partition and
     breakdowns, then one line per plan on why it ranks below #1, and last the `dsplan
     generate` command that writes plan #1's run directory. Plans whose predicted step time is
-    within the model's mean error on published runs (9.3%, docs/accuracy.md) of #1's are
+    within the model's mean error on published runs (8.8%, docs/accuracy.md) of #1's are
     marked "~": treat them as ties. Exit status 2 when the input is wrong or no plan fits
     (with the closest plan and what would make it fit).
 
