@@ -73,11 +73,10 @@ def sample_times(rows: list[dict] | None = None) -> dict:
     name, _h, _a, _layers, pp, gb, mb, v, _selective_s, _full_s = published.KORTHIKANTI[2]
     k = next(r for r in rows if r["case"] == f"{name} full recompute")
     slots = (gb // mb + (pp - 1) / v) * mb
-    samples = [1920 * 35 // nodes for nodes, _s in published.MTNLG]
     mt = [r for r in rows if r["source"] == "MT-NLG 2022"]
     out = {"korthikanti": {"published": k["published_step_s"] / slots, "predicted": k["predicted_step_s"] / slots}}
     for key in ("published", "predicted"):
-        slope, intercept = np.polyfit(samples, [r[f"{key}_step_s"] for r in mt], 1)
+        slope, intercept = np.polyfit(published.MTNLG_SAMPLES, [r[f"{key}_step_s"] for r in mt], 1)
         out.setdefault("mtnlg", {})[key] = float(slope)
         out["mtnlg"][f"{key}_intercept"] = float(intercept)
     return out

@@ -70,6 +70,7 @@ KORTHIKANTI = [
     ("1T", 25600, 160, 128, 64, 512, 1, 1, 71.49, 94.42),
 ]
 MTNLG = [(280, 60.1), (350, 50.2), (420, 44.4)]  # DGX nodes, seconds per iteration (Smith et al. 2022)
+MTNLG_SAMPLES = [1920 * 35 // nodes for nodes, _s in MTNLG]  # per pipeline: 1920 over dp = nodes x 8 / (8 x 35)
 LLAMA3 = [(1024, 430.0), (2048, 400.0)]  # H100 nodes, TFLOP/s per GPU (Dubey et al. 2024, Table 4)
 
 # MosaicML llm-foundry "MPT Training Benchmarks": (d_model, n_heads, n_layers) of the MPT configs.
@@ -186,8 +187,7 @@ def mtnlg_micro_batch() -> int:
     sample and whose intercept holds the bubble, (p - 1) slots of micro-batch x that time, plus
     the once-per-step rest (>= 0). The micro-batch is then at most intercept / ((p - 1) x slope):
     1.9 from 60.1 / 50.2 / 44.4 s, so 2 (a micro-batch of 1 leaves 6 s per step unexplained)."""
-    samples = [1920 * 35 // nodes for nodes, _s in MTNLG]
-    slope, intercept = np.polyfit(samples, [s for _n, s in MTNLG], 1)
+    slope, intercept = np.polyfit(MTNLG_SAMPLES, [s for _n, s in MTNLG], 1)
     return max(1, round(intercept / (34 * slope)))
 
 
