@@ -19,6 +19,7 @@ Usage: python benchmarks/bench_global_factors.py [--json]
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -83,8 +84,11 @@ def sample_times(rows: list[dict] | None = None) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the line and the per-sample times as JSON")
+    args = parser.parse_args(argv)
     line, slots = fitted_line(), sample_times()
-    if "--json" in argv:
+    if args.json:
         print(json.dumps({"line": line, "samples": slots}, indent=2))
         return 0
     shipped = (efficiency.GEMM_SUSTAINED, efficiency.HBM_EFFICIENCY)
