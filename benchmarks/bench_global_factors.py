@@ -87,9 +87,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the line and the per-sample times as JSON")
     args = parser.parse_args(argv)
-    line, slots = fitted_line(), sample_times()
+    line, per_sample = fitted_line(), sample_times()
     if args.json:
-        print(json.dumps({"line": line, "samples": slots}, indent=2))
+        print(json.dumps({"line": line, "samples": per_sample}, indent=2))
         return 0
     shipped = (efficiency.GEMM_SUSTAINED, efficiency.HBM_EFFICIENCY)
     print(f"shipped: GEMM share {shipped[0]:.2f}, HBM share {shipped[1]:.2f}, Table 1 mean |error| "
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
         cells = " ".join(f"{p[s]['mean']:>8.1%} / {p[s]['worst']:>6.1%} " for s in SOURCES)
         print(f"{p['gemm']:>5.2f} {p['hbm']:>5.2f} {p['table1']:>8.1%} {p['all runs']['mean']:>9.1%} {cells}")
     print("(each source: mean / worst |error|)\n")
-    k, m = slots["korthikanti"], slots["mtnlg"]
+    k, m = per_sample["korthikanti"], per_sample["mtnlg"]
     print("530B layer, TP 8 x PP 35, full recompute, A100: seconds per sample")
     print(f"  Korthikanti 2022 (Megatron-LM, mb 1):   published {k['published']:.3f}, dsplan {k['predicted']:.3f}")
     print(f"  MT-NLG 2022 (Megatron-DeepSpeed, mb {published.mtnlg_micro_batch()}): published {m['published']:.3f} + "
